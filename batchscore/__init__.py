@@ -1,0 +1,27 @@
+"""batchscore: offline LLM batch scoring with global prefix sharing.
+
+    import batchscore
+    summary = batchscore.run_job(batchscore.load_job("jobs/sample.yaml"))
+    scores = batchscore.score_dataframe(df, template="...{text}...", labels=["Yes", "No"])
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["run_job", "load_job", "score_dataframe", "JobConfig", "RunSummary"]
+
+
+def __getattr__(name):
+    # Lazy: `import batchscore.plan` must not pull in the runner's heavier dependencies.
+    if name in ("run_job", "RunSummary"):
+        from batchscore import runner
+
+        return getattr(runner, name)
+    if name in ("load_job", "JobConfig"):
+        from batchscore import config
+
+        return getattr(config, name)
+    if name == "score_dataframe":
+        from batchscore.api import score_dataframe
+
+        return score_dataframe
+    raise AttributeError(f"module 'batchscore' has no attribute {name!r}")

@@ -1,0 +1,146 @@
+"""The `batchscore` command line: thin commands that parse, call the library and report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from batchscore import __version__
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_INPUT = 3
+EXIT_ERROR_RATE = 4
+EXIT_ENGINE = 5
+EXIT_INTERRUPTED = 130
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _load(job: str, sets: tuple[str, ...], output: str | None = None):
+    from batchscore.config import load_job, parse_set_options
+
+    return load_job(job, parse_set_options(sets), output=output)
+
+
+def _guarded(fn):
+    """Map the library's exceptions to clear one-paragraph messages and documented exit codes."""
+    from functools import wraps
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        from batchscore.config import JobConfigError
+        from batchscore.engines import EngineUnavailable
+        from batchscore.io.readers import InputError
+        from batchscore.models import ModelError
+        from batchscore.plan import PlanInputError
+        from batchscore.prompts import LabelError, PromptTemplateError
+        from batchscore.runner import ErrorRateExceeded
+
+        try:
+            return fn(*args, **kwargs)
+        except (JobConfigError, LabelError, PromptTemplateError, ModelError) as exc:
+            _fail(str(exc), EXIT_CONFIG)
+        except (InputError, PlanInputError) as exc:
+            _fail(str(exc), EXIT_INPUT)
+        except ErrorRateExceeded as exc:
+            _fail(str(exc), EXIT_ERROR_RATE)
+        except EngineUnavailable as exc:
+            _fail(str(exc), EXIT_ENGINE)
+        except KeyboardInterrupt:
+            _fail("interrupted", EXIT_INTERRUPTED)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="batchscore")
+@click.option("-v", "--verbose", is_flag=True, help="Log what each stage decides.")
+def main(verbose: bool) -> None:
+    """Score every row of a prompt batch with an LLM: P(label) per row, written to Parquet.
+
+    Example:
+
+        batchscore run jobs/sample.yaml --output scores.parquet
+    """
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a job key, e.g. --set engine.dtype=bfloat16 (repeatable).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Override output.path.")
+@click.option("--metrics", type=click.Path(dir_okay=False), help="Write a JSON run summary here.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_guarded
+def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, quiet: bool) -> None:
+    """Run a scoring job: read, plan, score, write one output row per input row.
+
+    Example:
+
+        batchscore run jobs/sample.yaml --set engine.dtype=bfloat16 -o scores.parquet
+    """
+    from batchscore.runner import run_job
+
+    config = _load(job, sets, output)
+    summary = run_job(config, progress=not quiet)
+    if metrics:
+        Path(metrics).write_text(summary.to_json())
+    click.echo(
+        f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors\n"
+        f"tokens: {summary.logical_tokens:,} logical, {summary.processed_tokens:,} processed "
+        f"(saving {summary.saving_ratio:.1%})\n"
+        f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}"
+    )
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job key (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@_guarded
+def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
+    """Plan a job without scoring: prefix groups, token counts and saving ratios.
+
+    Example:
+
+        batchscore plan jobs/table3_a.yaml --json
+    """
+    from batchscore.planning import plan_job
+
+    config = _load(job, sets)
+    stats = plan_job(config).to_dict()
+    if as_json:
+        click.echo(json.dumps(stats))
+        return
+    width = max(len(k) for k in stats)
+    for key, value in stats.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else value
+        click.echo(f"{key:<{width}}  {shown}")
+
+
+@main.command()
+def models() -> None:
+    """List the built-in model names.
+
+    Example:
+
+        batchscore models
+    """
+    from batchscore.models import BUILTIN_MODELS
+
+    for model in BUILTIN_MODELS.values():
+        click.echo(f"{model.name}\t{model.description}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""Job configuration: dataclasses, safe YAML loading, overrides and complete validation.
+
+A job file is validated once, up front, before any model is loaded; every problem found is
+reported together in one `JobConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchscore.models import DEFAULT_MODEL
+
+ENGINE_KINDS = ("torch", "vllm", "auto")
+DTYPES = ("float32", "bfloat16", "auto")
+ORDERS = ("r_group", "input", "srjf")
+INPUT_FORMATS = ("auto", "parquet", "jsonl")
+
+
+class JobConfigError(ValueError):
+    """The job file is invalid; `problems` lists every problem found."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid job configuration{where}:\n{lines}")
+
+
+@dataclass
+class SyntheticInput:
+    """A generated workload (benchmarks): `workload` names a generator in batchscore.bench.workloads."""
+
+    workload: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InputConfig:
+    path: str | None = None  # a file, a folder or a glob of .parquet / .jsonl files
+    format: str = "auto"
+    id_column: str | None = None
+    token_ids_column: str | None = None  # pre-tokenized prompts: no template or tokenizer needed
+    batch_rows: int = 8192  # rows per Arrow record batch while reading
+    synthetic: SyntheticInput | None = None
+
+
+@dataclass
+class PromptConfig:
+    template: str | None = None  # "{column}" fields only
+    system: str | None = None
+    chat: bool = False
+
+
+@dataclass
+class EngineConfig:
+    kind: str = "torch"
+    dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
+    token_budget: int = 4096  # tokens per forward batch
+    max_length: int | None = None  # longest prompt scored; default: the model's context
+    vllm_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PlanConfig:
+    order: str = "r_group"
+    enlarge: bool = True
+    min_prefix_tokens: int = 16
+    block_size: int | None = None  # None: the engine's KV block size (1 for torch, 16 for vLLM)
+
+
+@dataclass
+class OutputConfig:
+    path: str | None = None
+    keep_columns: list[str] = field(default_factory=list)
+    max_error_rate: float = 0.01
+
+
+@dataclass
+class JobConfig:
+    input: InputConfig = field(default_factory=InputConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    labels: list[str] = field(default_factory=list)
+    model: str = DEFAULT_MODEL
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    source: str | None = None  # the job file this came from (for messages and relative paths)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("source")
+        return data
+
+
+def load_job(path: str | os.PathLike, overrides: dict[str, str] | None = None,
+             output: str | None = None) -> JobConfig:
+    """Read a job file safely, apply `--set` overrides and `--output`, and validate everything.
+
+    Relative paths in the file are resolved against the job file's folder.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise JobConfigError([f"job file not found: {path}"])
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise JobConfigError([f"job file is not valid UTF-8: {exc}"], str(path)) from None
+    except yaml.YAMLError as exc:
+        raise JobConfigError([f"malformed YAML: {exc}"], str(path)) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise JobConfigError(["the job file must be a mapping of keys (input, prompt, labels, ...)"], str(path))
+    for key, value in (overrides or {}).items():
+        _set_dotted(raw, key, _parse_override_value(value))
+    config = config_from_dict(raw, source=str(path))
+    _resolve_relative_paths(config, path.parent)
+    if output is not None:  # given on the command line: relative to the working folder
+        config.output.path = output
+    return config
+
+
+def config_from_dict(raw: dict[str, Any], source: str | None = None) -> JobConfig:
+    """Build and validate a JobConfig from plain data; raises JobConfigError listing all problems."""
+    problems: list[str] = []
+    config = _build(JobConfig, raw, "", problems)
+    config.source = source
+    if not problems:
+        problems.extend(_semantic_problems(config))
+    if problems:
+        raise JobConfigError(problems, source)
+    return config
+
+
+def parse_set_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """Turn `--set key=value` strings into a dict; raises JobConfigError on a missing '='."""
+    result, problems = {}, []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"--set {item!r}: expected KEY=VALUE, e.g. --set engine.dtype=bfloat16")
+        else:
+            result[key.strip()] = value
+    if problems:
+        raise JobConfigError(problems)
+    return result
+
+
+def _parse_override_value(value: str) -> Any:
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+_SCALAR_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _build(cls, raw: Any, prefix: str, problems: list[str]):
+    """Build dataclass `cls` from `raw`, appending every problem found to `problems`."""
+    where = prefix.rstrip(".") or "the job file"
+    if not isinstance(raw, dict):
+        problems.append(f"{where}: expected a mapping, got {type(raw).__name__}")
+        return cls()
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    values = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            problems.append(f"unknown key {name!r}{hint}")
+            continue
+        values[key] = _convert(fields[key].type, value, name, problems)
+    return cls(**{k: v for k, v in values.items() if v is not _INVALID})
+
+
+_INVALID = object()
+
+
+def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
+    nested = {"InputConfig": InputConfig, "PromptConfig": PromptConfig, "EngineConfig": EngineConfig,
+              "PlanConfig": PlanConfig, "OutputConfig": OutputConfig,
+              "SyntheticInput | None": SyntheticInput}
+    optional = type_str.endswith("| None")
+    if value is None:
+        if optional:
+            return None
+        problems.append(f"{name}: must not be empty")
+        return _INVALID
+    if type_str in nested:
+        return _build(nested[type_str], value, f"{name}.", problems)
+    base = type_str.replace(" | None", "")
+    if base == "list[str]":
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+            problems.append(f"{name}: expected a list of strings, got {value!r}")
+            return _INVALID
+        return [str(v) for v in value]
+    if base == "dict[str, Any]":
+        if not isinstance(value, dict):
+            problems.append(f"{name}: expected a mapping, got {value!r}")
+            return _INVALID
+        return value
+    expected = {"int": int, "float": float, "bool": bool, "str": str}[base]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        problems.append(f"{name}: expected {_SCALAR_TYPES[expected]}, got {value!r}")
+        return _INVALID
+    return value
+
+
+def _semantic_problems(config: JobConfig) -> list[str]:
+    """Cross-field checks that need the whole config."""
+    problems = []
+    inp = config.input
+    if inp.path is None and inp.synthetic is None:
+        problems.append("input.path: required (a .parquet/.jsonl file, a folder or a glob)")
+    if inp.format not in INPUT_FORMATS:
+        problems.append(f"input.format: must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
+    if inp.batch_rows < 1:
+        problems.append("input.batch_rows: must be ≥ 1")
+    if inp.synthetic is not None:
+        from batchscore.bench.workloads import WORKLOADS
+
+        if inp.synthetic.workload not in WORKLOADS:
+            problems.append(f"input.synthetic.workload: unknown {inp.synthetic.workload!r}; "
+                            f"available: {', '.join(sorted(WORKLOADS))}")
+    has_tokens = inp.token_ids_column is not None or inp.synthetic is not None
+    if not has_tokens and not config.prompt.template:
+        problems.append("prompt.template: required unless input.token_ids_column is given "
+                        "(e.g. 'Query: {query}\\nAnswer Yes or No.')")
+    if config.prompt.template:
+        from batchscore.prompts import PromptTemplateError, template_fields
+
+        try:
+            template_fields(config.prompt.template)
+        except PromptTemplateError as exc:
+            problems.append(f"prompt.template: {exc}")
+    if len(config.labels) < 2:
+        problems.append("labels: give at least two labels, e.g. labels: [Yes, No]")
+    elif len(set(config.labels)) != len(config.labels):
+        problems.append(f"labels: must be distinct, got {config.labels}")
+    if config.engine.kind not in ENGINE_KINDS:
+        problems.append(f"engine.kind: must be one of {', '.join(ENGINE_KINDS)}, got {config.engine.kind!r}")
+    if config.engine.dtype not in DTYPES:
+        problems.append(f"engine.dtype: must be one of {', '.join(DTYPES)}, got {config.engine.dtype!r}")
+    if config.engine.token_budget < 16:
+        problems.append(f"engine.token_budget: must be ≥ 16, got {config.engine.token_budget}")
+    if config.engine.max_length is not None and config.engine.max_length < 1:
+        problems.append("engine.max_length: must be ≥ 1")
+    if config.plan.order not in ORDERS:
+        problems.append(f"plan.order: must be one of {', '.join(ORDERS)}, got {config.plan.order!r}")
+    if config.plan.min_prefix_tokens < 1:
+        problems.append("plan.min_prefix_tokens: must be ≥ 1")
+    if config.plan.block_size is not None and config.plan.block_size < 1:
+        problems.append("plan.block_size: must be ≥ 1")
+    if not 0.0 <= config.output.max_error_rate <= 1.0:
+        problems.append(f"output.max_error_rate: must be between 0 and 1, got {config.output.max_error_rate}")
+    return problems
+
+
+def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
+    """Make input/output paths relative to the job file's folder (changes `config` in place)."""
+    if config.input.path and not os.path.isabs(os.path.expanduser(config.input.path)):
+        config.input.path = str(base / config.input.path)
+    if config.output.path and not os.path.isabs(os.path.expanduser(config.output.path)):
+        config.output.path = str(base / config.output.path)

@@ -1,0 +1,63 @@
+"""The small interface every scoring backend implements.
+
+An engine knows nothing about files: it takes prefix groups of token ids and the label token
+ids, and yields one `LabelScores` per group member.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from batchscore.plan.types import PrefixGroup
+
+
+@dataclass
+class LabelScores:
+    """Scores of one request.
+
+    `log_probs[i]` is log P(label i) normalized over the label set (so the exp sums to 1);
+    `label_mass` is the probability the model puts on all labels together, before normalizing.
+    """
+
+    row_id: int
+    log_probs: np.ndarray  # [num_labels] float64
+    label_mass: float
+
+
+@dataclass
+class EngineMetrics:
+    """Counters an engine fills while scoring (read after `score` is exhausted)."""
+
+    processed_tokens: int = 0
+    batches: int = 0
+    batch_token_counts: list[int] | None = None
+
+
+class Engine(Protocol):
+    """A prefill-only scorer."""
+
+    metrics: EngineMetrics
+
+    def score(
+        self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int]
+    ) -> Iterator[LabelScores]:
+        """Yield one `LabelScores` per member of every group, group by group, in plan order."""
+        ...
+
+    def close(self) -> None:
+        """Free the model and any worker processes."""
+        ...
+
+
+def normalize_label_logprobs(label_logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split full-vocabulary log-probs of the labels into (normalized log P, label mass).
+
+    label_logprobs: [B, L] log P(label | prompt) under the full vocabulary softmax.
+    Returns ([B, L] log-probs normalized over the labels, [B] total probability of the labels).
+    """
+    label_logprobs = np.asarray(label_logprobs, dtype=np.float64)
+    log_mass = np.logaddexp.reduce(label_logprobs, axis=-1)  # [B]
+    return label_logprobs - log_mass[..., None], np.exp(log_mass)

@@ -1,0 +1,137 @@
+"""Input readers: Parquet and JSONL files (one file, a folder or a glob) as Arrow record batches."""
+
+from __future__ import annotations
+
+import glob as globlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
+
+
+class InputError(ValueError):
+    """Input files that cannot be read at all (missing, empty, unreadable)."""
+
+
+@dataclass
+class InputBatch:
+    """Rows read from one file: an Arrow table plus per-row read errors (None = row read fine)."""
+
+    file: Path
+    first_line: int  # 1-based line / row number of the batch's first row inside `file`
+    table: pa.Table
+    row_errors: list[str | None] = field(default_factory=list)
+
+
+def discover_files(path: str, fmt: str = "auto") -> list[tuple[Path, str]]:
+    """Resolve `path` (file, folder or glob) to sorted (file, format) pairs; raises InputError."""
+    p = Path(path).expanduser()
+    if any(ch in path for ch in "*?["):
+        candidates = [Path(x) for x in sorted(globlib.glob(str(p), recursive=True))]
+        if not candidates:
+            raise InputError(f"input.path: no files match the glob {path!r}")
+    elif p.is_dir():
+        candidates = sorted(x for x in p.rglob("*") if x.suffix.lower() in SUFFIX_FORMATS and x.is_file())
+        if not candidates:
+            raise InputError(f"input.path: folder {path} holds no .parquet or .jsonl files")
+    elif p.exists():
+        candidates = [p]
+    else:
+        raise InputError(f"input.path: file not found: {path}")
+    files = []
+    for candidate in candidates:
+        if candidate.is_dir():
+            continue
+        detected = fmt if fmt != "auto" else SUFFIX_FORMATS.get(candidate.suffix.lower())
+        if detected is None:
+            raise InputError(f"{candidate}: unknown file type {candidate.suffix!r}; "
+                             "use .parquet or .jsonl, or set input.format")
+        files.append((candidate, detected))
+    return files
+
+
+def iter_batches(files: list[tuple[Path, str]], batch_rows: int) -> Iterator[InputBatch]:
+    """Yield record batches of every file in order; raises InputError for unreadable files."""
+    for path, fmt in files:
+        if fmt == "parquet":
+            yield from _parquet_batches(path, batch_rows)
+        else:
+            yield from _jsonl_batches(path, batch_rows)
+
+
+def _parquet_batches(path: Path, batch_rows: int) -> Iterator[InputBatch]:
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
+    line = 1
+    for batch in parquet.iter_batches(batch_size=batch_rows):
+        table = pa.Table.from_batches([batch])
+        yield InputBatch(path, line, table, [None] * table.num_rows)
+        line += table.num_rows
+
+
+def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[InputBatch]:
+    """Parse JSON Lines one line at a time so a bad line becomes a row error, not a lost file."""
+    rows: list[dict] = []
+    errors: list[str | None] = []
+    first_line = 1
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot open ({exc})") from None
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue  # blank lines are not rows
+            if not rows:
+                first_line = number
+            row, error = _parse_json_line(raw, path, number)
+            rows.append(row)
+            errors.append(error)
+            if len(rows) >= batch_rows:
+                yield InputBatch(path, first_line, _rows_to_table(rows, path), errors)
+                rows, errors = [], []
+    if rows:
+        yield InputBatch(path, first_line, _rows_to_table(rows, path), errors)
+
+
+def _parse_json_line(raw: bytes, path: Path, number: int) -> tuple[dict, str | None]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return {}, f"{path}:{number}: invalid UTF-8 ({exc.reason} at byte {exc.start})"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return {}, f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})"
+    if not isinstance(value, dict):
+        return {}, f"{path}:{number}: expected a JSON object, got {type(value).__name__}"
+    return value, None
+
+
+def _rows_to_table(rows: list[dict], path: Path) -> pa.Table:
+    try:
+        return pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        # Mixed types inside one column (e.g. a number on one line, text on another): keep the
+        # rows by reading every scalar as text rather than losing the file.
+        columns = sorted({k for row in rows for k in row})
+        as_text = [{k: _to_text(row.get(k)) for k in columns} for row in rows]
+        try:
+            return pa.Table.from_pylist(as_text)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            raise InputError(f"{path}: rows cannot be read as a table ({exc})") from None
+
+
+def _to_text(value):
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)

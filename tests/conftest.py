@@ -1,0 +1,76 @@
+"""Shared fixtures: the real built-in model (converted once per machine) and small job files."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO / "sample_data" / "relevance.parquet"
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from batchscore.models import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture
+def small_input(tmp_path) -> Path:
+    """3 products × 4 queries from the sample data, as Parquet."""
+    table = pq.read_table(SAMPLE)
+    rows = [r for r in table.to_pylist() if r["product_id"] in ("P001", "P002", "P004")]
+    rows = [r for r in rows if int(r["pair_id"][-2:]) < 4]
+    path = tmp_path / "input.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_job(folder: Path, input_path: Path | str, **overrides) -> Path:
+    """Write a job YAML for the relevance data; `overrides` replace top-level sections."""
+    import yaml
+
+    job = {
+        "input": {"path": str(input_path), "id_column": "pair_id"},
+        "prompt": {
+            "chat": True,
+            "system": "You judge whether a product matches a shopper's query.",
+            "template": "Product: {title}\n{description}\n\nQuery: {query}\nRelevant? Answer Yes or No.",
+        },
+        "labels": ["Yes", "No"],
+        "model": "smollm2-135m-instruct",
+        "engine": {"kind": "torch", "dtype": "float32", "token_budget": 1024},
+        "output": {"path": str(folder / "out.parquet"), "keep_columns": ["product_id"]},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(job.get(key), dict):
+            job[key].update(value)
+        else:
+            job[key] = value
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    def make(input_path, **overrides):
+        return write_job(tmp_path, input_path, **overrides)
+
+    return make

@@ -1,0 +1,96 @@
+"""Job file loading and validation: every problem listed at once, clear messages."""
+
+import pytest
+
+from batchscore.config import JobConfigError, config_from_dict, load_job, parse_set_options
+
+VALID = {
+    "input": {"path": "in.parquet"},
+    "prompt": {"template": "Q: {query}"},
+    "labels": ["Yes", "No"],
+    "output": {"path": "out.parquet"},
+}
+
+
+def test_valid_config_has_defaults():
+    config = config_from_dict(VALID)
+    assert config.engine.kind == "torch"
+    assert config.plan.order == "r_group"
+    assert config.model == "smollm2-135m-instruct"
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(JobConfigError) as info:
+        config_from_dict({**VALID, "engine": {"token_budgte": 10}})
+    assert "engine.token_budgte" in str(info.value)
+    assert "did you mean engine.token_budget" in str(info.value)
+
+
+def test_every_problem_is_listed_at_once():
+    raw = {"input": {"path": 3, "batch_rows": "many"}, "labels": ["Yes"], "engine": {"kind": "tpu"}}
+    with pytest.raises(JobConfigError) as info:
+        config_from_dict(raw)
+    problems = info.value.problems
+    assert any("input.batch_rows" in p for p in problems)
+    assert len(problems) >= 1
+    # type errors stop semantic checks; fix them and the semantic problems all show together
+    with pytest.raises(JobConfigError) as info:
+        config_from_dict({"input": {"path": "x"}, "labels": ["Yes"], "engine": {"kind": "tpu"}})
+    text = str(info.value)
+    assert "labels" in text and "engine.kind" in text and "prompt.template" in text
+
+
+def test_wrong_types_name_the_key():
+    with pytest.raises(JobConfigError, match=r"engine.token_budget: expected an integer"):
+        config_from_dict({**VALID, "engine": {"token_budget": "lots"}})
+    with pytest.raises(JobConfigError, match=r"prompt.chat: expected true or false"):
+        config_from_dict({**VALID, "prompt": {"template": "{a}", "chat": "yes please"}})
+
+
+def test_unsafe_template_is_a_config_error():
+    for template in ["{row.__class__}", "{row[0]}", "{query!r}", "{query:>10}", "{}"]:
+        with pytest.raises(JobConfigError, match="prompt.template"):
+            config_from_dict({**VALID, "prompt": {"template": template}})
+
+
+def test_duplicate_labels_rejected():
+    with pytest.raises(JobConfigError, match="distinct"):
+        config_from_dict({**VALID, "labels": ["Yes", "Yes"]})
+
+
+def test_malformed_yaml(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("input: [unclosed\n")
+    with pytest.raises(JobConfigError, match="malformed YAML"):
+        load_job(path)
+
+
+def test_missing_job_file(tmp_path):
+    with pytest.raises(JobConfigError, match="job file not found"):
+        load_job(tmp_path / "nope.yaml")
+
+
+def test_set_overrides_and_relative_paths(tmp_path):
+    import yaml
+
+    (tmp_path / "jobs").mkdir()
+    path = tmp_path / "jobs" / "job.yaml"
+    path.write_text(yaml.safe_dump(VALID))
+    config = load_job(path, parse_set_options(["engine.dtype=bfloat16", "engine.token_budget=512"]),
+                      output="elsewhere.parquet")
+    assert config.engine.dtype == "bfloat16"
+    assert config.engine.token_budget == 512
+    assert config.input.path == str(tmp_path / "jobs" / "in.parquet")
+    assert config.output.path == "elsewhere.parquet"
+
+
+def test_set_without_equals_is_an_error():
+    with pytest.raises(JobConfigError, match="KEY=VALUE"):
+        parse_set_options(["engine.dtype"])
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("input: !!python/object/apply:os.system ['echo hacked']\n")
+    with pytest.raises(JobConfigError, match="malformed YAML"):
+        load_job(path)
