@@ -42,11 +42,12 @@ def _guarded(fn):
         from batchscore.models import ModelError
         from batchscore.plan import PlanInputError
         from batchscore.prompts import LabelError, PromptTemplateError
-        from batchscore.runner import ErrorRateExceeded
+        from batchscore.io.parts import ResumeMismatch
+        from batchscore.runner import ErrorRateExceeded, RunInterrupted
 
         try:
             return fn(*args, **kwargs)
-        except (JobConfigError, LabelError, PromptTemplateError, ModelError) as exc:
+        except (JobConfigError, LabelError, PromptTemplateError, ModelError, ResumeMismatch) as exc:
             _fail(str(exc), EXIT_CONFIG)
         except (InputError, PlanInputError) as exc:
             _fail(str(exc), EXIT_INPUT)
@@ -54,6 +55,8 @@ def _guarded(fn):
             _fail(str(exc), EXIT_ERROR_RATE)
         except EngineUnavailable as exc:
             _fail(str(exc), EXIT_ENGINE)
+        except RunInterrupted as exc:
+            _fail(str(exc), EXIT_INTERRUPTED)
         except KeyboardInterrupt:
             _fail("interrupted", EXIT_INTERRUPTED)
 
@@ -81,9 +84,13 @@ def main(verbose: bool) -> None:
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Override output.path.")
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Write a JSON run summary here.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--fresh", is_flag=True, help="Discard a partial earlier run of this output and start over.")
 @_guarded
-def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, quiet: bool) -> None:
+def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, quiet: bool,
+        fresh: bool) -> None:
     """Run a scoring job: read, plan, score, write one output row per input row.
+
+    Progress is saved in parts next to the output; if the run dies, the same command resumes it.
 
     Example:
 
@@ -92,7 +99,7 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
     from batchscore.runner import run_job
 
     config = _load(job, sets, output)
-    summary = run_job(config, progress=not quiet)
+    summary = run_job(config, progress=not quiet, fresh=fresh)
     if metrics:
         Path(metrics).write_text(summary.to_json())
     click.echo(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,23 @@ ENGINE_KINDS = ("torch", "vllm", "auto")
 DTYPES = ("float32", "bfloat16", "auto")
 ORDERS = ("r_group", "input", "srjf")
 INPUT_FORMATS = ("auto", "parquet", "jsonl")
+
+
+class _JobYamlLoader(yaml.SafeLoader):
+    """Safe YAML with YAML 1.2 booleans: only true/false, so `labels: [Yes, No]` stays text."""
+
+
+_JobYamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_JobYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def safe_load_yaml(text: str):
+    """Parse YAML safely (no Python objects), with YAML 1.2 booleans."""
+    return yaml.load(text, Loader=_JobYamlLoader)
 
 
 class JobConfigError(ValueError):
@@ -81,6 +99,8 @@ class OutputConfig:
     path: str | None = None
     keep_columns: list[str] = field(default_factory=list)
     max_error_rate: float = 0.01
+    part_rows: int = 20000  # rows per durable part file (a part always holds whole prefix groups)
+    part_seconds: float = 120.0  # ...or fewer, when this many seconds passed since the last part
 
 
 @dataclass
@@ -110,7 +130,7 @@ def load_job(path: str | os.PathLike, overrides: dict[str, str] | None = None,
     if not path.exists():
         raise JobConfigError([f"job file not found: {path}"])
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = safe_load_yaml(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise JobConfigError([f"job file is not valid UTF-8: {exc}"], str(path)) from None
     except yaml.YAMLError as exc:
@@ -156,7 +176,7 @@ def parse_set_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
 
 def _parse_override_value(value: str) -> Any:
     try:
-        return yaml.safe_load(value)
+        return safe_load_yaml(value)
     except yaml.YAMLError:
         return value
 
@@ -281,6 +301,10 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("plan.block_size: must be ≥ 1")
     if not 0.0 <= config.output.max_error_rate <= 1.0:
         problems.append(f"output.max_error_rate: must be between 0 and 1, got {config.output.max_error_rate}")
+    if config.output.part_rows < 1:
+        problems.append("output.part_rows: must be ≥ 1")
+    if config.output.part_seconds <= 0:
+        problems.append("output.part_seconds: must be > 0")
     return problems
 
 

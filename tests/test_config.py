@@ -94,3 +94,11 @@ def test_yaml_is_loaded_safely(tmp_path):
     path.write_text("input: !!python/object/apply:os.system ['echo hacked']\n")
     with pytest.raises(JobConfigError, match="malformed YAML"):
         load_job(path)
+
+
+def test_yes_and_no_labels_stay_text(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("input: {path: in.parquet}\nprompt: {template: '{q}', chat: true}\nlabels: [Yes, No, on, off]\n")
+    config = load_job(path)
+    assert config.labels == ["Yes", "No", "on", "off"]
+    assert config.prompt.chat is True

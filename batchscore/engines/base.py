@@ -25,6 +25,7 @@ class LabelScores:
     row_id: int
     log_probs: np.ndarray  # [num_labels] float64
     label_mass: float
+    error: str | None = None  # set (with NaN scores) when the engine could not score this row
 
 
 @dataclass

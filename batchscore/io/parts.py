@@ -1,0 +1,198 @@
+"""Durable, resumable results: part files plus a manifest in a staging folder beside the output.
+
+Layout, for `output.path = out/scores.parquet`:
+
+    out/scores.parquet.parts/
+        manifest.json          # job identity + which plan groups each part covers
+        part-000000.parquet    # row_id, label log-probs, label_mass of a run of whole groups
+        ...
+
+Every file is written under a temporary name and renamed when complete, and the manifest is
+rewritten (atomically) after each part, so a run killed at any moment leaves a consistent
+folder. Parts cover contiguous ranges of plan groups; resuming skips the groups they cover, so
+the resume state is O(parts), never O(rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MANIFEST_VERSION = 1
+
+
+class ResumeMismatch(RuntimeError):
+    """A staging folder exists but belongs to a different job configuration or input."""
+
+
+@dataclass
+class PartRecord:
+    file: str
+    group_start: int  # first plan group covered (inclusive)
+    group_end: int  # last plan group covered (exclusive)
+    rows: int
+
+
+@dataclass
+class Manifest:
+    job_hash: str  # config + input fingerprint + model + engine
+    input_fingerprint: list[dict]
+    model: str
+    engine: str
+    num_groups: int
+    num_rows: int
+    parts: list[PartRecord] = field(default_factory=list)
+    version: int = MANIFEST_VERSION
+
+    @property
+    def groups_done(self) -> int:
+        """Plan groups covered by parts; parts are written in plan order, so a prefix of the plan."""
+        return max((p.group_end for p in self.parts), default=0)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        data = json.loads(text)
+        data["parts"] = [PartRecord(**p) for p in data.get("parts", [])]
+        return cls(**data)
+
+
+def input_fingerprint(files: list[Path]) -> list[dict]:
+    """Identity of the input files: path, size and modification time (cheap, no reading)."""
+    result = []
+    for path in files:
+        stat = Path(path).stat()
+        result.append({"file": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return result
+
+
+def job_hash(config_dict: dict, fingerprint: list[dict], model: str, engine: str) -> str:
+    """A stable hash of everything that decides the scores and the plan."""
+    payload = json.dumps({"config": config_dict, "input": fingerprint, "model": model, "engine": engine},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def staging_dir(output_path: str | os.PathLike) -> Path:
+    output_path = Path(output_path)
+    return output_path.with_name(output_path.name + ".parts")
+
+
+class PartStore:
+    """Reads and writes the staging folder of one output path."""
+
+    def __init__(self, output_path: str | os.PathLike):
+        self.output_path = Path(output_path)
+        self.folder = staging_dir(output_path)
+        self.manifest_path = self.folder / "manifest.json"
+
+    def load_manifest(self) -> Manifest | None:
+        """The existing manifest, or None when there is nothing to resume."""
+        if not self.manifest_path.exists():
+            return None
+        try:
+            return Manifest.from_json(self.manifest_path.read_text())
+        except (ValueError, TypeError, KeyError):
+            return None  # unreadable manifest: start over rather than trust it
+
+    def start(self, manifest: Manifest, fresh: bool) -> Manifest:
+        """Open the staging folder for `manifest`'s job; returns the manifest to continue.
+
+        Side effects: with `fresh`, deletes an existing staging folder; otherwise keeps a
+        matching one and raises ResumeMismatch for one that belongs to another job.
+        """
+        existing = None if fresh else self.load_manifest()
+        if fresh and self.folder.exists():
+            shutil.rmtree(self.folder)
+        if existing is not None:
+            if existing.job_hash != manifest.job_hash:
+                raise ResumeMismatch(
+                    f"{self.folder} holds a partial run of a different job configuration or input "
+                    f"(manifest {existing.job_hash}, this job {manifest.job_hash}); rerun with --fresh "
+                    "to discard it and start over"
+                )
+            self._remove_strays(existing)
+            return existing
+        if self.folder.exists():
+            shutil.rmtree(self.folder)  # leftovers without a readable manifest
+        self.folder.mkdir(parents=True)
+        self.write_manifest(manifest)
+        return manifest
+
+    def write_part(self, manifest: Manifest, row_ids: np.ndarray, log_probs: np.ndarray,
+                   label_mass: np.ndarray, errors: dict[int, str], group_start: int, group_end: int) -> None:
+        """Write one part (atomically), then record it in the manifest (atomically).
+
+        row_ids: [R]; log_probs: [R, L]; label_mass: [R]; errors: row_id -> engine error message.
+        """
+        name = f"part-{len(manifest.parts):06d}.parquet"
+        table = pa.table({
+            "row_id": pa.array(row_ids, type=pa.int64()),
+            "log_probs": pa.FixedSizeListArray.from_arrays(
+                pa.array(np.asarray(log_probs, dtype=np.float64).reshape(-1)), log_probs.shape[1]),
+            "label_mass": pa.array(label_mass, type=pa.float64()),
+            "error": pa.array([errors.get(int(r)) for r in row_ids], type=pa.string()),
+        })
+        _atomic_write(self.folder / name, lambda tmp: pq.write_table(table, tmp))
+        manifest.parts.append(PartRecord(name, group_start, group_end, len(row_ids)))
+        self.write_manifest(manifest)
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        _atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
+
+    def read_scores(self, manifest: Manifest, num_rows: int, num_labels: int) -> tuple[np.ndarray, np.ndarray]:
+        """Gather every part into ([num_rows, L] log-probs, [num_rows] mass); NaN where unscored."""
+        log_probs = np.full((num_rows, num_labels), np.nan)
+        mass = np.full(num_rows, np.nan)
+        for part in manifest.parts:
+            table = pq.read_table(self.folder / part.file)
+            rows = table.column("row_id").to_numpy()
+            values = np.asarray(table.column("log_probs").combine_chunks().flatten()).reshape(-1, num_labels)
+            log_probs[rows] = values
+            mass[rows] = table.column("label_mass").to_numpy()
+        return log_probs, mass
+
+    def read_errors(self, manifest: Manifest) -> dict[int, str]:
+        """Rows the engine could not score, with its message (usually none)."""
+        errors: dict[int, str] = {}
+        for part in manifest.parts:
+            table = pq.read_table(self.folder / part.file, columns=["row_id", "error"])
+            for row_id, message in zip(table.column("row_id").to_pylist(), table.column("error").to_pylist()):
+                if message is not None:
+                    errors[row_id] = message
+        return errors
+
+    def finish(self) -> None:
+        """Remove the staging folder once the final output is in place."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _remove_strays(self, manifest: Manifest) -> None:
+        # Temporary files and parts written after the last manifest update are not trusted.
+        known = {p.file for p in manifest.parts} | {self.manifest_path.name}
+        for path in self.folder.iterdir():
+            if path.name not in known:
+                path.unlink()
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
