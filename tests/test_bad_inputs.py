@@ -1,0 +1,165 @@
+"""The bad-input corpus: every case ends in a clear error before any work (naming the file, key,
+row or field) or in per-row error rows — never a traceback, never a lost row."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchscore.cli import EXIT_CONFIG, EXIT_INPUT, main
+
+GOOD_JOB = """\
+input: {path: data.jsonl}
+prompt: {template: "Query: {query}\\nIs this about shoes? Answer Yes or No."}
+labels: [Yes, No]
+output: {path: out/scores.parquet}
+"""
+
+
+@dataclass
+class Case:
+    name: str
+    job: str  # job YAML text (written as job.yaml)
+    files: dict = field(default_factory=dict)  # name -> bytes | pa.Table
+    args: tuple = ()
+    code: int = EXIT_CONFIG
+    says: tuple = ()  # substrings the message must contain
+
+
+def _table(**columns):
+    return pa.table(columns)
+
+
+ROWS = b'{"query": "red running shoes"}\n{"query": "tent"}\n'
+
+CASES = [
+    Case("malformed yaml", "input: [unclosed\n", says=("malformed YAML", "job.yaml")),
+    Case("not a mapping", "- a\n- b\n", says=("must be a mapping",)),
+    Case("empty job file", "", says=("input.path", "prompt.template", "labels")),
+    Case("invalid utf-8 job", "", files={"job.yaml": b"labels: [\xff]\n"}, says=("UTF-8",)),
+    Case("python tag", GOOD_JOB + "model: !!python/object/apply:os.system ['true']\n", says=("malformed YAML",)),
+    Case("unknown top key", GOOD_JOB + "lables: [a, b]\n", says=("'lables'", "did you mean labels")),
+    Case("unknown nested key", GOOD_JOB + "engine: {token_budgte: 10}\n", says=("engine.token_budgte", "token_budget")),
+    Case("wrong type", GOOD_JOB + "engine: {token_budget: lots}\n", says=("engine.token_budget", "integer")),
+    Case("bool for int", GOOD_JOB + "engine: {token_budget: true}\n", says=("engine.token_budget",)),
+    Case("absurd token budget", GOOD_JOB + "engine: {token_budget: 0}\n", says=("engine.token_budget", "≥ 16")),
+    Case("negative budget", GOOD_JOB + "engine: {token_budget: -4096}\n", says=("engine.token_budget",)),
+    Case("absurd error rate", GOOD_JOB.replace("out/scores.parquet}", "out/s.parquet, max_error_rate: 2.5}"),
+         says=("output.max_error_rate",)),
+    Case("one label", GOOD_JOB.replace("[Yes, No]", "[Yes]"), says=("at least two labels",)),
+    Case("duplicate labels", GOOD_JOB.replace("[Yes, No]", "[Yes, Yes]"), says=("distinct",)),
+    Case("unknown engine", GOOD_JOB + "engine: {kind: tpu}\n", says=("engine.kind", "torch")),
+    Case("unknown dtype", GOOD_JOB + "engine: {dtype: fp8}\n", says=("engine.dtype",)),
+    Case("unknown order", GOOD_JOB + "plan: {order: random}\n", says=("plan.order", "r_group")),
+    Case("template attribute", GOOD_JOB.replace("{query}", "{query.__class__}"), says=("prompt.template", "not allowed")),
+    Case("template index", GOOD_JOB.replace("{query}", "{query[0]}"), says=("prompt.template",)),
+    Case("template unbalanced", GOOD_JOB.replace("{query}", "{query"), says=("prompt.template", "malformed")),
+    Case("no template", GOOD_JOB.replace('prompt: {template: "Query: {query}\\nIs this about shoes? Answer Yes or No."}\n', ""),
+         says=("prompt.template: required",)),
+    Case("set without equals", GOOD_JOB, args=("--set", "engine.dtype"), says=("KEY=VALUE",)),
+    Case("missing job file", "", files={"job.yaml": None}, says=("job file not found",)),
+    Case("unknown model", GOOD_JOB + "model: gpt-17\n", files={"data.jsonl": ROWS},
+         says=("unknown model 'gpt-17'", "smollm2-135m-instruct")),
+    Case("multi-token label", GOOD_JOB.replace("[Yes, No]", "[Absolutely, No]"), files={"data.jsonl": ROWS},
+         says=("'Absolutely'", "not one")),
+    Case("missing input", GOOD_JOB, code=EXIT_INPUT, says=("file not found", "data.jsonl")),
+    Case("empty glob", GOOD_JOB.replace("data.jsonl", "'*.jsonl'"), code=EXIT_INPUT, says=("no files match",)),
+    Case("folder without data", GOOD_JOB.replace("data.jsonl", "folder"), files={"folder/readme.txt": b"hi"},
+         code=EXIT_INPUT, says=("holds no .parquet or .jsonl",)),
+    Case("unknown file type", GOOD_JOB.replace("data.jsonl", "data.csv"), files={"data.csv": b"a,b\n"},
+         code=EXIT_INPUT, says=("data.csv", "unknown file type")),
+    Case("empty jsonl", GOOD_JOB, files={"data.jsonl": b""}, code=EXIT_INPUT, says=("holds no rows",)),
+    Case("empty parquet", GOOD_JOB.replace("data.jsonl", "data.parquet"),
+         files={"data.parquet": _table(query=pa.array([], pa.string()))}, code=EXIT_INPUT, says=("holds no rows",)),
+    Case("corrupt parquet", GOOD_JOB.replace("data.jsonl", "data.parquet"), files={"data.parquet": b"PAR1 garbage"},
+         code=EXIT_INPUT, says=("data.parquet", "not a readable Parquet file")),
+    Case("template field not a column", GOOD_JOB.replace("{query}", "{qeury}"), files={"data.jsonl": ROWS},
+         code=EXIT_INPUT, says=("data.jsonl", "qeury", "columns")),
+    Case("duplicate ids", GOOD_JOB.replace("{path: data.jsonl}", "{path: data.jsonl, id_column: id}"),
+         files={"data.jsonl": b'{"id": 1, "query": "a"}\n{"id": 1, "query": "b"}\n'}, code=EXIT_INPUT,
+         says=("id_column 'id'", "duplicate", "[1]")),
+    Case("output inside the input folder", GOOD_JOB.replace("data.jsonl", "folder").replace("out/scores", "folder/scores"),
+         files={"folder/a.jsonl": ROWS}, code=EXIT_INPUT, says=("inside the input",)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_gives_a_clear_error(case: Case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    files = {"job.yaml": case.job.encode(), **case.files}
+    for name, content in files.items():
+        if content is None:
+            continue
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, pa.Table):
+            pq.write_table(content, path)
+        else:
+            path.write_bytes(content)
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "-q", *case.args])
+    assert isinstance(result.exception, SystemExit), result.output
+    assert result.exit_code == case.code, result.output
+    assert "Traceback" not in result.output
+    assert result.output.startswith("error: ")
+    for text in case.says:
+        assert text in result.output, (text, result.output)
+    assert not (tmp_path / "out" / "scores.parquet").exists()
+
+
+def test_row_level_problems_become_error_rows_and_nothing_is_lost(tmp_path):
+    """One run over a folder mixing good rows with every row-level problem."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    # a.parquet: `query` is an integer column here and text in b.jsonl (mixed types across files)
+    pq.write_table(_table(id=pa.array(["a1", "a2"]), query=pa.array([7, 8])), folder / "a.parquet")
+    lines = [
+        b'{"id": "b1", "query": "red running shoes"}',
+        b'this is not json',
+        b'{"id": "b3", "query": "bad \xff utf-8"}',
+        b'["an", "array"]',
+        b'{"id": "b5", "query": null}',
+        b'{"id": "b6"}',
+        json.dumps({"id": "b7", "query": "shoe " * 9000}).encode(),
+        b'{"id": "b8", "query": "hiking boots"}',
+    ]
+    (folder / "b.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(GOOD_JOB.replace("data.jsonl", "in").replace(
+        "{path: out/scores.parquet}", "{path: out/scores.parquet, keep_columns: [query], max_error_rate: 1.0}")
+        + "engine: {token_budget: 512}\n")
+    result = CliRunner().invoke(main, ["run", str(job), "-q"])
+    assert result.exit_code == 0, result.output
+    out = pq.read_table(tmp_path / "out" / "scores.parquet").to_pylist()
+    assert len(out) == 10  # every input row, in input order
+    assert [r["row_id"] for r in out] == list(range(10))
+    status = [r["status"] for r in out]
+    assert status == ["ok", "ok", "ok", "error", "error", "error", "error", "error", "error", "ok"]
+    errors = [r["error"] for r in out]
+    assert "b.jsonl:2: not valid JSON" in errors[3]
+    assert "b.jsonl:3: invalid UTF-8" in errors[4]
+    assert "b.jsonl:4: expected a JSON object" in errors[5]
+    assert "b.jsonl:5: field 'query' is null" in errors[6]
+    assert "b.jsonl:6: field 'query' is null or missing" in errors[7]
+    assert "longer than the maximum 8192" in errors[8]
+    assert [r["query"] for r in out[:3]] == ["7", "8", "red running shoes"]  # mixed types kept as text
+
+
+def test_pretokenized_column_problems_are_row_errors(tmp_path):
+    rows = [[5, 6, 7], [], [1, -2], None, [3, 4, 99999999], [8, 9]]
+    pq.write_table(_table(tokens=pa.array(rows, pa.list_(pa.int64()))), tmp_path / "data.parquet")
+    job = tmp_path / "job.yaml"
+    job.write_text("input: {path: data.parquet, token_ids_column: tokens}\nlabels: [Yes, No]\n"
+                   "output: {path: out.parquet, max_error_rate: 1.0}\n")
+    result = CliRunner().invoke(main, ["run", str(job), "-q"])
+    assert result.exit_code == 0, result.output
+    out = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert [r["status"] for r in out] == ["ok", "error", "error", "error", "error", "ok"]
+    assert "empty prompt" in out[1]["error"]
+    assert "negative token id" in out[2]["error"] and "data.parquet:3" in out[2]["error"]
+    assert "is null" in out[3]["error"]
+    assert "outside the model's vocabulary" in out[4]["error"]
