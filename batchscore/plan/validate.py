@@ -1,0 +1,95 @@
+"""Validation of token-id input before planning.
+
+Every error names the offending row (its `row_id`), so a job over millions of rows can say
+which input line to fix.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from batchscore.plan.errors import PlanInputError
+from batchscore.plan.tree import TokenTable
+from batchscore.plan.types import Request
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def requests_from_token_lists(
+    lists_or_arrays: Iterable, row_ids: Sequence[int] | None = None
+) -> list[Request]:
+    """Build one `Request` per token list, validating each; changes nothing it is given.
+
+    `row_ids` defaults to 0, 1, 2, …. Raises `PlanInputError` naming the row when a token list
+    is empty, not 1-D, holds non-integers (floats, strings, bools), negative ids or ids that do
+    not fit in int32.
+    """
+    token_lists = list(lists_or_arrays)
+    if row_ids is None:
+        row_ids = range(len(token_lists))
+    elif len(row_ids) != len(token_lists):
+        raise PlanInputError(
+            f"got {len(row_ids)} row ids for {len(token_lists)} token lists"
+        )
+    return [
+        Request(int(row_id), _checked_tokens(row_id, tokens))
+        for row_id, tokens in zip(row_ids, token_lists)
+    ]
+
+
+def _checked_tokens(row_id: int, tokens) -> np.ndarray:
+    """Return `tokens` as an int32 array, or raise PlanInputError naming `row_id`."""
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError) as exc:  # ragged nested lists and the like
+        raise PlanInputError(f"row {row_id}: token ids are not a flat list ({exc})") from exc
+    if arr.ndim != 1:
+        raise PlanInputError(f"row {row_id}: token ids must be a flat list, got shape {arr.shape}")
+    if arr.size == 0:
+        raise PlanInputError(f"row {row_id}: empty token sequence")
+    # bool is an integer subtype in numpy but never a token id.
+    if arr.dtype.kind not in "iu":
+        raise PlanInputError(
+            f"row {row_id}: token ids must be integers, got {arr.dtype} values"
+        )
+    if arr.min() < 0:
+        raise PlanInputError(f"row {row_id}: negative token id {int(arr.min())}")
+    if arr.max() > _INT32_MAX:
+        raise PlanInputError(f"row {row_id}: token id {int(arr.max())} does not fit in int32")
+    return arr.astype(np.int32, copy=False)
+
+
+def checked_table(requests: Sequence[Request]) -> TokenTable:
+    """Validate `requests` and return their TokenTable (arrays shared, not copied).
+
+    Raises PlanInputError naming the first bad row: not a 1-D int32 array, an empty prompt, a
+    negative token id, or a row id used twice (then "each request exactly once" has no
+    meaning). Changes nothing it is given.
+    """
+    seen: set[int] = set()
+    arrays = []
+    for request in requests:
+        tokens = request.token_ids
+        if tokens.dtype != np.int32 or tokens.ndim != 1:
+            raise PlanInputError(f"row {request.row_id}: token ids must be a 1-D int32 array")
+        if tokens.shape[0] == 0:
+            raise PlanInputError(f"row {request.row_id}: empty token sequence")
+        if request.row_id in seen:
+            raise PlanInputError(f"row {request.row_id}: row id appears more than once")
+        seen.add(request.row_id)
+        arrays.append(tokens)
+    # Seen as uint32, a negative int32 is above 2**31: one max() per row finds both negative
+    # ids and the widest id (which picks the sort-key width).
+    maxima = np.fromiter(
+        (int(a.view(np.uint32).max()) for a in arrays), dtype=np.int64, count=len(arrays)
+    )
+    negative = np.flatnonzero(maxima > _INT32_MAX)
+    if negative.size:
+        row = int(negative[0])
+        raise PlanInputError(
+            f"row {requests[row].row_id}: negative token id {int(arrays[row].min())}"
+        )
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    return TokenTable(arrays, lengths, int(maxima.max()) if arrays else 0)
