@@ -1,0 +1,347 @@
+"""Prefill-only scoring engine on PyTorch + transformers causal LMs (Llama, Qwen2, ...).
+
+Per prefix group:
+  1. `prefill_prefix`: the shared prefix runs once, in chunks of at most `token_budget` tokens;
+     its keys/values (all layers, after RoPE) are kept as a `PrefixKV`.
+  2. `score_suffix_batch`: the members' suffixes are packed into one row of at most
+     `token_budget` tokens; every suffix token attends to the whole prefix (one block, no copy
+     of the prefix KV) and causally to its own suffix, merged exactly with log-sum-exp
+     (see `cascade_attention`). Only the last position of each member reaches the LM head.
+  3. The prefix KV is dropped when the group ends. When the group's last suffix batch leaves room
+     under the budget, the next group's prefix is prefilled in that same pass (one large matrix
+     for the projections and MLPs instead of two smaller ones).
+
+A group with an empty prefix holds plain requests: their whole prompts are packed the same way.
+A member whose suffix is empty is scored from the prefix's last position. A member whose suffix
+is longer than the budget is prefilled in chunks on top of the (shared, uncopied) prefix KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generator, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from batchscore.engines.base import EngineMetrics, LabelScores, normalize_label_logprobs
+from batchscore.engines.cascade_attention import (
+    CascadeBatch,
+    CascadePart,
+    PrefixKV,
+    SequenceLayout,
+    register_cascade_attention,
+)
+from batchscore.plan.types import PrefixGroup
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class SuffixBatch:
+    """Members of one group scored by one forward pass (or, when `chunked`, one long member)."""
+
+    member_indices: list[int]
+    chunked: bool = False
+
+
+def plan_suffix_batches(suffix_lengths: Sequence[int], token_budget: int) -> list[SuffixBatch]:
+    """Pack members (in order) into batches of at most `token_budget` suffix tokens.
+
+    Members with an empty suffix are left out (they are scored from the prefix). A member whose
+    suffix alone exceeds the budget gets a batch of its own marked `chunked`. A batch also closes
+    when its right-padded view (members × longest suffix, used by the per-member causal attention)
+    would exceed twice the budget, which bounds padding waste for very uneven lengths.
+    """
+    batches: list[SuffixBatch] = []
+    current: list[int] = []
+    tokens = longest = 0
+    for index, length in enumerate(suffix_lengths):
+        if length == 0:
+            continue
+        if length > token_budget:
+            batches.append(SuffixBatch([index], chunked=True))
+            continue
+        new_longest = max(longest, length)
+        if current and (tokens + length > token_budget or (len(current) + 1) * new_longest > 2 * token_budget):
+            batches.append(SuffixBatch(current))
+            current, tokens, new_longest = [], 0, length
+        current.append(index)
+        tokens += length
+        longest = new_longest
+    if current:
+        batches.append(SuffixBatch(current))
+    return batches
+
+
+class TorchEngine:
+    """Exact prefill-only scorer over a transformers causal LM, sharing each group's prefix KV.
+
+    Side effect of construction: the model is put in eval mode, moved to `device`, and its
+    attention implementation is switched to the cascade attention (the model then needs the
+    engine's `cascade=` forward argument; do not use it for plain forwards afterwards).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, token_budget: int = 4096, device: str = "cpu") -> None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be at least 1, got {token_budget}")
+        if torch.device(device).type != "cpu":
+            raise NotImplementedError(f"TorchEngine runs on CPU only for now, got device {device!r}")
+        _check_full_attention(model.config)
+        self.model = model.to(device).eval()
+        self.model.set_attn_implementation(register_cascade_attention())
+        self.token_budget = token_budget
+        self.device = torch.device(device)
+        self.metrics = EngineMetrics(batch_token_counts=[])
+        self._decoder = model.get_decoder()
+        self._lm_head = model.get_output_embeddings()
+        self._num_layers = model.config.num_hidden_layers
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: str = "float32", token_budget: int = 4096, device: str = "cpu"
+    ) -> TorchEngine:
+        """Load a local Hugging Face causal-LM folder (never downloads) and wrap it."""
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+        return cls(model, token_budget=token_budget, device=device)
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt (prefix + suffix tokens) the model accepts."""
+        return int(self.model.config.max_position_embeddings)
+
+    def close(self) -> None:
+        """Drop the engine's references to the model (the caller's references stay valid)."""
+        self.model = self._decoder = self._lm_head = None
+
+    # ------------------------------------------------------------------ public scoring
+
+    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int]) -> Iterator[LabelScores]:
+        """Yield one `LabelScores` per member, group by group, members in their given order.
+
+        When a group's last suffix batch leaves room under the budget, the next group's prefix
+        rides along in the same forward pass (its KV is recorded, ready for that group).
+        Side effects: updates `self.metrics` (tokens processed, batches, tokens per batch).
+        """
+        if self.model is None:
+            raise RuntimeError("engine is closed")
+        labels = self._label_tensor(label_token_ids)
+        pending = iter(groups)
+        group = next(pending, None)
+        prefilled = None
+        while group is not None:
+            next_group = next(pending, None)
+            prefilled = yield from self._score_group(group, labels, prefilled, next_group)
+            group = next_group
+
+    # ------------------------------------------------------------------ phases
+
+    def _score_group(
+        self,
+        group: PrefixGroup,
+        labels: torch.Tensor,
+        prefilled: PrefilledPrefix | None,
+        next_group: PrefixGroup | None,
+    ) -> Generator[LabelScores, None, PrefilledPrefix | None]:
+        """Score one group; results are yielded as soon as all earlier members are done.
+
+        `prefilled` is this group's prefix when an earlier pass already computed it. Returns the
+        next group's prefilled prefix when it was computed along with this group's last batch.
+        """
+        members = group.members
+        self._check_group(group)
+        results: list[LabelScores | None] = [None] * len(members)
+        emitted = 0
+        next_prefilled = None
+
+        prefix = prefilled if prefilled is not None else self.prefill_prefix(group.prefix)
+        empty = [i for i, m in enumerate(members) if len(m.suffix) == 0]
+        if empty:
+            log_probs, mass = self._label_scores(prefix.last_hidden[None], labels)  # one row, shared
+            for i in empty:
+                results[i] = LabelScores(members[i].row_id, log_probs[0].copy(), mass[0])
+
+        batches = plan_suffix_batches([len(m.suffix) for m in members], self.token_budget)
+        for number, batch in enumerate(batches):
+            if batch.chunked:
+                (index,) = batch.member_indices
+                log_probs, mass = self.score_long_suffix(prefix.kv, members[index].suffix, labels)
+            else:
+                suffixes = [members[i].suffix for i in batch.member_indices]
+                ride_along = None
+                if number == len(batches) - 1:
+                    ride_along = self._prefix_that_fits(next_group, self.token_budget - sum(map(len, suffixes)))
+                log_probs, mass, next_prefilled = self.score_suffix_batch(prefix.kv, suffixes, labels, ride_along)
+            for row, index in enumerate(batch.member_indices):
+                results[index] = LabelScores(members[index].row_id, log_probs[row], mass[row])
+            while emitted < len(members) and results[emitted] is not None:
+                yield results[emitted]
+                emitted += 1
+
+        del prefix  # free the prefix KV before the group's last results go out
+        while emitted < len(members):
+            yield results[emitted]
+            emitted += 1
+        return next_prefilled
+
+    @torch.inference_mode()
+    def prefill_prefix(self, tokens: np.ndarray, base: PrefixKV | None = None) -> PrefilledPrefix:
+        """Compute the KV of `tokens` (continuing after `base`), in chunks of at most the budget.
+
+        Returns the KV of base + tokens (sharing base's tensors; `base` itself is unchanged) and
+        the hidden state of the last token (None when `tokens` is empty).
+        Side effects: one forward pass per chunk, counted in `self.metrics`.
+        """
+        kv = base.extended() if base is not None else PrefixKV.empty(self._num_layers)
+        last_hidden = None
+        for start in range(0, len(tokens), self.token_budget):
+            chunk = tokens[start : start + self.token_budget]  # [C]
+            part = _prefix_part(chunk, kv)
+            hidden = self._run_decoder([part])  # [C, hidden]
+            kv.length += len(chunk)
+            last_hidden = hidden[-1]  # [hidden]
+        return PrefilledPrefix(kv, last_hidden)
+
+    @torch.inference_mode()
+    def score_suffix_batch(
+        self,
+        prefix_kv: PrefixKV,
+        suffixes: list[np.ndarray],
+        labels: torch.Tensor,
+        next_prefix: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, PrefilledPrefix | None]:
+        """Score several non-empty suffixes of one group in one packed forward pass.
+
+        `next_prefix` (optional, fitting the budget with the suffixes) is another group's prefix,
+        prefilled in the same pass. Returns ([B, L] log P normalized over labels, [B] label mass,
+        the prefilled `next_prefix` or None).
+        Side effects: one forward pass, counted in `self.metrics`; the suffixes' KV is discarded.
+        """
+        suffix_part, last_index = _suffix_part(suffixes, prefix_kv)
+        parts = [suffix_part]
+        if next_prefix is not None:
+            next_kv = PrefixKV.empty(self._num_layers)
+            parts.append(_prefix_part(next_prefix, next_kv))
+        hidden = self._run_decoder(parts)  # [T, hidden]
+        log_probs, mass = self._label_scores(hidden[last_index], labels)  # hidden [B, hidden]
+        if next_prefix is None:
+            return log_probs, mass, None
+        next_kv.length = len(next_prefix)
+        return log_probs, mass, PrefilledPrefix(next_kv, hidden[-1])
+
+    @torch.inference_mode()
+    def score_long_suffix(
+        self, prefix_kv: PrefixKV, suffix: np.ndarray, labels: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Score one suffix longer than the budget by prefilling it in chunks on top of the prefix.
+
+        Returns ([1, L], [1]) like `score_suffix_batch`. `prefix_kv` is not modified (its tensors
+        are shared, not copied); the suffix's own KV is dropped on return.
+        """
+        prefilled = self.prefill_prefix(suffix, base=prefix_kv)
+        return self._label_scores(prefilled.last_hidden[None], labels)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _prefix_that_fits(self, group: PrefixGroup | None, room: int) -> np.ndarray | None:
+        """The group's prefix when it is non-empty, valid and fits in `room` tokens, else None."""
+        if group is None or not 0 < group.prefix_len <= room or not group.members:
+            return None
+        try:
+            self._check_group(group)
+        except ValueError:  # reported when that group's turn comes, after this group's results
+            return None
+        return group.prefix
+
+    def _run_decoder(self, parts: list[PackedPart]) -> torch.Tensor:
+        """Run the base model (no LM head) on the parts packed into one row. Returns [T, hidden].
+
+        Side effects: counts the pass in `self.metrics`; parts may record K/V (`record_into`).
+        """
+        token_ids = np.concatenate([p.token_ids for p in parts]).astype(np.int64)  # [T]
+        positions = np.concatenate([p.positions for p in parts])  # [T]
+        input_ids = torch.from_numpy(token_ids)[None].to(self.device)  # [1, T]
+        output = self._decoder(
+            input_ids=input_ids,
+            position_ids=torch.from_numpy(positions)[None].to(self.device),  # [1, T]
+            use_cache=False,
+            cascade=CascadeBatch([p.cascade for p in parts]),
+        )
+        self.metrics.processed_tokens += len(token_ids)
+        self.metrics.batches += 1
+        self.metrics.batch_token_counts.append(len(token_ids))
+        return output.last_hidden_state[0]  # [T, hidden]
+
+    @torch.inference_mode()
+    def _label_scores(self, last_hidden: torch.Tensor, labels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """LM head on the last positions [B, hidden] -> ([B, L] normalized log P, [B] label mass)."""
+        logits = self._lm_head(last_hidden).float()  # [B, V]
+        log_probs = torch.log_softmax(logits, dim=-1)  # [B, V]
+        return normalize_label_logprobs(log_probs[:, labels].cpu().numpy())
+
+    def _label_tensor(self, label_token_ids: Sequence[int]) -> torch.Tensor:
+        labels = torch.as_tensor(list(label_token_ids), dtype=torch.int64)  # [L]
+        vocab = int(self._lm_head.weight.shape[0])
+        if labels.numel() == 0:
+            raise ValueError("label_token_ids is empty")
+        if int(labels.min()) < 0 or int(labels.max()) >= vocab:
+            raise ValueError(f"label token ids must lie in [0, {vocab}), got {labels.tolist()}")
+        return labels.to(self.device)
+
+    def _check_group(self, group: PrefixGroup) -> None:
+        for member in group.members:
+            total = group.prefix_len + len(member.suffix)
+            if total == 0:
+                raise ValueError(f"row {member.row_id}: empty prompt (no prefix and no suffix)")
+            if total > self.max_context:
+                raise ValueError(f"row {member.row_id}: {total} tokens exceed the model's context {self.max_context}")
+
+
+@dataclass
+class PrefilledPrefix:
+    """A prefix whose KV is computed: the KV and the hidden state of its last token."""
+
+    kv: PrefixKV
+    last_hidden: torch.Tensor | None  # [hidden], None for an empty prefix
+
+
+@dataclass
+class PackedPart:
+    """Tokens of one part of a packed forward pass, their positions, and their attention context."""
+
+    token_ids: np.ndarray  # [T_p]
+    positions: np.ndarray  # [T_p] int64
+    cascade: CascadePart
+
+
+def _prefix_part(tokens: np.ndarray, kv: PrefixKV) -> PackedPart:
+    """Prefix tokens continuing `kv` causally; their K/V will be appended to `kv`."""
+    positions = np.arange(kv.length, kv.length + len(tokens), dtype=np.int64)  # [C]
+    layout = SequenceLayout.from_lengths([len(tokens)])
+    return PackedPart(tokens, positions, CascadePart(len(tokens), prefix=kv, layout=layout, record_into=kv))
+
+
+def _suffix_part(suffixes: list[np.ndarray], prefix_kv: PrefixKV) -> tuple[PackedPart, torch.Tensor]:
+    """Suffixes packed after each other, each continuing the prefix at position P.
+
+    Returns the part and the index [B] of each suffix's last token in the part.
+    """
+    lengths = np.array([len(s) for s in suffixes], dtype=np.int64)  # [B]
+    ends = np.cumsum(lengths)  # [B]
+    offsets = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - lengths, lengths)  # [T] in own suffix
+    layout = SequenceLayout.from_lengths(lengths.tolist())
+    part = CascadePart(int(ends[-1]), prefix=prefix_kv, layout=layout)
+    return PackedPart(np.concatenate(suffixes), offsets + prefix_kv.length, part), torch.from_numpy(ends - 1)
+
+
+def _check_full_attention(config) -> None:
+    """Refuse models whose layers use sliding-window attention (the cascade kernel ignores it)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = sorted({t for t in layer_types if t != "full_attention"})
+    if sliding or getattr(config, "use_sliding_window", False):
+        raise NotImplementedError(f"TorchEngine supports full attention only, model has {sliding or 'sliding window'}")

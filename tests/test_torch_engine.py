@@ -1,0 +1,203 @@
+"""TorchEngine: shared-prefix scoring equals a plain forward pass of every full prompt."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from batchscore.engines.base import normalize_label_logprobs  # noqa: E402
+from batchscore.engines.torch_engine import TorchEngine, plan_suffix_batches  # noqa: E402
+from batchscore.plan.types import GroupMember, PrefixGroup  # noqa: E402
+
+VOCAB = 1000
+LABELS = [3, 17, 256, 999]
+BUDGET = 48  # small, so prefixes and long suffixes are chunked and suffix batches split
+FLOAT32_TOLERANCE = 1e-4  # max |ΔP| against a plain forward pass
+# bfloat16: measured max |ΔP| 0.9e-2 .. 1.65e-2 (3 seeds × 2 archs); that is below bfloat16's own
+# rounding noise here (plain bfloat16 forward vs float32: up to 4.5e-2).
+BFLOAT16_TOLERANCE = 2.5e-2
+
+
+def tiny_model(arch: str, dtype: torch.dtype = torch.float32):
+    """A 2-layer random model with GQA (4 query heads, 2 KV heads); Qwen2 has attention bias."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,  # peaked next-token distributions, so errors show in P(label)
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    return model.to(dtype).eval()
+
+
+def make_groups(seed: int = 0) -> list[PrefixGroup]:
+    """Groups covering every path of the engine (with BUDGET = 48)."""
+    rng = np.random.default_rng(seed)
+
+    def tokens(n: int) -> np.ndarray:
+        return rng.integers(0, VOCAB, n, dtype=np.int32)
+
+    return [
+        # short prefix, suffixes of different lengths, one empty suffix, batches split by budget
+        PrefixGroup(tokens(20), [GroupMember(0, tokens(5)), GroupMember(1, tokens(17)), GroupMember(2, tokens(0)),
+                                 GroupMember(3, tokens(30)), GroupMember(4, tokens(1)), GroupMember(5, tokens(12))]),
+        # plain requests (empty prefix), packed whole prompts
+        PrefixGroup(tokens(0), [GroupMember(10, tokens(9)), GroupMember(11, tokens(23)), GroupMember(12, tokens(2))]),
+        # prefix longer than the budget (3 chunks), a suffix longer than the budget, an empty suffix
+        PrefixGroup(tokens(110), [GroupMember(20, tokens(7)), GroupMember(21, tokens(60)), GroupMember(22, tokens(0)),
+                                  GroupMember(23, tokens(48)), GroupMember(24, tokens(3))]),
+        # single member, equal suffix lengths
+        PrefixGroup(tokens(33), [GroupMember(30, tokens(8))]),
+        PrefixGroup(tokens(5), [GroupMember(40 + i, tokens(10)) for i in range(4)]),
+    ]
+
+
+@torch.inference_mode()
+def reference_log_probs(model, groups: list[PrefixGroup], labels: list[int]) -> dict[int, np.ndarray]:
+    """log P(label) from `model(full prompt).logits[0, -1]`, one separate forward per prompt."""
+    out = {}
+    for group in groups:
+        for member in group.members:
+            ids = torch.from_numpy(np.concatenate([group.prefix, member.suffix]).astype(np.int64))[None]  # [1, T]
+            logits = model(input_ids=ids).logits[0, -1].float()  # [V]
+            out[member.row_id] = torch.log_softmax(logits, dim=-1)[labels].numpy()
+    return out
+
+
+def max_probability_error(model, groups, token_budget: int) -> tuple[float, list]:
+    """Score with the engine and return (max |ΔP| over labels and label mass, the results)."""
+    reference = reference_log_probs(model, groups, LABELS)  # before the engine switches attention
+    engine = TorchEngine(model, token_budget=token_budget)
+    results = list(engine.score(groups, LABELS))
+    worst = 0.0
+    for result in results:
+        ref_log_probs, ref_mass = normalize_label_logprobs(reference[result.row_id][None])
+        worst = max(worst, np.abs(np.exp(result.log_probs) - np.exp(ref_log_probs[0])).max())
+        worst = max(worst, abs(result.label_mass - ref_mass[0]))
+    return worst, results, engine
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_matches_plain_forward(arch):
+    groups = make_groups()
+    error, results, engine = max_probability_error(tiny_model(arch), groups, BUDGET)
+    assert error <= FLOAT32_TOLERANCE
+    # one result per member, group by group, members in order
+    assert [r.row_id for r in results] == [m.row_id for g in groups for m in g.members]
+    for result in results:
+        assert result.log_probs.shape == (len(LABELS),)
+        assert np.isclose(np.exp(result.log_probs).sum(), 1.0)
+    # the test is sensitive: label probabilities vary a lot between prompts
+    assert np.ptp([np.exp(r.log_probs[0]) for r in results]) > 0.2
+    # the prefix is processed once per group, no batch exceeds the budget
+    assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)
+    assert max(engine.metrics.batch_token_counts) <= BUDGET
+    assert engine.metrics.batches == len(engine.metrics.batch_token_counts)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bfloat16_close_to_plain_forward(arch):
+    error, _, _ = max_probability_error(tiny_model(arch, torch.bfloat16), make_groups(seed=1), BUDGET)
+    assert error <= BFLOAT16_TOLERANCE
+
+
+def test_large_budget_packs_each_group_into_one_pass():
+    # one pass per group: its suffixes, plus the next group's prefix riding along
+    groups = make_groups(seed=2)
+    error, _, engine = max_probability_error(tiny_model("llama"), groups, token_budget=4096)
+    assert error <= FLOAT32_TOLERANCE
+    suffix_passes = sum(1 for g in groups if any(len(m.suffix) for m in g.members))
+    assert engine.metrics.batches == 1 + suffix_passes  # + the first group's prefix alone
+    assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)
+
+
+def test_plan_suffix_batches_respects_budget_and_order():
+    batches = plan_suffix_batches([5, 0, 10, 7, 30, 3], token_budget=20)
+    assert [(b.member_indices, b.chunked) for b in batches] == [
+        ([0, 2], False),  # 15 tokens; adding 7 would exceed 20
+        ([4], True),  # longer than the budget: prefilled alone, in chunks
+        ([3, 5], False),  # packing goes on around the long member
+    ]
+
+
+def test_plan_suffix_batches_bounds_padding():
+    # one long suffix among many short ones: the padded view is capped at 2 × budget slots
+    batches = plan_suffix_batches([40] + [1] * 30, token_budget=64)
+    for batch in batches:
+        lengths = [40 if i == 0 else 1 for i in batch.member_indices]
+        assert len(lengths) * max(lengths) <= 128 and sum(lengths) <= 64
+    assert sorted(i for b in batches for i in b.member_indices) == list(range(31))
+
+
+def test_rejects_bad_input():
+    engine = TorchEngine(tiny_model("llama"))
+    assert engine.max_context == 512
+    with pytest.raises(ValueError, match="label token ids"):
+        list(engine.score(make_groups(), [VOCAB]))
+    with pytest.raises(ValueError, match="exceed"):
+        list(engine.score([PrefixGroup(np.zeros(500, np.int32), [GroupMember(0, np.zeros(20, np.int32))])], LABELS))
+    with pytest.raises(ValueError, match="empty prompt"):
+        list(engine.score([PrefixGroup(np.zeros(0, np.int32), [GroupMember(0, np.zeros(0, np.int32))])], LABELS))
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        list(engine.score(make_groups(), LABELS))
+
+
+def test_builtin_model_float32_matches_plain_forward():
+    models = pytest.importorskip("batchscore.models")
+    try:
+        path = models.resolve_model("smollm2-135m-instruct")
+    except Exception as exc:  # the GGUF package may be missing on this machine
+        pytest.skip(f"built-in model unavailable: {exc}")
+    from transformers import AutoModelForCausalLM
+
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    def encode(text: str) -> np.ndarray:
+        return np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int32)
+
+    prefix = encode("You judge product reviews. Answer Yes if the review is positive, No otherwise.\nReview: ")
+    reviews = ["Great kettle, boils fast.", "Broke after two days, avoid.", "", "It is fine I guess, nothing special."]
+    groups = [PrefixGroup(prefix, [GroupMember(i, encode(r + "\nPositive:") if r else encode(""))
+                                   for i, r in enumerate(reviews)])]
+    labels = [int(encode(" Yes")[0]), int(encode(" No")[0])]
+    reference = reference_log_probs(model, groups, labels)
+    engine = TorchEngine(model, token_budget=16)  # prefix in two chunks
+    for result in engine.score(groups, labels):
+        ref_log_probs, ref_mass = normalize_label_logprobs(reference[result.row_id][None])
+        assert np.abs(np.exp(result.log_probs) - np.exp(ref_log_probs[0])).max() <= FLOAT32_TOLERANCE
+        assert abs(result.label_mass - ref_mass[0]) <= FLOAT32_TOLERANCE
+
+
+def test_merge_partial_attention_equals_attention_over_all_keys():
+    from batchscore.engines.cascade_attention import merge_partial_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 5, 8)  # [B, H, T, D]
+    k, v = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)  # [B, H_kv, S, D], GQA
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    full, full_lse = flash(q, k, v, 0.0, False)
+    out_a, lse_a = flash(q, k[:, :, :4], v[:, :, :4], 0.0, False)
+    out_b, lse_b = flash(q, k[:, :, 4:], v[:, :, 4:], 0.0, False)
+    out, lse = merge_partial_attention(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(out, full, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, full_lse, atol=1e-6, rtol=1e-5)
