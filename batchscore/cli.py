@@ -85,9 +85,11 @@ def main(verbose: bool) -> None:
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Write a JSON run summary here.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--fresh", is_flag=True, help="Discard a partial earlier run of this output and start over.")
+@click.option("--shard", metavar="I/N", help="Score only static shard I of N (e.g. one Airflow task each); "
+              "the shard that completes the set writes the output, or run `batchscore merge`.")
 @_guarded
 def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, quiet: bool,
-        fresh: bool) -> None:
+        fresh: bool, shard: str | None) -> None:
     """Run a scoring job: read, plan, score, write one output row per input row.
 
     Progress is saved in parts next to the output; if the run dies, the same command resumes it.
@@ -96,12 +98,20 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
 
         batchscore run jobs/sample.yaml --set engine.dtype=bfloat16 -o scores.parquet
     """
-    from batchscore.runner import run_job
+    from batchscore.runner import Shard, run_job
 
+    try:
+        parsed_shard = Shard.parse(shard) if shard else None
+    except ValueError as exc:
+        _fail(str(exc), EXIT_CONFIG)
     config = _load(job, sets, output)
-    summary = run_job(config, progress=not quiet, fresh=fresh)
+    summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
     if metrics:
         Path(metrics).write_text(summary.to_json())
+    if not summary.complete:
+        click.echo(f"shard {shard} done; the output is written when every shard has finished "
+                   f"(or run: batchscore merge {job} --shards {parsed_shard.count})")
+        return
     click.echo(
         f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors\n"
         f"tokens: {summary.logical_tokens:,} logical, {summary.processed_tokens:,} processed "
@@ -133,6 +143,29 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
     for key, value in stats.items():
         shown = f"{value:.4f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else value
         click.echo(f"{key:<{width}}  {shown}")
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--shards", type=click.IntRange(min=1), required=True, help="N, the number of static shards.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job key (repeatable).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Override output.path.")
+@_guarded
+def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> None:
+    """Combine the parts of N finished static shards into the output.
+
+    Example:
+
+        batchscore run job.yaml --shard 0/2 && batchscore run job.yaml --shard 1/2
+        batchscore merge job.yaml --shards 2
+    """
+    from batchscore.runner import merge_shards
+
+    summary = merge_shards(_load(job, sets, output), shards)
+    if summary is None:
+        click.echo("nothing to merge: the output was already written by the last shard")
+        return
+    click.echo(f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors")
 
 
 @main.command()

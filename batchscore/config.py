@@ -22,6 +22,7 @@ ENGINE_KINDS = ("torch", "vllm", "auto")
 DTYPES = ("float32", "bfloat16", "auto")
 ORDERS = ("r_group", "input", "srjf")
 INPUT_FORMATS = ("auto", "parquet", "jsonl")
+EXECUTOR_KINDS = ("local", "ray")
 
 
 class _JobYamlLoader(yaml.SafeLoader):
@@ -104,6 +105,15 @@ class OutputConfig:
 
 
 @dataclass
+class ExecutorConfig:
+    kind: str = "local"  # local (this process) | ray (one engine per Ray actor)
+    num_workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+    address: str | None = None  # a Ray cluster address; None starts a local Ray
+
+
+@dataclass
 class JobConfig:
     input: InputConfig = field(default_factory=InputConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
@@ -112,6 +122,7 @@ class JobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     source: str | None = None  # the job file this came from (for messages and relative paths)
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,7 +231,7 @@ _INVALID = object()
 
 def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
     nested = {"InputConfig": InputConfig, "PromptConfig": PromptConfig, "EngineConfig": EngineConfig,
-              "PlanConfig": PlanConfig, "OutputConfig": OutputConfig,
+              "PlanConfig": PlanConfig, "OutputConfig": OutputConfig, "ExecutorConfig": ExecutorConfig,
               "SyntheticInput | None": SyntheticInput}
     optional = type_str.endswith("| None")
     if value is None:
@@ -301,6 +312,12 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("plan.block_size: must be ≥ 1")
     if not 0.0 <= config.output.max_error_rate <= 1.0:
         problems.append(f"output.max_error_rate: must be between 0 and 1, got {config.output.max_error_rate}")
+    if config.executor.kind not in EXECUTOR_KINDS:
+        problems.append(f"executor.kind: must be one of {', '.join(EXECUTOR_KINDS)}, got {config.executor.kind!r}")
+    if config.executor.num_workers < 1:
+        problems.append("executor.num_workers: must be ≥ 1")
+    if config.executor.gpus_per_worker < 0 or config.executor.cpus_per_worker <= 0:
+        problems.append("executor.gpus_per_worker must be ≥ 0 and executor.cpus_per_worker > 0")
     if config.output.part_rows < 1:
         problems.append("output.part_rows: must be ≥ 1")
     if config.output.part_seconds <= 0:

@@ -1,17 +1,15 @@
 """`run_job`: the whole job, from a validated JobConfig to the output Parquet file.
 
-Stages: read + tokenize (prepare) → plan → score group by group, flushing durable parts →
-assemble the final Parquet atomically. A run that dies resumes from its parts.
+Stages: read + tokenize (prepare) → plan → place groups on workers → score, flushing durable
+parts → assemble the final Parquet atomically. A run that dies resumes from its parts.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import signal
-import threading
+import re
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,28 +17,47 @@ import numpy as np
 
 from batchscore.config import JobConfig
 from batchscore.engines import EngineUnavailable, kv_block_size, resolve_engine_kind
-from batchscore.io.parts import Manifest, PartStore, input_fingerprint, job_hash
+from batchscore.io.parts import Manifest, PartStore, ResumeMismatch, input_fingerprint, job_hash
 from batchscore.io.readers import InputError, discover_files
 from batchscore.io.writer import results_table, write_parquet_atomic
 from batchscore.models import resolve_model
 from batchscore.plan import PlanOptions, build_plan
-from batchscore.prepare import prepare_input
+from batchscore.plan.placement import place_groups
+from batchscore.prepare import PreparedInput, prepare_input
 from batchscore.prompts import PromptRenderer, label_token_ids
+from batchscore.scoring import PartSink, RowProgress, RunInterrupted, score_locally
 
 log = logging.getLogger("batchscore")
+
+__all__ = ["run_job", "merge_shards", "RunSummary", "Shard", "ErrorRateExceeded", "RunInterrupted"]
 
 
 class ErrorRateExceeded(RuntimeError):
     """More rows failed than `output.max_error_rate` allows (the output is still written)."""
 
 
-class RunInterrupted(RuntimeError):
-    """SIGTERM/SIGINT: the current part was finished and recorded; rerun to resume."""
+@dataclass(frozen=True)
+class Shard:
+    """Static shard I of N: score only the groups the placement gives worker I."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shard":
+        match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+        if not match or not 0 <= int(match[1]) < int(match[2]):
+            raise ValueError(f"--shard {text!r}: expected I/N with 0 ≤ I < N, e.g. --shard 0/3")
+        return cls(int(match[1]), int(match[2]))
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.index}-of-{self.count}"
 
 
 @dataclass
 class RunSummary:
-    """What a finished run did; `to_dict()` is the `--metrics` JSON."""
+    """What a run did; `to_dict()` is the `--metrics` JSON."""
 
     output_path: str
     rows: int
@@ -52,9 +69,11 @@ class RunSummary:
     seconds: float
     engine: str
     model: str
+    complete: bool = True  # False: a shard finished but others have not (no output yet)
     plan_seconds: float = 0.0
     score_seconds: float = 0.0
     resumed_groups: int = 0
+    workers: int = 1
     batch_token_counts: list[int] = field(default_factory=list)
 
     @property
@@ -71,16 +90,143 @@ class RunSummary:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False) -> RunSummary:
-    """Score every input row of `config` and write the output Parquet file.
+@dataclass
+class _Job:
+    """A job after reading and tokenizing its input: everything but the scores."""
+
+    config: JobConfig
+    kind: str
+    model_dir: Path
+    label_ids: list[int]
+    prepared: PreparedInput
+    fingerprint: list[dict]
+
+
+def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
+            shard: Shard | None = None) -> RunSummary:
+    """Score every input row of `config` (or one static shard's share) and write the output.
 
     Side effects: may convert and cache the model; writes part files to `<output>.parts/`, then
     the final output atomically, then removes the parts. Resumes a matching partial run unless
-    `fresh`. Raises InputError / LabelError / ResumeMismatch / EngineUnavailable for job-level
-    problems, RunInterrupted on SIGTERM/SIGINT (after recording the current part), and
+    `fresh`. With `shard`, scores only that shard's groups; the shard that completes the set
+    writes the output. Raises InputError / LabelError / ResumeMismatch / EngineUnavailable for
+    job-level problems, RunInterrupted on SIGTERM/SIGINT (after recording the current part), and
     ErrorRateExceeded (after writing) when too many rows failed.
     """
     started = time.perf_counter()
+    job = _prepare_job(config)
+    plan = build_plan(job.prepared.requests, plan_options(config, job.kind))
+    log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
+
+    if shard is not None and not fresh:
+        _check_shard_count(PartStore(config.output.path), shard)
+    use_ray = config.executor.kind == "ray" and shard is None
+    num_workers = shard.count if shard else config.executor.num_workers if use_ray else 1
+    placement = place_groups(plan.groups, num_workers)
+    my_workers = [shard.index] if shard else list(range(num_workers))
+    writer = shard.name if shard else "run"
+    store = PartStore(config.output.path, writer)
+    manifest = store.start(Manifest(
+        job_hash=_job_hash(job, num_workers), input_fingerprint=job.fingerprint, model=str(config.model),
+        engine=job.kind, num_groups=len(plan.groups), num_rows=job.prepared.num_rows,
+        worker_groups={str(w): len(placement.workers[w].groups) for w in my_workers},
+    ), fresh=fresh)
+    resumed = sum(manifest.groups_done(w) for w in my_workers)
+    if resumed:
+        log.info("resuming: %d groups already scored", resumed)
+
+    score_started = time.perf_counter()
+    sinks = [PartSink(store, manifest, w, placement.workers[w].groups, manifest.groups_done(w), len(config.labels),
+                      config.output.part_rows, config.output.part_seconds) for w in my_workers]
+    remaining_rows = sum(len(g.members) for s in sinks for g in s.groups[s.next_group:])
+    bar = RowProgress(remaining_rows, progress)
+    batch_tokens: list[int] = []
+    try:
+        if any(not s.done for s in sinks):
+            if use_ray:
+                from batchscore.executors.ray_executor import score_on_ray
+
+                score_on_ray(config, job.kind, job.model_dir, sinks, job.label_ids, bar)
+            else:
+                engine = create_engine(config, job.kind, job.model_dir)
+                try:
+                    score_locally(engine, sinks[0], job.label_ids, bar)
+                    batch_tokens = list(engine.metrics.batch_token_counts or [])
+                finally:
+                    engine.close()
+    finally:
+        bar.close()
+    score_seconds = time.perf_counter() - score_started
+
+    writers = [Shard(i, shard.count).name for i in range(shard.count)] if shard else ["run"]
+    manifests = store.sibling_manifests(writers)
+    complete = all(m is not None and m.complete and m.job_hash == manifest.job_hash for m in manifests)
+    errors = _assemble(job, store, manifests) if complete else dict(job.prepared.errors)
+    summary = RunSummary(
+        output_path=str(config.output.path),
+        rows=job.prepared.num_rows,
+        rows_ok=job.prepared.num_rows - len(errors),
+        rows_error=len(errors),
+        logical_tokens=plan.stats.logical_tokens,
+        processed_tokens=plan.stats.processed_tokens + placement.split_extra_tokens,
+        saving_ratio=1 - (plan.stats.processed_tokens + placement.split_extra_tokens) / max(plan.stats.logical_tokens, 1),
+        seconds=time.perf_counter() - started,
+        engine=job.kind,
+        model=str(config.model),
+        complete=complete,
+        plan_seconds=plan.stats.plan_seconds,
+        score_seconds=score_seconds,
+        resumed_groups=resumed,
+        workers=num_workers,
+        batch_token_counts=batch_tokens,
+    )
+    if complete:
+        _check_error_rate(summary, config)
+    return summary
+
+
+def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
+    """Assemble the output of `count` static shards that have all finished.
+
+    Returns None when there is nothing to merge because the output is already complete.
+    Raises ResumeMismatch naming the shards that are missing or unfinished.
+    """
+    started = time.perf_counter()
+    store = PartStore(config.output.path, Shard(0, count).name)
+    if not store.folder.exists() and Path(config.output.path).exists():
+        return None  # the shard that finished last already wrote the output
+    job = _prepare_job(config)
+    names = [Shard(i, count).name for i in range(count)]
+    manifests = store.sibling_manifests(names)
+    expected = _job_hash(job, count)
+    missing = [n for n, m in zip(names, manifests) if m is None or not m.complete or m.job_hash != expected]
+    if missing:
+        raise ResumeMismatch(f"cannot merge: shard(s) {', '.join(missing)} of this job are missing or "
+                             f"unfinished in {store.folder}; run them with --shard I/{count}")
+    errors = _assemble(job, store, manifests)
+    logical = job.prepared.logical_tokens
+    summary = RunSummary(output_path=str(config.output.path), rows=job.prepared.num_rows,
+                         rows_ok=job.prepared.num_rows - len(errors), rows_error=len(errors),
+                         logical_tokens=logical, processed_tokens=0, saving_ratio=0.0,
+                         seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
+                         workers=count)
+    _check_error_rate(summary, config)
+    return summary
+
+
+def _check_shard_count(store: PartStore, shard: Shard) -> None:
+    """Refuse shard I/N next to shards of another N (their placements differ)."""
+    if not store.folder.exists():
+        return
+    for manifest in store.folder.glob("shard-*-of-*.manifest.json"):
+        other = int(manifest.name.split("-of-")[1].split(".")[0])
+        if other != shard.count:
+            raise ResumeMismatch(f"{store.folder} holds shards of a {other}-way split; run --shard I/{other}, "
+                                 "or --fresh to start over")
+
+
+def _prepare_job(config: JobConfig) -> _Job:
+    """Check paths, resolve engine and model, read and tokenize the input (no model weights loaded)."""
     if not config.output.path:
         raise InputError("output.path is not set (set it in the job file or pass --output)")
     files = [] if config.input.synthetic else [f for f, _ in discover_files(config.input.path, config.input.format)]
@@ -91,66 +237,44 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False) ->
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     label_ids = label_token_ids(tokenizer, config.labels)
     context = int(model_config.get("max_position_embeddings") or 2048)
+    if kind == "vllm":
+        context -= 1  # vLLM counts the one output token against max_model_len
     max_length = min(config.engine.max_length or context, context)
     vocab_size = int(model_config.get("vocab_size") or len(tokenizer))
-
     renderer = None
     if config.input.token_ids_column is None and config.input.synthetic is None:
         renderer = PromptRenderer(tokenizer, config.prompt.template, system=config.prompt.system,
                                   chat=config.prompt.chat)
     prepared = prepare_input(config, renderer, max_length=max_length, vocab_size=vocab_size)
     log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
+    return _Job(config, kind, Path(model_dir), label_ids, prepared, input_fingerprint(files))
 
-    plan = build_plan(prepared.requests, plan_options(config, kind))
-    log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
 
-    store = PartStore(config.output.path)
-    fingerprint = input_fingerprint(files)
-    manifest = store.start(Manifest(
-        job_hash=job_hash(_scoring_config(config), fingerprint, str(config.model), kind),
-        input_fingerprint=fingerprint, model=str(config.model), engine=kind,
-        num_groups=len(plan.groups), num_rows=prepared.num_rows,
-    ), fresh=fresh)
-    resumed = manifest.groups_done
-    if resumed:
-        log.info("resuming: %d of %d groups already scored", resumed, len(plan.groups))
+def _job_hash(job: _Job, num_workers: int) -> str:
+    data = job.config.to_dict()
+    data["output"] = {"keep_columns": data["output"]["keep_columns"]}  # not where or how often
+    data.pop("executor")  # how many workers matters (below), not how they run
+    data["num_workers"] = num_workers
+    return job_hash(data, job.fingerprint, str(job.config.model), job.kind)
 
-    score_started = time.perf_counter()
-    batch_tokens: list[int] = []
-    if resumed < len(plan.groups):
-        engine = create_engine(config, kind, model_dir)
-        try:
-            _score_into_parts(engine, plan.groups, resumed, label_ids, store, manifest, config, progress)
-            batch_tokens = list(engine.metrics.batch_token_counts or [])
-        finally:
-            engine.close()
-    score_seconds = time.perf_counter() - score_started
 
-    log_probs, mass = store.read_scores(manifest, prepared.num_rows, len(config.labels))
+def _assemble(job: _Job, store: PartStore, manifests: list[Manifest]) -> dict[int, str]:
+    """Write the final output from every part (atomically), remove the parts; returns row errors."""
+    config, prepared = job.config, job.prepared
+    log_probs, mass = store.read_scores(manifests, prepared.num_rows, len(config.labels))
     errors = dict(prepared.errors)
-    engine_errors = store.read_errors(manifest)
-    errors.update(engine_errors)
+    errors.update(store.read_errors(manifests))
+    unscored = np.flatnonzero(np.isnan(mass))
+    for row in unscored[~np.isin(unscored, np.fromiter(errors, dtype=np.int64, count=len(errors)))]:
+        errors[int(row)] = "not scored: no result from the engine"  # never silently lost
     id_name = config.input.id_column or "row_id"
     table = results_table(prepared.ids, id_name, prepared.kept, config.labels, np.exp(log_probs), mass, errors)
     write_parquet_atomic(table, config.output.path)
     store.finish()
+    return errors
 
-    summary = RunSummary(
-        output_path=str(config.output.path),
-        rows=prepared.num_rows,
-        rows_ok=prepared.num_rows - len(errors),
-        rows_error=len(errors),
-        logical_tokens=plan.stats.logical_tokens,
-        processed_tokens=plan.stats.processed_tokens,
-        saving_ratio=plan.stats.saving_ratio,
-        seconds=time.perf_counter() - started,
-        engine=kind,
-        model=str(config.model),
-        plan_seconds=plan.stats.plan_seconds,
-        score_seconds=score_seconds,
-        resumed_groups=resumed,
-        batch_token_counts=batch_tokens,
-    )
+
+def _check_error_rate(summary: RunSummary, config: JobConfig) -> None:
     error_rate = summary.rows_error / max(summary.rows, 1)
     if error_rate > config.output.max_error_rate:
         raise ErrorRateExceeded(
@@ -158,116 +282,6 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False) ->
             f"output.max_error_rate={config.output.max_error_rate:.1%}; the output was written to "
             f"{summary.output_path} with the errors in its 'error' column"
         )
-    return summary
-
-
-def _score_into_parts(engine, groups, first_group, label_ids, store: PartStore, manifest: Manifest,
-                      config: JobConfig, progress: bool) -> None:
-    """Score groups[first_group:] and flush whole groups into durable parts.
-
-    A part is flushed when it holds `output.part_rows` rows or `output.part_seconds` passed, at
-    the end, and when SIGTERM/SIGINT arrives (then RunInterrupted is raised).
-    """
-    todo = groups[first_group:]
-    members_left = [len(g.members) for g in todo]
-    tokens_of = {m.row_id: g.prefix_len + len(m.suffix) for g in todo for m in g.members} if progress else {}
-    bar = _progress_bar(sum(members_left), progress)
-    buffer = _PartBuffer(len(label_ids))
-    part_start = first_group
-    next_group = first_group  # the group whose members are arriving
-    last_flush = time.monotonic()
-    done_tokens, score_started = 0, time.perf_counter()
-
-    def flush(group_end: int) -> None:
-        nonlocal part_start, last_flush
-        if group_end > part_start:
-            store.write_part(manifest, *buffer.take(), group_start=part_start, group_end=group_end)
-            part_start, last_flush = group_end, time.monotonic()
-
-    with _stop_signals() as stop:
-        for result in engine.score(todo, label_ids):
-            buffer.add(result)
-            if bar is not None:
-                done_tokens += tokens_of.get(result.row_id, 0)
-                bar.set_postfix_str(f"{done_tokens / max(time.perf_counter() - score_started, 1e-9):,.0f} tok/s",
-                                    refresh=False)
-                bar.update(1)
-            members_left[next_group - first_group] -= 1
-            while next_group - first_group < len(todo) and members_left[next_group - first_group] == 0:
-                next_group += 1  # a group is complete: a part may end here
-                if (stop.is_set() or buffer.rows >= config.output.part_rows
-                        or time.monotonic() - last_flush >= config.output.part_seconds):
-                    flush(next_group)
-                if stop.is_set():
-                    raise RunInterrupted(
-                        f"interrupted after {next_group} of {len(groups)} groups; the scored groups "
-                        f"are saved in {store.folder} — rerun the same command to resume")
-        flush(next_group)
-    if bar is not None:
-        bar.close()
-    if next_group != len(groups):
-        raise RuntimeError(f"the engine returned results for {next_group} of {len(groups)} groups")
-
-
-class _PartBuffer:
-    """Results of the groups since the last part, as growable lists."""
-
-    def __init__(self, num_labels: int):
-        self.num_labels = num_labels
-        self.row_ids: list[int] = []
-        self.log_probs: list[np.ndarray] = []
-        self.mass: list[float] = []
-        self.errors: dict[int, str] = {}
-
-    @property
-    def rows(self) -> int:
-        return len(self.row_ids)
-
-    def add(self, result) -> None:
-        self.row_ids.append(result.row_id)
-        self.log_probs.append(np.asarray(result.log_probs, dtype=np.float64))
-        self.mass.append(float(result.label_mass))
-        if result.error:
-            self.errors[result.row_id] = result.error
-
-    def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
-        """Return and clear the buffered (row_ids, [R, L] log-probs, mass, errors)."""
-        out = (np.asarray(self.row_ids, dtype=np.int64),
-               np.stack(self.log_probs) if self.log_probs else np.zeros((0, self.num_labels)),
-               np.asarray(self.mass, dtype=np.float64), self.errors)
-        self.__init__(self.num_labels)
-        return out
-
-
-@contextmanager
-def _stop_signals():
-    """Turn SIGTERM/SIGINT into a flag checked at group boundaries (main thread only)."""
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def handler(signum, frame):
-        if stop.is_set():  # a second signal: stop right away
-            raise KeyboardInterrupt
-        log.warning("signal %s: finishing the current group, then saving progress", signum)
-        stop.set()
-
-    for sig in previous:
-        signal.signal(sig, handler)
-    try:
-        yield stop
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _scoring_config(config: JobConfig) -> dict:
-    """The parts of the config that decide scores and plan (not where or how often to write)."""
-    data = config.to_dict()
-    data["output"] = {"keep_columns": data["output"]["keep_columns"]}
-    return data
 
 
 def _check_output_outside_input(config: JobConfig, files: list[Path]) -> None:
@@ -325,11 +339,3 @@ def create_engine(config: JobConfig, kind: str, model_dir):
             ) from None
         return VllmEngine.from_config(model_dir, config, dtype=dtype)
     raise EngineUnavailable(f"unknown engine kind {kind!r}")
-
-
-def _progress_bar(total: int, enabled: bool):
-    if not enabled or total == 0:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="row", desc="scoring", dynamic_ncols=True)

@@ -38,7 +38,7 @@ def _run(job, output, *extra, wait=True):
 
 
 def _parts_written(output):
-    manifest = staging_dir(output) / "manifest.json"
+    manifest = staging_dir(output) / "run.manifest.json"
     try:
         return len(json.loads(manifest.read_text())["parts"])
     except (OSError, ValueError):
@@ -107,7 +107,7 @@ def test_a_partial_run_of_another_job_is_refused_unless_fresh(job_factory, multi
     output = tmp_path / "out.parquet"
     folder = staging_dir(output)
     folder.mkdir()
-    (folder / "manifest.json").write_text(json.dumps({
+    (folder / "run.manifest.json").write_text(json.dumps({
         "job_hash": "0000", "input_fingerprint": [], "model": "m", "engine": "torch",
         "num_groups": 1, "num_rows": 1, "parts": []}))
     runner = CliRunner()

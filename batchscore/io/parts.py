@@ -3,14 +3,16 @@
 Layout, for `output.path = out/scores.parquet`:
 
     out/scores.parquet.parts/
-        manifest.json          # job identity + which plan groups each part covers
-        part-000000.parquet    # row_id, label log-probs, label_mass of a run of whole groups
+        run.manifest.json            # job identity + which groups each part covers
+        run-part-000000.parquet      # row_id, label log-probs, label_mass, error of whole groups
+        shard-1-of-3.manifest.json   # a static shard writes its own manifest and parts
         ...
 
-Every file is written under a temporary name and renamed when complete, and the manifest is
+Every file is written under a temporary name and renamed when complete, and a manifest is
 rewritten (atomically) after each part, so a run killed at any moment leaves a consistent
-folder. Parts cover contiguous ranges of plan groups; resuming skips the groups they cover, so
-the resume state is O(parts), never O(rows).
+folder. The placement gives every worker a list of groups in plan order; a part covers a
+contiguous run of one worker's list, so resuming skips the groups its parts cover and the
+resume state is O(parts), never O(rows).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ class ResumeMismatch(RuntimeError):
 @dataclass
 class PartRecord:
     file: str
-    group_start: int  # first plan group covered (inclusive)
-    group_end: int  # last plan group covered (exclusive)
+    group_start: int  # first group covered, as a position in its worker's list (inclusive)
+    group_end: int  # exclusive
     rows: int
+    worker: int = 0
 
 
 @dataclass
@@ -50,13 +53,17 @@ class Manifest:
     engine: str
     num_groups: int
     num_rows: int
+    worker_groups: dict[str, int] = field(default_factory=dict)  # worker -> groups it must score
     parts: list[PartRecord] = field(default_factory=list)
     version: int = MANIFEST_VERSION
 
+    def groups_done(self, worker: int = 0) -> int:
+        """Groups of `worker`'s list covered by parts (a worker's parts are written in order)."""
+        return max((p.group_end for p in self.parts if p.worker == worker), default=0)
+
     @property
-    def groups_done(self) -> int:
-        """Plan groups covered by parts; parts are written in plan order, so a prefix of the plan."""
-        return max((p.group_end for p in self.parts), default=0)
+    def complete(self) -> bool:
+        return all(self.groups_done(int(w)) >= n for w, n in self.worker_groups.items())
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -90,12 +97,17 @@ def staging_dir(output_path: str | os.PathLike) -> Path:
 
 
 class PartStore:
-    """Reads and writes the staging folder of one output path."""
+    """Reads and writes one writer's manifest and parts in the staging folder of an output.
 
-    def __init__(self, output_path: str | os.PathLike):
+    `name` tells writers apart: "run" for a whole run (one process, or a Ray driver), or
+    "shard-I-of-N" for a static shard; each writer owns its own manifest file.
+    """
+
+    def __init__(self, output_path: str | os.PathLike, name: str = "run"):
         self.output_path = Path(output_path)
+        self.name = name
         self.folder = staging_dir(output_path)
-        self.manifest_path = self.folder / "manifest.json"
+        self.manifest_path = self.folder / f"{name}.manifest.json"
 
     def load_manifest(self) -> Manifest | None:
         """The existing manifest, or None when there is nothing to resume."""
@@ -113,8 +125,8 @@ class PartStore:
         matching one and raises ResumeMismatch for one that belongs to another job.
         """
         existing = None if fresh else self.load_manifest()
-        if fresh and self.folder.exists():
-            shutil.rmtree(self.folder)
+        if fresh:
+            self._remove_own_files()
         if existing is not None:
             if existing.job_hash != manifest.job_hash:
                 raise ResumeMismatch(
@@ -124,19 +136,19 @@ class PartStore:
                 )
             self._remove_strays(existing)
             return existing
-        if self.folder.exists():
-            shutil.rmtree(self.folder)  # leftovers without a readable manifest
-        self.folder.mkdir(parents=True)
+        self._remove_own_files()  # leftovers without a readable manifest
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.write_manifest(manifest)
         return manifest
 
     def write_part(self, manifest: Manifest, row_ids: np.ndarray, log_probs: np.ndarray,
-                   label_mass: np.ndarray, errors: dict[int, str], group_start: int, group_end: int) -> None:
+                   label_mass: np.ndarray, errors: dict[int, str], group_start: int, group_end: int,
+                   worker: int = 0) -> None:
         """Write one part (atomically), then record it in the manifest (atomically).
 
         row_ids: [R]; log_probs: [R, L]; label_mass: [R]; errors: row_id -> engine error message.
         """
-        name = f"part-{len(manifest.parts):06d}.parquet"
+        name = f"{self.name}-part-{len(manifest.parts):06d}.parquet"
         table = pa.table({
             "row_id": pa.array(row_ids, type=pa.int64()),
             "log_probs": pa.FixedSizeListArray.from_arrays(
@@ -145,17 +157,17 @@ class PartStore:
             "error": pa.array([errors.get(int(r)) for r in row_ids], type=pa.string()),
         })
         _atomic_write(self.folder / name, lambda tmp: pq.write_table(table, tmp))
-        manifest.parts.append(PartRecord(name, group_start, group_end, len(row_ids)))
+        manifest.parts.append(PartRecord(name, group_start, group_end, len(row_ids), worker))
         self.write_manifest(manifest)
 
     def write_manifest(self, manifest: Manifest) -> None:
         _atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
 
-    def read_scores(self, manifest: Manifest, num_rows: int, num_labels: int) -> tuple[np.ndarray, np.ndarray]:
+    def read_scores(self, manifests: list[Manifest], num_rows: int, num_labels: int) -> tuple[np.ndarray, np.ndarray]:
         """Gather every part into ([num_rows, L] log-probs, [num_rows] mass); NaN where unscored."""
         log_probs = np.full((num_rows, num_labels), np.nan)
         mass = np.full(num_rows, np.nan)
-        for part in manifest.parts:
+        for part in (p for m in manifests for p in m.parts):
             table = pq.read_table(self.folder / part.file)
             rows = table.column("row_id").to_numpy()
             values = np.asarray(table.column("log_probs").combine_chunks().flatten()).reshape(-1, num_labels)
@@ -163,24 +175,39 @@ class PartStore:
             mass[rows] = table.column("label_mass").to_numpy()
         return log_probs, mass
 
-    def read_errors(self, manifest: Manifest) -> dict[int, str]:
+    def read_errors(self, manifests: list[Manifest]) -> dict[int, str]:
         """Rows the engine could not score, with its message (usually none)."""
         errors: dict[int, str] = {}
-        for part in manifest.parts:
+        for part in (p for m in manifests for p in m.parts):
             table = pq.read_table(self.folder / part.file, columns=["row_id", "error"])
             for row_id, message in zip(table.column("row_id").to_pylist(), table.column("error").to_pylist()):
                 if message is not None:
                     errors[row_id] = message
         return errors
 
+    def sibling_manifests(self, names: list[str]) -> list[Manifest | None]:
+        """The manifests of the writers `names` in the same folder (None where missing)."""
+        return [PartStore(self.output_path, name).load_manifest() for name in names]
+
     def finish(self) -> None:
         """Remove the staging folder once the final output is in place."""
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    def _own_files(self):
+        if not self.folder.exists():
+            return []
+        return [p for p in self.folder.iterdir()
+                if p.name.startswith(f"{self.name}-part-") or p.name.startswith(f".{self.name}")
+                or p.name == self.manifest_path.name]
+
+    def _remove_own_files(self) -> None:
+        for path in self._own_files():
+            path.unlink(missing_ok=True)
+
     def _remove_strays(self, manifest: Manifest) -> None:
         # Temporary files and parts written after the last manifest update are not trusted.
         known = {p.file for p in manifest.parts} | {self.manifest_path.name}
-        for path in self.folder.iterdir():
+        for path in self._own_files():
             if path.name not in known:
                 path.unlink()
 

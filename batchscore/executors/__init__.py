@@ -1,0 +1,1 @@
+"""Ways to run the engines: in this process (batchscore.scoring) or across Ray actors."""

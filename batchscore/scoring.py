@@ -1,0 +1,160 @@
+"""Scoring loop helpers shared by the executors: results → durable parts, and clean stops.
+
+A `PartSink` takes one worker's results in that worker's group order and flushes whole groups
+into parts (by row count, by time, at the end, and when asked to stop).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from typing import Sequence
+
+import numpy as np
+
+from batchscore.engines.base import LabelScores
+from batchscore.io.parts import Manifest, PartStore
+from batchscore.plan.types import PrefixGroup
+
+log = logging.getLogger("batchscore")
+
+
+class RunInterrupted(RuntimeError):
+    """SIGTERM/SIGINT: the current part was finished and recorded; rerun to resume."""
+
+
+class PartSink:
+    """Buffers one worker's results and writes them as parts of whole groups.
+
+    `groups` is the worker's whole list; scoring starts at `first_group` (earlier ones are
+    already in parts). Side effects: `flush` writes a part and updates the manifest.
+    """
+
+    def __init__(self, store: PartStore, manifest: Manifest, worker: int, groups: Sequence[PrefixGroup],
+                 first_group: int, num_labels: int, part_rows: int, part_seconds: float):
+        self.store, self.manifest, self.worker = store, manifest, worker
+        self.groups = groups
+        self.num_labels = num_labels
+        self.part_rows, self.part_seconds = part_rows, part_seconds
+        self.part_start = first_group  # first group of the part being buffered
+        self.next_group = first_group  # the group whose members are arriving
+        self.members_left = len(groups[first_group].members) if first_group < len(groups) else 0
+        self.last_flush = time.monotonic()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.row_ids: list[int] = []
+        self.log_probs: list[np.ndarray] = []
+        self.mass: list[float] = []
+        self.errors: dict[int, str] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.next_group >= len(self.groups)
+
+    def add(self, result: LabelScores) -> bool:
+        """Buffer one result; returns True when it completed a group (a part may end there)."""
+        self.row_ids.append(result.row_id)
+        self.log_probs.append(np.asarray(result.log_probs, dtype=np.float64))
+        self.mass.append(float(result.label_mass))
+        if result.error:
+            self.errors[result.row_id] = result.error
+        self.members_left -= 1
+        completed = False
+        while self.members_left <= 0 and not self.done:
+            self.next_group += 1
+            completed = True
+            self.members_left = len(self.groups[self.next_group].members) if not self.done else 0
+        return completed
+
+    def maybe_flush(self) -> None:
+        """Flush at a group boundary when the part is big or old enough."""
+        if len(self.row_ids) >= self.part_rows or time.monotonic() - self.last_flush >= self.part_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the complete groups buffered so far as one part (nothing if none)."""
+        if self.next_group <= self.part_start:
+            return
+        log_probs = np.stack(self.log_probs) if self.log_probs else np.zeros((0, self.num_labels))
+        self.store.write_part(self.manifest, np.asarray(self.row_ids, dtype=np.int64), log_probs,
+                              np.asarray(self.mass), self.errors, group_start=self.part_start,
+                              group_end=self.next_group, worker=self.worker)
+        self.part_start, self.last_flush = self.next_group, time.monotonic()
+        self._reset()
+
+
+class RowProgress:
+    """A tqdm bar over rows with logical tokens/s (counted per completed group); no-op when off."""
+
+    def __init__(self, total_rows: int, enabled: bool):
+        self.bar = None
+        if enabled and total_rows:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_rows, unit="row", desc="scoring", dynamic_ncols=True)
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def row_done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def group_done(self, group: PrefixGroup) -> None:
+        if self.bar is not None:
+            self.tokens += group.logical_tokens
+            rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+            self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def score_locally(engine, sink: PartSink, label_ids: Sequence[int], progress: RowProgress) -> None:
+    """Score the sink's remaining groups with `engine` in this process.
+
+    Raises RunInterrupted after flushing when SIGTERM/SIGINT arrives (checked between groups).
+    """
+    todo = sink.groups[sink.next_group:]
+    with stop_signals() as stop:
+        for result in engine.score(todo, label_ids):
+            progress.row_done()
+            if sink.add(result):
+                progress.group_done(sink.groups[sink.next_group - 1])
+                if stop.is_set():
+                    sink.flush()
+                    raise RunInterrupted(
+                        f"interrupted after {sink.next_group} of {len(sink.groups)} groups; the scored "
+                        f"groups are saved in {sink.store.folder} — rerun the same command to resume")
+                sink.maybe_flush()
+        sink.flush()
+    if not sink.done:
+        raise RuntimeError(f"the engine returned results for {sink.next_group} of {len(sink.groups)} groups")
+
+
+@contextmanager
+def stop_signals():
+    """Turn SIGTERM/SIGINT into a flag checked at group boundaries (main thread only)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum, frame):
+        if stop.is_set():  # a second signal: stop right away
+            raise KeyboardInterrupt
+        log.warning("signal %s: finishing the current group, then saving progress", signum)
+        stop.set()
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -1,0 +1,107 @@
+"""Scale-out: static shards and Ray workers give the single-worker output, row for row."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchscore.cli import EXIT_CONFIG, main
+from batchscore.io.parts import staging_dir
+from tests.conftest import SAMPLE
+
+SCORES = ["p_Yes", "p_No", "label_mass"]
+
+
+@pytest.fixture
+def grouped_input(tmp_path):
+    """6 products × 2 queries: 6 prefix groups."""
+    rows = [r for r in pq.read_table(SAMPLE).to_pylist() if int(r["pair_id"][-2:]) < 2][:12]
+    path = tmp_path / "input.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+def assert_same_scores(got_path, want_path):
+    got, want = pq.read_table(got_path).to_pandas(), pq.read_table(want_path).to_pandas()
+    assert list(got["pair_id"]) == list(want["pair_id"])
+    assert (got["status"] == "ok").all()
+    assert (got[SCORES] - want[SCORES]).abs().max().max() < 1e-5  # float32
+
+
+def test_three_shards_then_merge_equal_the_unsharded_output(job_factory, grouped_input, tmp_path):
+    job = job_factory(grouped_input, engine={"token_budget": 256})
+    reference = tmp_path / "reference.parquet"
+    assert invoke("run", job, "-q", "-o", reference).exit_code == 0
+    sharded = tmp_path / "sharded.parquet"
+    for index in range(3):
+        result = invoke("run", job, "-q", "-o", sharded, "--shard", f"{index}/3")
+        assert result.exit_code == 0, result.output
+        if index < 2:
+            assert "batchscore merge" in result.output and not sharded.exists()
+    assert sharded.exists()  # the shard that completed the set wrote the output
+    assert not staging_dir(sharded).exists()
+    assert_same_scores(sharded, reference)
+    result = invoke("merge", job, "--shards", "3", "-o", sharded)
+    assert result.exit_code == 0 and "already" in result.output
+
+
+def test_merge_names_the_missing_shard(job_factory, grouped_input, tmp_path):
+    job = job_factory(grouped_input)
+    output = tmp_path / "out.parquet"
+    assert invoke("run", job, "-q", "-o", output, "--shard", "1/2").exit_code == 0
+    result = invoke("merge", job, "--shards", "2", "-o", output)
+    assert result.exit_code == EXIT_CONFIG
+    assert "shard-0-of-2" in result.output
+    assert invoke("run", job, "-q", "-o", output, "--shard", "2/2").exit_code == EXIT_CONFIG
+
+
+def _ray_workers() -> list[int]:
+    """PIDs of live Ray scoring actors (Ray titles actor processes ray::ScoringWorker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"ray::ScoringWorker" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.skipif(pytest.importorskip("ray") is None, reason="needs ray")
+def test_ray_two_workers_match_one_worker_even_when_a_worker_dies(job_factory, grouped_input, tmp_path):
+    job = job_factory(grouped_input, engine={"token_budget": 256})
+    reference = tmp_path / "reference.parquet"
+    assert invoke("run", job, "-q", "-o", reference).exit_code == 0
+
+    output = tmp_path / "ray.parquet"
+    cmd = [sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "-o", str(output),
+           "--set", "executor.kind=ray", "--set", "executor.num_workers=2", "--set", "output.part_rows=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    manifest = staging_dir(output) / "run.manifest.json"
+    deadline = time.monotonic() + 400
+    killed = False
+    while proc.poll() is None and time.monotonic() < deadline and not killed:
+        if manifest.exists() and '"file"' in manifest.read_text():  # a first part is in: mid-run
+            workers = _ray_workers()
+            if workers:
+                os.kill(workers[0], signal.SIGKILL)
+                killed = True
+        time.sleep(0.1)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert killed, "the run ended before a worker could be killed"
+    assert_same_scores(output, reference)
