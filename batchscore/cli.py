@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -75,6 +76,8 @@ def main(verbose: bool) -> None:
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not verbose:  # vLLM logs every start-up and shutdown step at INFO; keep the terminal readable
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 @main.command()
