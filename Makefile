@@ -40,7 +40,10 @@ bench-engine: setup
 bench-vllm: setup
 	$(PY) -m batchscore.bench.vllm_bench
 
-bench: bench-plan bench-engine
+# The BatchLLM tables at CI scale: three microbenchmark shapes + the industry-like workload, each
+# with plain forward, the torch engine, vLLM on shuffled order and vLLM on the plan (bounded cache).
+bench: setup bench-plan
+	$(VENV)/bin/batchscore bench ci --scale ci --out bench_results
 
 clean:
 	rm -rf $(VENV) out bench_results .pytest_cache

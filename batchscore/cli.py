@@ -171,6 +171,37 @@ def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> N
     click.echo(f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors")
 
 
+class _BenchGroup(click.Group):
+    """`batchscore bench WORKLOAD...` runs the throughput suite; named tools are subcommands."""
+
+    def parse_args(self, ctx, args):
+        if args and not args[0].startswith("-") and args[0] not in self.commands:
+            args = ["workloads", *args]
+        return super().parse_args(ctx, args)
+
+
+@main.group(cls=_BenchGroup)
+def bench() -> None:
+    """Benchmarks: BatchLLM throughput tables (WORKLOAD...), and named tools.
+
+    Example:
+
+        batchscore bench micro-2000-200 --scale ci
+
+        batchscore bench ci --scale ci --out bench_results
+    """
+
+
+def _register_bench_commands() -> None:
+    from batchscore.bench.command import bench as suite
+
+    suite.name = "workloads"
+    bench.add_command(suite)
+
+
+_register_bench_commands()
+
+
 @main.command()
 def models() -> None:
     """List the built-in model names.

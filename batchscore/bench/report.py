@@ -1,0 +1,157 @@
+"""Reports of a bench suite run: a Markdown table, a JSON record and PNG charts (matplotlib, Agg).
+
+`write_report(result, folder)` writes, and returns the paths of:
+  results.md          the table (one row per workload × engine) and the machine it ran on
+  results.json        the same numbers, machine-readable
+  throughput.png      logical tokens/s per engine, and the speedup over `plain` vs the ideal
+  batch_tokens.png    tokens per forward batch over time (BatchLLM Fig. 2/10), where an engine
+                      exposes them
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from batchscore.bench.suite import ENGINES, SuiteResult
+
+COLORS = {"plain": "#888888", "torch": "#1f77b4", "vllm-shuffled": "#d62728", "vllm-plan": "#ff7f0e"}
+
+
+def _x(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}x"
+
+
+def markdown_table(result: SuiteResult) -> str:
+    """The results as Markdown: a header naming the machine, then one row per workload × engine."""
+    m = result.machine
+    lines = [
+        f"# batchscore bench — scale `{result.scale}`",
+        "",
+        f"Machine: {m.get('cpu')}, {m.get('cores')} cores (torch threads {m.get('torch_threads')}), "
+        f"load average {m.get('load_avg_start', 0):.1f} at start / {m.get('load_avg_end', 0):.1f} at end; "
+        f"torch {m.get('torch')}" + (f", vLLM {m['vllm']}" if "vllm" in m else ", vLLM not installed") + ".",
+        f"Model {result.model}, {result.dtype}; suite wall time {result.seconds:.0f} s.",
+        "",
+        "Speedups compare logical tokens/s (prompt tokens as if unshared). Ideal = logical / processed "
+        "tokens of batchscore's plan; fraction of ideal = speedup over plain / ideal.",
+        "",
+        "| workload | engine | requests | logical tokens | processed tokens | saving ratio | requests/s "
+        "| logical tokens/s | × plain | × vllm-shuffled | fraction of ideal | max abs dP vs plain | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for w in result.workloads:
+        lines.append(f"| **{w.name}** | plan | {w.requests:,} | {w.logical_tokens:,} | {w.processed_tokens:,} "
+                     f"| {w.plan_saving_ratio:.1%} | | | ideal {w.ideal_speedup:.2f}x | | | | {w.groups} groups |")
+        for run in sorted(w.runs, key=lambda r: ENGINES.index(r.engine)):
+            over_plain = w.speedup(run.engine, "plain")
+            fraction = f"{over_plain / w.ideal_speedup:.2f}" if over_plain and run.engine != "plain" else ""
+            dp = f"{run.max_dp_vs_plain:.3f}" if run.max_dp_vs_plain is not None else ""
+            lines.append(
+                f"| {w.name} | {run.engine} | {run.requests:,} | {run.logical_tokens:,} | {run.processed_tokens:,} "
+                f"| {run.saving_ratio:.1%} | {run.requests_per_s:.3f} | {run.logical_tokens_per_s:,.0f} "
+                f"| {_x(over_plain)} | {_x(w.speedup(run.engine, 'vllm-shuffled'))} | {fraction} | {dp} "
+                f"| {run.note} |")
+        for engine, why in w.skipped.items():
+            lines.append(f"| {w.name} | {engine} | | | | | | | | | | | skipped: {why} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(result: SuiteResult) -> dict:
+    """Every number of the report (no probabilities, no per-batch counts)."""
+    return {
+        "scale": result.scale, "dtype": result.dtype, "model": result.model, "machine": result.machine,
+        "seconds": result.seconds,
+        "workloads": [{
+            "name": w.name, "description": w.description, "requests": w.requests, "groups": w.groups,
+            "logical_tokens": w.logical_tokens, "processed_tokens": w.processed_tokens,
+            "plan_saving_ratio": w.plan_saving_ratio, "ideal_speedup": w.ideal_speedup, "skipped": w.skipped,
+            "runs": [{
+                "engine": r.engine, "requests": r.requests, "seconds": r.seconds,
+                "logical_tokens": r.logical_tokens, "processed_tokens": r.processed_tokens,
+                "saving_ratio": r.saving_ratio, "requests_per_s": r.requests_per_s,
+                "logical_tokens_per_s": r.logical_tokens_per_s,
+                "speedup_over_plain": w.speedup(r.engine, "plain"),
+                "speedup_over_vllm_shuffled": w.speedup(r.engine, "vllm-shuffled"),
+                "max_dp_vs_plain": r.max_dp_vs_plain, "note": r.note,
+            } for r in w.runs],
+        } for w in result.workloads],
+    }
+
+
+def throughput_chart(result: SuiteResult, path: Path) -> Path:
+    """Two panels: logical tokens/s per workload and engine; speedup over plain with the ideal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = result.workloads
+    fig, (ax_rate, ax_speed) = plt.subplots(1, 2, figsize=(max(8, 3.2 * len(workloads)), 4.5))
+    width = 0.8 / len(ENGINES)
+    for e, engine in enumerate(ENGINES):
+        xs, rates, speeds = [], [], []
+        for i, w in enumerate(workloads):
+            run = w.run(engine)
+            if run is not None:
+                xs.append(i + (e - (len(ENGINES) - 1) / 2) * width)
+                rates.append(run.logical_tokens_per_s)
+                speeds.append(w.speedup(engine, "plain") or 0.0)
+        if xs:
+            ax_rate.bar(xs, rates, width, label=engine, color=COLORS[engine])
+            ax_speed.bar(xs, speeds, width, label=engine, color=COLORS[engine])
+    for i, w in enumerate(workloads):
+        ax_speed.hlines(w.ideal_speedup, i - 0.45, i + 0.45, colors="black", linestyles="dashed",
+                        label="ideal (logical / processed)" if i == 0 else None)
+    for ax, title in ((ax_rate, "logical tokens / s"), (ax_speed, "speedup over plain forward")):
+        ax.set_xticks(range(len(workloads)))
+        ax.set_xticklabels([w.name for w in workloads], rotation=20, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"batchscore bench ({result.scale}, {result.model}, {result.dtype}; {result.machine.get('cpu')})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def batch_tokens_chart(result: SuiteResult, path: Path) -> Path:
+    """Tokens per forward batch over the run (BatchLLM Fig. 2/10), one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = result.workloads or []
+    fig, axes = plt.subplots(len(workloads) or 1, 1, figsize=(8, 2.4 * max(len(workloads), 1)), squeeze=False)
+    for ax, w in zip(axes[:, 0], workloads):
+        for run in w.runs:
+            if run.batch_token_counts:
+                ax.plot(range(len(run.batch_token_counts)), run.batch_token_counts, marker=".", lw=1,
+                        label=f"{run.engine} ({len(run.batch_token_counts)} batches)", color=COLORS[run.engine])
+        ax.set_title(w.name, fontsize=9)
+        ax.set_ylabel("tokens / batch")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    axes[-1, 0].set_xlabel("forward batch (in order)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(result: SuiteResult, folder: str | Path) -> dict[str, Path]:
+    """Write results.md, results.json, throughput.png and batch_tokens.png under `folder` (created)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": folder / "results.md", "json": folder / "results.json",
+             "throughput": folder / "throughput.png", "batch_tokens": folder / "batch_tokens.png"}
+    paths["markdown"].write_text(markdown_table(result))
+    paths["json"].write_text(json.dumps(to_json(result), indent=2))
+    throughput_chart(result, paths["throughput"])
+    batch_tokens_chart(result, paths["batch_tokens"])
+    return paths
+
+
+__all__ = ["markdown_table", "to_json", "throughput_chart", "batch_tokens_chart", "write_report"]

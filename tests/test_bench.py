@@ -1,0 +1,111 @@
+"""`batchscore bench`: workloads, Parquet export, and a tiny end-to-end run (table + PNGs).
+
+The end-to-end run uses a tiny random-weight Llama (the built-in model's vocabulary, 2 layers)
+so it stays fast on a loaded 2-core machine; vLLM rows must be skipped with a note when vLLM
+is not importable.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchscore.bench.command import bench
+from batchscore.bench.postrec import postrec
+from batchscore.bench.suite import SCALES, expand_names, make_workload, plain_slices, vllm_available
+from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_postrec_shape_fits_context():
+    prompts = postrec(num_users=3, posts_per_user=5, history_scale=0.5, max_context=8192, seed=1)
+    assert len(prompts) == 15
+    assert max(len(p) for p in prompts) <= 8192
+    plan = build_plan(requests_from_token_lists(prompts), PlanOptions())
+    assert plan.stats.num_groups == 3  # one group per user history
+
+
+def test_expand_names_and_unknown():
+    assert expand_names(["ci"]) == ["micro-2000-200", "micro-2000-1000", "micro-1000-1000", "industry"]
+    with pytest.raises(ValueError, match="unknown workload"):
+        expand_names(["nope"])
+
+
+def test_ci_microbench_2000_200_matches_the_paper_bound():
+    w = make_workload("micro-2000-200", SCALES["ci"], degree=16)
+    assert len(w.prompts) == 32
+    saving = build_plan(requests_from_token_lists(w.prompts)).stats.saving_ratio
+    assert saving == pytest.approx(1 - (2000 + 16 * 200) / (16 * 2200), abs=0.02)  # 85.2%
+
+
+def test_plain_slices_cover_the_token_limit_once():
+    w = make_workload("micro-2000-200", SCALES["tiny"], degree=4)
+    groups = build_plan(requests_from_token_lists(w.prompts)).groups
+    slices = plain_slices(groups, 300)
+    assert len(slices) == len(groups)
+    rows = [g.members[0].row_id for part in slices for g in part]
+    assert len(rows) == len(set(rows)) >= 1
+    assert sum(g.logical_tokens for part in slices for g in part) >= 300
+
+
+def test_write_parquet(tmp_path):
+    path = tmp_path / "industry.parquet"
+    result = CliRunner().invoke(bench, ["industry", "--scale", "tiny", "--write-parquet", str(path)])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(path)
+    assert table.column_names == ["row_id", "token_ids"]
+    column_type = table.schema.field("token_ids").type
+    assert pa.types.is_list(column_type) and column_type.value_type == pa.int32()
+    expected = make_workload("industry", SCALES["tiny"])
+    stored = table["token_ids"].to_pylist()
+    assert len(stored) == len(expected.prompts)
+    assert all(np.array_equal(a, b) for a, b in zip(stored, expected.prompts))
+
+
+def test_bench_tiny_end_to_end(tmp_path, tiny_llama):
+    out = tmp_path / "results"
+    args = ["micro-2000-200", "industry", "--scale", "tiny", "--degree", "8", "--model", str(tiny_llama),
+            "--dtype", "float32", "--token-budget", "512", "--out", str(out)]
+    if vllm_available():
+        args += ["--engines", "plain,torch"]  # starting vLLM takes minutes; its rows are covered elsewhere
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 0, result.output
+    for name in ("results.md", "results.json", "throughput.png", "batch_tokens.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    table = (out / "results.md").read_text()
+    assert "| micro-2000-200-d8 | torch |" in table and "| industry | plain |" in table
+    if not vllm_available():
+        assert "vllm-shuffled | | | | | | | | | | | skipped: vLLM not importable" in table
+
+    data = json.loads((out / "results.json").read_text())
+    for w in data["workloads"]:
+        runs = {r["engine"]: r for r in w["runs"]}
+        workload = make_workload(w["name"].rsplit("-d", 1)[0] if w["name"].startswith("micro") else w["name"],
+                                 SCALES["tiny"], degree=8)
+        plan = build_plan(requests_from_token_lists(workload.prompts))
+        assert w["plan_saving_ratio"] == pytest.approx(plan.stats.saving_ratio)
+        assert runs["torch"]["saving_ratio"] == pytest.approx(plan.stats.saving_ratio)  # engine == planner
+        assert runs["torch"]["requests"] == len(workload.prompts)
+        assert runs["plain"]["saving_ratio"] == 0
+        assert runs["torch"]["speedup_over_plain"] > 0
+        assert w["ideal_speedup"] == pytest.approx(1 / (1 - plan.stats.saving_ratio))
+        assert runs["torch"]["max_dp_vs_plain"] < 1e-3  # same scores as the plain forward (float32)
