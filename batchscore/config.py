@@ -84,6 +84,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     token_budget: int = 4096  # tokens per forward batch
     max_length: int | None = None  # longest prompt scored; default: the model's context
+    threads: int | None = None  # torch CPU threads; default: torch's (all cores)
     vllm_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -302,6 +303,8 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append(f"engine.dtype: must be one of {', '.join(DTYPES)}, got {config.engine.dtype!r}")
     if config.engine.token_budget < 16:
         problems.append(f"engine.token_budget: must be ≥ 16, got {config.engine.token_budget}")
+    if config.engine.threads is not None and config.engine.threads < 1:
+        problems.append("engine.threads: must be ≥ 1")
     if config.engine.max_length is not None and config.engine.max_length < 1:
         problems.append("engine.max_length: must be ≥ 1")
     if config.plan.order not in ORDERS:

@@ -326,8 +326,12 @@ def create_engine(config: JobConfig, kind: str, model_dir):
     """Build the engine named by `kind` for the model in `model_dir`."""
     dtype = resolve_dtype(config.engine.dtype, kind)
     if kind == "torch":
+        import torch
+
         from batchscore.engines.torch_engine import TorchEngine
 
+        if config.engine.threads:
+            torch.set_num_threads(config.engine.threads)  # process-wide: torch has no per-model setting
         return TorchEngine.from_pretrained(model_dir, dtype=dtype, token_budget=config.engine.token_budget)
     if kind == "vllm":
         try:
