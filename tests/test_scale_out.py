@@ -1,5 +1,6 @@
 """Scale-out: static shards and Ray workers give the single-worker output, row for row."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -81,7 +82,7 @@ def _ray_workers() -> list[int]:
     return pids
 
 
-@pytest.mark.skipif(pytest.importorskip("ray") is None, reason="needs ray")
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'batchscore[ray]')")
 def test_ray_two_workers_match_one_worker_even_when_a_worker_dies(job_factory, grouped_input, tmp_path):
     job = job_factory(grouped_input, engine={"token_budget": 256})
     reference = tmp_path / "reference.parquet"
