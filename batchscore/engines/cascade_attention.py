@@ -221,6 +221,39 @@ def _attend_part(
     return out.to(query.dtype)
 
 
+def attend_query_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    part: CascadePart,
+    layer_idx: int,
+    scale: float,
+    query_start: int = 0,
+) -> torch.Tensor:
+    """Attention of the part's query rows [query_start, query_start + U) (hybrid prefilling).
+
+    query [1, H, U, D]; key/value [1, H_kv, T_p, D]: the part's own K/V, all of its tokens
+    (only rows before query_start + U are read). A part of several sequences must be attended
+    whole (query_start 0, U = T_p); a single sequence may be split into query chunks: the chunk
+    attends causally to its own rows and fully to the earlier rows, merged exactly by
+    log-sum-exp like the prefix. Returns [1, H, U, D] in query's dtype. Records nothing.
+    """
+    rows = query.shape[2]
+    end = query_start + rows
+    if part.layout.num_sequences > 1 and (query_start != 0 or end != part.num_tokens):
+        raise ValueError("a part of several sequences is attended whole, not in query chunks")
+    own = slice(query_start, end)
+    out, lse = causal_attention_per_sequence(query, key[:, :, own], value[:, :, own], part.layout, scale)
+    if query_start > 0:  # the sequence's earlier rows: every query of the chunk sees all of them
+        out_e, lse_e = _flash_attention_cpu(query, key[:, :, :query_start], value[:, :, :query_start], 0.0, False,
+                                            scale=scale)
+        out, lse = merge_partial_attention(out_e, lse_e, out, lse)
+    for prefix_key, prefix_value in part.prefix.layers[layer_idx]:
+        out_p, lse_p = _flash_attention_cpu(query, prefix_key, prefix_value, 0.0, False, scale=scale)
+        out, lse = merge_partial_attention(out_p, lse_p, out, lse)
+    return out.to(query.dtype)
+
+
 def register_cascade_attention() -> str:
     """Register `cascade_attention_forward` with transformers (idempotent); return its name.
 

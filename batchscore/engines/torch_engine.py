@@ -13,14 +13,26 @@ Per prefix group:
 
 A group with an empty prefix holds plain requests: their whole prompts are packed the same way.
 A member whose suffix is empty is scored from the prefix's last position. A member whose suffix
-is longer than the budget is prefilled in chunks on top of the (shared, uncopied) prefix KV.
+is longer than the budget is prefilled in chunks on top of the (shared, uncopied) prefix KV
+(keeping its own KV of all layers meanwhile) or, with hybrid prefilling, in one pass of its own.
+
+Options:
+  hybrid_chunk: run the projections, norms and MLPs `hybrid_chunk` rows at a time while attention
+    sees the whole sequence (PrefillOnly's hybrid prefilling, see `hybrid.py`); a suffix's KV
+    then lives for its own layer only, also for suffixes longer than the token budget.
+  memory_budget: bytes beyond the weights a pass may use (estimated by `memory.py`: prefix KV,
+    recorded KV, activation peak, LM head); suffix batches close at the token budget or at the
+    memory budget, whichever comes first (no cap on the number of requests). A request that does
+    not fit alone raises `MemoryBudgetError` before its group is computed.
+Memory lifetimes: a suffix's K/V is dropped after its layer's attention; a group's prefix KV is
+dropped as soon as its last member is scored (before that member's result is yielded).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generator, Iterable, Iterator, Sequence
+from typing import Callable, Generator, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +45,8 @@ from batchscore.engines.cascade_attention import (
     SequenceLayout,
     register_cascade_attention,
 )
+from batchscore.engines.hybrid import HybridDecoder
+from batchscore.engines.memory import MemoryBudgetError, MemoryEstimator, ModelShape
 from batchscore.plan.types import PrefixGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -46,13 +60,21 @@ class SuffixBatch:
     chunked: bool = False
 
 
-def plan_suffix_batches(suffix_lengths: Sequence[int], token_budget: int) -> list[SuffixBatch]:
+def plan_suffix_batches(
+    suffix_lengths: Sequence[int],
+    token_budget: int,
+    *,
+    fits: Callable[[list[int]], bool] | None = None,
+    long_in_one_pass: bool = False,
+) -> list[SuffixBatch]:
     """Pack members (in order) into batches of at most `token_budget` suffix tokens.
 
     Members with an empty suffix are left out (they are scored from the prefix). A member whose
-    suffix alone exceeds the budget gets a batch of its own marked `chunked`. A batch also closes
-    when its right-padded view (members × longest suffix, used by the per-member causal attention)
-    would exceed twice the budget, which bounds padding waste for very uneven lengths.
+    suffix alone exceeds the budget gets a batch of its own, marked `chunked` unless
+    `long_in_one_pass` (hybrid prefilling). A batch also closes when its right-padded view
+    (members × longest suffix, used by the per-member causal attention) would exceed twice the
+    budget, which bounds padding waste for very uneven lengths, and when `fits(suffix lengths)`
+    (memory-centric batching) says the batch with one more member would not fit.
     """
     batches: list[SuffixBatch] = []
     current: list[int] = []
@@ -61,10 +83,14 @@ def plan_suffix_batches(suffix_lengths: Sequence[int], token_budget: int) -> lis
         if length == 0:
             continue
         if length > token_budget:
-            batches.append(SuffixBatch([index], chunked=True))
+            batches.append(SuffixBatch([index], chunked=not long_in_one_pass))
             continue
         new_longest = max(longest, length)
-        if current and (tokens + length > token_budget or (len(current) + 1) * new_longest > 2 * token_budget):
+        if current and (
+            tokens + length > token_budget
+            or (len(current) + 1) * new_longest > 2 * token_budget
+            or (fits is not None and not fits([suffix_lengths[i] for i in current] + [length]))
+        ):
             batches.append(SuffixBatch(current))
             current, tokens, new_longest = [], 0, length
         current.append(index)
@@ -83,9 +109,21 @@ class TorchEngine:
     engine's `cascade=` forward argument; do not use it for plain forwards afterwards).
     """
 
-    def __init__(self, model: torch.nn.Module, *, token_budget: int = 4096, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        token_budget: int = 4096,
+        device: str = "cpu",
+        hybrid_chunk: int | None = None,
+        memory_budget: int | None = None,
+    ) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be at least 1, got {token_budget}")
+        if hybrid_chunk is not None and hybrid_chunk < 1:
+            raise ValueError(f"hybrid_chunk must be at least 1 (or None: off), got {hybrid_chunk}")
+        if memory_budget is not None and memory_budget < 1:
+            raise ValueError(f"memory_budget must be a positive number of bytes (or None: off), got {memory_budget}")
         if torch.device(device).type != "cpu":
             raise NotImplementedError(f"TorchEngine runs on CPU only for now, got device {device!r}")
         _check_full_attention(model.config)
@@ -97,10 +135,22 @@ class TorchEngine:
         self._decoder = model.get_decoder()
         self._lm_head = model.get_output_embeddings()
         self._num_layers = model.config.num_hidden_layers
+        self.hybrid_chunk = hybrid_chunk
+        self.memory_budget = memory_budget
+        self._hybrid = HybridDecoder(self._decoder, hybrid_chunk) if hybrid_chunk is not None else None
+        dtype_bytes = next(model.parameters()).element_size()
+        self.memory = MemoryEstimator(ModelShape.from_config(model.config, dtype_bytes), hybrid_chunk)
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: str = "float32", token_budget: int = 4096, device: str = "cpu"
+        cls,
+        path: str | Path,
+        *,
+        dtype: str = "float32",
+        token_budget: int = 4096,
+        device: str = "cpu",
+        hybrid_chunk: int | None = None,
+        memory_budget: int | None = None,
     ) -> TorchEngine:
         """Load a local Hugging Face causal-LM folder (never downloads) and wrap it."""
         from transformers import AutoModelForCausalLM
@@ -108,7 +158,8 @@ class TorchEngine:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
-        return cls(model, token_budget=token_budget, device=device)
+        return cls(model, token_budget=token_budget, device=device, hybrid_chunk=hybrid_chunk,
+                   memory_budget=memory_budget)
 
     @property
     def max_context(self) -> int:
@@ -117,7 +168,7 @@ class TorchEngine:
 
     def close(self) -> None:
         """Drop the engine's references to the model (the caller's references stay valid)."""
-        self.model = self._decoder = self._lm_head = None
+        self.model = self._decoder = self._lm_head = self._hybrid = None
 
     # ------------------------------------------------------------------ public scoring
 
@@ -133,10 +184,12 @@ class TorchEngine:
         labels = self._label_tensor(label_token_ids)
         pending = iter(groups)
         group = next(pending, None)
-        prefilled = None
+        carried: list[PrefilledPrefix] = []  # at most one: the next group's prefix, prefilled early
         while group is not None:
             next_group = next(pending, None)
-            prefilled = yield from self._score_group(group, labels, prefilled, next_group)
+            next_prefilled = yield from self._score_group(group, labels, carried, next_group)
+            carried = [next_prefilled] if next_prefilled is not None else []
+            del next_prefilled
             group = next_group
 
     # ------------------------------------------------------------------ phases
@@ -145,28 +198,30 @@ class TorchEngine:
         self,
         group: PrefixGroup,
         labels: torch.Tensor,
-        prefilled: PrefilledPrefix | None,
+        carried: list[PrefilledPrefix],
         next_group: PrefixGroup | None,
     ) -> Generator[LabelScores, None, PrefilledPrefix | None]:
         """Score one group; results are yielded as soon as all earlier members are done.
 
-        `prefilled` is this group's prefix when an earlier pass already computed it. Returns the
-        next group's prefilled prefix when it was computed along with this group's last batch.
+        `carried` holds this group's prefix when an earlier pass already computed it (it is
+        taken out, so the prefix KV is referenced from this frame only). Returns the next group's
+        prefilled prefix when it was computed along with this group's last batch.
         """
         members = group.members
         self._check_group(group)
+        self.check_memory(group)
         results: list[LabelScores | None] = [None] * len(members)
         emitted = 0
         next_prefilled = None
 
-        prefix = prefilled if prefilled is not None else self.prefill_prefix(group.prefix)
+        prefix = carried.pop() if carried else self.prefill_prefix(group.prefix)
         empty = [i for i, m in enumerate(members) if len(m.suffix) == 0]
         if empty:
             log_probs, mass = self._label_scores(prefix.last_hidden[None], labels)  # one row, shared
             for i in empty:
                 results[i] = LabelScores(members[i].row_id, log_probs[0].copy(), mass[0])
 
-        batches = plan_suffix_batches([len(m.suffix) for m in members], self.token_budget)
+        batches = self._plan_batches(group)
         for number, batch in enumerate(batches):
             if batch.chunked:
                 (index,) = batch.member_indices
@@ -175,15 +230,18 @@ class TorchEngine:
                 suffixes = [members[i].suffix for i in batch.member_indices]
                 ride_along = None
                 if number == len(batches) - 1:
-                    ride_along = self._prefix_that_fits(next_group, self.token_budget - sum(map(len, suffixes)))
+                    ride_along = self._prefix_that_fits(next_group, group.prefix_len, suffixes)
                 log_probs, mass, next_prefilled = self.score_suffix_batch(prefix.kv, suffixes, labels, ride_along)
             for row, index in enumerate(batch.member_indices):
                 results[index] = LabelScores(members[index].row_id, log_probs[row], mass[row])
+            if number == len(batches) - 1:
+                del prefix  # the group's last member is scored: free the prefix KV before yielding it
+                prefix = None
             while emitted < len(members) and results[emitted] is not None:
                 yield results[emitted]
                 emitted += 1
 
-        del prefix  # free the prefix KV before the group's last results go out
+        prefix = None  # (no suffix batches: only empty suffixes, scored from the prefix above)
         while emitted < len(members):
             yield results[emitted]
             emitted += 1
@@ -204,7 +262,7 @@ class TorchEngine:
             part = _prefix_part(chunk, kv)
             hidden = self._run_decoder([part])  # [C, hidden]
             kv.length += len(chunk)
-            last_hidden = hidden[-1]  # [hidden]
+            last_hidden = hidden[-1].clone()  # [hidden]; a view would keep the pass's [C, hidden] alive
         return PrefilledPrefix(kv, last_hidden)
 
     @torch.inference_mode()
@@ -232,7 +290,7 @@ class TorchEngine:
         if next_prefix is None:
             return log_probs, mass, None
         next_kv.length = len(next_prefix)
-        return log_probs, mass, PrefilledPrefix(next_kv, hidden[-1])
+        return log_probs, mass, PrefilledPrefix(next_kv, hidden[-1].clone())
 
     @torch.inference_mode()
     def score_long_suffix(
@@ -246,14 +304,64 @@ class TorchEngine:
         prefilled = self.prefill_prefix(suffix, base=prefix_kv)
         return self._label_scores(prefilled.last_hidden[None], labels)
 
+    # ------------------------------------------------------------------ memory
+
+    def memory_needed(self, group: PrefixGroup, member_index: int) -> int:
+        """Bytes (beyond the weights) scoring this member alone needs: its group's prefix prefill,
+        then its own pass (or chunked prefill) on top of the prefix KV. Changes nothing."""
+        suffix_len = len(group.members[member_index].suffix)
+        needed = self.memory.prefix_bytes(group.prefix_len, self.token_budget)
+        if suffix_len == 0:
+            return needed
+        if suffix_len > self.token_budget and self._hybrid is None:
+            return max(needed, self.memory.long_suffix_bytes(group.prefix_len, suffix_len, self.token_budget))
+        return max(needed, self.memory.suffix_batch_bytes(group.prefix_len, [suffix_len]))
+
+    def memory_problems(self, groups: Iterable[PrefixGroup]) -> list[MemoryBudgetError]:
+        """One `MemoryBudgetError` per member that cannot fit the memory budget even alone
+        (empty without a budget). Lets a caller drop those rows before `score`; changes nothing."""
+        if self.memory_budget is None:
+            return []
+        problems = []
+        for group in groups:
+            for index, member in enumerate(group.members):
+                needed = self.memory_needed(group, index)
+                if needed > self.memory_budget:
+                    problems.append(MemoryBudgetError(member.row_id, needed, self.memory_budget))
+        return problems
+
+    def check_memory(self, group: PrefixGroup) -> None:
+        """Raise `MemoryBudgetError` for the group's first member that cannot fit alone."""
+        problems = self.memory_problems([group])
+        if problems:
+            raise problems[0]
+
     # ------------------------------------------------------------------ helpers
 
-    def _prefix_that_fits(self, group: PrefixGroup | None, room: int) -> np.ndarray | None:
-        """The group's prefix when it is non-empty, valid and fits in `room` tokens, else None."""
+    def _plan_batches(self, group: PrefixGroup) -> list[SuffixBatch]:
+        """Suffix batches by the token budget and, when set, the memory budget."""
+        fits = None
+        if self.memory_budget is not None:
+            def fits(lengths: list[int]) -> bool:
+                return self.memory.suffix_batch_bytes(group.prefix_len, lengths) <= self.memory_budget
+        return plan_suffix_batches([len(m.suffix) for m in group.members], self.token_budget, fits=fits,
+                                   long_in_one_pass=self._hybrid is not None)
+
+    def _prefix_that_fits(
+        self, group: PrefixGroup | None, prefix_len: int, suffixes: list[np.ndarray]
+    ) -> np.ndarray | None:
+        """The group's prefix when it is non-empty, valid and fits next to `suffixes` (scored on a
+        prefix of `prefix_len` tokens) under the token budget and the memory budget, else None."""
+        room = self.token_budget - sum(map(len, suffixes))
         if group is None or not 0 < group.prefix_len <= room or not group.members:
             return None
+        if self.memory_budget is not None:
+            lengths = [len(s) for s in suffixes]
+            if self.memory.suffix_batch_bytes(prefix_len, lengths, group.prefix_len) > self.memory_budget:
+                return None
         try:
             self._check_group(group)
+            self.check_memory(group)
         except ValueError:  # reported when that group's turn comes, after this group's results
             return None
         return group.prefix
@@ -265,17 +373,20 @@ class TorchEngine:
         """
         token_ids = np.concatenate([p.token_ids for p in parts]).astype(np.int64)  # [T]
         positions = np.concatenate([p.positions for p in parts])  # [T]
-        input_ids = torch.from_numpy(token_ids)[None].to(self.device)  # [1, T]
-        output = self._decoder(
-            input_ids=input_ids,
-            position_ids=torch.from_numpy(positions)[None].to(self.device),  # [1, T]
-            use_cache=False,
-            cascade=CascadeBatch([p.cascade for p in parts]),
-        )
+        input_ids = torch.from_numpy(token_ids).to(self.device)  # [T]
+        position_ids = torch.from_numpy(positions).to(self.device)  # [T]
+        cascade = CascadeBatch([p.cascade for p in parts])
+        if self._hybrid is not None:
+            hidden = self._hybrid.forward(input_ids, position_ids, cascade)  # [T, hidden]
+        else:
+            output = self._decoder(
+                input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, cascade=cascade
+            )
+            hidden = output.last_hidden_state[0]  # [T, hidden]
         self.metrics.processed_tokens += len(token_ids)
         self.metrics.batches += 1
         self.metrics.batch_token_counts.append(len(token_ids))
-        return output.last_hidden_state[0]  # [T, hidden]
+        return hidden
 
     @torch.inference_mode()
     def _label_scores(self, last_hidden: torch.Tensor, labels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

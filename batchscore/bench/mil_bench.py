@@ -1,0 +1,231 @@
+"""Maximum input length (MIL) with and without hybrid prefilling (PrefillOnly), torch engine on CPU.
+
+Each measurement runs in a fresh subprocess: load the model, score a 64-token warm-up prompt,
+reset the peak RSS (`/proc/self/clear_refs`), score one random prompt of N tokens, read the peak
+(`VmHWM`). The *activation peak* is that peak minus the RSS right before scoring (weights,
+libraries, warm-up buffers). Modes:
+  plain           hybrid off, the whole prompt in one pass (token budget = N): the suffix KV
+                  lives one layer, the MLP/projection temporaries span all N tokens;
+  hybrid          hybrid prefilling with --hybrid-chunk rows per chunk;
+  chunked-prefill (with --chunked-prefill) hybrid off, token budget --token-budget: the prompt
+                  is prefilled in chunks and keeps its KV of all layers meanwhile.
+The longest prompt under a budget (peak beyond the baseline, MiB) is found per mode by
+measuring a grid of lengths, then bisecting between the last that fits and the first that
+does not. Without --budget-mib the budget is the hybrid activation peak at the longest length.
+
+GPU (8B Llama-shaped random weights, torch.cuda.max_memory_allocated): not written; the torch
+engine runs on CPU only.
+
+Example:
+    python -m batchscore.bench.mil_bench --lengths 1024,2048,4096,8192 --hybrid-chunk 512
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+import click
+
+MIB = 2**20
+MODES = ("plain", "hybrid", "chunked-prefill")
+
+
+@dataclass
+class Measurement:
+    """One fresh-process measurement (bytes)."""
+
+    mode: str
+    tokens: int
+    baseline_rss: int
+    peak_rss: int
+    estimated: int  # the engine's memory estimate for this prompt
+
+    @property
+    def activation(self) -> int:
+        return self.peak_rss - self.baseline_rss
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def measure_here(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: int, token_budget: int) -> dict:
+    """Score one random prompt of `tokens` tokens in this process; return a `Measurement` as a dict.
+
+    Side effects: loads the model, resets this process's peak RSS.
+    """
+    import gc
+
+    import numpy as np
+
+    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.models import resolve_model
+    from batchscore.plan.types import GroupMember, PrefixGroup
+
+    budget = {"plain": max(tokens, 64), "hybrid": max(tokens, 64), "chunked-prefill": token_budget}[mode]
+    engine = TorchEngine.from_pretrained(resolve_model(model), dtype=dtype, token_budget=budget,
+                                         hybrid_chunk=hybrid_chunk if mode == "hybrid" else None)
+    vocab = engine.model.config.vocab_size
+    rng = np.random.default_rng(tokens)
+
+    def group(n: int) -> PrefixGroup:
+        return PrefixGroup(np.zeros(0, np.int32), [GroupMember(0, rng.integers(0, vocab, n, dtype=np.int32))])
+
+    list(engine.score([group(64)], [0, 1]))  # warm-up: kernels, thread pools
+    prompt = group(tokens)
+    estimated = engine.memory_needed(prompt, 0)
+    gc.collect()
+    baseline = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as clear:  # Linux ≥ 4.0: "5" resets VmHWM to VmRSS
+        clear.write("5")
+    list(engine.score([prompt], [0, 1]))
+    peak = _status_kib("VmHWM")
+    return asdict(Measurement(mode, tokens, baseline, peak, estimated))
+
+
+def measure(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: int, token_budget: int) -> Measurement:
+    """`measure_here` in a fresh Python process (so earlier peaks and caches do not count)."""
+    code = ("import json, sys; from batchscore.bench.mil_bench import measure_here; "
+            "print(json.dumps(measure_here(*json.loads(sys.argv[1]))))")
+    args = json.dumps([model, mode, tokens, dtype, hybrid_chunk, token_budget])
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", code, args], capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise click.ClickException(f"measurement {mode} N={tokens} failed:\n{done.stderr[-2000:]}")
+    return Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def longest_fitting(run, lengths: list[int], budget: int, resolution: int, known: dict[int, Measurement]) -> int:
+    """Longest N whose activation peak is within `budget`: grid `lengths`, then bisection (0: none fits).
+
+    `run(N)` measures; `known` holds measurements already made (updated).
+    """
+    def fits(n: int) -> bool:
+        if n not in known:
+            known[n] = run(n)
+        return known[n].activation <= budget
+
+    fitting = [n for n in lengths if fits(n)]
+    if len(fitting) == len(lengths):
+        return lengths[-1]
+    first_over = next(n for n in lengths if not fits(n))
+    low = max([n for n in fitting if n < first_over], default=0)
+    high = first_over
+    while high - low > resolution:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def throughput(
+    model: str, dtype: str, hybrid_chunk: int, requests: int, token_budget: int = 4096
+) -> dict[str, dict[str, float]]:
+    """Requests/s of the engine with hybrid prefilling off and on, same weights, same process, on the
+    bench-engine workload (prefix 1000, distinct 100, degree 16), alternating group by group.
+
+    Returns {"wall": {"off": r/s, "on": r/s}, "cpu": {...}}: per wall-clock second and per second
+    of this process's CPU time (the latter is steadier on a machine shared with other jobs).
+    """
+    import time
+
+    from batchscore.bench.engine_bench import load, make_groups
+    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.models import resolve_model
+
+    weights = load(resolve_model(model), dtype)
+    engines = {"off": TorchEngine(weights, token_budget=token_budget),
+               "on": TorchEngine(weights, token_budget=token_budget, hybrid_chunk=hybrid_chunk)}
+    groups = make_groups(requests, 1000, 100, 16, weights.config.vocab_size, seed=0)
+    seconds = {"off": 0.0, "on": 0.0}
+    cpu_seconds = {"off": 0.0, "on": 0.0}
+    for name, engine in engines.items():  # warm-up
+        list(engine.score(make_groups(2, 64, 16, 2, weights.config.vocab_size, seed=2), [0, 1]))
+    for index, group in enumerate(groups):
+        for name in ("off", "on") if index % 2 == 0 else ("on", "off"):
+            start, cpu_start = time.perf_counter(), time.process_time()
+            list(engines[name].score([group], [0, 1]))
+            seconds[name] += time.perf_counter() - start
+            cpu_seconds[name] += time.process_time() - cpu_start
+    served = sum(len(g.members) for g in groups)
+    return {"wall": {k: served / v for k, v in seconds.items()}, "cpu": {k: served / v for k, v in cpu_seconds.items()}}
+
+
+@click.command("mil")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Built-in model name or local HF folder.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True,
+              help="Comma-separated prompt lengths to measure (at most the model's context).")
+@click.option("--hybrid-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Rows per chunk of the non-attention work (engine.hybrid_chunk).")
+@click.option("--budget-mib", type=float, default=None,
+              help="Activation memory budget for the MIL search (default: hybrid's peak at the longest length).")
+@click.option("--resolution", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Bisection stops when the bracket is this many tokens wide.")
+@click.option("--chunked-prefill", is_flag=True, help="Also measure chunked prefill (hybrid off, --token-budget).")
+@click.option("--token-budget", type=click.IntRange(min=16), default=2048, show_default=True,
+              help="Chunk size of the chunked-prefill mode.")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the numbers as JSON.")
+@click.option("--throughput-requests", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Also time hybrid on vs off on the bench-engine workload (prefix 1000 / distinct 100 / "
+                   "degree 16) with this many requests, interleaved in one process (0: skip).")
+def mil(model, dtype, lengths, hybrid_chunk, budget_mib, resolution, chunked_prefill, token_budget, json_out,
+        throughput_requests) -> None:
+    """Peak memory of one N-token prompt with and without hybrid prefilling, and the longest prompt
+    that fits a memory budget (each measurement in a fresh process, CPU, peak RSS).
+
+    Example:
+
+        batchscore bench mil --lengths 1024,2048,4096,8192 --hybrid-chunk 512
+    """
+    if throughput_requests:
+        rates = throughput(model, dtype, hybrid_chunk, throughput_requests)
+        for clock, rate in rates.items():
+            click.echo(f"throughput ({clock} time), {throughput_requests} requests, interleaved: hybrid off "
+                       f"{rate['off']:.3f} req/s, on {rate['on']:.3f} req/s ({(rate['on'] / rate['off'] - 1) * 100:+.1f}%)")
+    grid = sorted({int(n) for n in lengths.split(",")})
+    modes = ["plain", "hybrid"] + (["chunked-prefill"] if chunked_prefill else [])
+    known: dict[str, dict[int, Measurement]] = {m: {} for m in modes}
+
+    def runner(mode):
+        def run(n: int) -> Measurement:
+            result = measure(model, mode, n, dtype, hybrid_chunk, token_budget)
+            click.echo(f"  {mode:<16} N={n:>6}: peak {result.peak_rss / MIB:8.1f} MiB, activation "
+                       f"{result.activation / MIB:7.1f} MiB (estimate {result.estimated / MIB:7.1f} MiB)")
+            return result
+        return run
+
+    click.echo(f"model {model}, {dtype}, hybrid chunk {hybrid_chunk}; peak RSS per fresh process")
+    for n in grid:
+        for mode in modes:
+            known[mode][n] = runner(mode)(n)
+    longest = grid[-1]
+    ratio = known["plain"][longest].activation / max(known["hybrid"][longest].activation, 1)
+    click.echo(f"activation peak at N={longest}: plain {known['plain'][longest].activation / MIB:.1f} MiB, "
+               f"hybrid {known['hybrid'][longest].activation / MIB:.1f} MiB -> {ratio:.2f}x lower")
+    budget = int(budget_mib * MIB) if budget_mib is not None else known["hybrid"][longest].activation
+    mil_by_mode = {mode: longest_fitting(runner(mode), grid, budget, resolution, known[mode]) for mode in modes}
+    click.echo(f"longest prompt within an activation budget of {budget / MIB:.1f} MiB (search capped at {longest}):")
+    for mode in modes:
+        click.echo(f"  {mode:<16} {mil_by_mode[mode]:>6} tokens")
+    if mil_by_mode["plain"]:
+        click.echo(f"  MIL gain hybrid/plain: {mil_by_mode['hybrid'] / mil_by_mode['plain']:.2f}x")
+    if json_out:
+        payload = {"model": model, "dtype": dtype, "hybrid_chunk": hybrid_chunk, "budget_bytes": budget,
+                   "activation_ratio_at_longest": ratio, "mil": mil_by_mode,
+                   "measurements": {m: {n: asdict(r) | {"activation": r.activation} for n, r in sorted(known[m].items())}
+                                    for m in modes}}
+        with open(json_out, "w") as out:
+            json.dump(payload, out, indent=2)
+
+
+if __name__ == "__main__":
+    mil()

@@ -1,0 +1,127 @@
+"""Memory estimates for memory-centric token batching (BatchLLM) and the memory budget check.
+
+A torch-engine forward pass needs, beyond the weights:
+  - the KV of the group's prefix, all layers (held until the group's last member is scored);
+  - KV being recorded in the pass (a prefix prefilled, or a long suffix prefilled in chunks
+    without hybrid prefilling: all layers);
+  - the activation peak of the pass: the residual stream and one layer's Q/K/V, plus either the
+    whole pass's projection/MLP temporaries (plain) or one chunk's (hybrid prefilling);
+  - the LM head on the last position of each member (float32 logits and log-softmax).
+The estimates are deliberately simple and a little pessimistic (checked against peak RSS by
+`python -m batchscore.bench.mil_bench`); they need only the model config and the dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+FLOAT32_BYTES = 4
+WORKSPACE_BYTES = 16 * 2**20  # kernel workspaces and allocator slack of any pass (peak RSS at 512 tokens)
+
+
+class MemoryBudgetError(ValueError):
+    """One request needs more memory than `memory_budget` even when scored alone."""
+
+    def __init__(self, row_id: int, needed_bytes: int, budget_bytes: int) -> None:
+        self.row_id = row_id
+        self.needed_bytes = needed_bytes
+        self.budget_bytes = budget_bytes
+        super().__init__(
+            f"row {row_id}: needs about {needed_bytes / 2**20:.1f} MiB beyond the weights when scored alone, "
+            f"over engine.memory_budget {budget_bytes / 2**20:.1f} MiB ({budget_bytes} bytes); raise the "
+            "budget, set engine.hybrid_chunk, or shorten the prompt"
+        )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that set a decoder's memory use."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int
+
+    @classmethod
+    def from_config(cls, config, dtype_bytes: int) -> ModelShape:
+        heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            num_layers=int(config.num_hidden_layers),
+            hidden=int(config.hidden_size),
+            intermediate=int(config.intermediate_size),
+            heads=heads,
+            kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            vocab=int(config.vocab_size),
+            dtype_bytes=dtype_bytes,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token, all layers."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+class MemoryEstimator:
+    """Bytes (beyond the weights) a forward pass of the torch engine needs, from the model shape.
+
+    `hybrid_chunk` None: plain forward (temporaries over the whole pass); else hybrid prefilling.
+    """
+
+    def __init__(self, shape: ModelShape, hybrid_chunk: int | None = None) -> None:
+        self.shape = shape
+        self.hybrid_chunk = hybrid_chunk
+
+    def kv_bytes(self, tokens: int) -> int:
+        """KV of `tokens` tokens, all layers."""
+        return tokens * self.shape.kv_bytes_per_token
+
+    def pass_bytes(self, sequence_lengths: Sequence[int], recorded_tokens: int = 0, held_kv_tokens: int = 0) -> int:
+        """Peak of one forward pass over packed sequences (`recorded_tokens` of them keep their KV),
+        while `held_kv_tokens` of earlier KV (a prefix) stay alive, plus the LM head on each sequence."""
+        s = self.shape
+        tokens = sum(sequence_lengths)
+        padded = len(sequence_lengths) * max(sequence_lengths) if len(sequence_lengths) > 1 else 0
+        qkv_width = (s.heads + 2 * s.kv_heads) * s.head_dim
+        attn_width = s.heads * s.head_dim
+        merge = 3 * attn_width * FLOAT32_BYTES  # out, partial out and merged out (float32) per row
+        b = s.dtype_bytes
+        residual = 2 * tokens * s.hidden * b  # residual stream and one more [T, hidden]
+        layer_kv = 2 * tokens * s.kv_heads * s.head_dim * b
+        if self.hybrid_chunk is None:
+            attention = tokens * (qkv_width * b + 2 * attn_width * b + merge) + padded * (qkv_width + attn_width) * b
+            # gate, act, up, product (+ allocator slack): calibrated on peak RSS, SmolLM2-135M, float32
+            mlp = tokens * (s.hidden + 5 * s.intermediate) * b
+            activation = residual + max(attention, mlp)
+        else:
+            query_rows = max(sequence_lengths) if len(sequence_lengths) == 1 else tokens
+            query_rows = min(query_rows, self.hybrid_chunk) if len(sequence_lengths) == 1 else query_rows
+            chunk = min(tokens, self.hybrid_chunk)
+            attention = query_rows * (3 * attn_width * b + merge + s.hidden * b) + padded * (qkv_width + attn_width) * b
+            mlp = chunk * (2 * s.hidden + 3 * s.intermediate) * b
+            rope_tables = 2 * tokens * s.head_dim * b
+            activation = residual + layer_kv + rope_tables + max(attention, mlp)
+        lm_head = len(sequence_lengths) * s.vocab * 2 * FLOAT32_BYTES
+        return self.kv_bytes(held_kv_tokens + recorded_tokens) + max(activation, lm_head) + WORKSPACE_BYTES
+
+    def prefix_bytes(self, prefix_len: int, token_budget: int) -> int:
+        """Prefilling a prefix in chunks of at most `token_budget` tokens (its KV grows to the whole prefix)."""
+        if prefix_len == 0:
+            return 0
+        chunk = min(prefix_len, token_budget)
+        return self.pass_bytes([chunk], recorded_tokens=chunk, held_kv_tokens=prefix_len - chunk)
+
+    def suffix_batch_bytes(self, prefix_len: int, suffix_lengths: Sequence[int], ride_along: int = 0) -> int:
+        """Scoring suffixes in one pass on top of a prefix (optionally the next group's prefix rides along)."""
+        lengths = list(suffix_lengths) + ([ride_along] if ride_along else [])
+        return self.pass_bytes(lengths, recorded_tokens=ride_along, held_kv_tokens=prefix_len)
+
+    def long_suffix_bytes(self, prefix_len: int, suffix_len: int, token_budget: int) -> int:
+        """A suffix over the budget without hybrid prefilling: prefilled in chunks, keeping its KV."""
+        return self.kv_bytes(prefix_len) + self.prefix_bytes(suffix_len, token_budget)
