@@ -197,6 +197,9 @@ def _register_bench_commands() -> None:
 
     suite.name = "workloads"
     bench.add_command(suite)
+    from batchscore.bench.mil_bench import mil
+
+    bench.add_command(mil)
 
 
 _register_bench_commands()

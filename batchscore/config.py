@@ -85,6 +85,8 @@ class EngineConfig:
     token_budget: int = 4096  # tokens per forward batch
     max_length: int | None = None  # longest prompt scored; default: the model's context
     threads: int | None = None  # torch CPU threads; default: torch's (all cores)
+    hybrid_chunk: int | None = None  # torch: run norms/projections/MLP this many tokens at a time
+    memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch
     vllm_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -303,6 +305,10 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append(f"engine.dtype: must be one of {', '.join(DTYPES)}, got {config.engine.dtype!r}")
     if config.engine.token_budget < 16:
         problems.append(f"engine.token_budget: must be ≥ 16, got {config.engine.token_budget}")
+    if config.engine.hybrid_chunk is not None and config.engine.hybrid_chunk < 16:
+        problems.append(f"engine.hybrid_chunk: must be ≥ 16 tokens, got {config.engine.hybrid_chunk}")
+    if config.engine.memory_budget is not None and config.engine.memory_budget < 2**20:
+        problems.append(f"engine.memory_budget: bytes, must be ≥ 1 MiB (1048576), got {config.engine.memory_budget}")
     if config.engine.threads is not None and config.engine.threads < 1:
         problems.append("engine.threads: must be ≥ 1")
     if config.engine.max_length is not None and config.engine.max_length < 1:

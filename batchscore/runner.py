@@ -332,7 +332,9 @@ def create_engine(config: JobConfig, kind: str, model_dir):
 
         if config.engine.threads:
             torch.set_num_threads(config.engine.threads)  # process-wide: torch has no per-model setting
-        return TorchEngine.from_pretrained(model_dir, dtype=dtype, token_budget=config.engine.token_budget)
+        return TorchEngine.from_pretrained(model_dir, dtype=dtype, token_budget=config.engine.token_budget,
+                                           hybrid_chunk=config.engine.hybrid_chunk,
+                                           memory_budget=config.engine.memory_budget)
     if kind == "vllm":
         try:
             from batchscore.engines.vllm_engine import VllmEngine

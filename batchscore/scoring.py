@@ -121,7 +121,7 @@ def score_locally(engine, sink: PartSink, label_ids: Sequence[int], progress: Ro
     """
     todo = sink.groups[sink.next_group:]
     with stop_signals() as stop:
-        for result in engine.score(todo, label_ids):
+        for result in _score_with_row_errors(engine, todo, label_ids):
             progress.row_done()
             if sink.add(result):
                 progress.group_done(sink.groups[sink.next_group - 1])
@@ -134,6 +134,25 @@ def score_locally(engine, sink: PartSink, label_ids: Sequence[int], progress: Ro
         sink.flush()
     if not sink.done:
         raise RuntimeError(f"the engine returned results for {sink.next_group} of {len(sink.groups)} groups")
+
+
+def _score_with_row_errors(engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int]):
+    """`engine.score`, except that rows the engine says it cannot fit (its `memory_problems`)
+    come out as error results instead of stopping the job. Yields group by group."""
+    check = getattr(engine, "memory_problems", None)
+    bad = {p.row_id: str(p) for p in check(groups)} if check else {}
+    if not bad:
+        yield from engine.score(groups, label_ids)
+        return
+    nan = np.full(len(label_ids), np.nan)
+    runnable = [PrefixGroup(g.prefix, [m for m in g.members if m.row_id not in bad]) for g in groups]
+    results = iter(engine.score([g for g in runnable if g.members], label_ids))
+    for group, kept in zip(groups, runnable):
+        for member in group.members:
+            if member.row_id in bad:
+                yield LabelScores(member.row_id, nan, float("nan"), error=bad[member.row_id])
+        for _ in kept.members:
+            yield next(results)
 
 
 @contextmanager

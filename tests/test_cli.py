@@ -135,3 +135,13 @@ def test_unknown_model_lists_what_is_available(job_factory, small_input):
 def test_models_command_lists_builtins():
     result = invoke("models")
     assert result.exit_code == 0 and "smollm2-135m-instruct" in result.output
+
+
+def test_rows_over_the_memory_budget_are_row_errors_naming_the_memory(job_factory, small_input, tmp_path):
+    job = job_factory(small_input, engine={"memory_budget": 2**20, "hybrid_chunk": 64},
+                      output={"keep_columns": [], "max_error_rate": 1.0})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == 0, result.output
+    out = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert len(out) == 12 and all(r["status"] == "error" for r in out)
+    assert "engine.memory_budget" in out[0]["error"] and "MiB" in out[0]["error"]
