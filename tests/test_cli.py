@@ -145,3 +145,20 @@ def test_rows_over_the_memory_budget_are_row_errors_naming_the_memory(job_factor
     out = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert len(out) == 12 and all(r["status"] == "error" for r in out)
     assert "engine.memory_budget" in out[0]["error"] and "MiB" in out[0]["error"]
+
+
+def test_shuffling_the_input_rows_leaves_every_rows_scores_unchanged(job_factory, small_input, tmp_path):
+    """Order invariance: the plan regroups rows, so a row's scores must not depend on its neighbours."""
+    first = tmp_path / "in_order.parquet"
+    assert invoke("run", job_factory(small_input), "-q", "-o", first).exit_code == 0
+    shuffled_input = tmp_path / "shuffled.parquet"
+    table = pq.read_table(small_input)
+    pq.write_table(table.take([7, 2, 11, 0, 5, 9, 1, 10, 3, 8, 6, 4]), shuffled_input)
+    second = tmp_path / "shuffled_out.parquet"
+    assert invoke("run", job_factory(shuffled_input), "-q", "-o", second).exit_code == 0
+    a = pq.read_table(first).to_pandas().set_index("pair_id")
+    b = pq.read_table(second).to_pandas().set_index("pair_id").loc[a.index]
+    assert list(pq.read_table(second).column("pair_id").to_pylist()) == table.take(
+        [7, 2, 11, 0, 5, 9, 1, 10, 3, 8, 6, 4]).column("pair_id").to_pylist()  # output keeps input order
+    assert (a[["p_Yes", "p_No", "label_mass"]] - b[["p_Yes", "p_No", "label_mass"]]).abs().max().max() <= 1e-4
+    assert (a["label"] == b["label"]).all()
