@@ -337,6 +337,6 @@ def _semantic_problems(config: JobConfig) -> list[str]:
 def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
     """Make input/output paths relative to the job file's folder (changes `config` in place)."""
     if config.input.path and not os.path.isabs(os.path.expanduser(config.input.path)):
-        config.input.path = str(base / config.input.path)
+        config.input.path = os.path.normpath(base / config.input.path)
     if config.output.path and not os.path.isabs(os.path.expanduser(config.output.path)):
-        config.output.path = str(base / config.output.path)
+        config.output.path = os.path.normpath(base / config.output.path)
