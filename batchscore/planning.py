@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from batchscore.config import JobConfig
-from batchscore.engines import kv_block_size, resolve_engine_kind
+from batchscore.engines import resolve_engine_kind
 from batchscore.plan import PlanStats, build_plan
 from batchscore.prepare import prepare_input
 

@@ -32,9 +32,6 @@ class PreparedInput:
         return sum(len(r) for r in self.requests)
 
 
-TokenizeFn = Callable[[list[dict]], list[list[int]]]
-
-
 def prepare_input(config: JobConfig, renderer=None, max_length: int | None = None,
                   vocab_size: int | None = None, progress: Callable[[int], None] | None = None) -> PreparedInput:
     """Read every input row and turn it into a Request or a per-row error.
@@ -83,7 +80,7 @@ def prepare_input(config: JobConfig, renderer=None, max_length: int | None = Non
             progress(n)
     if not saw_rows:
         raise InputError(f"input.path: {config.input.path} holds no rows")
-    id_array = _concat(ids, "id")
+    id_array = _concat(ids)
     if id_column:
         _check_unique_ids(id_array, id_column)
     kept = _concat_tables(kept_tables) if keep_columns else pa.table({})
@@ -170,7 +167,7 @@ def _length_problem(tokens, max_length: int | None, vocab_size: int | None) -> s
     return None
 
 
-def _concat(arrays: list[pa.Array], what: str) -> pa.Array:
+def _concat(arrays: list[pa.Array]) -> pa.Array:
     try:
         return pa.concat_arrays([a.cast(arrays[0].type) if a.type != arrays[0].type else a for a in arrays])
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):

@@ -4,7 +4,6 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from click.testing import CliRunner
 
 from batchscore.cli import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INPUT, main

@@ -1,7 +1,6 @@
 """Durability: a run killed at random points resumes to exactly the uninterrupted result."""
 
 import json
-import os
 import random
 import signal
 import subprocess
