@@ -261,9 +261,8 @@ def _job_hash(job: _Job, num_workers: int) -> str:
 def _assemble(job: _Job, store: PartStore, manifests: list[Manifest]) -> dict[int, str]:
     """Write the final output from every part (atomically), remove the parts; returns row errors."""
     config, prepared = job.config, job.prepared
-    log_probs, mass = store.read_scores(manifests, prepared.num_rows, len(config.labels))
-    errors = dict(prepared.errors)
-    errors.update(store.read_errors(manifests))
+    log_probs, mass, engine_errors = store.read_results(manifests, prepared.num_rows, len(config.labels))
+    errors = {**prepared.errors, **engine_errors}
     unscored = np.flatnonzero(np.isnan(mass))
     for row in unscored[~np.isin(unscored, np.fromiter(errors, dtype=np.int64, count=len(errors)))]:
         errors[int(row)] = "not scored: no result from the engine"  # never silently lost

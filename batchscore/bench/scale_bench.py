@@ -82,7 +82,7 @@ def main() -> None:
         sink.flush()
         timings["write parts"] = time.perf_counter() - t
         t = time.perf_counter()
-        log_probs, mass = store.read_scores([manifest], prepared.num_rows, 2)
+        log_probs, mass, _ = store.read_results([manifest], prepared.num_rows, 2)
         table = results_table(prepared.ids, "id", prepared.kept, ["Yes", "No"], np.exp(log_probs), mass, prepared.errors)
         write_parquet_atomic(table, output)
         store.finish()

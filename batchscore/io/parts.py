@@ -163,27 +163,22 @@ class PartStore:
     def write_manifest(self, manifest: Manifest) -> None:
         _atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
 
-    def read_scores(self, manifests: list[Manifest], num_rows: int, num_labels: int) -> tuple[np.ndarray, np.ndarray]:
-        """Gather every part into ([num_rows, L] log-probs, [num_rows] mass); NaN where unscored."""
+    def read_results(self, manifests: list[Manifest], num_rows: int,
+                     num_labels: int) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+        """Gather every part, reading each once: ([num_rows, L] log-probs, [num_rows] mass, NaN
+        where unscored) and the rows the engine could not score, with its message."""
         log_probs = np.full((num_rows, num_labels), np.nan)
         mass = np.full(num_rows, np.nan)
+        errors: dict[int, str] = {}
         for part in (p for m in manifests for p in m.parts):
             table = pq.read_table(self.folder / part.file)
             rows = table.column("row_id").to_numpy()
-            values = np.asarray(table.column("log_probs").combine_chunks().flatten()).reshape(-1, num_labels)
-            log_probs[rows] = values
+            log_probs[rows] = np.asarray(table.column("log_probs").combine_chunks().flatten()).reshape(-1, num_labels)
             mass[rows] = table.column("label_mass").to_numpy()
-        return log_probs, mass
-
-    def read_errors(self, manifests: list[Manifest]) -> dict[int, str]:
-        """Rows the engine could not score, with its message (usually none)."""
-        errors: dict[int, str] = {}
-        for part in (p for m in manifests for p in m.parts):
-            table = pq.read_table(self.folder / part.file, columns=["row_id", "error"])
-            for row_id, message in zip(table.column("row_id").to_pylist(), table.column("error").to_pylist()):
+            for row_id, message in zip(rows.tolist(), table.column("error").to_pylist()):
                 if message is not None:
                     errors[row_id] = message
-        return errors
+        return log_probs, mass, errors
 
     def sibling_manifests(self, names: list[str]) -> list[Manifest | None]:
         """The manifests of the writers `names` in the same folder (None where missing)."""
