@@ -234,20 +234,28 @@ def _prepare_job(config: JobConfig) -> _Job:
     kind = resolve_engine_kind(config.engine.kind)
     model_dir = resolve_model(config.model)
     tokenizer = load_tokenizer(model_dir)
-    model_config = json.loads((Path(model_dir) / "config.json").read_text())
     label_ids = label_token_ids(tokenizer, config.labels)
+    max_length, vocab_size = prompt_limits(config, kind, model_dir, tokenizer)
+    prepared = prepare_input(config, make_renderer(config, tokenizer), max_length=max_length, vocab_size=vocab_size)
+    log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
+    return _Job(config, kind, Path(model_dir), label_ids, prepared, input_fingerprint(files))
+
+
+def prompt_limits(config: JobConfig, kind: str, model_dir, tokenizer) -> tuple[int, int]:
+    """(longest prompt scored, vocabulary size) for this model, engine and job."""
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
     context = int(model_config.get("max_position_embeddings") or 2048)
     if kind == "vllm":
         context -= 1  # vLLM counts the one output token against max_model_len
     max_length = min(config.engine.max_length or context, context)
-    vocab_size = int(model_config.get("vocab_size") or len(tokenizer))
-    renderer = None
-    if config.input.token_ids_column is None and config.input.synthetic is None:
-        renderer = PromptRenderer(tokenizer, config.prompt.template, system=config.prompt.system,
-                                  chat=config.prompt.chat)
-    prepared = prepare_input(config, renderer, max_length=max_length, vocab_size=vocab_size)
-    log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
-    return _Job(config, kind, Path(model_dir), label_ids, prepared, input_fingerprint(files))
+    return max_length, int(model_config.get("vocab_size") or len(tokenizer))
+
+
+def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
+    """The prompt renderer, or None when the input already carries token ids."""
+    if config.input.token_ids_column is not None or config.input.synthetic is not None:
+        return None
+    return PromptRenderer(tokenizer, config.prompt.template, system=config.prompt.system, chat=config.prompt.chat)
 
 
 def _job_hash(job: _Job, num_workers: int) -> str:
