@@ -30,15 +30,22 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def write_sample_subset(path: Path, queries: int, products: int | None = None,
+                        product_ids: tuple[str, ...] | None = None) -> Path:
+    """Write the sample's first `queries` queries of some products (each product = a prefix group)."""
+    rows = [r for r in pq.read_table(SAMPLE).to_pylist() if int(r["pair_id"][-2:]) < queries]
+    if product_ids is not None:
+        rows = [r for r in rows if r["product_id"] in product_ids]
+    if products is not None:
+        rows = rows[: products * queries]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
 @pytest.fixture
 def small_input(tmp_path) -> Path:
     """3 products × 4 queries from the sample data, as Parquet."""
-    table = pq.read_table(SAMPLE)
-    rows = [r for r in table.to_pylist() if r["product_id"] in ("P001", "P002", "P004")]
-    rows = [r for r in rows if int(r["pair_id"][-2:]) < 4]
-    path = tmp_path / "input.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
+    return write_sample_subset(tmp_path / "input.parquet", queries=4, product_ids=("P001", "P002", "P004"))
 
 
 def write_job(folder: Path, input_path: Path | str, **overrides) -> Path:

@@ -63,12 +63,8 @@ def test_hybrid_long_single_prompt_matches():
     assert max_dp(on, off) <= HYBRID_TOLERANCE
 
 
-def test_builtin_model_hybrid_matches_unchunked():
-    models = pytest.importorskip("batchscore.models")
-    try:
-        path = models.resolve_model("smollm2-135m-instruct")
-    except Exception as exc:  # the GGUF package may be missing on this machine
-        pytest.skip(f"built-in model unavailable: {exc}")
+def test_builtin_model_hybrid_matches_unchunked(model_dir):
+    path = model_dir  # the built-in model, converted once per machine (conftest)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()

@@ -7,23 +7,19 @@ import subprocess
 import sys
 import time
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
 from batchscore.cli import EXIT_CONFIG, EXIT_INTERRUPTED, main
 from batchscore.io.parts import staging_dir
-from tests.conftest import SAMPLE
+from tests.conftest import write_sample_subset
 
 
 @pytest.fixture
 def multi_group_input(tmp_path):
     """8 products × 3 queries: 8 prefix groups, so parts land between groups."""
-    rows = [r for r in pq.read_table(SAMPLE).to_pylist() if int(r["pair_id"][-2:]) < 3][:24]
-    path = tmp_path / "input.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
+    return write_sample_subset(tmp_path / "input.parquet", queries=3, products=8)
 
 
 def _run(job, output, *extra, wait=True):

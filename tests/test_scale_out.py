@@ -8,14 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
 from batchscore.cli import EXIT_CONFIG, main
 from batchscore.io.parts import staging_dir
-from tests.conftest import SAMPLE
+from tests.conftest import write_sample_subset
 
 SCORES = ["p_Yes", "p_No", "label_mass"]
 
@@ -23,10 +22,7 @@ SCORES = ["p_Yes", "p_No", "label_mass"]
 @pytest.fixture
 def grouped_input(tmp_path):
     """6 products × 2 queries: 6 prefix groups."""
-    rows = [r for r in pq.read_table(SAMPLE).to_pylist() if int(r["pair_id"][-2:]) < 2][:12]
-    path = tmp_path / "input.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
+    return write_sample_subset(tmp_path / "input.parquet", queries=2, products=6)
 
 
 def invoke(*args):
