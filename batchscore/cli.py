@@ -200,6 +200,9 @@ def _register_bench_commands() -> None:
     from batchscore.bench.mil_bench import mil
 
     bench.add_command(mil)
+    from batchscore.bench.gpu_bench import gpu
+
+    bench.add_command(gpu)
 
 
 _register_bench_commands()

@@ -20,6 +20,7 @@ from batchscore.models import DEFAULT_MODEL
 
 ENGINE_KINDS = ("torch", "vllm", "auto")
 DTYPES = ("float32", "bfloat16", "auto")
+DEVICES = ("cpu", "cuda", "auto")
 ORDERS = ("r_group", "input", "srjf")
 INPUT_FORMATS = ("auto", "parquet", "jsonl")
 EXECUTOR_KINDS = ("local", "ray")
@@ -82,6 +83,7 @@ class PromptConfig:
 class EngineConfig:
     kind: str = "torch"
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
+    device: str = "auto"  # torch engine: cpu | cuda | auto (cuda when a GPU is visible)
     token_budget: int = 4096  # tokens per forward batch
     max_length: int | None = None  # longest prompt scored; default: the model's context
     threads: int | None = None  # torch CPU threads; default: torch's (all cores)
@@ -303,6 +305,8 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append(f"engine.kind: must be one of {', '.join(ENGINE_KINDS)}, got {config.engine.kind!r}")
     if config.engine.dtype not in DTYPES:
         problems.append(f"engine.dtype: must be one of {', '.join(DTYPES)}, got {config.engine.dtype!r}")
+    if config.engine.device not in DEVICES:
+        problems.append(f"engine.device: must be one of {', '.join(DEVICES)}, got {config.engine.device!r}")
     if config.engine.token_budget < 16:
         problems.append(f"engine.token_budget: must be ≥ 16, got {config.engine.token_budget}")
     if config.engine.hybrid_chunk is not None and config.engine.hybrid_chunk < 16:

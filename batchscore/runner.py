@@ -329,6 +329,17 @@ def resolve_dtype(name: str, kind: str) -> str:
     return "bfloat16" if gpu_available() else "float32"
 
 
+def resolve_device(name: str) -> str:
+    """`auto` -> cuda when a GPU is visible, else cpu; a named device is checked."""
+    from batchscore.engines import gpu_available
+
+    if name == "auto":
+        return "cuda" if gpu_available() else "cpu"
+    if name == "cuda" and not gpu_available():
+        raise EngineUnavailable("engine.device: cuda, but torch sees no GPU (use engine.device: cpu or auto)")
+    return name
+
+
 def create_engine(config: JobConfig, kind: str, model_dir):
     """Build the engine named by `kind` for the model in `model_dir`."""
     dtype = resolve_dtype(config.engine.dtype, kind)
@@ -339,8 +350,11 @@ def create_engine(config: JobConfig, kind: str, model_dir):
 
         if config.engine.threads:
             torch.set_num_threads(config.engine.threads)  # process-wide: torch has no per-model setting
+        device = resolve_device(config.engine.device)
+        if config.engine.dtype == "auto" and device == "cpu":
+            dtype = "float32"  # bfloat16 only pays on a GPU (or CPUs with AVX512-BF16 / AMX)
         return TorchEngine.from_pretrained(model_dir, dtype=dtype, token_budget=config.engine.token_budget,
-                                           hybrid_chunk=config.engine.hybrid_chunk,
+                                           device=device, hybrid_chunk=config.engine.hybrid_chunk,
                                            memory_budget=config.engine.memory_budget)
     if kind == "vllm":
         try:

@@ -109,3 +109,20 @@ def test_bench_tiny_end_to_end(tmp_path, tiny_llama):
         assert runs["torch"]["speedup_over_plain"] > 0
         assert w["ideal_speedup"] == pytest.approx(1 / (1 - plan.stats.saving_ratio))
         assert runs["torch"]["max_dp_vs_plain"] < 1e-3  # same scores as the plain forward (float32)
+
+
+def test_gpu_bench_runs_on_cpu_and_counts_flops():
+    """The GPU benchmark's throughput part on a tiny random model (CPU, float32): the engine agrees
+    with the plain forward, and the FLOP accounting matches the shapes."""
+    from batchscore.bench.engine_bench import make_groups
+    from batchscore.bench.gpu_bench import attended_pairs_plain, attended_pairs_shared, throughput
+
+    groups = make_groups(4, 10, 3, 2, 100, seed=0)
+    # plain: every prompt of 13 tokens causally; shared: two 10-token prefixes, each suffix 3x10 + 6
+    assert attended_pairs_plain(groups) == 4 * 13 * 14 // 2
+    assert attended_pairs_shared(groups) == 2 * 55 + 4 * (30 + 6)
+    result = throughput("tiny-llama", "cpu", "float32", requests=16, prefix=64, distinct=8, degree=4,
+                        token_budget=512, plain_batch=4)
+    assert result.max_abs_dp < 1e-5
+    assert result.processed_tokens == 4 * 64 + 16 * 8 and result.logical_tokens == 16 * 72
+    assert result.ideal_speedup == pytest.approx(16 * 72 / (4 * 64 + 16 * 8))

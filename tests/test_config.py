@@ -102,3 +102,22 @@ def test_yes_and_no_labels_stay_text(tmp_path):
     config = load_job(path)
     assert config.labels == ["Yes", "No", "on", "off"]
     assert config.prompt.chat is True
+
+
+def test_engine_device_is_checked():
+    assert config_from_dict(VALID).engine.device == "auto"
+    with pytest.raises(JobConfigError, match=r"engine.device: must be one of cpu, cuda, auto, got 'tpu'"):
+        config_from_dict({**VALID, "engine": {"device": "tpu"}})
+
+
+def test_cuda_without_a_gpu_is_a_clear_error():
+    from batchscore.engines import EngineUnavailable, gpu_available
+    from batchscore.runner import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    if gpu_available():
+        assert resolve_device("auto") == "cuda"
+    else:
+        assert resolve_device("auto") == "cpu"
+        with pytest.raises(EngineUnavailable, match="torch sees no GPU"):
+            resolve_device("cuda")

@@ -195,3 +195,19 @@ def test_merge_partial_attention_equals_attention_over_all_keys():
     out, lse = merge_partial_attention(out_a, lse_a, out_b, lse_b)
     torch.testing.assert_close(out, full, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lse, full_lse, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal, rows, keys", [(True, 37, 37), (False, 5, 70)])
+def test_attention_kernel_matches_float32_math(causal, rows, keys):
+    """The kernel path (grouped-query: 6 query heads on 2 K/V heads) returns the same output and
+    log-sum-exp as plain float32 math; the log-sum-exp is what the exact merges rely on."""
+    from batchscore.engines.cascade_attention import attention_with_lse, attention_with_lse_math
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, rows, 16, generator=generator)
+    k, v = (torch.randn(2, 2, keys, 16, generator=generator) for _ in range(2))
+    out, lse = attention_with_lse(q, k, v, causal, 0.25)
+    ref_out, ref_lse = attention_with_lse_math(q, k, v, causal, 0.25)
+    assert out.shape == (2, 6, rows, 16) and lse.shape == (2, 6, rows)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)

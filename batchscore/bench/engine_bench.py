@@ -66,13 +66,13 @@ def make_groups(requests: int, prefix: int, distinct: int, degree: int, vocab: i
 def score_plain(model, group: PrefixGroup, labels: list[int], batch_size: int) -> dict[int, np.ndarray]:
     """Plain batched forward of every full prompt of `group` (no sharing), last-position logits only."""
     prompts = [np.concatenate([group.prefix, m.suffix]) for m in group.members]
-    label_index = torch.tensor(labels)
+    label_index = torch.tensor(labels, device=model.device)
     probs = {}
     for first in range(0, len(prompts), batch_size):
-        batch = torch.from_numpy(np.stack(prompts[first : first + batch_size]).astype(np.int64))  # [B, T]
+        batch = torch.from_numpy(np.stack(prompts[first : first + batch_size]).astype(np.int64)).to(model.device)  # [B, T]
         logits = model(input_ids=batch, logits_to_keep=1, use_cache=False).logits[:, -1].float()  # [B, V]
         label_probs = torch.softmax(torch.log_softmax(logits, dim=-1)[:, label_index], dim=-1)  # [B, L]
-        for member, row in zip(group.members[first : first + batch_size], label_probs.numpy()):
+        for member, row in zip(group.members[first : first + batch_size], label_probs.cpu().numpy()):
             probs[member.row_id] = row
     return probs
 

@@ -13,8 +13,8 @@ The longest prompt under a budget (peak beyond the baseline, MiB) is found per m
 measuring a grid of lengths, then bisecting between the last that fits and the first that
 does not. Without --budget-mib the budget is the hybrid activation peak at the longest length.
 
-GPU (8B Llama-shaped random weights, torch.cuda.max_memory_allocated): not written; the torch
-engine runs on CPU only.
+On a GPU, `batchscore bench gpu --mil-lengths ...` (gpu_bench.py) measures the same on an 8B
+Llama-shaped model with random weights, with `torch.cuda.max_memory_allocated`.
 
 Example:
     python -m batchscore.bench.mil_bench --lengths 1024,2048,4096,8192 --hybrid-chunk 512

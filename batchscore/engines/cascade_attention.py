@@ -29,6 +29,64 @@ from transformers import AttentionInterface
 ATTN_IMPLEMENTATION = "batchscore_cascade"
 
 _flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_attention_cuda = torch.ops.aten._scaled_dot_product_flash_attention
+
+
+def attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp of the scores (for exact merging).
+
+    query [B, H, T, D], key/value [B, H_kv, S, D] (H a multiple of H_kv; `causal` needs T == S).
+    Returns (out [B, H, T, D] in query's dtype, lse [B, H, T] float32). CPU: PyTorch's flash
+    kernel for CPU; CUDA: the flash kernel for float16/bfloat16, exact math otherwise.
+    """
+    if query.device.type == "cpu":
+        out, lse = _flash_attention_cpu(query, key, value, 0.0, causal, scale=scale)[:2]
+        return out, lse
+    if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16):
+        return _attention_cuda_flash(query, key, value, causal, scale)
+    return attention_with_lse_math(query, key, value, causal, scale)
+
+
+_cuda_flash_takes_gqa: bool | None = None  # probed on the first grouped-query call
+
+
+def _attention_cuda_flash(query, key, value, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA flash attention with log-sum-exp. Fewer K/V heads are passed as they are when the
+    kernel accepts them (no [S, H] copy of K/V), else repeated per query head."""
+    global _cuda_flash_takes_gqa
+    rows = query.shape[2]
+    if key.shape[1] != query.shape[1] and _cuda_flash_takes_gqa is not False:
+        try:
+            out, lse = _flash_attention_cuda(query, key, value, 0.0, causal, False, scale=scale)[:2]
+            _cuda_flash_takes_gqa = True
+            return out, lse[..., :rows]
+        except RuntimeError:
+            _cuda_flash_takes_gqa = False
+    key, value = _repeat_kv(key, query.shape[1]), _repeat_kv(value, query.shape[1])
+    out, lse = _flash_attention_cuda(query, key, value, 0.0, causal, False, scale=scale)[:2]
+    return out, lse[..., :rows]
+
+
+def attention_with_lse_math(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention (float32 math, [T, S] scores in memory): same contract as `attention_with_lse`."""
+    key, value = _repeat_kv(key, query.shape[1]), _repeat_kv(value, query.shape[1])
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale  # [B, H, T, S]
+    if causal:
+        rows, cols = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value.float())  # [B, H, T, D]
+    return out.to(query.dtype), lse
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, H_kv, S, D] -> [B, heads, S, D] (grouped-query attention for kernels without it)."""
+    groups = heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 @dataclass
@@ -91,6 +149,12 @@ class SequenceLayout:
     def num_sequences(self) -> int:
         return len(self.lengths)
 
+    def to(self, device: torch.device | str) -> SequenceLayout:
+        """This layout with its index tensors on `device` (self when there are none to move)."""
+        if self.pad_index is None:
+            return self
+        return SequenceLayout(self.lengths, self.max_len, self.pad_index.to(device), self.unpad_index.to(device))
+
 
 @dataclass
 class CascadePart:
@@ -142,9 +206,9 @@ def causal_attention_per_sequence(
     query [1, H, T, D], key/value [1, H_kv, T, D]. Returns (out [1, H, T, D], lse [1, H, T]).
     """
     if layout.num_sequences == 1:
-        return _flash_attention_cpu(query, key, value, 0.0, True, scale=scale)
+        return attention_with_lse(query, key, value, True, scale)
     q_pad, k_pad, v_pad = (_to_padded(x, layout) for x in (query, key, value))  # [B, H*, S_max, D]
-    out_pad, lse_pad = _flash_attention_cpu(q_pad, k_pad, v_pad, 0.0, True, scale=scale)
+    out_pad, lse_pad = attention_with_lse(q_pad, k_pad, v_pad, True, scale)
     return _from_padded(out_pad, layout), _from_padded(lse_pad.unsqueeze(-1), layout).squeeze(-1)
 
 
@@ -214,7 +278,7 @@ def _attend_part(
     """
     out, lse = causal_attention_per_sequence(query, key, value, part.layout, scale)  # [1, H, T_p, D], [1, H, T_p]
     for prefix_key, prefix_value in part.prefix.layers[layer_idx]:
-        out_p, lse_p = _flash_attention_cpu(query, prefix_key, prefix_value, 0.0, False, scale=scale)
+        out_p, lse_p = attention_with_lse(query, prefix_key, prefix_value, False, scale)
         out, lse = merge_partial_attention(out_p, lse_p, out, lse)
     if part.record_into is not None:  # own copy: a view would keep the whole batch's K/V alive
         part.record_into.layers[layer_idx].append((key.contiguous(), value.contiguous()))
@@ -245,11 +309,10 @@ def attend_query_rows(
     own = slice(query_start, end)
     out, lse = causal_attention_per_sequence(query, key[:, :, own], value[:, :, own], part.layout, scale)
     if query_start > 0:  # the sequence's earlier rows: every query of the chunk sees all of them
-        out_e, lse_e = _flash_attention_cpu(query, key[:, :, :query_start], value[:, :, :query_start], 0.0, False,
-                                            scale=scale)
+        out_e, lse_e = attention_with_lse(query, key[:, :, :query_start], value[:, :, :query_start], False, scale)
         out, lse = merge_partial_attention(out_e, lse_e, out, lse)
     for prefix_key, prefix_value in part.prefix.layers[layer_idx]:
-        out_p, lse_p = _flash_attention_cpu(query, prefix_key, prefix_value, 0.0, False, scale=scale)
+        out_p, lse_p = attention_with_lse(query, prefix_key, prefix_value, False, scale)
         out, lse = merge_partial_attention(out_p, lse_p, out, lse)
     return out.to(query.dtype)
 

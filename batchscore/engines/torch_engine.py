@@ -124,8 +124,6 @@ class TorchEngine:
             raise ValueError(f"hybrid_chunk must be at least 1 (or None: off), got {hybrid_chunk}")
         if memory_budget is not None and memory_budget < 1:
             raise ValueError(f"memory_budget must be a positive number of bytes (or None: off), got {memory_budget}")
-        if torch.device(device).type != "cpu":
-            raise NotImplementedError(f"TorchEngine runs on CPU only for now, got device {device!r}")
         _check_full_attention(model.config)
         self.model = model.to(device).eval()
         self.model.set_attn_implementation(register_cascade_attention())
@@ -286,7 +284,7 @@ class TorchEngine:
             next_kv = PrefixKV.empty(self._num_layers)
             parts.append(_prefix_part(next_prefix, next_kv))
         hidden = self._run_decoder(parts)  # [T, hidden]
-        log_probs, mass = self._label_scores(hidden[last_index], labels)  # hidden [B, hidden]
+        log_probs, mass = self._label_scores(hidden[last_index.to(hidden.device)], labels)  # [B, hidden]
         if next_prefix is None:
             return log_probs, mass, None
         next_kv.length = len(next_prefix)
@@ -375,6 +373,9 @@ class TorchEngine:
         positions = np.concatenate([p.positions for p in parts])  # [T]
         input_ids = torch.from_numpy(token_ids).to(self.device)  # [T]
         position_ids = torch.from_numpy(positions).to(self.device)  # [T]
+        if self.device.type != "cpu":
+            for part in parts:
+                part.cascade.layout = part.cascade.layout.to(self.device)
         cascade = CascadeBatch([p.cascade for p in parts])
         if self._hybrid is not None:
             hidden = self._hybrid.forward(input_ids, position_ids, cascade)  # [T, hidden]

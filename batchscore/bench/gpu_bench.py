@@ -1,0 +1,374 @@
+"""GPU benchmark: the torch engine on 7–8B-shaped models with random weights (no downloads).
+
+Two parts, one process, one GPU:
+
+1. Throughput (`--models`): BatchLLM's microbenchmark shape (shared prefix / distinct suffix,
+   sharing degree, random token ids) scored by a plain batched forward of every full prompt
+   (no sharing, sdpa attention, last-position logits only) and by batchscore's torch engine
+   (prefix once per group, cascade attention). Reports requests/s, speedup, the ideal speedup
+   (logical / processed tokens), max |ΔP| between the two, and model FLOPs utilization (MFU):
+   FLOPs the engine actually computed (linear layers on processed tokens, attention on the
+   query-key pairs it attended, LM head on last positions) per second over the GPU's bf16 peak
+   (the datasheet's dense figure and a matmul measured in the same run).
+2. Maximum input length (`--mil-lengths`): one prompt of N tokens on the first model with and
+   without hybrid prefilling; activation peak = `torch.cuda.max_memory_allocated()` during the
+   pass minus the memory allocated before it (weights). Then the longest prompt whose activation
+   peak fits a budget (default: hybrid's peak at the longest length), per mode, by bisection.
+
+Weights are random (`from_config`), so scores are meaningless but shapes, FLOPs and memory are
+the real model's. Example (on a GPU machine):
+
+    python -m batchscore.bench.gpu_bench --models llama-3.1-8b,qwen-2.5-7b --requests 128 \\
+        --mil-lengths 8192,32768,131072 --json-out gpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import click
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+GIB = 2**30
+DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM parts
+
+# Public model configs (shapes only). `tiny-llama` is for checking the script on a CPU.
+CONFIGS: dict[str, dict] = {
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "qwen-2.5-7b": dict(
+        model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1000000.0, use_sliding_window=False,
+    ),
+    "tiny-llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+}
+
+
+def build_model(name: str, dtype, device: str):
+    """A causal LM with the named config and random weights, created directly on `device`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name not in CONFIGS:
+        raise click.BadParameter(f"unknown model {name!r}; choose from {', '.join(CONFIGS)}")
+    spec = dict(CONFIGS[name])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def non_embedding_params(model) -> int:
+    """Parameters that multiply every token (all but the input embedding and the LM head)."""
+    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def attended_pairs_shared(groups) -> int:
+    """Query-key pairs the engine attends: each prefix causally, each suffix to its prefix and itself."""
+    pairs = 0
+    for group in groups:
+        prefix = group.prefix_len
+        pairs += prefix * (prefix + 1) // 2
+        for member in group.members:
+            s = len(member.suffix)
+            pairs += s * prefix + s * (s + 1) // 2
+    return pairs
+
+
+def attended_pairs_plain(groups) -> int:
+    return sum((t := g.prefix_len + len(m.suffix)) * (t + 1) // 2 for g in groups for m in g.members)
+
+
+def model_flops(model, tokens: int, pairs: int, requests: int) -> float:
+    """Forward FLOPs: linear layers on `tokens`, attention (QK^T and PV) on `pairs`, LM head per request."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    linear = 2.0 * non_embedding_params(model) * tokens
+    attention = 4.0 * config.num_hidden_layers * config.num_attention_heads * head_dim * pairs
+    lm_head = 2.0 * config.hidden_size * config.vocab_size * requests
+    return linear + attention + lm_head
+
+
+def measured_matmul_tflops(device: str) -> float:
+    """bf16 8192^3 matmul rate on this GPU (mean of 10 after 3 warm-ups)."""
+    import torch
+
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@dataclass
+class ThroughputResult:
+    model: str
+    requests: int
+    prefix: int
+    distinct: int
+    degree: int
+    plain_req_s: float
+    engine_req_s: float
+    speedup: float
+    ideal_speedup: float
+    fraction_of_ideal: float
+    logical_tokens: int
+    processed_tokens: int
+    engine_tflops: float
+    plain_tflops: float
+    max_abs_dp: float
+
+
+def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: int, distinct: int, degree: int,
+               token_budget: int, plain_batch: int) -> ThroughputResult:
+    """Plain forward of every full prompt vs the engine, same weights (attention switched per side)."""
+    import torch
+
+    from batchscore.bench.engine_bench import make_groups, score_plain, score_shared
+    from batchscore.engines.cascade_attention import register_cascade_attention
+    from batchscore.engines.torch_engine import DTYPES, TorchEngine
+
+    model = build_model(name, DTYPES[dtype_name], device)
+    vocab = model.config.vocab_size
+    labels = [11, 17]
+    groups = make_groups(requests, prefix, distinct, degree, vocab, seed=0)
+    warmup = make_groups(2 * degree, prefix, distinct, degree, vocab, seed=1)
+    engine = TorchEngine(model, token_budget=token_budget, device=device)
+
+    def plain_side(batch):
+        model.set_attn_implementation("sdpa")
+        try:
+            return {row: p for g in batch for row, p in score_plain(model, g, labels, plain_batch).items()}
+        finally:
+            model.set_attn_implementation(register_cascade_attention())
+
+    def engine_side(batch):
+        return {row: p for g in batch for row, p in score_shared(engine, g, labels).items()}
+
+    timings, probs = {}, {}
+    for side, run in (("plain", plain_side), ("engine", engine_side)):
+        run(warmup)
+        _sync(device)
+        start = time.perf_counter()
+        probs[side] = run(groups)
+        _sync(device)
+        timings[side] = time.perf_counter() - start
+        click.echo(f"  {name} {side}: {requests / timings[side]:.2f} req/s ({timings[side]:.2f} s)")
+    logical = sum(g.logical_tokens for g in groups)
+    processed = sum(g.processed_tokens for g in groups)
+    engine_flops = model_flops(model, processed, attended_pairs_shared(groups), requests)
+    plain_flops = model_flops(model, logical, attended_pairs_plain(groups), requests)
+    max_dp = max(float(np.abs(probs["engine"][row] - probs["plain"][row]).max()) for row in probs["plain"])
+    speedup = timings["plain"] / timings["engine"]
+    result = ThroughputResult(
+        model=name, requests=requests, prefix=prefix, distinct=distinct, degree=degree,
+        plain_req_s=requests / timings["plain"], engine_req_s=requests / timings["engine"], speedup=speedup,
+        ideal_speedup=logical / processed, fraction_of_ideal=speedup / (logical / processed),
+        logical_tokens=logical, processed_tokens=processed,
+        engine_tflops=engine_flops / timings["engine"] / 1e12, plain_tflops=plain_flops / timings["plain"] / 1e12,
+        max_abs_dp=max_dp,
+    )
+    engine.close()
+    del engine, model
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    return result
+
+
+@dataclass
+class MilPoint:
+    mode: str
+    tokens: int
+    activation_bytes: int
+    seconds: float
+
+
+def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybrid_chunk: int, budget_gib: float | None,
+               resolution: int) -> dict:
+    """Activation peak per (mode, N), and the longest N under the budget per mode."""
+    import torch
+
+    from batchscore.engines.torch_engine import DTYPES, TorchEngine
+    from batchscore.plan.types import GroupMember, PrefixGroup
+
+    model = build_model(name, DTYPES[dtype_name], device)
+    vocab = model.config.vocab_size
+    engines = {"plain": TorchEngine(model, token_budget=max(lengths), device=device),
+               "hybrid": TorchEngine(model, token_budget=max(lengths), device=device, hybrid_chunk=hybrid_chunk)}
+    rng = np.random.default_rng(0)
+    points: dict[str, dict[int, MilPoint]] = {mode: {} for mode in engines}
+
+    def measure(mode: str, tokens: int) -> MilPoint:
+        if tokens in points[mode]:
+            return points[mode][tokens]
+        engine = engines[mode]
+        engine.token_budget = max(tokens, 64)
+        group = PrefixGroup(np.zeros(0, np.int32), [GroupMember(0, rng.integers(0, vocab, tokens, dtype=np.int32))])
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        try:
+            list(engine.score([group], [11, 17]))
+            torch.cuda.synchronize()
+            activation = torch.cuda.max_memory_allocated() - before
+        except torch.OutOfMemoryError:
+            activation = -1  # does not fit the GPU at all
+        point = MilPoint(mode, tokens, activation, time.perf_counter() - start)
+        points[mode][tokens] = point
+        shown = f"{activation / GIB:7.2f} GiB" if activation >= 0 else "out of memory"
+        click.echo(f"  {name} {mode:<6} N={tokens:>7}: activation {shown} ({point.seconds:.1f} s)")
+        return point
+
+    for mode in engines:
+        measure(mode, 64)  # warm-up
+        points[mode].clear()
+    for tokens in lengths:
+        for mode in engines:
+            measure(mode, tokens)
+    longest = lengths[-1]
+    budget = int(budget_gib * GIB) if budget_gib else points["hybrid"][longest].activation_bytes
+
+    def fits(mode: str, tokens: int) -> bool:
+        activation = measure(mode, tokens).activation_bytes
+        return 0 <= activation <= budget
+
+    mil = {}
+    for mode in engines:
+        fitting = [n for n in lengths if fits(mode, n)]
+        if len(fitting) == len(lengths):
+            mil[mode] = longest
+            continue
+        high = next(n for n in lengths if not fits(mode, n))
+        low = max([n for n in fitting if n < high], default=0)
+        while high - low > resolution:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(mode, middle) else (low, middle)
+        mil[mode] = low
+    for engine in engines.values():
+        engine.close()
+    del engines, model
+    torch.cuda.empty_cache()
+    plain_at, hybrid_at = points["plain"][longest].activation_bytes, points["hybrid"][longest].activation_bytes
+    return {
+        "model": name, "hybrid_chunk": hybrid_chunk, "budget_bytes": budget,
+        "activation_ratio_at_longest": plain_at / hybrid_at if plain_at > 0 and hybrid_at > 0 else None,
+        "mil": mil, "points": {m: [asdict(p) for p in sorted(v.values(), key=lambda p: p.tokens)] for m, v in points.items()},
+    }
+
+
+def check_attention(device: str, dtype_name: str) -> float:
+    """Max |difference| of `attention_with_lse` (the engine's kernel path) vs float32 math, GQA shapes,
+    causal and not; raises when it is off by more than the dtype allows."""
+    import torch
+
+    from batchscore.engines.cascade_attention import attention_with_lse, attention_with_lse_math
+    from batchscore.engines.torch_engine import DTYPES
+
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    worst = 0.0
+    for causal, (rows, keys) in ((True, (300, 300)), (False, (70, 500))):
+        q, k, v = (torch.randn(2, h, n, 128, generator=generator).to(device, DTYPES[dtype_name])
+                   for h, n in ((8, rows), (2, keys), (2, keys)))
+        out, lse = attention_with_lse(q, k, v, causal, 128**-0.5)
+        ref_out, ref_lse = attention_with_lse_math(q, k, v, causal, 128**-0.5)
+        worst = max(worst, float((out.float() - ref_out.float()).abs().max()), float((lse - ref_lse).abs().max()))
+    if worst > (2e-2 if dtype_name == "bfloat16" else 1e-4):
+        raise click.ClickException(f"attention kernel differs from the reference by {worst:.2e} on {device}")
+    return worst
+
+
+def gpu_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+@click.command("gpu")
+@click.option("--models", default="llama-3.1-8b,qwen-2.5-7b", show_default=True,
+              help=f"Comma-separated model shapes: {', '.join(CONFIGS)}.")
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--requests", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--prefix", type=click.IntRange(min=1), default=2000, show_default=True)
+@click.option("--distinct", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--degree", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--token-budget", type=click.IntRange(min=16), default=16384, show_default=True)
+@click.option("--plain-batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Full prompts per plain forward.")
+@click.option("--mil-lengths", default="", help="Comma-separated prompt lengths for the MIL part (empty: skip).")
+@click.option("--hybrid-chunk", type=click.IntRange(min=16), default=2048, show_default=True)
+@click.option("--budget-gib", type=float, default=None, help="Activation budget for the MIL search.")
+@click.option("--resolution", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, mil_lengths,
+        hybrid_chunk, budget_gib, resolution, json_out) -> None:
+    """Torch engine vs plain forward on random-weight 7–8B models (MFU), and MIL with/without hybrid."""
+    import torch
+
+    names = [n for n in models.split(",") if n]
+    name_of_gpu = gpu_name(device)
+    measured = measured_matmul_tflops(device) if device.startswith("cuda") else None
+    datasheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name_of_gpu), None)
+    click.echo(f"device {name_of_gpu}, torch {torch.__version__}, {dtype}; bf16 matmul measured "
+               f"{measured or 0:.0f} TFLOP/s, datasheet {datasheet or 'unknown'}")
+    click.echo(f"attention kernel vs float32 math (GQA, causal and not): max |diff| {check_attention(device, dtype):.1e}")
+    results = [throughput(n, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch) for n in names]
+    click.echo("")
+    click.echo("| model | plain req/s | engine req/s | speedup | ideal | fraction of ideal | engine TFLOP/s | "
+               "MFU (datasheet) | MFU (measured matmul) | plain TFLOP/s | max abs dP |")
+    click.echo("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        mfu_d = f"{r.engine_tflops / datasheet:.1%}" if datasheet else "-"
+        mfu_m = f"{r.engine_tflops / measured:.1%}" if measured else "-"
+        click.echo(f"| {r.model} | {r.plain_req_s:.2f} | {r.engine_req_s:.2f} | {r.speedup:.2f}x | {r.ideal_speedup:.2f}x "
+                   f"| {r.fraction_of_ideal:.2f} | {r.engine_tflops:.0f} | {mfu_d} | {mfu_m} | {r.plain_tflops:.0f} "
+                   f"| {r.max_abs_dp:.1e} |")
+    mil = None
+    if mil_lengths:
+        lengths = sorted({int(n) for n in mil_lengths.split(",")})
+        mil = mil_points(names[0], device, dtype, lengths, hybrid_chunk, budget_gib, resolution)
+        ratio = mil["activation_ratio_at_longest"]
+        click.echo(f"MIL {mil['model']}: activation ratio plain/hybrid at N={lengths[-1]}: "
+                   f"{ratio:.2f}x" if ratio else "MIL: no ratio (out of memory)")
+        click.echo(f"  longest prompt within {mil['budget_bytes'] / GIB:.2f} GiB of activations: "
+                   f"plain {mil['mil']['plain']}, hybrid {mil['mil']['hybrid']}")
+    if json_out:
+        with open(json_out, "w") as out:
+            json.dump({"device": name_of_gpu, "torch": torch.__version__, "dtype": dtype,
+                       "measured_bf16_tflops": measured, "datasheet_bf16_tflops": datasheet,
+                       "throughput": [asdict(r) for r in results], "mil": mil}, out, indent=2)
+
+
+if __name__ == "__main__":
+    gpu()
