@@ -28,7 +28,7 @@ from batchscore.bench.suite import ENGINES, SCALES
 @click.option("--token-budget", type=click.IntRange(min=16), default=4096, show_default=True,
               help="Tokens per torch-engine forward batch.")
 @click.option("--device", type=click.Choice(["cpu"]), default="cpu", show_default=True,
-              help="Only cpu: the GPU path (8B-class random-weight models, MFU) is not written yet.")
+              help="This suite runs on cpu; on a GPU, `batchscore bench gpu` runs 8B-class random-weight models (MFU, MIL).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out", type=click.Path(file_okay=False), default="bench_results", show_default=True,
               help="Folder for results.md, results.json, throughput.png, batch_tokens.png.")
