@@ -87,7 +87,7 @@ class EngineConfig:
     token_budget: int = 4096  # tokens per forward batch
     max_length: int | None = None  # longest prompt scored; default: the model's context
     threads: int | None = None  # torch CPU threads; default: torch's (all cores)
-    hybrid_chunk: int | None = None  # torch: run norms/projections/MLP this many tokens at a time
+    hybrid_chunk: int | None = None  # run norms/projections/MLP (vllm: MLP) this many tokens at a time
     memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch
     vllm_args: dict[str, Any] = field(default_factory=dict)
 

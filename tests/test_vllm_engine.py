@@ -75,6 +75,7 @@ def _groups_by_hand(requests, size=10):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the hybrid test patches this engine's MLPs
     eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=2048,
                      vllm_args={"kv_cache_memory_bytes": 256 << 20})
     yield eng
@@ -156,6 +157,24 @@ def test_parity_with_torch_engine(sample_scores, sample, model_dir):
     assert agree >= 0.99 and max_dp <= 0.02, f"agreement {agree:.3f}, max |ΔP| {max_dp:.4f}"
 
 
+def test_hybrid_mlp_chunking_inside_vllm_keeps_scores(engine, sample, sample_scores):
+    """Hybrid prefilling inside vLLM (every MLP 32 tokens at a time, via apply_model) gives the
+    same label log-probs as whole-batch MLPs on prompts longer than the chunk."""
+    requests, labels, _ = sample
+    plain = PrefixGroup(np.zeros(0, np.int32), [GroupMember(r.row_id, r.token_ids) for r in requests[:6]])
+    assert min(len(r.token_ids) for r in requests[:6]) > 32
+    scores = {}
+    try:
+        for chunk in (32, None):
+            assert engine.set_hybrid_chunk(chunk) == 30  # SmolLM2: one MLP per layer, 30 layers
+            engine.reset_prefix_cache()  # recompute every prompt
+            scores[chunk] = np.stack([r.log_probs + math.log(r.label_mass) for r in engine.score([plain], labels)])
+    finally:
+        engine.set_hybrid_chunk(None)
+    diff = float(np.abs(scores[32] - scores[None]).max())
+    assert diff <= {"float32": 1e-5, "bfloat16": 0.05}[DTYPE], f"max |Δ log P| hybrid on/off = {diff:.2e}"
+
+
 # ---------------------------------------------------------------------------- errors
 
 
@@ -217,4 +236,7 @@ def test_derived_settings_follow_the_job():
     assert kwargs["enable_prefix_caching"] and kwargs["enforce_eager"] and kwargs["tensor_parallel_size"] == 1
     fixed = derive_settings(groups, SMOLLM2, dtype="float32", token_budget=512, max_length=None,
                             vllm_args={"max_num_seqs": 7, "enable_chunked_prefill": False})
-    assert fixed.max_num_seqs == 7 and fixed.max_num_batched_tokens == 1100  # ≥ the longest prompt
+    assert fixed.max_num_seqs == 7 and fixed.max_num_batched_tokens == 1101  # vLLM: ≥ max_model_len
+    one_pass = derive_settings(groups, SMOLLM2, dtype="float32", token_budget=512, max_length=None,
+                               vllm_args={}, one_pass_prefill=True)  # hybrid prefilling's setting
+    assert not one_pass.enable_chunked_prefill and one_pass.max_num_batched_tokens == one_pass.max_model_len == 1101

@@ -173,37 +173,71 @@ def throughput(
 @click.option("--chunked-prefill", is_flag=True, help="Also measure chunked prefill (hybrid off, --token-budget).")
 @click.option("--token-budget", type=click.IntRange(min=16), default=2048, show_default=True,
               help="Chunk size of the chunked-prefill mode.")
+@click.option("--engine", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True,
+              help="torch: a fresh process per measurement; vllm: one vLLM engine, MLPs chunked inside it "
+                   "(plain = one-pass prefill without chunking), peak RSS of vLLM's engine process.")
+@click.option("--kv-space-gib", type=click.IntRange(min=1), default=1, show_default=True,
+              help="vllm: the fixed KV cache (VLLM_CPU_KVCACHE_SPACE, GiB).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the numbers as JSON.")
 @click.option("--throughput-requests", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also time hybrid on vs off on the bench-engine workload (prefix 1000 / distinct 100 / "
                    "degree 16) with this many requests, interleaved in one process (0: skip).")
-def mil(model, dtype, lengths, hybrid_chunk, budget_mib, resolution, chunked_prefill, token_budget, json_out,
-        throughput_requests) -> None:
+def mil(model, dtype, lengths, hybrid_chunk, budget_mib, resolution, chunked_prefill, token_budget, engine,
+        kv_space_gib, json_out, throughput_requests) -> None:
     """Peak memory of one N-token prompt with and without hybrid prefilling, and the longest prompt
     that fits a memory budget (each measurement in a fresh process, CPU, peak RSS).
 
     Example:
 
         batchscore bench mil --lengths 1024,2048,4096,8192 --hybrid-chunk 512
+
+        batchscore bench mil --engine vllm --kv-space-gib 1
     """
+    if engine == "vllm" and (chunked_prefill or throughput_requests):
+        raise click.BadParameter("--chunked-prefill and --throughput-requests are torch-engine options",
+                                 param_hint="--engine")
+    grid = sorted({int(n) for n in lengths.split(",")})
+    probe = None
+    if engine == "vllm":
+        from batchscore.bench.vllm_mil import VllmMemoryProbe
+        from batchscore.models import resolve_model
+
+        probe = VllmMemoryProbe(resolve_model(model), dtype, grid[-1], hybrid_chunk, kv_space_gib)
+        click.echo(f"vLLM engine process: KV cache {kv_space_gib} GiB ({probe.touched / MIB:.0f} MiB written "
+                   f"before measuring), one-pass prefill up to {grid[-1]} tokens")
+    try:
+        _mil(model, dtype, grid, hybrid_chunk, budget_mib, resolution, chunked_prefill, token_budget, probe,
+             json_out, throughput_requests)
+    finally:
+        if probe is not None:
+            probe.close()
+
+
+def _mil(model, dtype, grid, hybrid_chunk, budget_mib, resolution, chunked_prefill, token_budget, probe, json_out,
+         throughput_requests) -> None:
     if throughput_requests:
         rates = throughput(model, dtype, hybrid_chunk, throughput_requests)
         for clock, rate in rates.items():
             click.echo(f"throughput ({clock} time), {throughput_requests} requests, interleaved: hybrid off "
                        f"{rate['off']:.3f} req/s, on {rate['on']:.3f} req/s ({(rate['on'] / rate['off'] - 1) * 100:+.1f}%)")
-    grid = sorted({int(n) for n in lengths.split(",")})
     modes = ["plain", "hybrid"] + (["chunked-prefill"] if chunked_prefill else [])
     known: dict[str, dict[int, Measurement]] = {m: {} for m in modes}
 
     def runner(mode):
         def run(n: int) -> Measurement:
-            result = measure(model, mode, n, dtype, hybrid_chunk, token_budget)
+            if probe is None:
+                result = measure(model, mode, n, dtype, hybrid_chunk, token_budget)
+            else:
+                point = probe.measure(mode, n)
+                result = Measurement(mode, n, point.baseline_rss, point.peak_rss, estimated=0)
             click.echo(f"  {mode:<16} N={n:>6}: peak {result.peak_rss / MIB:8.1f} MiB, activation "
-                       f"{result.activation / MIB:7.1f} MiB (estimate {result.estimated / MIB:7.1f} MiB)")
+                       f"{result.activation / MIB:7.1f} MiB" +
+                       (f" (estimate {result.estimated / MIB:7.1f} MiB)" if probe is None else ""))
             return result
         return run
 
-    click.echo(f"model {model}, {dtype}, hybrid chunk {hybrid_chunk}; peak RSS per fresh process")
+    where = "vLLM's engine process" if probe is not None else "per fresh process"
+    click.echo(f"model {model}, {dtype}, hybrid chunk {hybrid_chunk}; peak RSS {where}")
     for n in grid:
         for mode in modes:
             known[mode][n] = runner(mode)(n)
@@ -219,7 +253,7 @@ def mil(model, dtype, lengths, hybrid_chunk, budget_mib, resolution, chunked_pre
     if mil_by_mode["plain"]:
         click.echo(f"  MIL gain hybrid/plain: {mil_by_mode['hybrid'] / mil_by_mode['plain']:.2f}x")
     if json_out:
-        payload = {"model": model, "dtype": dtype, "hybrid_chunk": hybrid_chunk, "budget_bytes": budget,
+        payload = {"engine": "vllm" if probe is not None else "torch", "model": model, "dtype": dtype, "hybrid_chunk": hybrid_chunk, "budget_bytes": budget,
                    "activation_ratio_at_longest": ratio, "mil": mil_by_mode,
                    "measurements": {m: {n: asdict(r) | {"activation": r.activation} for n, r in sorted(known[m].items())}
                                     for m in modes}}

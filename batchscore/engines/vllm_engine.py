@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,8 +85,11 @@ class VllmEngine:
         token_budget: int = 4096,
         max_length: int | None = None,
         vllm_args: dict[str, Any] | None = None,
+        hybrid_chunk: int | None = None,
     ) -> None:
         import_vllm()
+        if hybrid_chunk is not None and hybrid_chunk < 1:
+            raise ValueError(f"hybrid_chunk must be at least 1 (or None: off), got {hybrid_chunk}")
         self.model_dir = Path(model_dir)
         self.model_config = json.loads((self.model_dir / "config.json").read_text())
         self.vocab_size = int(self.model_config["vocab_size"])
@@ -93,6 +97,7 @@ class VllmEngine:
         self.token_budget = token_budget
         self.max_length = max_length
         self.vllm_args = dict(vllm_args or {})
+        self.hybrid_chunk = hybrid_chunk
         self.metrics = EngineMetrics(batch_token_counts=[])
         self.errors: dict[int, str] = {}
         self.settings: VllmSettings | None = None
@@ -106,7 +111,7 @@ class VllmEngine:
         """Build from a JobConfig: token_budget, max_length and vllm_args of `config.engine`."""
         engine = config.engine
         return cls(model_dir, dtype=dtype, token_budget=engine.token_budget,
-                   max_length=engine.max_length, vllm_args=engine.vllm_args)
+                   max_length=engine.max_length, vllm_args=engine.vllm_args, hybrid_chunk=engine.hybrid_chunk)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -122,19 +127,48 @@ class VllmEngine:
         vllm = import_vllm()
         self.settings = derive_settings(
             groups, self.model_config, dtype=self.dtype, token_budget=self.token_budget,
-            max_length=self.max_length, vllm_args=self.vllm_args, weight_bytes=_weight_bytes(self.model_dir))
+            max_length=self.max_length, vllm_args=self.vllm_args, weight_bytes=_weight_bytes(self.model_dir),
+            one_pass_prefill=self.hybrid_chunk is not None)
         s = self.settings
         log.info("vLLM settings: dtype=%s block_size=%d max_model_len=%d max_num_seqs=%d "
                  "max_num_batched_tokens=%d chunked_prefill=%s kv_capacity~%d tokens (%s) extra=%s",
                  s.dtype, s.block_size, s.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
                  s.enable_chunked_prefill, s.kv_capacity_tokens, s.kv_capacity_source, s.extra)
         started = time.perf_counter()
+        if self.hybrid_chunk is not None:
+            if not s.llm_kwargs()["enforce_eager"]:
+                raise ValueError("engine.hybrid_chunk with vLLM needs enforce_eager (do not set it false in "
+                                 "engine.vllm_args): a compiled model would not run the chunked MLPs")
+            # lets the engine send `chunk_mlps` to vLLM's engine process (pickled over vLLM's local IPC)
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self._llm = vllm.LLM(model=str(self.model_dir), **s.llm_kwargs())
         cache = self._llm.llm_engine.vllm_config.cache_config
         self.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
         log.info("vLLM started in %.1f s: KV cache %d tokens (%d blocks of %d)",
                  time.perf_counter() - started, self.kv_capacity_tokens, cache.num_gpu_blocks or 0,
                  cache.block_size)
+        if self.hybrid_chunk is not None:
+            self.set_hybrid_chunk(self.hybrid_chunk)
+
+    def set_hybrid_chunk(self, chunk: int | None) -> int:
+        """Run every decoder layer's MLP inside vLLM `chunk` tokens at a time (None: whole batches
+        again). Returns the number of MLPs changed per worker. The engine must have been created
+        with a hybrid_chunk (vLLM only accepts the patch function then)."""
+        from functools import partial
+
+        from batchscore.engines.vllm_hybrid import chunk_mlps
+
+        if self._llm is None:
+            raise RuntimeError("start the engine before changing its hybrid chunk")
+        if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            raise RuntimeError("hybrid prefilling on vLLM needs the engine to be created with a hybrid_chunk")
+        changed = min(self._llm.apply_model(partial(chunk_mlps, chunk=chunk)))
+        if chunk is not None and changed == 0:
+            raise ValueError("engine.hybrid_chunk: found no MLP module (named *MLP with a down_proj) in vLLM's "
+                             "model to chunk; this model family is not supported by hybrid prefilling on vLLM")
+        self.hybrid_chunk = chunk
+        log.info("vLLM hybrid prefilling: %s", f"{changed} MLPs run {chunk} tokens at a time" if chunk else "off")
+        return changed
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (benchmarks call it between runs)."""

@@ -121,21 +121,26 @@ def derive_settings(
     max_length: int | None,
     vllm_args: dict[str, Any],
     weight_bytes: int = 0,
+    one_pass_prefill: bool = False,
 ) -> VllmSettings:
-    """Resolve every vLLM size for this plan; values given in `vllm_args` are kept as given."""
+    """Resolve every vLLM size for this plan; values given in `vllm_args` are kept as given.
+
+    `one_pass_prefill` (hybrid prefilling, PrefillOnly's setting): no chunked prefill, and a step
+    takes at least the longest prompt, so each prompt is prefilled in one pass.
+    """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     args = dict(vllm_args)
     context = int(model_config.get("max_position_embeddings") or 2048)
     block_size = int(args.pop("block_size", default_block_size()))
-    chunked = bool(args.pop("enable_chunked_prefill", True))
+    chunked = bool(args.pop("enable_chunked_prefill", not one_pass_prefill))
     longest = max((g.prefix_len + len(m.suffix) for g in groups for m in g.members), default=1)
     capacity, source = estimate_kv_capacity(model_config, dtype, args, weight_bytes)
     if "max_model_len" in args:
         max_model_len = int(args.pop("max_model_len"))
     else:
         max_model_len = _plan_model_len(longest, max_length, context, capacity, block_size)
-    default_budget = token_budget if chunked else max(token_budget, min(longest, max_model_len))
+    default_budget = token_budget if chunked else max(token_budget, max_model_len)  # vLLM: ≥ max_model_len
     batched = int(args.pop("max_num_batched_tokens", default_budget))
     if "max_num_seqs" in args:
         cap = int(args.pop("max_num_seqs"))

@@ -1,0 +1,72 @@
+"""Maximum input length on vLLM with and without hybrid prefilling (MLPs chunked inside vLLM).
+
+One vLLM engine with a fixed KV cache (`VLLM_CPU_KVCACHE_SPACE`, whole GiB) and one-pass prefill
+(`max_num_batched_tokens` ≥ the longest prompt, no chunked prefill: PrefillOnly's setting). The
+KV cache is written over once first, so its memory counts in the baseline. Then, per prompt
+length N and mode (plain: whole-batch MLPs; hybrid: `chunk_mlps`, switched inside the same
+engine), in vLLM's engine process: release freed allocator memory and reset the peak RSS, score
+one random N-token prompt (prefix cache reset, so it is computed in full), read the peak. The
+activation peak is that peak minus the RSS before the pass. The longest prompt under a budget
+(default: hybrid's peak at the longest length) is found per mode by bisection.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+MIB = 2**20
+
+
+@dataclass
+class VllmMilPoint:
+    mode: str
+    tokens: int
+    baseline_rss: int
+    peak_rss: int
+
+    @property
+    def activation(self) -> int:
+        return self.peak_rss - self.baseline_rss
+
+
+class VllmMemoryProbe:
+    """A vLLM engine that measures the engine process's memory peak of single prompts."""
+
+    def __init__(self, model_dir, dtype: str, longest: int, hybrid_chunk: int, kv_space_gib: int) -> None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
+        from batchscore.engines.vllm_engine import VllmEngine
+        from batchscore.engines.vllm_hybrid import touch_kv_cache
+        from batchscore.plan.types import GroupMember, PrefixGroup
+
+        self._group_type, self._member_type = PrefixGroup, GroupMember
+        self._rng = np.random.default_rng(0)
+        self._row = 0
+        self.hybrid_chunk = hybrid_chunk
+        self.engine = VllmEngine(model_dir, dtype=dtype, token_budget=longest, hybrid_chunk=hybrid_chunk)
+        self.engine.start([self._group(np.zeros(longest, np.int32))])  # sized for the longest prompt
+        self.touched = sum(self.engine.llm.collective_rpc(touch_kv_cache))
+        self.vocab = self.engine.vocab_size
+
+    def _group(self, prompt: np.ndarray):
+        self._row += 1
+        return self._group_type(np.zeros(0, np.int32), [self._member_type(self._row, prompt)])
+
+    def measure(self, mode: str, tokens: int) -> VllmMilPoint:
+        """Peak RSS of vLLM's engine process around one `tokens`-token prompt in `mode`."""
+        from batchscore.engines.vllm_hybrid import process_memory, reset_peak_memory
+
+        self.engine.set_hybrid_chunk(self.hybrid_chunk if mode == "hybrid" else None)
+        self.engine.reset_prefix_cache()
+        prompt = self._rng.integers(0, self.vocab, tokens, dtype=np.int32)
+        before = self.engine.llm.collective_rpc(reset_peak_memory)[0]
+        (result,) = self.engine.score([self._group(prompt)], [0, 1])
+        if result.error:
+            raise RuntimeError(f"vLLM refused the {tokens}-token prompt: {result.error}")
+        after = self.engine.llm.collective_rpc(process_memory)[0]
+        return VllmMilPoint(mode, tokens, before["rss"], after["hwm"])
+
+    def close(self) -> None:
+        self.engine.close()
