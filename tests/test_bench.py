@@ -115,7 +115,8 @@ def test_gpu_bench_runs_on_cpu_and_counts_flops():
     """The GPU benchmark's throughput part on a tiny random model (CPU, float32): the engine agrees
     with the plain forward, and the FLOP accounting matches the shapes."""
     from batchscore.bench.engine_bench import make_groups
-    from batchscore.bench.gpu_bench import attended_pairs_plain, attended_pairs_shared, throughput
+    from batchscore.bench.flops import attended_pairs_plain, attended_pairs_shared
+    from batchscore.bench.gpu_bench import throughput
 
     groups = make_groups(4, 10, 3, 2, 100, seed=0)
     # plain: every prompt of 13 tokens causally; shared: two 10-token prefixes, each suffix 3x10 + 6
@@ -126,3 +127,23 @@ def test_gpu_bench_runs_on_cpu_and_counts_flops():
     assert result.max_abs_dp < 1e-5
     assert result.processed_tokens == 4 * 64 + 16 * 8 and result.logical_tokens == 16 * 72
     assert result.ideal_speedup == pytest.approx(16 * 72 / (4 * 64 + 16 * 8))
+
+
+def test_flop_ideal_is_below_the_token_ideal_when_attention_matters():
+    """Linear FLOPs scale with tokens, attention with query-key pairs: sharing a 2000-token prefix
+    saves fewer FLOPs than tokens on a small model, and about as many on a wide one."""
+    from batchscore.bench.engine_bench import make_groups
+    from batchscore.bench.flops import flop_ideal_speedup, forward_flops
+
+    small = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+             "num_key_value_heads": 3, "vocab_size": 49152}
+    wide = {**small, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+            "num_key_value_heads": 8}
+    groups = make_groups(16, 2000, 200, 16, 100, seed=0)
+    token_ideal = 16 * 2200 / (2000 + 16 * 200)
+    # one layer's weights, by hand: q, o 576x576, k, v 576x192, MLP 3 x 576x1536
+    linear = 2 * 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) * 5200
+    attention = 4 * 30 * 9 * 64 * (2000 * 2001 // 2 + 16 * (200 * 2000 + 200 * 201 // 2))
+    assert forward_flops(small, groups, shared=True) == pytest.approx(linear + attention + 2 * 576 * 49152 * 16)
+    assert flop_ideal_speedup(small, groups) < 0.9 * token_ideal
+    assert 0.95 * token_ideal < flop_ideal_speedup(wide, groups) < token_ideal

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 import click
 import numpy as np
 
+from batchscore.bench.flops import attended_pairs_plain, attended_pairs_shared
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 GIB = 2**30
@@ -79,22 +81,6 @@ def non_embedding_params(model) -> int:
     """Parameters that multiply every token (all but the input embedding and the LM head)."""
     skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
     return sum(p.numel() for p in model.parameters() if id(p) not in skip)
-
-
-def attended_pairs_shared(groups) -> int:
-    """Query-key pairs the engine attends: each prefix causally, each suffix to its prefix and itself."""
-    pairs = 0
-    for group in groups:
-        prefix = group.prefix_len
-        pairs += prefix * (prefix + 1) // 2
-        for member in group.members:
-            s = len(member.suffix)
-            pairs += s * prefix + s * (s + 1) // 2
-    return pairs
-
-
-def attended_pairs_plain(groups) -> int:
-    return sum((t := g.prefix_len + len(m.suffix)) * (t + 1) // 2 for g in groups for m in g.members)
 
 
 def model_flops(model, tokens: int, pairs: int, requests: int) -> float:

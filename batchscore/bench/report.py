@@ -34,7 +34,9 @@ def markdown_table(result: SuiteResult) -> str:
         f"Model {result.model}, {result.dtype}; suite wall time {result.seconds:.0f} s.",
         "",
         "Speedups compare logical tokens/s (prompt tokens as if unshared). Ideal = logical / processed "
-        "tokens of batchscore's plan; fraction of ideal = speedup over plain / ideal.",
+        "tokens of batchscore's plan; fraction of ideal = speedup over plain / ideal. The FLOP ideal "
+        "(forward FLOPs without / with sharing) is lower where attention to long prefixes is a large "
+        "share of the model's work; the fraction of it is in parentheses.",
         "",
         "| workload | engine | requests | logical tokens | processed tokens | saving ratio | requests/s "
         "| logical tokens/s | × plain | × vllm-shuffled | fraction of ideal | max abs dP vs plain | note |",
@@ -42,10 +44,13 @@ def markdown_table(result: SuiteResult) -> str:
     ]
     for w in result.workloads:
         lines.append(f"| **{w.name}** | plan | {w.requests:,} | {w.logical_tokens:,} | {w.processed_tokens:,} "
-                     f"| {w.plan_saving_ratio:.1%} | | | ideal {w.ideal_speedup:.2f}x | | | | {w.groups} groups |")
+                     f"| {w.plan_saving_ratio:.1%} | | | ideal {w.ideal_speedup:.2f}x | | "
+                     f"{_flop_ideal(w)} | | {w.groups} groups |")
         for run in sorted(w.runs, key=lambda r: ENGINES.index(r.engine)):
             over_plain = w.speedup(run.engine, "plain")
             fraction = f"{over_plain / w.ideal_speedup:.2f}" if over_plain and run.engine != "plain" else ""
+            if fraction and w.flop_ideal_speedup:
+                fraction += f" ({over_plain / w.flop_ideal_speedup:.2f})"
             dp = f"{run.max_dp_vs_plain:.3f}" if run.max_dp_vs_plain is not None else ""
             lines.append(
                 f"| {w.name} | {run.engine} | {run.requests:,} | {run.logical_tokens:,} | {run.processed_tokens:,} "
@@ -57,6 +62,10 @@ def markdown_table(result: SuiteResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _flop_ideal(w) -> str:
+    return f"FLOP ideal {w.flop_ideal_speedup:.2f}x" if w.flop_ideal_speedup else ""
+
+
 def to_json(result: SuiteResult) -> dict:
     """Every number of the report (no probabilities, no per-batch counts)."""
     return {
@@ -65,7 +74,8 @@ def to_json(result: SuiteResult) -> dict:
         "workloads": [{
             "name": w.name, "description": w.description, "requests": w.requests, "groups": w.groups,
             "logical_tokens": w.logical_tokens, "processed_tokens": w.processed_tokens,
-            "plan_saving_ratio": w.plan_saving_ratio, "ideal_speedup": w.ideal_speedup, "skipped": w.skipped,
+            "plan_saving_ratio": w.plan_saving_ratio, "ideal_speedup": w.ideal_speedup, "flop_ideal_speedup": w.flop_ideal_speedup,
+            "skipped": w.skipped,
             "runs": [{
                 "engine": r.engine, "requests": r.requests, "seconds": r.seconds,
                 "logical_tokens": r.logical_tokens, "processed_tokens": r.processed_tokens,

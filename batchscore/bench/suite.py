@@ -22,6 +22,7 @@ vLLM spawns its engine process: a script that runs this suite needs a `__main__`
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import platform
@@ -34,6 +35,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from batchscore.bench.flops import flop_ideal_speedup  # noqa: E402
 from batchscore.bench.postrec import postrec  # noqa: E402
 from batchscore.bench.workloads import industry, microbench, table3  # noqa: E402
 from batchscore.plan import GroupMember, PlanOptions, PrefixGroup, build_plan, requests_from_token_lists  # noqa: E402
@@ -185,6 +187,7 @@ class WorkloadResult:
     plan_saving_ratio: float
     runs: list[EngineRun] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # engine -> why
+    flop_ideal_speedup: float | None = None  # FLOPs without / with sharing (see flops.py)
 
     @property
     def ideal_speedup(self) -> float:
@@ -336,12 +339,14 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
     sizing = [g for _, plan in plans for g in plan.groups]
     engines = Engines(model_dir, options, sizing, kv_tokens=int(scale.vllm_cache_prompts * longest) + 64)
     info = machine_info()
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
     results = []
     try:
         for index, (workload, (requests, plan)) in enumerate(zip(workloads, plans)):
             progress(f"[{index + 1}/{len(workloads)}] {workload.name}: {workload.description}")
             result = WorkloadResult(workload.name, workload.description, len(requests), len(plan.groups),
-                                    plan.stats.logical_tokens, plan.stats.processed_tokens, plan.stats.saving_ratio)
+                                    plan.stats.logical_tokens, plan.stats.processed_tokens, plan.stats.saving_ratio,
+                                    flop_ideal_speedup=flop_ideal_speedup(model_config, plan.groups))
             vllm_first = index % 2 == 1  # alternate which side runs first, workload by workload
             if vllm_first:
                 _run_vllm(engines, options, requests, result, progress)
