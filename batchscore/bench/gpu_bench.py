@@ -138,8 +138,6 @@ class ThroughputResult:
 def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: int, distinct: int, degree: int,
                token_budget: int, plain_batch: int) -> ThroughputResult:
     """Plain forward of every full prompt vs the engine, same weights (attention switched per side)."""
-    import torch
-
     from batchscore.bench.engine_bench import make_groups, score_plain, score_shared
     from batchscore.engines.cascade_attention import register_cascade_attention
     from batchscore.engines.torch_engine import DTYPES, TorchEngine
@@ -185,8 +183,6 @@ def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: i
         max_abs_dp=max_dp,
     )
     engine.close()
-    del engine, model
-    torch.cuda.empty_cache() if device.startswith("cuda") else None
     return result
 
 
@@ -263,8 +259,6 @@ def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybr
         mil[mode] = low
     for engine in engines.values():
         engine.close()
-    del engines, model
-    torch.cuda.empty_cache()
     plain_at, hybrid_at = points["plain"][longest].activation_bytes, points["hybrid"][longest].activation_bytes
     return {
         "model": name, "hybrid_chunk": hybrid_chunk, "budget_bytes": budget,

@@ -400,7 +400,7 @@ def _run_plain_and_torch(engines: Engines, options: BenchOptions, groups: list[P
         if plain is not None:
             steps.append((plain, [lambda g=g: score_plain(engines.plain, g, labels, 1) for g in plain_part]))
         if torch_run is not None:
-            steps.append((torch_run, [lambda: score_shared(engines.torch, group, labels)]))
+            steps.append((torch_run, [lambda g=group: score_shared(engines.torch, g, labels)]))
         for run, calls in steps if index % 2 == 0 else steps[::-1]:
             for call in calls:
                 seconds, probs = timed(call)
