@@ -353,6 +353,7 @@ def create_engine(config: JobConfig, kind: str, model_dir):
         device = resolve_device(config.engine.device)
         if config.engine.dtype == "auto" and device == "cpu":
             dtype = "float32"  # bfloat16 only pays on a GPU (or CPUs with AVX512-BF16 / AMX)
+        log.info("torch engine on %s, %s", device, dtype)
         return TorchEngine.from_pretrained(model_dir, dtype=dtype, token_budget=config.engine.token_budget,
                                            device=device, hybrid_chunk=config.engine.hybrid_chunk,
                                            memory_budget=config.engine.memory_budget)
