@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchscore.bench.workloads import DEFAULT_VOCAB
+from batchscore.bench.workloads import DEFAULT_VOCAB, grouped_prompts, shuffled
 
 
 def postrec(
@@ -34,15 +34,8 @@ def postrec(
     rng = np.random.default_rng(seed)
     lengths = rng.normal(history_len * history_scale, history_std * history_scale, size=num_users)
     lengths = np.clip(np.rint(lengths), 1, max_context - post_len).astype(np.int64)  # [U]
-    user_firsts = rng.choice(vocab_size, size=min(num_users, vocab_size), replace=False)
-    prompts: list[np.ndarray] = []
-    for user, length in enumerate(lengths.tolist()):
-        history = rng.integers(0, vocab_size, size=length, dtype=np.int32)  # [H]
-        if user < len(user_firsts):
-            history[0] = user_firsts[user]  # histories differ from their first token
-        posts = rng.integers(0, vocab_size, size=(posts_per_user, post_len), dtype=np.int32)  # [N, S]
-        posts[:, 0] = rng.choice(vocab_size, size=posts_per_user, replace=False)
-        prompts.extend(np.concatenate((history, post)) for post in posts)
-    if shuffle:
-        prompts = [prompts[i] for i in rng.permutation(len(prompts))]
-    return prompts
+    degrees = np.full(num_users, posts_per_user, dtype=np.int64)
+    post_lens = np.full(num_users * posts_per_user, post_len, dtype=np.int64)
+    # histories are the groups' prefixes, posts their distinct parts (distinct first tokens each)
+    prompts = grouped_prompts(rng, degrees, lengths, post_lens, vocab_size, head=np.zeros(0, dtype=np.int32))
+    return shuffled(rng, prompts) if shuffle else prompts

@@ -62,9 +62,12 @@ def table3(
                 rng, prompts_per_sub, suffix_len, vocab_size
             )
     rows = list(prompts.reshape(-1, prompt_len))
-    if shuffle:
-        rows = [rows[i] for i in rng.permutation(len(rows))]
-    return rows
+    return shuffled(rng, rows) if shuffle else rows
+
+
+def shuffled(rng: np.random.Generator, prompts: list[np.ndarray]) -> list[np.ndarray]:
+    """The prompts in a random order drawn from `rng` (the papers shuffle their batches)."""
+    return [prompts[i] for i in rng.permutation(len(prompts))]
 
 
 def _lengths(rng: np.random.Generator, mean: int, count: int, poisson: bool) -> np.ndarray:
@@ -74,7 +77,7 @@ def _lengths(rng: np.random.Generator, mean: int, count: int, poisson: bool) -> 
     return np.maximum(rng.poisson(mean, size=count), 1)
 
 
-def _grouped_prompts(
+def grouped_prompts(
     rng: np.random.Generator,
     degrees: np.ndarray,
     prefix_lens: np.ndarray,
@@ -127,10 +130,8 @@ def microbench(
     prefix_lens = _lengths(rng, prefix_len, num_groups, poisson)
     distinct_lens = _lengths(rng, distinct_len, num_requests, poisson)
     head = np.zeros(0, dtype=np.int32)
-    prompts = _grouped_prompts(rng, degrees, prefix_lens, distinct_lens, vocab_size, head)
-    if shuffle:
-        prompts = [prompts[i] for i in rng.permutation(len(prompts))]
-    return prompts
+    prompts = grouped_prompts(rng, degrees, prefix_lens, distinct_lens, vocab_size, head)
+    return shuffled(rng, prompts) if shuffle else prompts
 
 
 def industry(
@@ -164,10 +165,8 @@ def industry(
     head = rng.integers(0, vocab_size, size=header_len, dtype=np.int32)
     prefix_lens = _lengths(rng, max(prefix_len - header_len, 1), len(degrees), True)
     distinct_lens = _lengths(rng, distinct_len, num_requests, True)
-    prompts = _grouped_prompts(rng, degrees, prefix_lens, distinct_lens, vocab_size, head)
-    if shuffle:
-        prompts = [prompts[i] for i in rng.permutation(len(prompts))]
-    return prompts
+    prompts = grouped_prompts(rng, degrees, prefix_lens, distinct_lens, vocab_size, head)
+    return shuffled(rng, prompts) if shuffle else prompts
 
 
 WORKLOADS: dict[str, Callable[..., list[np.ndarray]]] = {
