@@ -7,8 +7,8 @@ Two parts, one process, one GPU:
    (no sharing, sdpa attention, last-position logits only) and by batchscore's torch engine
    (prefix once per group, cascade attention). Reports requests/s, speedup, the ideal speedup
    (logical / processed tokens), max |ΔP| between the two, and model FLOPs utilization (MFU):
-   FLOPs the engine actually computed (linear layers on processed tokens, attention on the
-   query-key pairs it attended, LM head on last positions) per second over the GPU's bf16 peak
+   FLOPs the engine actually computed (`flops.forward_flops`: linear layers on processed tokens,
+   attention on the query-key pairs it attended, LM head on last positions) per second over the GPU's bf16 peak
    (the datasheet's dense figure and a matmul measured in the same run).
 2. Maximum input length (`--mil-lengths`): one prompt of N tokens on the first model with and
    without hybrid prefilling; activation peak = `torch.cuda.max_memory_allocated()` during the
@@ -28,11 +28,12 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import click
 import numpy as np
 
-from batchscore.bench.flops import attended_pairs_plain, attended_pairs_shared
+from batchscore.bench.flops import forward_flops
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -75,22 +76,6 @@ def build_model(name: str, dtype, device: str):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
-
-
-def non_embedding_params(model) -> int:
-    """Parameters that multiply every token (all but the input embedding and the LM head)."""
-    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
-    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
-
-
-def model_flops(model, tokens: int, pairs: int, requests: int) -> float:
-    """Forward FLOPs: linear layers on `tokens`, attention (QK^T and PV) on `pairs`, LM head per request."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    linear = 2.0 * non_embedding_params(model) * tokens
-    attention = 4.0 * config.num_hidden_layers * config.num_attention_heads * head_dim * pairs
-    lm_head = 2.0 * config.hidden_size * config.vocab_size * requests
-    return linear + attention + lm_head
 
 
 def measured_matmul_tflops(device: str) -> float:
@@ -170,8 +155,8 @@ def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: i
         click.echo(f"  {name} {side}: {requests / timings[side]:.2f} req/s ({timings[side]:.2f} s)")
     logical = sum(g.logical_tokens for g in groups)
     processed = sum(g.processed_tokens for g in groups)
-    engine_flops = model_flops(model, processed, attended_pairs_shared(groups), requests)
-    plain_flops = model_flops(model, logical, attended_pairs_plain(groups), requests)
+    engine_flops = forward_flops(model.config.to_dict(), groups, shared=True)
+    plain_flops = forward_flops(model.config.to_dict(), groups, shared=False)
     max_dp = max(float(np.abs(probs["engine"][row] - probs["plain"][row]).max()) for row in probs["plain"])
     speedup = timings["plain"] / timings["engine"]
     result = ThroughputResult(
@@ -199,6 +184,7 @@ def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybr
     """Activation peak per (mode, N), and the longest N under the budget per mode."""
     import torch
 
+    from batchscore.bench.mil_bench import longest_fitting
     from batchscore.engines.torch_engine import DTYPES, TorchEngine
     from batchscore.plan.types import GroupMember, PrefixGroup
 
@@ -245,18 +231,7 @@ def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybr
         activation = measure(mode, tokens).activation_bytes
         return 0 <= activation <= budget
 
-    mil = {}
-    for mode in engines:
-        fitting = [n for n in lengths if fits(mode, n)]
-        if len(fitting) == len(lengths):
-            mil[mode] = longest
-            continue
-        high = next(n for n in lengths if not fits(mode, n))
-        low = max([n for n in fitting if n < high], default=0)
-        while high - low > resolution:
-            middle = (low + high) // 2
-            low, high = (middle, high) if fits(mode, middle) else (low, middle)
-        mil[mode] = low
+    mil = {mode: longest_fitting(partial(fits, mode), lengths, resolution) for mode in engines}
     for engine in engines.values():
         engine.close()
     plain_at, hybrid_at = points["plain"][longest].activation_bytes, points["hybrid"][longest].activation_bytes

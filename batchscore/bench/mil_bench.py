@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import click
 
@@ -49,23 +50,14 @@ class Measurement:
         return self.peak_rss - self.baseline_rss
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} missing from /proc/self/status")
-
-
 def measure_here(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: int, token_budget: int) -> dict:
     """Score one random prompt of `tokens` tokens in this process; return a `Measurement` as a dict.
 
     Side effects: loads the model, resets this process's peak RSS.
     """
-    import gc
-
     import numpy as np
 
+    from batchscore.bench.peak_memory import process_memory, reset_peak_memory
     from batchscore.engines.torch_engine import TorchEngine
     from batchscore.models import resolve_model
     from batchscore.plan.types import GroupMember, PrefixGroup
@@ -82,12 +74,9 @@ def measure_here(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: i
     list(engine.score([group(64)], [0, 1]))  # warm-up: kernels, thread pools
     prompt = group(tokens)
     estimated = engine.memory_needed(prompt, 0)
-    gc.collect()
-    baseline = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as clear:  # Linux ≥ 4.0: "5" resets VmHWM to VmRSS
-        clear.write("5")
+    baseline = reset_peak_memory(release_free_memory=False)["rss"]
     list(engine.score([prompt], [0, 1]))
-    peak = _status_kib("VmHWM")
+    peak = process_memory()["hwm"]
     return asdict(Measurement(mode, tokens, baseline, peak, estimated))
 
 
@@ -103,16 +92,10 @@ def measure(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: int, t
     return Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def longest_fitting(run, lengths: list[int], budget: int, resolution: int, known: dict[int, Measurement]) -> int:
-    """Longest N whose activation peak is within `budget`: grid `lengths`, then bisection (0: none fits).
-
-    `run(N)` measures; `known` holds measurements already made (updated).
-    """
-    def fits(n: int) -> bool:
-        if n not in known:
-            known[n] = run(n)
-        return known[n].activation <= budget
-
+def longest_fitting(fits: Callable[[int], bool], lengths: list[int], resolution: int) -> int:
+    """Longest N with `fits(N)`: the grid `lengths` (ascending), then bisection between the last
+    length that fits and the first that does not, down to `resolution` tokens (0: none fits).
+    Assumes fitting is monotone in N; `fits` may measure (callers cache their measurements)."""
     fitting = [n for n in lengths if fits(n)]
     if len(fitting) == len(lengths):
         return lengths[-1]
@@ -246,7 +229,14 @@ def _mil(model, dtype, grid, hybrid_chunk, budget_mib, resolution, chunked_prefi
     click.echo(f"activation peak at N={longest}: plain {known['plain'][longest].activation / MIB:.1f} MiB, "
                f"hybrid {known['hybrid'][longest].activation / MIB:.1f} MiB -> {ratio:.2f}x lower")
     budget = int(budget_mib * MIB) if budget_mib is not None else known["hybrid"][longest].activation
-    mil_by_mode = {mode: longest_fitting(runner(mode), grid, budget, resolution, known[mode]) for mode in modes}
+    def fits_budget(mode: str) -> Callable[[int], bool]:
+        def fits(n: int) -> bool:
+            if n not in known[mode]:
+                known[mode][n] = runner(mode)(n)
+            return known[mode][n].activation <= budget
+        return fits
+
+    mil_by_mode = {mode: longest_fitting(fits_budget(mode), grid, resolution) for mode in modes}
     click.echo(f"longest prompt within an activation budget of {budget / MIB:.1f} MiB (search capped at {longest}):")
     for mode in modes:
         click.echo(f"  {mode:<16} {mil_by_mode[mode]:>6} tokens")

@@ -38,7 +38,6 @@ class VllmMemoryProbe:
     def __init__(self, model_dir, dtype: str, longest: int, hybrid_chunk: int, kv_space_gib: int) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
         from batchscore.engines.vllm_engine import VllmEngine
-        from batchscore.engines.vllm_hybrid import touch_kv_cache
         from batchscore.plan.types import GroupMember, PrefixGroup
 
         self._group_type, self._member_type = PrefixGroup, GroupMember
@@ -56,7 +55,7 @@ class VllmMemoryProbe:
 
     def measure(self, mode: str, tokens: int) -> VllmMilPoint:
         """Peak RSS of vLLM's engine process around one `tokens`-token prompt in `mode`."""
-        from batchscore.engines.vllm_hybrid import process_memory, reset_peak_memory
+        from batchscore.bench.peak_memory import process_memory, reset_peak_memory
 
         self.engine.set_hybrid_chunk(self.hybrid_chunk if mode == "hybrid" else None)
         self.engine.reset_prefix_cache()
@@ -70,3 +69,14 @@ class VllmMemoryProbe:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def touch_kv_cache(worker) -> int:
+    """Write zeros over a vLLM worker's whole KV cache (no request may be running) so its memory is
+    resident; returns the bytes touched. Runs in vLLM's engine process (`LLM.collective_rpc`)."""
+    caches = getattr(worker.model_runner, "kv_caches", None) or []
+    total = 0
+    for cache in caches:
+        cache.zero_()
+        total += cache.numel() * cache.element_size()
+    return total
