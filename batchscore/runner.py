@@ -321,12 +321,12 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def resolve_dtype(name: str, kind: str) -> str:
+def resolve_dtype(name: str, device: str) -> str:
+    """`auto` -> bfloat16 on a GPU, float32 on a CPU (bfloat16 only pays on CPUs with
+    AVX512-BF16 / AMX); a named dtype is kept."""
     if name != "auto":
         return name
-    from batchscore.engines import gpu_available
-
-    return "bfloat16" if gpu_available() else "float32"
+    return "bfloat16" if device == "cuda" else "float32"
 
 
 def resolve_device(name: str) -> str:
@@ -342,7 +342,8 @@ def resolve_device(name: str) -> str:
 
 def create_engine(config: JobConfig, kind: str, model_dir):
     """Build the engine named by `kind` for the model in `model_dir`."""
-    dtype = resolve_dtype(config.engine.dtype, kind)
+    device = resolve_device(config.engine.device if kind == "torch" else "auto")  # vLLM: the GPU if any
+    dtype = resolve_dtype(config.engine.dtype, device)
     if kind == "torch":
         import torch
 
@@ -350,9 +351,6 @@ def create_engine(config: JobConfig, kind: str, model_dir):
 
         if config.engine.threads:
             torch.set_num_threads(config.engine.threads)  # process-wide: torch has no per-model setting
-        device = resolve_device(config.engine.device)
-        if config.engine.dtype == "auto" and device == "cpu":
-            dtype = "float32"  # bfloat16 only pays on a GPU (or CPUs with AVX512-BF16 / AMX)
         log.info("torch engine on %s, %s", device, dtype)
         return TorchEngine.from_pretrained(model_dir, dtype=dtype, token_budget=config.engine.token_budget,
                                            device=device, hybrid_chunk=config.engine.hybrid_chunk,
