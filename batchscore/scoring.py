@@ -121,10 +121,8 @@ def score_locally(engine, sink: PartSink, label_ids: Sequence[int], progress: Ro
     """
     todo = sink.groups[sink.next_group:]
     with stop_signals() as stop:
-        for result in _score_with_row_errors(engine, todo, label_ids):
-            progress.row_done()
-            if sink.add(result):
-                progress.group_done(sink.groups[sink.next_group - 1])
+        for result in score_with_row_errors(engine, todo, label_ids):
+            if record(result, sink, progress):
                 if stop.is_set():
                     sink.flush()
                     raise RunInterrupted(
@@ -136,7 +134,16 @@ def score_locally(engine, sink: PartSink, label_ids: Sequence[int], progress: Ro
         raise RuntimeError(f"the engine returned results for {sink.next_group} of {len(sink.groups)} groups")
 
 
-def _score_with_row_errors(engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int]):
+def record(result: LabelScores, sink: PartSink, progress: RowProgress) -> bool:
+    """Hand one result to its sink and count it; True when it completed a group."""
+    progress.row_done()
+    if not sink.add(result):
+        return False
+    progress.group_done(sink.groups[sink.next_group - 1])
+    return True
+
+
+def score_with_row_errors(engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int]):
     """`engine.score`, except that rows the engine says it cannot fit (its `memory_problems`)
     come out as error results instead of stopping the job. Yields group by group."""
     check = getattr(engine, "memory_problems", None)

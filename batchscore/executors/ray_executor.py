@@ -16,7 +16,7 @@ from typing import Sequence
 from batchscore.config import JobConfig
 from batchscore.engines import EngineUnavailable
 from batchscore.engines.base import LabelScores
-from batchscore.scoring import PartSink, RowProgress, RunInterrupted, stop_signals
+from batchscore.scoring import PartSink, RowProgress, RunInterrupted, record, score_with_row_errors, stop_signals
 
 log = logging.getLogger("batchscore")
 
@@ -44,7 +44,7 @@ class ScoringWorker:
         self.engine = create_engine(config, kind, model_dir)
 
     def score(self, groups, label_ids) -> list[LabelScores]:
-        return list(self.engine.score(groups, label_ids))
+        return list(score_with_row_errors(self.engine, groups, label_ids))
 
     def pid(self) -> int:
         return os.getpid()
@@ -83,7 +83,8 @@ def score_on_ray(config: JobConfig, kind: str, model_dir, sinks: Sequence[PartSi
                 ray.wait(heads, num_returns=1)  # a worker's tasks finish in its submission order
                 for worker, queue in pending.items():
                     while queue and ray.wait([queue[0]], timeout=0)[0]:
-                        _consume(ray.get(queue.popleft()), by_worker[worker], progress)
+                        for result in ray.get(queue.popleft()):
+                            record(result, by_worker[worker], progress)
                         by_worker[worker].maybe_flush()
                 if stop.is_set():
                     for sink in sinks:
@@ -96,13 +97,6 @@ def score_on_ray(config: JobConfig, kind: str, model_dir, sinks: Sequence[PartSi
             ray.kill(actor)
         if started_ray:
             ray.shutdown()
-
-
-def _consume(results: list[LabelScores], sink: PartSink, progress: RowProgress) -> None:
-    for result in results:
-        progress.row_done()
-        if sink.add(result):
-            progress.group_done(sink.groups[sink.next_group - 1])
 
 
 def _chunks(groups, rows_per_task: int):
