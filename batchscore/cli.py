@@ -44,17 +44,18 @@ def _guarded(fn):
         from batchscore.plan import PlanInputError
         from batchscore.prompts import LabelError, PromptTemplateError
         from batchscore.io.parts import ResumeMismatch
+        from batchscore.report import ReportError, ReportUnavailable
         from batchscore.runner import ErrorRateExceeded, RunInterrupted
 
         try:
             return fn(*args, **kwargs)
         except (JobConfigError, LabelError, PromptTemplateError, ModelError, ResumeMismatch) as exc:
             _fail(str(exc), EXIT_CONFIG)
-        except (InputError, PlanInputError) as exc:
+        except (InputError, PlanInputError, ReportError) as exc:
             _fail(str(exc), EXIT_INPUT)
         except ErrorRateExceeded as exc:
             _fail(str(exc), EXIT_ERROR_RATE)
-        except EngineUnavailable as exc:
+        except (EngineUnavailable, ReportUnavailable) as exc:
             _fail(str(exc), EXIT_ENGINE)
         except RunInterrupted as exc:
             _fail(str(exc), EXIT_INTERRUPTED)
@@ -86,13 +87,17 @@ def main(verbose: bool) -> None:
               help="Override a job key, e.g. --set engine.dtype=bfloat16 (repeatable).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Override output.path.")
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Write a JSON run summary here.")
+@click.option("--metrics-prom", type=click.Path(dir_okay=False),
+              help="Write the run summary for Prometheus (node-exporter textfile collector; name it *.prom).")
+@click.option("--report", "report", is_flag=True,
+              help="After a complete run, write <output>.report.html (see `batchscore report`).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--fresh", is_flag=True, help="Discard a partial earlier run of this output and start over.")
 @click.option("--shard", metavar="I/N", help="Score only static shard I of N (e.g. one Airflow task each); "
               "the shard that completes the set writes the output, or run `batchscore merge`.")
 @_guarded
-def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, quiet: bool,
-        fresh: bool, shard: str | None) -> None:
+def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, metrics_prom: str | None,
+        report: bool, quiet: bool, fresh: bool, shard: str | None) -> None:
     """Run a scoring job: read, plan, score, write one output row per input row.
 
     Progress is saved in parts next to the output; if the run dies, the same command resumes it.
@@ -101,16 +106,24 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
 
         batchscore run jobs/sample.yaml --set engine.dtype=bfloat16 -o scores.parquet
     """
-    from batchscore.runner import Shard, run_job
+    from batchscore.runner import ErrorRateExceeded, Shard, run_job
 
     try:
         parsed_shard = Shard.parse(shard) if shard else None
     except ValueError as exc:
         _fail(str(exc), EXIT_CONFIG)
     config = _load(job, sets, output)
-    summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
-    if metrics:
-        Path(metrics).write_text(summary.to_json())
+    if report:
+        from batchscore.report import require_matplotlib
+
+        require_matplotlib()  # before the run, not after hours of scoring
+    try:
+        summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
+    except ErrorRateExceeded as exc:
+        if exc.summary is not None:  # the output was written: its metrics and report matter most now
+            _write_run_files(exc.summary, job, metrics, metrics_prom, report, err=True)
+        raise
+    report_path = _write_run_files(summary, job, metrics, metrics_prom, report)
     if not summary.complete:
         click.echo(f"shard {shard} done; the output is written when every shard has finished "
                    f"(or run: batchscore merge {job} --shards {parsed_shard.count})")
@@ -120,7 +133,27 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         f"tokens: {summary.logical_tokens:,} logical, {summary.processed_tokens:,} processed "
         f"(saving {summary.saving_ratio:.1%})\n"
         f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}"
+        + (f"\nreport: {report_path}" if report_path else "")
     )
+
+
+def _write_run_files(summary, job: str, metrics: str | None, metrics_prom: str | None, report: bool,
+                     err: bool = False) -> Path | None:
+    """`run`'s --metrics, --metrics-prom and --report files; returns the report's path, if written."""
+    if metrics:
+        Path(metrics).write_text(summary.to_json())
+    if metrics_prom:
+        from batchscore.metrics_prom import write_prometheus
+
+        write_prometheus(summary.to_dict(), metrics_prom, job=Path(job).stem)
+    if not (report and summary.complete):
+        return None
+    from batchscore.report import write_report
+
+    path = write_report(summary.output_path, metrics=summary.to_dict())
+    if err:
+        click.echo(f"report: {path}", err=True)
+    return path
 
 
 @main.command()
@@ -169,6 +202,30 @@ def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> N
         click.echo("nothing to merge: the output was already written by the last shard")
         return
     click.echo(f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors")
+
+
+@main.command()
+@click.argument("output", type=click.Path(dir_okay=False))
+@click.option("--previous", type=click.Path(dir_okay=False),
+              help="An earlier output of the same job: adds label flips, PSI per label and the rows that changed most.")
+@click.option("--metrics", type=click.Path(dir_okay=False),
+              help="The run's --metrics JSON (default: one next to OUTPUT that names it).")
+@click.option("--id-column", help="Join OUTPUT and --previous on this column (default: the first column).")
+@click.option("--html", "-o", "html", type=click.Path(dir_okay=False),
+              help="Where to write the HTML (default: <OUTPUT>.report.html).")
+@_guarded
+def report(output: str, previous: str | None, metrics: str | None, id_column: str | None, html: str | None) -> None:
+    """Write one self-contained HTML report on an output: labels, P(label), label_mass, errors,
+    throughput, and drift against a previous output.
+
+    Example:
+
+        batchscore report out/2026-01-02.parquet --previous out/2026-01-01.parquet
+    """
+    from batchscore.report import write_report
+
+    path = write_report(output, previous=previous, metrics=metrics, html_path=html, id_column=id_column)
+    click.echo(f"wrote {path}")
 
 
 class _BenchGroup(click.Group):

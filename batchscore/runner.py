@@ -35,6 +35,8 @@ __all__ = ["run_job", "merge_shards", "RunSummary", "Shard", "ErrorRateExceeded"
 class ErrorRateExceeded(RuntimeError):
     """More rows failed than `output.max_error_rate` allows (the output is still written)."""
 
+    summary: "RunSummary | None" = None  # the run that wrote it
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -284,11 +286,13 @@ def _assemble(job: _Job, store: PartStore, manifests: list[Manifest]) -> dict[in
 def _check_error_rate(summary: RunSummary, config: JobConfig) -> None:
     error_rate = summary.rows_error / max(summary.rows, 1)
     if error_rate > config.output.max_error_rate:
-        raise ErrorRateExceeded(
+        error = ErrorRateExceeded(
             f"{summary.rows_error} of {summary.rows} rows failed ({error_rate:.1%}), more than "
             f"output.max_error_rate={config.output.max_error_rate:.1%}; the output was written to "
             f"{summary.output_path} with the errors in its 'error' column"
         )
+        error.summary = summary
+        raise error
 
 
 def _check_output_outside_input(config: JobConfig, files: list[Path]) -> None:

@@ -1,0 +1,64 @@
+"""`batchscore report`: one self-contained HTML page about an output, optionally against a previous one.
+
+    write_report("out/2026-01-02.parquet", previous="out/2026-01-01.parquet")
+
+Computation lives in `stats` and `drift` (numpy only); `html` draws the plots (matplotlib,
+optional: `pip install 'batchscore[report]'`) and writes the page.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from batchscore.report.data import ReportError, ScoredOutput, find_metrics, load_metrics, load_output, metrics_candidates
+
+__all__ = ["write_report", "default_report_path", "require_matplotlib", "ReportError", "ReportUnavailable",
+           "ScoredOutput", "load_output"]
+
+
+class ReportUnavailable(RuntimeError):
+    """matplotlib, which draws the report's plots, is not installed."""
+
+
+def require_matplotlib() -> None:
+    """Raise ReportUnavailable (with the install command) unless matplotlib can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ReportUnavailable("the report draws its plots with matplotlib, which is not installed: "
+                                "pip install 'batchscore[report]'") from None
+
+
+def default_report_path(output: str | os.PathLike) -> Path:
+    """`<output>.report.html`, next to the output (like its `<output>.parts/` folder)."""
+    output = Path(output)
+    return output.with_name(output.name + ".report.html")
+
+
+def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | None = None,
+                 metrics: str | os.PathLike | dict | None = None, html_path: str | os.PathLike | None = None,
+                 id_column: str | None = None) -> Path:
+    """Write the HTML report of `output` and return its path.
+
+    `metrics`: a `--metrics` JSON path or its dict (a RunSummary.to_dict()); when None, a JSON
+    next to the output is used if one names this output (see data.metrics_candidates).
+    `previous`: an earlier output of the same job, joined by `id_column` (default: the first
+    column) for the drift section. Raises ReportError for unreadable inputs, ReportUnavailable
+    without matplotlib.
+    """
+    require_matplotlib()
+    from batchscore.report.html import render, write_html
+
+    current = load_output(output, id_column)
+    before = load_output(previous, id_column or current.id_column) if previous is not None else None
+    if isinstance(metrics, dict):
+        metrics_data, note = metrics, "this run's summary"
+    elif metrics is not None:
+        metrics_data, note = load_metrics(metrics), str(metrics)
+    else:
+        metrics_data, found = find_metrics(output)
+        note = str(found) if found else ("no metrics JSON naming this output next to it (looked for "
+                                         + ", ".join(p.name for p in metrics_candidates(output)) + ")")
+    target = Path(html_path) if html_path is not None else default_report_path(output)
+    return write_html(render(current, before, metrics_data, note), target)

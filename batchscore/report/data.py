@@ -1,0 +1,125 @@
+"""Reading a batchscore output (and the `--metrics` JSON of its run) for the report."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+RESULT_COLUMNS = ("label", "label_mass", "status", "error")
+
+
+class ReportError(ValueError):
+    """The output (or a file given with it) cannot be reported on."""
+
+
+@dataclass
+class ScoredOutput:
+    """One output Parquet file as plain lists and arrays (row order kept)."""
+
+    path: Path
+    id_column: str
+    ids: list
+    labels: list[str]  # from the p_<label> columns, in column order
+    probs: dict[str, np.ndarray]  # label -> [N] P(label), NaN for error rows
+    label: list[str | None]
+    label_mass: np.ndarray  # [N], NaN for error rows
+    ok: np.ndarray  # [N] bool, status == "ok"
+    error: list[str | None]
+    kept: dict[str, list] = field(default_factory=dict)  # output.keep_columns
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids)
+
+
+def load_output(path: str | os.PathLike, id_column: str | None = None) -> ScoredOutput:
+    """Read an output file. The labels are the `p_*` columns just before `label` (the writer's
+    layout); the id column is `id_column` or the first column; the other columns are keep columns.
+    Raises ReportError for a missing file or one that is not a batchscore output."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise ReportError(f"output not found: {path}")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ReportError(f"{path}: not a readable Parquet file ({exc})") from None
+    names = table.column_names
+    missing = [c for c in RESULT_COLUMNS if c not in names]
+    if missing:
+        raise ReportError(f"{path}: not a batchscore output, it has no column(s) {missing} "
+                          f"(columns: {names})")
+    label_at = names.index("label")
+    first_p = label_at
+    while first_p > 0 and names[first_p - 1].startswith("p_"):
+        first_p -= 1
+    label_columns = names[first_p:label_at]
+    if not label_columns:
+        raise ReportError(f"{path}: not a batchscore output, no p_<label> columns before 'label'")
+    if id_column is None:
+        id_column = names[0]
+    elif id_column not in names:
+        raise ReportError(f"--id-column {id_column!r} is not a column of {path} (columns: {names})")
+    ids = table.column(id_column).to_pylist()
+    if len(set(ids)) != len(ids):
+        raise ReportError(f"{path}: id column {id_column!r} has duplicate values; pass --id-column")
+
+    def floats(name: str) -> np.ndarray:
+        return np.array([np.nan if v is None else v for v in table.column(name).to_pylist()], dtype=np.float64)
+
+    result = set(RESULT_COLUMNS) | set(label_columns) | {id_column}
+    return ScoredOutput(
+        path=path,
+        id_column=id_column,
+        ids=ids,
+        labels=[c[2:] for c in label_columns],
+        probs={c[2:]: floats(c) for c in label_columns},
+        label=[None if v is None else str(v).strip() for v in table.column("label").to_pylist()],
+        label_mass=floats("label_mass"),
+        ok=np.array([s == "ok" for s in table.column("status").to_pylist()], dtype=bool),
+        error=table.column("error").to_pylist(),
+        kept={name: table.column(name).to_pylist() for name in names if name not in result},
+    )
+
+
+def metrics_candidates(output: str | os.PathLike) -> list[Path]:
+    """Where a run's `--metrics` JSON is looked for next to its output: `<stem>.json`,
+    `<output>.metrics.json`, `<stem>.metrics.json` and `metrics.json` (the Airflow DAG's name)."""
+    output = Path(output)
+    stem = output.with_suffix("")
+    return [stem.with_name(stem.name + ".json"), output.with_name(output.name + ".metrics.json"),
+            stem.with_name(stem.name + ".metrics.json"), output.with_name("metrics.json")]
+
+
+def find_metrics(output: str | os.PathLike) -> tuple[dict | None, Path | None]:
+    """The metrics JSON of `output`'s run: the first candidate that names this output's file."""
+    name = Path(output).name
+    for candidate in metrics_candidates(output):
+        try:
+            data = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        # Only a summary of this output's run: a folder may hold other runs' JSON files.
+        if isinstance(data, dict) and Path(str(data.get("output_path", ""))).name == name:
+            return data, candidate
+    return None, None
+
+
+def load_metrics(path: str | os.PathLike) -> dict:
+    """Read a `--metrics` JSON given explicitly; raises ReportError when it is not one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ReportError(f"--metrics {path}: cannot read ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ReportError(f"--metrics {path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or "rows" not in data or "seconds" not in data:
+        raise ReportError(f"--metrics {path}: not a batchscore run summary (no 'rows' and 'seconds')")
+    return data

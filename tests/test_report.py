@@ -1,0 +1,225 @@
+"""`batchscore report` and `run --report / --metrics-prom` on a real run; drift numbers by hand."""
+
+import base64
+import json
+import math
+from html.parser import HTMLParser
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchscore.cli import EXIT_ERROR_RATE, EXIT_INPUT, main
+from batchscore.io.writer import results_table
+from batchscore.report import load_output, write_report
+from batchscore.report.drift import PSI_EPSILON, bin_shares, compare, psi
+from batchscore.report.html import SECTION_IDS
+from batchscore.report.stats import error_kind, error_kinds
+from tests.conftest import write_job, write_sample_subset
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+class _Page(HTMLParser):
+    """Section ids, every src/href, and the tags of an HTML page."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.sections, self.links, self.tags, self._in = {}, [], set(), None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.add(tag)
+        if tag == "section":
+            self._in = attrs["id"]
+            self.sections[self._in] = ""
+        self.links += [attrs[a] for a in ("src", "href") if a in attrs]
+
+    def handle_data(self, data):
+        if self._in:
+            self.sections[self._in] += data + " "  # cells apart
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """One real CLI run of a 12-row job (one row with a null query) with --report and --metrics-prom."""
+    folder = tmp_path_factory.mktemp("report_run")
+    source = write_sample_subset(folder / "input.parquet", queries=4, product_ids=("P001", "P002", "P004"))
+    rows = pq.read_table(source).to_pylist()
+    rows[5]["query"] = None
+    pq.write_table(pa.Table.from_pylist(rows), source)
+    job = write_job(folder, source, output={"max_error_rate": 0.2})
+    prom = folder / "batchscore.prom"
+    result = invoke("run", job, "-q", "--report", "--metrics-prom", prom, "--metrics", folder / "out.json")
+    assert result.exit_code == 0, result.output
+    return folder, result
+
+
+def test_run_report_writes_a_self_contained_page_with_every_section(real_run):
+    folder, result = real_run
+    page_path = folder / "out.parquet.report.html"
+    assert f"report: {page_path}" in result.output
+    page = _Page(page_path.read_text(encoding="utf-8"))
+    assert set(SECTION_IDS) <= set(page.sections)
+    assert not [link for link in page.links if link.startswith(("http://", "https://", "//"))]
+    assert not page.tags & {"script", "link", "iframe"}
+    images = [link for link in page.links if link.startswith("data:")]
+    assert len(images) >= 4
+    for image in images:
+        assert image.startswith("data:image/png;base64,")
+        assert base64.b64decode(image.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = " ".join(page.sections["summary"].split())
+    assert "rows 12" in summary and "ok 11" in summary and "errors 1 (8.3%)" in summary
+    assert "Yes, No" in summary
+    # the null query, as a kind without file or line, with its row as the example
+    errors = page.sections["errors"]
+    assert "field 'query' is null or missing" in errors and "P002-Q01" in errors
+    out = pq.read_table(folder / "out.parquet").to_pandas()
+    share = (out["label_mass"] < 0.5).sum() / out["label_mass"].notna().sum()
+    assert f"label_mass < 0.5 {share:.1%}" in " ".join(page.sections["label-mass"].split())
+    throughput = page.sections["throughput"]
+    assert "No run metrics" not in throughput and "torch / smollm2-135m-instruct" in throughput
+    assert "No previous output" in page.sections["drift"]
+
+
+def test_metrics_prom_parses_and_holds_the_row_counts(real_run):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    folder, _ = real_run
+    text = (folder / "batchscore.prom").read_text()
+    assert not list(folder.glob("batchscore.prom.*"))  # the temporary file was renamed
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    values = {name: [(s.labels, s.value) for s in f.samples] for name, f in families.items()}
+    assert values["batchscore_rows"] == [({"job": "job"}, 12.0)]
+    assert values["batchscore_rows_ok"] == [({"job": "job"}, 11.0)]
+    assert values["batchscore_rows_error"] == [({"job": "job"}, 1.0)]
+    assert values["batchscore_run_complete"] == [({"job": "job"}, 1.0)]
+    assert families["batchscore_rows"].type == "gauge"
+    assert families["batchscore_rows"].documentation
+    summary = json.loads((folder / "out.json").read_text())
+    assert values["batchscore_processed_tokens"][0][1] == summary["processed_tokens"]
+    assert values["batchscore_run_info"][0][0]["engine"] == "torch"
+
+
+def test_report_command_compares_with_a_previous_output(real_run, tmp_path):
+    folder, _ = real_run
+    table = pq.read_table(folder / "out.parquet")
+    previous = table.to_pydict()
+    previous["p_Yes"] = [None if p is None else 1 - p for p in previous["p_Yes"]]
+    previous["p_No"] = [None if p is None else 1 - p for p in previous["p_No"]]
+    previous["label"] = [None if lab is None else {"Yes": "No", "No": "Yes"}[lab] for lab in previous["label"]]
+    pq.write_table(pa.table(previous, schema=table.schema), tmp_path / "prev.parquet")
+    target = tmp_path / "page.html"
+    result = invoke("report", folder / "out.parquet", "--previous", tmp_path / "prev.parquet", "-o", target)
+    assert result.exit_code == 0, result.output
+    drift = " ".join(_Page(target.read_text()).sections["drift"].split())
+    assert "label flip rate 100.0% (11 of 11 rows)" in drift
+    assert "PSI" in drift and "cᵢ" in drift  # the formula is stated
+
+
+def test_report_command_refuses_what_is_not_an_output(tmp_path):
+    result = invoke("report", tmp_path / "missing.parquet")
+    assert result.exit_code == EXIT_INPUT and "output not found" in result.output
+    pq.write_table(pa.table({"a": [1]}), tmp_path / "other.parquet")
+    result = invoke("report", tmp_path / "other.parquet")
+    assert result.exit_code == EXIT_INPUT and "not a batchscore output" in result.output
+
+
+def test_error_rate_exceeded_still_writes_report_and_metrics(tmp_path, small_input):
+    rows = pq.read_table(small_input).to_pylist()[:3]
+    rows[0]["title"] = None
+    pq.write_table(pa.Table.from_pylist(rows), small_input)
+    job = write_job(tmp_path, small_input)
+    result = invoke("run", job, "-q", "--report", "--metrics-prom", tmp_path / "m.prom")
+    assert result.exit_code == EXIT_ERROR_RATE, result.output
+    page = _Page((tmp_path / "out.parquet.report.html").read_text())
+    assert "field 'title' is null or missing" in page.sections["errors"]
+    assert 'batchscore_rows_error{job="job"} 1.0' in (tmp_path / "m.prom").read_text()
+
+
+# --- drift against a hand computation ---------------------------------------------------------
+
+def _output(path, ids, p_yes, errors=()):
+    """An output file in the writer's own layout; rows in `errors` get status error."""
+    probs = np.array([[np.nan, np.nan] if p is None else [p, 1 - p] for p in p_yes])
+    mass = np.array([np.nan if p is None else 0.6 for p in p_yes])
+    table = results_table(pa.array(ids), "pair_id", pa.table({"query": [f"q-{i}" for i in ids]}),
+                          ["Yes", "No"], probs, mass, {i: "boom" for i in errors})
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.fixture
+def two_nights(tmp_path):
+    # previous: a..e, g (e an error); current: b..g and f (a gone, f new, g now an error)
+    previous = _output(tmp_path / "prev.parquet", ["a", "b", "c", "d", "e", "g"],
+                       [0.05, 0.15, 0.55, 0.95, None, 0.75], errors=[4])
+    current = _output(tmp_path / "cur.parquet", ["b", "c", "d", "e", "f", "g"],
+                      [0.12, 0.45, 0.92, 0.65, 0.08, None], errors=[5])
+    return previous, current
+
+
+def test_drift_numbers_equal_a_hand_computation(two_nights):
+    previous, current = two_nights
+    d = compare(load_output(previous), load_output(current))
+    # joined: b c d e g; compared (ok in both): b c d; c flips Yes -> No
+    assert (d.joined, d.only_current, d.only_previous, d.compared) == (5, 1, 1, 3)
+    assert (d.flips, d.became_error, d.became_ok) == (1, 1, 1)
+    assert d.flip_rate == pytest.approx(1 / 3)
+    assert d.flip_counts == {("No", "No"): 1, ("Yes", "No"): 1, ("Yes", "Yes"): 1}
+    # P(Yes) bins: previous a0 b1 c5 d9 g7, current b1 c4 d9 e6 f0 -> 0.2 each; bins 4,5,6,7 differ
+    expected = 4 * (0.2 - PSI_EPSILON) * math.log(0.2 / PSI_EPSILON)
+    assert d.psi["Yes"] == pytest.approx(expected, rel=1e-12)
+    assert d.psi["No"] == pytest.approx(expected, rel=1e-12)  # P(No) = 1 - P(Yes): mirrored bins
+    assert [c.id for c in d.top_changed] == ["c", "b", "d"]
+    assert d.top_changed[0].delta == pytest.approx(-0.10)
+    assert d.top_changed[0].kept == {"query": "q-c"}
+
+
+def test_psi_of_uneven_shares_and_bin_edges():
+    # previous shares: bin0 .5, bin1 .25, bin5 .25; current: bin0 .25, bin1 .75
+    value = psi([0.05, 0.05, 0.15, 0.55], [0.05, 0.15, 0.15, 0.15])
+    hand = ((0.25 - 0.5) * math.log(0.25 / 0.5) + (0.75 - 0.25) * math.log(0.75 / 0.25)
+            + (PSI_EPSILON - 0.25) * math.log(PSI_EPSILON / 0.25))
+    assert value == pytest.approx(hand, rel=1e-12)
+    assert psi([0.3, 0.6], [0.3, 0.6]) == 0.0
+    assert psi([], [0.5]) is None
+    # an edge starts its bin; 1.0 is in the last, closed one; NaN is ignored
+    assert list(np.flatnonzero(bin_shares([0.1, 0.0999, 1.0, 0.9, float("nan")]))) == [0, 1, 9]
+    assert bin_shares([0.1, 0.0999, 1.0, 0.9])[9] == 0.5
+
+
+def test_report_page_shows_the_drift_numbers(two_nights, tmp_path):
+    previous, current = two_nights
+    path = write_report(current, previous=previous, html_path=tmp_path / "r.html")
+    page = _Page(path.read_text())
+    drift = " ".join(page.sections["drift"].split())
+    assert "label flip rate 33.3% (1 of 3 rows)" in drift
+    assert f"Yes {4 * (0.2 - PSI_EPSILON) * math.log(0.2 / PSI_EPSILON):.4f} large shift" in drift
+    assert "No run metrics" in page.sections["throughput"]  # none next to it: said so
+
+
+def test_error_messages_group_by_kind(tmp_path):
+    assert error_kind("/data/a.jsonl:17: field 'query' is null or missing") == "field 'query' is null or missing"
+    assert error_kind("prompt is 3000 tokens, longer than the maximum 2048 (the model's context)") == \
+        "prompt is N tokens, longer than the maximum N (the model's context)"
+    assert error_kind("cannot open /tmp/x/y.bin (gone)") == "cannot open <file> (gone)"
+    probs = np.full((4, 2), np.nan)
+    table = results_table(pa.array(["w", "x", "y", "z"]), "id", pa.table({}), ["Yes", "No"], probs,
+                          np.full(4, np.nan), {0: "a.jsonl:1: field 'q' is null or missing",
+                                               1: "b.jsonl:9: field 'q' is null or missing",
+                                               2: "a.jsonl:3: field 't' is null or missing",
+                                               3: "token id 70000 is outside the model's vocabulary (size 49152)"})
+    pq.write_table(table, tmp_path / "e.parquet")
+    kinds = error_kinds(load_output(tmp_path / "e.parquet"))
+    assert [(k.kind, k.count) for k in kinds] == [
+        ("field 'q' is null or missing", 2), ("field 't' is null or missing", 1),
+        ("token id N is outside the model's vocabulary (size N)", 1)]
+    assert [row for row, _ in kinds[0].examples] == ["w", "x"]
