@@ -74,9 +74,10 @@ class InputConfig:
 
 @dataclass
 class PromptConfig:
-    template: str | None = None  # "{column}" fields only
+    template: str | None = None  # "{column}" fields only (engine format), or a jinja template
     system: str | None = None
     chat: bool = False
+    engine: str = "format"  # format ({column}) | jinja (sandboxed jinja2)
 
 
 @dataclass
@@ -290,11 +291,13 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     if not has_tokens and not config.prompt.template:
         problems.append("prompt.template: required unless input.token_ids_column is given "
                         "(e.g. 'Query: {query}\\nAnswer Yes or No.')")
-    if config.prompt.template:
-        from batchscore.prompts import PromptTemplateError, template_fields
+    from batchscore.prompts import PROMPT_ENGINES, PromptTemplateError, template_fields
 
+    if config.prompt.engine not in PROMPT_ENGINES:
+        problems.append(f"prompt.engine: must be one of {', '.join(PROMPT_ENGINES)}, got {config.prompt.engine!r}")
+    elif config.prompt.template:
         try:
-            template_fields(config.prompt.template)
+            template_fields(config.prompt.template, config.prompt.engine)
         except PromptTemplateError as exc:
             problems.append(f"prompt.template: {exc}")
     if len(config.labels) < 2:

@@ -15,6 +15,7 @@ import pyarrow as pa
 from batchscore.config import JobConfig
 from batchscore.io.readers import InputBatch, InputError, discover_files, iter_batches
 from batchscore.plan.types import Request
+from batchscore.prompts import RowRenderError
 
 
 @dataclass
@@ -133,6 +134,8 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
             positions.append(offset)
         except KeyError as exc:
             errors[rid] = f"{batch.file}:{batch.first_line + offset}: field {exc.args[0]!r} is null or missing"
+        except RowRenderError as exc:  # prompt.engine jinja: any other failure of this row's template
+            errors[rid] = f"{batch.file}:{batch.first_line + offset}: {exc}"
     result: list = [None] * len(rows)
     for offset, tokens in zip(positions, renderer.encode(texts)):
         result[offset] = tokens

@@ -1,8 +1,9 @@
 """Prompt templates, chat templates and label tokenization.
 
-Templates use `{column}` fields only. They are parsed, not evaluated: a field cannot reach
-attributes (`{a.b}`), indexes (`{a[0]}`), conversions (`{a!r}`) or format specs, so a job file
-cannot run code or read anything but the row's own columns.
+Templates (`prompt.engine: format`, the default) use `{column}` fields only. They are parsed,
+not evaluated: a field cannot reach attributes (`{a.b}`), indexes (`{a[0]}`), conversions
+(`{a!r}`) or format specs, so a job file cannot run code or read anything but the row's own
+columns. `prompt.engine: jinja` renders with jinja2's sandbox instead (batchscore.prompt_jinja).
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ from typing import Any, Sequence
 
 class PromptTemplateError(ValueError):
     """The template itself is malformed or unsafe."""
+
+
+PROMPT_ENGINES = ("format", "jinja")
+
+
+class RowRenderError(ValueError):
+    """The template cannot render one row (the row gets this message as its error)."""
 
 
 class LabelError(ValueError):
@@ -70,17 +78,29 @@ def parse_template(template: str) -> PromptTemplate:
     return PromptTemplate(tuple(pieces))
 
 
-def template_fields(template: str) -> list[str]:
+def template_fields(template: str, engine: str = "format") -> list[str]:
     """The column names a template uses (validates it on the way)."""
-    return parse_template(template).columns
+    return compile_template(template, engine).columns
+
+
+def compile_template(template: str, engine: str = "format"):
+    """A PromptTemplate (`format`) or a JinjaTemplate (`jinja`): `.columns` and `.render(row)`."""
+    if engine == "jinja":
+        from batchscore.prompt_jinja import parse_jinja_template
+
+        return parse_jinja_template(template)
+    if engine != "format":
+        raise PromptTemplateError(f"unknown template engine {engine!r}; use one of {', '.join(PROMPT_ENGINES)}")
+    return parse_template(template)
 
 
 class PromptRenderer:
     """Renders rows into prompt token ids with a tokenizer, optionally via its chat template."""
 
-    def __init__(self, tokenizer, template: str, *, system: str | None = None, chat: bool = False):
+    def __init__(self, tokenizer, template: str, *, system: str | None = None, chat: bool = False,
+                 engine: str = "format"):
         self.tokenizer = tokenizer
-        self.template = parse_template(template)
+        self.template = compile_template(template, engine)
         self.system = system
         self.chat = chat
         if chat and not getattr(tokenizer, "chat_template", None):

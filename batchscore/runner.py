@@ -257,13 +257,16 @@ def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
     """The prompt renderer, or None when the input already carries token ids."""
     if config.input.token_ids_column is not None or config.input.synthetic is not None:
         return None
-    return PromptRenderer(tokenizer, config.prompt.template, system=config.prompt.system, chat=config.prompt.chat)
+    return PromptRenderer(tokenizer, config.prompt.template, system=config.prompt.system, chat=config.prompt.chat,
+                          engine=config.prompt.engine)
 
 
 def _job_hash(job: _Job, num_workers: int) -> str:
     data = job.config.to_dict()
     data["output"] = {"keep_columns": data["output"]["keep_columns"]}  # not where or how often
     data.pop("executor")  # how many workers matters (below), not how they run
+    if data["prompt"]["engine"] == "format":
+        del data["prompt"]["engine"]  # the default: parts saved before the key existed still resume
     data["num_workers"] = num_workers
     return job_hash(data, job.fingerprint, str(job.config.model), job.kind)
 
