@@ -125,6 +125,7 @@ class JobConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     labels: list[str] = field(default_factory=list)
     model: str = DEFAULT_MODEL
+    model_download: bool = False  # a Hub id missing from the local cache may be downloaded (once)
     engine: EngineConfig = field(default_factory=EngineConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     output: OutputConfig = field(default_factory=OutputConfig)

@@ -1,6 +1,7 @@
-"""Model resolution: built-in names, local Hugging Face folders and local GGUF files.
+"""Model resolution: built-in names, local Hugging Face folders, local GGUF files and Hub ids
+found in the local Hugging Face cache (batchscore.hub_models).
 
-Nothing is ever downloaded from a model hub. A GGUF file is converted once (dequantized) into a
+Nothing is downloaded from a model hub unless the job sets `model_download: true`. A GGUF file is converted once (dequantized) into a
 safetensors folder cached under `$BATCHSCORE_HOME/models/`, which transformers and vLLM both
 load quickly.
 """
@@ -49,11 +50,12 @@ def batchscore_home() -> Path:
     return Path(os.environ.get("BATCHSCORE_HOME", Path.home() / ".cache" / "batchscore"))
 
 
-def resolve_model(spec: str | os.PathLike | None = None) -> Path:
+def resolve_model(spec: str | os.PathLike | None = None, *, download: bool = False) -> Path:
     """Return a local Hugging Face folder for `spec`, converting a GGUF file once if needed.
 
-    `spec` is a built-in name, a folder with `config.json`, or a `.gguf` file. Side effect: may
-    write a converted folder under `batchscore_home()/models/`.
+    `spec` is a built-in name, a folder with `config.json`, a `.gguf` file, or a Hub id
+    ('Org/Name') in the local Hugging Face cache. Side effects: may write a converted folder
+    under `batchscore_home()/models/`; with `download`, may download a Hub model into the cache.
     """
     spec = str(spec or DEFAULT_MODEL)
     if spec in BUILTIN_MODELS:
@@ -66,10 +68,22 @@ def resolve_model(spec: str | os.PathLike | None = None) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:12]
         return _converted_folder(path, cache_name=f"{path.stem}-{digest}")
-    available = ", ".join(sorted(BUILTIN_MODELS))
+    from batchscore.hub_models import cached_snapshot, hub_cache_dir, is_repo_id
+
+    found = "not a folder or a .gguf file" if path.exists() else "not found"
+    searched = f"built-in names ({', '.join(sorted(BUILTIN_MODELS))}); a local path {path.resolve()} ({found})"
+    if is_repo_id(spec):
+        snapshot = cached_snapshot(spec, download=download)
+        if snapshot is not None:
+            if not (snapshot / "config.json").exists():
+                raise ModelError(f"model {spec!r}: the cached snapshot {snapshot} has no config.json "
+                                 "(not a transformers model, or only partly downloaded)")
+            return snapshot
+        folder = "models--" + spec.replace("/", "--")
+        searched += f"; the Hugging Face cache {hub_cache_dir()} (no {folder} snapshot for revision main)"
     raise ModelError(
-        f"unknown model {spec!r}: not a built-in name, a Hugging Face folder or a .gguf file. "
-        f"Built-in models: {available}. Models are never downloaded; pass a local path."
+        f"unknown model {spec!r}: searched {searched}. Give a built-in name, a Hugging Face folder, a "
+        ".gguf file or a Hub id in the cache; nothing is downloaded unless the job sets model_download: true."
     )
 
 

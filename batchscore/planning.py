@@ -18,7 +18,7 @@ def plan_job(config: JobConfig) -> PlanStats:
     if config.input.token_ids_column is None and config.input.synthetic is None:
         from batchscore.models import resolve_model
 
-        model_dir = resolve_model(config.model)
+        model_dir = resolve_model(config.model, download=config.model_download)
         tokenizer = load_tokenizer(model_dir)
         renderer = make_renderer(config, tokenizer)
         max_length, _ = prompt_limits(config, kind, model_dir, tokenizer)

@@ -234,7 +234,7 @@ def _prepare_job(config: JobConfig) -> _Job:
     files = [] if config.input.synthetic else [f for f, _ in discover_files(config.input.path, config.input.format)]
     _check_output_outside_input(config, files)
     kind = resolve_engine_kind(config.engine.kind)
-    model_dir = resolve_model(config.model)
+    model_dir = resolve_model(config.model, download=config.model_download)
     tokenizer = load_tokenizer(model_dir)
     label_ids = label_token_ids(tokenizer, config.labels)
     max_length, vocab_size = prompt_limits(config, kind, model_dir, tokenizer)
@@ -265,6 +265,7 @@ def _job_hash(job: _Job, num_workers: int) -> str:
     data = job.config.to_dict()
     data["output"] = {"keep_columns": data["output"]["keep_columns"]}  # not where or how often
     data.pop("executor")  # how many workers matters (below), not how they run
+    data.pop("model_download")  # how the weights were found, not which
     if data["prompt"]["engine"] == "format":
         del data["prompt"]["engine"]  # the default: parts saved before the key existed still resume
     data["num_workers"] = num_workers
