@@ -223,3 +223,16 @@ def test_error_messages_group_by_kind(tmp_path):
         ("field 'q' is null or missing", 2), ("field 't' is null or missing", 1),
         ("token id N is outside the model's vocabulary (size N)", 1)]
     assert [row for row, _ in kinds[0].examples] == ["w", "x"]
+
+
+def test_without_matplotlib_the_error_names_the_extra(monkeypatch, tmp_path, job_factory, small_input):
+    import sys
+
+    from batchscore.cli import EXIT_ENGINE
+
+    output = _output(tmp_path / "o.parquet", ["a"], [0.3])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    result = invoke("report", output)
+    assert result.exit_code == EXIT_ENGINE and "pip install 'batchscore[report]'" in result.output
+    result = invoke("run", job_factory(small_input), "-q", "--report")  # refused before scoring
+    assert result.exit_code == EXIT_ENGINE and not (tmp_path / "out.parquet").exists()

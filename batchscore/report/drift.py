@@ -116,7 +116,7 @@ def compare(previous, current, top: int = 20) -> Drift:
     first = labels[0] if labels else None
     prev_p = np.array([previous.probs[first][i] for i, _ in compared]) if first else np.zeros(0)
     cur_p = np.array([current.probs[first][j] for _, j in compared]) if first else np.zeros(0)
-    order = sorted(range(len(compared)), key=lambda k: -abs(cur_p[k] - prev_p[k]))[:top]
+    order = np.argsort(-np.abs(cur_p - prev_p), kind="stable")[:top]
     top_changed = [Changed(current.ids[compared[k][1]], previous.label[compared[k][0]],
                            current.label[compared[k][1]], float(prev_p[k]), float(cur_p[k]),
                            {name: values[compared[k][1]] for name, values in current.kept.items()})
