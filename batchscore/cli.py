@@ -11,13 +11,7 @@ from pathlib import Path
 import click
 
 from batchscore import __version__
-
-EXIT_OK = 0
-EXIT_CONFIG = 2
-EXIT_INPUT = 3
-EXIT_ERROR_RATE = 4
-EXIT_ENGINE = 5
-EXIT_INTERRUPTED = 130
+from batchscore.errors import EXIT_CONFIG, EXIT_INTERRUPTED, BatchscoreError
 
 
 def _fail(message: str, code: int) -> None:
@@ -37,27 +31,10 @@ def _guarded(fn):
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
-        from batchscore.config import JobConfigError
-        from batchscore.engines import EngineUnavailable
-        from batchscore.io.readers import InputError
-        from batchscore.models import ModelError
-        from batchscore.plan import PlanInputError
-        from batchscore.prompts import LabelError, PromptTemplateError
-        from batchscore.io.parts import ResumeMismatch
-        from batchscore.runner import ErrorRateExceeded, RunInterrupted
-
         try:
             return fn(*args, **kwargs)
-        except (JobConfigError, LabelError, PromptTemplateError, ModelError, ResumeMismatch) as exc:
-            _fail(str(exc), EXIT_CONFIG)
-        except (InputError, PlanInputError) as exc:
-            _fail(str(exc), EXIT_INPUT)
-        except ErrorRateExceeded as exc:
-            _fail(str(exc), EXIT_ERROR_RATE)
-        except EngineUnavailable as exc:
-            _fail(str(exc), EXIT_ENGINE)
-        except RunInterrupted as exc:
-            _fail(str(exc), EXIT_INTERRUPTED)
+        except BatchscoreError as exc:
+            _fail(str(exc), exc.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted", EXIT_INTERRUPTED)
 
@@ -135,10 +112,10 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
 
         batchscore plan jobs/table3_a.yaml --json
     """
-    from batchscore.planning import plan_job
+    from batchscore.prepare import plan_job
 
     config = _load(job, sets)
-    stats = plan_job(config).to_dict()
+    stats = plan_job(config).stats.to_dict()
     if as_json:
         click.echo(json.dumps(stats))
         return
@@ -172,9 +149,29 @@ def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> N
 
 
 class _BenchGroup(click.Group):
-    """`batchscore bench WORKLOAD...` runs the throughput suite; named tools are subcommands."""
+    """`batchscore bench WORKLOAD...` runs the throughput suite; named tools are subcommands.
+
+    The benchmark commands live in `batchscore.bench` (a leaf: no production module imports it)
+    and are loaded only when `batchscore bench` runs.
+    """
+
+    def _load(self) -> None:
+        if not self.commands:
+            from batchscore.bench.cli import COMMANDS
+
+            for command in COMMANDS:
+                self.add_command(command)
+
+    def list_commands(self, ctx):
+        self._load()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx, name):
+        self._load()
+        return super().get_command(ctx, name)
 
     def parse_args(self, ctx, args):
+        self._load()
         if args and not args[0].startswith("-") and args[0] not in self.commands:
             args = ["workloads", *args]
         return super().parse_args(ctx, args)
@@ -190,22 +187,6 @@ def bench() -> None:
 
         batchscore bench ci --scale ci --out bench_results
     """
-
-
-def _register_bench_commands() -> None:
-    from batchscore.bench.command import bench as suite
-
-    suite.name = "workloads"
-    bench.add_command(suite)
-    from batchscore.bench.mil_bench import mil
-
-    bench.add_command(mil)
-    from batchscore.bench.gpu_bench import gpu
-
-    bench.add_command(gpu)
-
-
-_register_bench_commands()
 
 
 @main.command()

@@ -16,12 +16,15 @@ from typing import Any
 
 import yaml
 
+from batchscore.engines.shape import DTYPE_BYTES
+from batchscore.errors import JobConfigError
 from batchscore.models import DEFAULT_MODEL
+from batchscore.plan.order import POLICIES as ORDER_POLICIES
 
 ENGINE_KINDS = ("torch", "vllm", "auto")
-DTYPES = ("float32", "bfloat16", "auto")
+DTYPES = (*DTYPE_BYTES, "auto")
 DEVICES = ("cpu", "cuda", "auto")
-ORDERS = ("r_group", "input", "srjf")
+ORDERS = ORDER_POLICIES
 INPUT_FORMATS = ("auto", "parquet", "jsonl")
 EXECUTOR_KINDS = ("local", "ray")
 
@@ -43,20 +46,9 @@ def safe_load_yaml(text: str):
     return yaml.load(text, Loader=_JobYamlLoader)
 
 
-class JobConfigError(ValueError):
-    """The job file is invalid; `problems` lists every problem found."""
-
-    def __init__(self, problems: list[str], source: str | None = None):
-        self.problems = list(problems)
-        self.source = source
-        where = f" in {source}" if source else ""
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid job configuration{where}:\n{lines}")
-
-
 @dataclass
 class SyntheticInput:
-    """A generated workload (benchmarks): `workload` names a generator in batchscore.bench.workloads."""
+    """A generated workload (benchmarks): `workload` names a generator in batchscore.synthetic."""
 
     workload: str = ""
     params: dict[str, Any] = field(default_factory=dict)
@@ -281,7 +273,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     if inp.batch_rows < 1:
         problems.append("input.batch_rows: must be ≥ 1")
     if inp.synthetic is not None:
-        from batchscore.bench.workloads import WORKLOADS
+        from batchscore.synthetic import WORKLOADS
 
         if inp.synthetic.workload not in WORKLOADS:
             problems.append(f"input.synthetic.workload: unknown {inp.synthetic.workload!r}; "

@@ -16,14 +16,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from batchscore.errors import ModelError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-class ModelError(ValueError):
-    """A model name or path that cannot be resolved to local weights."""
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-
-class PromptTemplateError(ValueError):
-    """The template itself is malformed or unsafe."""
-
-
-class LabelError(ValueError):
-    """Labels that cannot be scored as single, distinct tokens."""
+from batchscore.errors import LabelError, PromptTemplateError
 
 
 @dataclass(frozen=True)

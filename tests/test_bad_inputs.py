@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchscore.cli import EXIT_CONFIG, EXIT_INPUT, main
+from batchscore.cli import main
+from batchscore.errors import EXIT_CONFIG, EXIT_INPUT
 
 GOOD_JOB = """\
 input: {path: data.jsonl}

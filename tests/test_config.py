@@ -2,7 +2,8 @@
 
 import pytest
 
-from batchscore.config import JobConfigError, config_from_dict, load_job, parse_set_options
+from batchscore.config import config_from_dict, load_job, parse_set_options
+from batchscore.errors import JobConfigError
 
 VALID = {
     "input": {"path": "in.parquet"},
@@ -112,7 +113,7 @@ def test_engine_device_is_checked():
 
 def test_cuda_without_a_gpu_is_a_clear_error():
     from batchscore.engines import EngineUnavailable, gpu_available
-    from batchscore.runner import resolve_device
+    from batchscore.engines import resolve_device
 
     assert resolve_device("cpu") == "cpu"
     if gpu_available():

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchscore.cli import EXIT_CONFIG, EXIT_INTERRUPTED, main
+from batchscore.cli import main
+from batchscore.errors import EXIT_CONFIG, EXIT_INTERRUPTED
 from batchscore.io.parts import staging_dir
 from tests.conftest import write_sample_subset
 

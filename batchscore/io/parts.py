@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,11 +29,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-MANIFEST_VERSION = 1
+from batchscore.errors import ResumeMismatch
+from batchscore.io.atomic import atomic_write
 
+log = logging.getLogger("batchscore")
 
-class ResumeMismatch(RuntimeError):
-    """A staging folder exists but belongs to a different job configuration or input."""
+MANIFEST_VERSION = 2  # 2: rows that could not be read or tokenized are kept in an input-errors file
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Manifest:
     num_rows: int
     worker_groups: dict[str, int] = field(default_factory=dict)  # worker -> groups it must score
     parts: list[PartRecord] = field(default_factory=list)
+    input_errors_file: str | None = None  # rows refused before scoring (row_id, error)
     version: int = MANIFEST_VERSION
 
     def groups_done(self, worker: int = 0) -> int:
@@ -114,15 +116,21 @@ class PartStore:
         if not self.manifest_path.exists():
             return None
         try:
-            return Manifest.from_json(self.manifest_path.read_text())
+            manifest = Manifest.from_json(self.manifest_path.read_text())
         except (ValueError, TypeError, KeyError):
             return None  # unreadable manifest: start over rather than trust it
+        if manifest.version != MANIFEST_VERSION:
+            log.warning("%s is from another batchscore version; starting over", self.manifest_path)
+            return None
+        return manifest
 
-    def start(self, manifest: Manifest, fresh: bool) -> Manifest:
+    def start(self, manifest: Manifest, fresh: bool, input_errors: dict[int, str] | None = None) -> Manifest:
         """Open the staging folder for `manifest`'s job; returns the manifest to continue.
 
         Side effects: with `fresh`, deletes an existing staging folder; otherwise keeps a
-        matching one and raises ResumeMismatch for one that belongs to another job.
+        matching one and raises ResumeMismatch for one that belongs to another job. A new
+        manifest records `input_errors` (rows refused before scoring) in a file of its own, so
+        assembling the output (`batchscore merge` too) never needs to tokenize the input again.
         """
         existing = None if fresh else self.load_manifest()
         if fresh:
@@ -138,6 +146,11 @@ class PartStore:
             return existing
         self._remove_own_files()  # leftovers without a readable manifest
         self.folder.mkdir(parents=True, exist_ok=True)
+        errors = input_errors or {}
+        manifest.input_errors_file = f"{self.name}-input-errors.parquet"
+        table = pa.table({"row_id": pa.array(list(errors), type=pa.int64()),
+                          "error": pa.array(list(errors.values()), type=pa.string())})
+        atomic_write(self.folder / manifest.input_errors_file, lambda tmp: pq.write_table(table, tmp))
         self.write_manifest(manifest)
         return manifest
 
@@ -156,20 +169,24 @@ class PartStore:
             "label_mass": pa.array(label_mass, type=pa.float64()),
             "error": pa.array([errors.get(int(r)) for r in row_ids], type=pa.string()),
         })
-        _atomic_write(self.folder / name, lambda tmp: pq.write_table(table, tmp))
+        atomic_write(self.folder / name, lambda tmp: pq.write_table(table, tmp))
         manifest.parts.append(PartRecord(name, group_start, group_end, len(row_ids), worker))
         self.write_manifest(manifest)
 
     def write_manifest(self, manifest: Manifest) -> None:
-        _atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
+        atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
 
     def read_results(self, manifests: list[Manifest], num_rows: int,
                      num_labels: int) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
         """Gather every part, reading each once: ([num_rows, L] log-probs, [num_rows] mass, NaN
-        where unscored) and the rows the engine could not score, with its message."""
+        where unscored) and the rows that were not scored (refused before scoring, or by the
+        engine), with the reason."""
         log_probs = np.full((num_rows, num_labels), np.nan)
         mass = np.full(num_rows, np.nan)
         errors: dict[int, str] = {}
+        for name in {m.input_errors_file for m in manifests if m.input_errors_file}:
+            table = pq.read_table(self.folder / name)
+            errors.update(zip(table.column("row_id").to_pylist(), table.column("error").to_pylist()))
         for part in (p for m in manifests for p in m.parts):
             table = pq.read_table(self.folder / part.file)
             rows = table.column("row_id").to_numpy()
@@ -193,6 +210,7 @@ class PartStore:
             return []
         return [p for p in self.folder.iterdir()
                 if p.name.startswith(f"{self.name}-part-") or p.name.startswith(f".{self.name}")
+                or p.name == f"{self.name}-input-errors.parquet"
                 or p.name == self.manifest_path.name]
 
     def _remove_own_files(self) -> None:
@@ -201,20 +219,8 @@ class PartStore:
 
     def _remove_strays(self, manifest: Manifest) -> None:
         # Temporary files and parts written after the last manifest update are not trusted.
-        known = {p.file for p in manifest.parts} | {self.manifest_path.name}
+        known = {p.file for p in manifest.parts} | {self.manifest_path.name, manifest.input_errors_file}
         for path in self._own_files():
             if path.name not in known:
                 path.unlink()
 
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

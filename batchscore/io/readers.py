@@ -11,11 +11,9 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchscore.errors import InputError
+
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
-
-
-class InputError(ValueError):
-    """Input files that cannot be read at all (missing, empty, unreadable)."""
 
 
 @dataclass

@@ -1,16 +1,13 @@
-"""Scoring loop helpers shared by the executors: results → durable parts, and clean stops.
+"""Where results go while a job is scored: durable parts, and the progress bar.
 
 A `PartSink` takes one worker's results in that worker's group order and flushes whole groups
-into parts (by row count, by time, at the end, and when asked to stop).
+into parts (by row count, by time, at the end, and when asked to stop). Both executors hand every
+result to `record`.
 """
 
 from __future__ import annotations
 
-import logging
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from typing import Sequence
 
 import numpy as np
@@ -18,12 +15,6 @@ import numpy as np
 from batchscore.engines.base import LabelScores
 from batchscore.io.parts import Manifest, PartStore
 from batchscore.plan.types import PrefixGroup
-
-log = logging.getLogger("batchscore")
-
-
-class RunInterrupted(RuntimeError):
-    """SIGTERM/SIGINT: the current part was finished and recorded; rerun to resume."""
 
 
 class PartSink:
@@ -114,26 +105,6 @@ class RowProgress:
             self.bar.close()
 
 
-def score_locally(engine, sink: PartSink, label_ids: Sequence[int], progress: RowProgress) -> None:
-    """Score the sink's remaining groups with `engine` in this process.
-
-    Raises RunInterrupted after flushing when SIGTERM/SIGINT arrives (checked between groups).
-    """
-    todo = sink.groups[sink.next_group:]
-    with stop_signals() as stop:
-        for result in score_with_row_errors(engine, todo, label_ids):
-            if record(result, sink, progress):
-                if stop.is_set():
-                    sink.flush()
-                    raise RunInterrupted(
-                        f"interrupted after {sink.next_group} of {len(sink.groups)} groups; the scored "
-                        f"groups are saved in {sink.store.folder} — rerun the same command to resume")
-                sink.maybe_flush()
-        sink.flush()
-    if not sink.done:
-        raise RuntimeError(f"the engine returned results for {sink.next_group} of {len(sink.groups)} groups")
-
-
 def record(result: LabelScores, sink: PartSink, progress: RowProgress) -> bool:
     """Hand one result to its sink and count it; True when it completed a group."""
     progress.row_done()
@@ -141,46 +112,3 @@ def record(result: LabelScores, sink: PartSink, progress: RowProgress) -> bool:
         return False
     progress.group_done(sink.groups[sink.next_group - 1])
     return True
-
-
-def score_with_row_errors(engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int]):
-    """`engine.score`, except that rows the engine says it cannot fit (its `memory_problems`)
-    come out as error results instead of stopping the job. Yields group by group."""
-    check = getattr(engine, "memory_problems", None)
-    bad = {p.row_id: str(p) for p in check(groups)} if check else {}
-    if not bad:
-        yield from engine.score(groups, label_ids)
-        return
-    nan = np.full(len(label_ids), np.nan)
-    runnable = [PrefixGroup(g.prefix, [m for m in g.members if m.row_id not in bad]) for g in groups]
-    results = iter(engine.score([g for g in runnable if g.members], label_ids))
-    for group, kept in zip(groups, runnable):
-        for member in group.members:
-            if member.row_id in bad:
-                yield LabelScores(member.row_id, nan, float("nan"), error=bad[member.row_id])
-        for _ in kept.members:
-            yield next(results)
-
-
-@contextmanager
-def stop_signals():
-    """Turn SIGTERM/SIGINT into a flag checked at group boundaries (main thread only)."""
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def handler(signum, frame):
-        if stop.is_set():  # a second signal: stop right away
-            raise KeyboardInterrupt
-        log.warning("signal %s: finishing the current group, then saving progress", signum)
-        stop.set()
-
-    for sig in previous:
-        signal.signal(sig, handler)
-    try:
-        yield stop
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
