@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchscore.bench.command import bench
+from batchscore.bench.command import workloads as bench
 from batchscore.bench.postrec import postrec
 from batchscore.bench.suite import SCALES, expand_names, make_workload, plain_slices, vllm_available
 from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
@@ -114,9 +114,9 @@ def test_bench_tiny_end_to_end(tmp_path, tiny_llama):
 def test_gpu_bench_runs_on_cpu_and_counts_flops():
     """The GPU benchmark's throughput part on a tiny random model (CPU, float32): the engine agrees
     with the plain forward, and the FLOP accounting matches the shapes."""
-    from batchscore.bench.engine_bench import make_groups
-    from batchscore.bench.flops import attended_pairs_plain, attended_pairs_shared
     from batchscore.bench.gpu_bench import throughput
+    from batchscore.bench.scoring import make_groups
+    from batchscore.engines.shape import attended_pairs_plain, attended_pairs_shared
 
     groups = make_groups(4, 10, 3, 2, 100, seed=0)
     # plain: every prompt of 13 tokens causally; shared: two 10-token prefixes, each suffix 3x10 + 6
@@ -124,16 +124,18 @@ def test_gpu_bench_runs_on_cpu_and_counts_flops():
     assert attended_pairs_shared(groups) == 2 * 55 + 4 * (30 + 6)
     result = throughput("tiny-llama", "cpu", "float32", requests=16, prefix=64, distinct=8, degree=4,
                         token_budget=512, plain_batch=4)
-    assert result.max_abs_dp < 1e-5
-    assert result.processed_tokens == 4 * 64 + 16 * 8 and result.logical_tokens == 16 * 72
-    assert result.ideal_speedup == pytest.approx(16 * 72 / (4 * 64 + 16 * 8))
+    record = result.to_dict()
+    assert record["max_abs_dp"] < 1e-5
+    assert record["processed_tokens"] == 4 * 64 + 16 * 8 and record["logical_tokens"] == 16 * 72
+    assert record["ideal_speedup"] == pytest.approx(16 * 72 / (4 * 64 + 16 * 8))
+    assert record["requests"] == 16 and record["speedup"] == pytest.approx(result.plain.seconds / result.engine.seconds)
 
 
 def test_flop_ideal_is_below_the_token_ideal_when_attention_matters():
     """Linear FLOPs scale with tokens, attention with query-key pairs: sharing a 2000-token prefix
     saves fewer FLOPs than tokens on a small model, and about as many on a wide one."""
-    from batchscore.bench.engine_bench import make_groups
-    from batchscore.bench.flops import flop_ideal_speedup, forward_flops
+    from batchscore.bench.scoring import make_groups
+    from batchscore.engines.shape import flop_ideal_speedup, forward_flops
 
     small = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
              "num_key_value_heads": 3, "vocab_size": 49152}

@@ -143,7 +143,7 @@ def test_plan_suffix_batches_bounds_padding():
 def test_rejects_bad_input():
     engine = TorchEngine(tiny_model("llama"))
     assert engine.max_context == 512
-    with pytest.raises(ValueError, match="label token ids"):
+    with pytest.raises(ValueError, match="label token id 1000"):
         list(engine.score(make_groups(), [VOCAB]))
     with pytest.raises(ValueError, match="longer than the maximum 512"):
         list(engine.score([PrefixGroup(np.zeros(500, np.int32), [GroupMember(0, np.zeros(20, np.int32))])], LABELS))

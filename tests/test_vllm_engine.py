@@ -29,7 +29,7 @@ ROWS = int(os.environ.get("BATCHSCORE_VLLM_TEST_ROWS", "60"))
 # Max |vLLM - transformers float32| on raw label log-probs (measured: 3e-5 in float32).
 LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 0.15}[DTYPE]
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-           "hidden_size": 576, "max_position_embeddings": 8192, "vocab_size": 49152}
+           "hidden_size": 576, "intermediate_size": 1536, "max_position_embeddings": 8192, "vocab_size": 49152}
 
 
 # ---------------------------------------------------------------------------- fixtures

@@ -79,7 +79,7 @@ def check_label_ids(label_token_ids: Sequence[int], vocab_size: int) -> list[int
     labels = [int(t) for t in label_token_ids]
     if not labels:
         raise ValueError("label_token_ids is empty")
-    outside = [t for t in labels if not 0 <= t < vocab_size]
-    if outside:
-        raise ValueError(f"label token ids {outside} are outside the model's vocabulary (0..{vocab_size - 1})")
+    for token in labels:
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"label token id {token} is outside the model's vocabulary (0..{vocab_size - 1})")
     return labels
