@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -19,10 +21,36 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _load(job: str, sets: tuple[str, ...], output: str | None = None):
+def _load(job: str, sets: tuple[str, ...], output: str | None = None, allow_code: bool = False):
     from batchscore.config import load_job, parse_set_options
 
-    return load_job(job, parse_set_options(sets), output=output)
+    return load_job(job, parse_set_options(sets), output=output, allow_code=allow_code)
+
+
+@contextmanager
+def _metrics_on_every_exit(path: str | None):
+    """Write the `--metrics` JSON however the run ends: the summary with `status: ok`, or the
+    error, its exit code and (after an error-rate failure) the summary. Yields a function that
+    records the summary of a run that ended well."""
+    from batchscore.io.atomic import atomic_write
+
+    def write(data: dict) -> None:
+        if path:
+            atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2)))
+
+    try:
+        yield lambda summary: write({"status": "ok", "exit_code": 0, **summary.to_dict()})
+    except BatchscoreError as exc:
+        summary = getattr(exc, "summary", None)
+        write({"status": "failed", "exit_code": exc.exit_code, "error": str(exc),
+               **(summary.to_dict() if summary is not None else {})})
+        raise
+    except KeyboardInterrupt:
+        write({"status": "failed", "exit_code": EXIT_INTERRUPTED, "error": "interrupted"})
+        raise
+    except Exception as exc:
+        write({"status": "failed", "exit_code": 1, "error": f"{type(exc).__name__}: {exc}"})
+        raise
 
 
 def _guarded(fn):
@@ -51,6 +79,9 @@ def main(verbose: bool) -> None:
 
         batchscore run jobs/sample.yaml --output scores.parquet
     """
+    # A file-size limit (ulimit -f) then fails a write with EFBIG, reported and resumable,
+    # instead of killing the process with SIGXFSZ.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not verbose:  # vLLM logs every start-up and shutdown step at INFO; keep the terminal readable
@@ -67,9 +98,11 @@ def main(verbose: bool) -> None:
 @click.option("--fresh", is_flag=True, help="Discard a partial earlier run of this output and start over.")
 @click.option("--shard", metavar="I/N", help="Score only static shard I of N (e.g. one Airflow task each); "
               "the shard that completes the set writes the output, or run `batchscore merge`.")
+@click.option("--allow-code", is_flag=True, help="Allow engine.vllm_args that make vLLM load code "
+              "(trust_remote_code, worker_extension_cls, ...); off: a job file cannot run code.")
 @_guarded
 def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, quiet: bool,
-        fresh: bool, shard: str | None) -> None:
+        fresh: bool, shard: str | None, allow_code: bool) -> None:
     """Run a scoring job: read, plan, score, write one output row per input row.
 
     Progress is saved in parts next to the output; if the run dies, the same command resumes it.
@@ -84,10 +117,14 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         parsed_shard = Shard.parse(shard) if shard else None
     except ValueError as exc:
         _fail(str(exc), EXIT_CONFIG)
-    config = _load(job, sets, output)
-    summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
-    if metrics:
-        Path(metrics).write_text(summary.to_json())
+    with _metrics_on_every_exit(metrics) as record:
+        config = _load(job, sets, output, allow_code=allow_code)
+        summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
+        record(summary)
+    if summary.skipped:
+        click.echo(f"{summary.output_path} is already the complete output of this job (same configuration, "
+                   "input, model and software): nothing to do. Use --fresh to score it again.")
+        return
     if not summary.complete:
         click.echo(f"shard {shard} done; the output is written when every shard has finished "
                    f"(or run: batchscore merge {job} --shards {parsed_shard.count})")

@@ -11,6 +11,8 @@ EXIT_CONFIG = 2  # the job file, its labels, template, model or resume state
 EXIT_INPUT = 3  # input files that cannot be read at all
 EXIT_ERROR_RATE = 4  # more row errors than output.max_error_rate (the output is written)
 EXIT_ENGINE = 5  # the engine cannot be started or cannot run this job
+EXIT_OUTPUT = 6  # the output cannot be written (a folder, no permission, disk full): rerun resumes
+EXIT_LOCKED = 75  # another run holds this output's lock; nothing was touched (EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130  # SIGTERM/SIGINT: progress saved, rerun to resume
 
 
@@ -70,9 +72,26 @@ class PlanInputError(BatchscoreError, ValueError):
 
 
 class ErrorRateExceeded(BatchscoreError, RuntimeError):
-    """More rows failed than `output.max_error_rate` allows (the output is still written)."""
+    """More rows failed than `output.max_error_rate` allows (the output is still written);
+    `summary` is the run's RunSummary."""
 
     exit_code = EXIT_ERROR_RATE
+
+    def __init__(self, message: str, summary=None):
+        super().__init__(message)
+        self.summary = summary
+
+
+class OutputError(BatchscoreError, OSError):
+    """The output (or its parts) cannot be written: a folder in the way, no permission, disk full."""
+
+    exit_code = EXIT_OUTPUT
+
+
+class OutputLocked(BatchscoreError, RuntimeError):
+    """Another run of the same output holds its lock (a cron retry or an Airflow zombie)."""
+
+    exit_code = EXIT_LOCKED
 
 
 class EngineUnavailable(BatchscoreError, RuntimeError):

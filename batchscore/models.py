@@ -57,6 +57,7 @@ def resolve_model(spec: str | os.PathLike | None = None) -> Path:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelError(f"model folder {path} has no config.json (not a Hugging Face model folder)")
+        _check_config_json(path / "config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:12]
@@ -66,6 +67,16 @@ def resolve_model(spec: str | os.PathLike | None = None) -> Path:
         f"unknown model {spec!r}: not a built-in name, a Hugging Face folder or a .gguf file. "
         f"Built-in models: {available}. Models are never downloaded; pass a local path."
     )
+
+
+def _check_config_json(path: Path) -> None:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelError(f"{path} is not a readable JSON file ({exc}); the model folder is incomplete or damaged") from None
+    missing = [k for k in ("model_type", "vocab_size") if not isinstance(config, dict) or k not in config]
+    if missing:
+        raise ModelError(f"{path} lacks {', '.join(missing)}: not a model configuration")
 
 
 def _builtin_gguf_path(model: BuiltinModel) -> Path:

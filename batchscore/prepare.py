@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,8 +22,8 @@ import pyarrow as pa
 from batchscore.config import JobConfig
 from batchscore.engines import kv_block_size, resolve_engine_kind
 from batchscore.engines.shape import context_length, read_model_config
-from batchscore.errors import InputError
-from batchscore.io.parts import input_fingerprint
+from batchscore.errors import InputError, OutputError
+from batchscore.io.identity import input_identity, model_identity, software_versions
 from batchscore.io.readers import InputBatch, discover_files, iter_batches
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
@@ -49,48 +50,114 @@ class PreparedInput:
 
 
 @dataclass
-class PreparedJob:
-    """A job after reading (and tokenizing) its input: everything but the plan and the scores."""
+class JobSource:
+    """Where a job's rows and model are, and what its output depends on (no rows read yet)."""
 
     config: JobConfig
     kind: str  # the resolved engine kind: torch | vllm
     files: list[tuple[Path, str]]  # (input file, format), discovered once
-    fingerprint: list[dict]
-    model_dir: Path | None  # None when not tokenized (merge)
+    model_dir: Path | None  # None when not needed (merge)
+    identity: dict  # config, input, model, software, engine: see io/identity.py
+
+
+@dataclass
+class PreparedJob:
+    """A job after reading (and tokenizing) its input: everything but the plan and the scores."""
+
+    source: JobSource
     label_ids: list[int]
     input: PreparedInput
+
+    @property
+    def config(self) -> JobConfig:
+        return self.source.config
+
+    @property
+    def kind(self) -> str:
+        return self.source.kind
+
+    @property
+    def files(self) -> list[tuple[Path, str]]:
+        return self.source.files
+
+    @property
+    def model_dir(self) -> Path | None:
+        return self.source.model_dir
 
     def plan(self) -> Plan:
         return build_plan(self.input.requests, plan_options(self.config, self.kind))
 
 
-def prepare_job(config: JobConfig, *, tokenize: bool = True,
-                progress: Callable[[int], None] | None = None) -> PreparedJob:
-    """Check paths, resolve engine and model, read and (unless `tokenize` is False) tokenize the
-    input; no model weights are loaded. Without tokenizing only the id and kept columns are read
-    (what assembling an output needs). Raises InputError / ModelError / LabelError."""
-    if not config.output.path:
-        raise InputError("output.path is not set (set it in the job file or pass --output)")
+def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool = True) -> JobSource:
+    """Check the output path, find the input files, resolve engine and model, fingerprint what the
+    output depends on (cheap: no rows are read). With `for_output` False (planning only) the
+    output is neither checked nor fingerprinted for. Raises InputError / OutputError / ModelError."""
+    if for_output:
+        if not config.output.path:
+            raise InputError("output.path is not set (set it in the job file or pass --output)")
+        check_output_path(config.output.path)
     files = [] if config.input.synthetic else discover_files(config.input.path, config.input.format)
-    _check_output_outside_input(config, [f for f, _ in files])
+    if for_output:
+        _check_output_outside_input(config, [f for f, _ in files])
     kind = resolve_engine_kind(config.engine.kind)
-    model_dir, label_ids, renderer, max_length, vocab_size = None, [], None, None, None
+    model_dir = Path(resolve_model(config.model)) if with_model else None
+    if not for_output:
+        return JobSource(config, kind, files, model_dir, {})
+    identity = {
+        "config": scoring_config(config),
+        "input": input_identity(files),
+        "model_path": str(model_dir.resolve()) if model_dir else None,
+        "model": model_identity(model_dir),
+        "software": software_versions(kind),
+        "engine": kind,
+    }
+    return JobSource(config, kind, files, model_dir, identity)
+
+
+def scoring_config(config: JobConfig) -> dict:
+    """The job keys the output's rows depend on: not where the output goes or how often parts
+    are written, not how workers run (their number is part of a parts folder's identity)."""
+    data = config.to_dict()
+    data["output"] = {"keep_columns": data["output"]["keep_columns"]}
+    data.pop("executor")
+    data.pop("model")  # by content, in the identity's model part
+    return data
+
+
+def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource | None = None,
+                progress: Callable[[int], None] | None = None) -> PreparedJob:
+    """Locate the job (unless `source` is given) and read and (unless `tokenize` is False)
+    tokenize its input; no model weights are loaded. Without tokenizing only the id and kept
+    columns are read (what assembling an output needs). Raises InputError / ModelError / LabelError."""
+    source = source or locate_job(config, with_model=tokenize)
+    label_ids, renderer, max_length, vocab_size = [], None, None, None
     if tokenize:
-        model_dir = resolve_model(config.model)
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(source.model_dir)
         label_ids = label_token_ids(tokenizer, config.labels)
-        max_length, vocab_size = prompt_limits(config, kind, model_dir, tokenizer)
+        max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
         renderer = make_renderer(config, tokenizer)
-    prepared = prepare_input(config, files, renderer, max_length=max_length, vocab_size=vocab_size,
+    prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
                              tokenize=tokenize, progress=progress)
     log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
-    return PreparedJob(config, kind, files, input_fingerprint([f for f, _ in files]),
-                       Path(model_dir) if model_dir else None, label_ids, prepared)
+    return PreparedJob(source, label_ids, prepared)
+
+
+def check_output_path(output_path: str) -> None:
+    """Refuse an output path that cannot be written, before any work: a folder, a file in a
+    read-only folder. Raises OutputError."""
+    out = Path(output_path).expanduser()
+    if out.is_dir():
+        raise OutputError(f"output.path {output_path} is a folder; give a file path, e.g. {out / 'scores.parquet'}")
+    folder = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise OutputError(f"output.path {output_path}: {folder} is a file, not a folder")
+    if folder is not None and not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"output.path {output_path}: the folder {folder} is not writable")
 
 
 def plan_job(config: JobConfig) -> Plan:
     """Plan `config`'s input exactly as `run` would (same reading, checks and plan options)."""
-    return prepare_job(config).plan()
+    return prepare_job(config, source=locate_job(config, for_output=False)).plan()
 
 
 def plan_options(config: JobConfig, engine_kind: str) -> PlanOptions:
@@ -237,7 +304,7 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
             errors[rid] = read_error
             continue
         try:
-            texts.append(renderer.text(row))
+            texts.append(renderer.prompt(row))
             positions.append(offset)
         except KeyError as exc:
             errors[rid] = f"{batch.file}:{batch.first_line + offset}: field {exc.args[0]!r} is null or missing"

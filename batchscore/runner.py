@@ -8,6 +8,7 @@ A run that dies resumes from its parts.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -17,17 +18,21 @@ from pathlib import Path
 
 import numpy as np
 
+from contextlib import contextmanager
 from typing import Callable
 
 from batchscore.config import EngineConfig, JobConfig
 from batchscore.engines import Engine, create_engine
-from batchscore.errors import ErrorRateExceeded, ResumeMismatch
+from batchscore.errors import BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
 from batchscore.executors.local import score_locally
 from batchscore.executors.sinks import PartSink, RowProgress
-from batchscore.io.parts import Manifest, PartStore, job_hash
+from batchscore.faults import fault_point
+from batchscore.io.identity import identity_hash
+from batchscore.io.lock import OutputLock
+from batchscore.io.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.io.writer import results_table, write_parquet_atomic
 from batchscore.plan.placement import place_groups
-from batchscore.prepare import PreparedJob, prepare_job
+from batchscore.prepare import JobSource, PreparedJob, locate_job, prepare_job
 
 log = logging.getLogger("batchscore")
 
@@ -72,16 +77,20 @@ class RunSummary:
     complete: bool = True  # False: a shard finished but others have not (no output yet)
     plan_seconds: float = 0.0
     score_seconds: float = 0.0
-    resumed_groups: int = 0
+    resumed_rows: int = 0
     workers: int = 1
     batch_token_counts: list[int] = field(default_factory=list)
+    skipped: bool = False  # True: the output was already complete; nothing was scored
 
     @property
     def rows_per_second(self) -> float:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self, stored: bool = False) -> dict:
+        """The `--metrics` JSON; `stored`: only the fields (what the completion marker keeps)."""
         data = asdict(self)
+        if stored:
+            return data
         data["rows_per_second"] = self.rows_per_second
         data["logical_tokens_per_second"] = self.logical_tokens / self.seconds if self.seconds > 0 else 0.0
         return data
@@ -94,16 +103,41 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
             shard: Shard | None = None, engine_factory: EngineFactory = create_engine) -> RunSummary:
     """Score every input row of `config` (or one static shard's share) and write the output.
 
-    Side effects: may convert and cache the model; writes part files to `<output>.parts/`, then
-    the final output atomically, then removes the parts. Resumes a matching partial run unless
-    `fresh`. With `shard`, scores only that shard's groups; the shard that completes the set
-    writes the output. `engine_factory` builds the engine of a local run (Ray workers always use
-    `create_engine`). Raises a BatchscoreError for job-level problems (InputError, LabelError,
-    ResumeMismatch, EngineUnavailable, ...), RunInterrupted on SIGTERM/SIGINT (after recording the
-    current part), and ErrorRateExceeded (after writing) when too many rows failed.
+    Holds the output's lock for the whole run (OutputLocked if another run has it). A rerun of
+    a job whose output is complete (same configuration, input, model and software) does nothing
+    and returns the recorded summary. Otherwise: may convert and cache the model; writes part
+    files to `<output>.parts/`, then the final output atomically, a completion marker, and
+    removes the parts. Resumes a matching partial run unless `fresh`. With `shard`, scores only
+    that shard's groups; the shard that completes the set writes the output. `engine_factory`
+    builds the engine of a local run (Ray workers always use `create_engine`). Raises a
+    BatchscoreError for job-level problems, RunInterrupted on SIGTERM/SIGINT (after saving the
+    rows scored so far), and ErrorRateExceeded (after writing) when too many rows failed.
     """
     started = time.perf_counter()
-    job = prepare_job(config)
+    source = locate_job(config)
+    writer = shard.name if shard else "run"
+    with OutputLock(config.output.path, writer) as lock, _output_errors(config.output.path):
+        output_hash = identity_hash(source.identity)
+        done = None if fresh else completed_summary(config.output.path, output_hash)
+        if done is not None:
+            log.info("%s is already the complete output of this job: nothing to do", config.output.path)
+            summary = RunSummary(**{**done, "seconds": time.perf_counter() - started, "skipped": True})
+        else:
+            summary = _run(source, progress, fresh, shard, engine_factory, started)
+            if summary.complete:
+                write_completion_marker(config.output.path, output_hash, summary.to_dict(stored=True))
+                fault_point("marker")
+                PartStore(config.output.path).finish()
+        lock.release(remove=summary.complete)
+    if summary.complete:
+        _check_error_rate(summary, config)
+    return summary
+
+
+def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
+         engine_factory: EngineFactory, started: float) -> RunSummary:
+    config = source.config
+    job = prepare_job(config, source=source)
     plan = job.plan()
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
 
@@ -113,22 +147,21 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
     num_workers = shard.count if shard else config.executor.num_workers if use_ray else 1
     placement = place_groups(plan.groups, num_workers)
     my_workers = [shard.index] if shard else list(range(num_workers))
-    writer = shard.name if shard else "run"
-    store = PartStore(config.output.path, writer)
+    store = PartStore(config.output.path, shard.name if shard else "run")
+    fault_point("start")
     manifest = store.start(Manifest(
-        job_hash=_job_hash(job, num_workers), input_fingerprint=job.fingerprint, model=str(config.model),
-        engine=job.kind, num_groups=len(plan.groups), num_rows=job.input.num_rows,
-        worker_groups={str(w): len(placement.workers[w].groups) for w in my_workers},
+        job_hash=_job_hash(source, num_workers), identity=source.identity, num_groups=len(plan.groups),
+        num_rows=job.input.num_rows,
+        worker_rows={str(w): sum(len(g.members) for g in placement.workers[w].groups) for w in my_workers},
     ), fresh=fresh, input_errors=job.input.errors)
-    resumed = sum(manifest.groups_done(w) for w in my_workers)
+    resumed = sum(manifest.rows_done(w) for w in my_workers)
     if resumed:
-        log.info("resuming: %d groups already scored", resumed)
+        log.info("resuming: %d rows already scored", resumed)
 
     score_started = time.perf_counter()
-    sinks = [PartSink(store, manifest, w, placement.workers[w].groups, manifest.groups_done(w), len(config.labels),
+    sinks = [PartSink(store, manifest, w, placement.workers[w].groups, manifest.rows_done(w), len(config.labels),
                       config.output.part_rows, config.output.part_seconds) for w in my_workers]
-    remaining_rows = sum(len(g.members) for s in sinks for g in s.groups[s.next_group:])
-    bar = RowProgress(remaining_rows, progress)
+    bar = RowProgress(sum(s.total - s.position for s in sinks), progress)
     batch_tokens: list[int] = []
     try:
         if any(not s.done for s in sinks):
@@ -137,6 +170,7 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
 
                 score_on_ray(config.executor, config.engine, job.kind, job.model_dir, sinks, job.label_ids, bar)
             else:
+                fault_point("engine")
                 engine = engine_factory(job.kind, job.model_dir, config.engine)
                 try:
                     score_locally(engine, sinks[0], job.label_ids, bar)
@@ -151,27 +185,25 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
     manifests = store.sibling_manifests(writers)
     complete = all(m is not None and m.complete and m.job_hash == manifest.job_hash for m in manifests)
     errors = assemble_output(job, store, manifests) if complete else dict(job.input.errors)
-    summary = RunSummary(
+    processed = plan.stats.processed_tokens + placement.split_extra_tokens
+    return RunSummary(
         output_path=str(config.output.path),
         rows=job.input.num_rows,
         rows_ok=job.input.num_rows - len(errors),
         rows_error=len(errors),
         logical_tokens=plan.stats.logical_tokens,
-        processed_tokens=plan.stats.processed_tokens + placement.split_extra_tokens,
-        saving_ratio=1 - (plan.stats.processed_tokens + placement.split_extra_tokens) / max(plan.stats.logical_tokens, 1),
+        processed_tokens=processed,
+        saving_ratio=1 - processed / max(plan.stats.logical_tokens, 1),
         seconds=time.perf_counter() - started,
         engine=job.kind,
         model=str(config.model),
         complete=complete,
         plan_seconds=plan.stats.plan_seconds,
         score_seconds=score_seconds,
-        resumed_groups=resumed,
+        resumed_rows=resumed,
         workers=num_workers,
         batch_token_counts=batch_tokens,
     )
-    if complete:
-        _check_error_rate(summary, config)
-    return summary
 
 
 def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
@@ -185,20 +217,24 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     store = PartStore(config.output.path, Shard(0, count).name)
     if not store.folder.exists() and Path(config.output.path).exists():
         return None  # the shard that finished last already wrote the output
-    job = prepare_job(config, tokenize=False)
+    source = locate_job(config)
+    job = prepare_job(config, tokenize=False, source=source)
     names = [Shard(i, count).name for i in range(count)]
     manifests = store.sibling_manifests(names)
-    expected = _job_hash(job, count)
+    expected = _job_hash(source, count)
     missing = [n for n, m in zip(names, manifests) if m is None or not m.complete or m.job_hash != expected]
     if missing:
         raise ResumeMismatch(f"cannot merge: shard(s) {', '.join(missing)} of this job are missing or "
                              f"unfinished in {store.folder}; run them with --shard I/{count}")
-    errors = assemble_output(job, store, manifests)
-    summary = RunSummary(output_path=str(config.output.path), rows=job.input.num_rows,
-                         rows_ok=job.input.num_rows - len(errors), rows_error=len(errors),
-                         logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
-                         seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
-                         workers=count)
+    with OutputLock(config.output.path, "merge"), _output_errors(config.output.path):
+        errors = assemble_output(job, store, manifests)
+        summary = RunSummary(output_path=str(config.output.path), rows=job.input.num_rows,
+                             rows_ok=job.input.num_rows - len(errors), rows_error=len(errors),
+                             logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
+                             seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
+                             workers=count)
+        write_completion_marker(config.output.path, identity_hash(source.identity), summary.to_dict(stored=True))
+        store.finish()
     _check_error_rate(summary, config)
     return summary
 
@@ -214,12 +250,32 @@ def _check_shard_count(store: PartStore, shard: Shard) -> None:
                                  "or --fresh to start over")
 
 
-def _job_hash(job: PreparedJob, num_workers: int) -> str:
-    data = job.config.to_dict()
-    data["output"] = {"keep_columns": data["output"]["keep_columns"]}  # not where or how often
-    data.pop("executor")  # how many workers matters (below), not how they run
-    data["num_workers"] = num_workers
-    return job_hash(data, job.fingerprint, str(job.config.model), job.kind)
+def _job_hash(source: JobSource, num_workers: int) -> str:
+    """What a parts folder belongs to: the output's identity and how the groups were placed."""
+    return identity_hash({**source.identity, "num_workers": num_workers})
+
+
+@contextmanager
+def _output_errors(output_path: str):
+    """Turn an operating-system error while writing the output or its parts (disk full, a file
+    size limit, a read-only or vanished folder) into an OutputError naming it: the rows scored so
+    far are saved, and a rerun resumes."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, BatchscoreError):
+            raise
+        where = Path(output_path).expanduser().resolve().parent
+        ours = exc.filename is not None and Path(exc.filename).expanduser().resolve().is_relative_to(where)
+        if exc.errno in _STORAGE_FULL or (ours and exc.errno in _PATH_PROBLEMS):
+            raise OutputError(f"cannot write the output {output_path}: {exc.strerror or exc}"
+                              f"{f' ({exc.filename})' if exc.filename else ''}; the rows scored so far "
+                              "are saved — fix the cause and rerun the same command to resume") from None
+        raise
+
+
+_STORAGE_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
+_PATH_PROBLEMS = {errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENOENT}
 
 
 def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest]) -> dict[int, str]:
@@ -231,8 +287,11 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
         errors[int(row)] = "not scored: no result from the engine"  # never silently lost
     id_name = config.input.id_column or "row_id"
     table = results_table(prepared.ids, id_name, prepared.kept, config.labels, np.exp(log_probs), mass, errors)
+    if table.num_rows != prepared.num_rows:  # the invariant: every input row exactly once
+        raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
+    fault_point("assemble")
     write_parquet_atomic(table, config.output.path)
-    store.finish()
+    fault_point("output")
     return errors
 
 
@@ -242,5 +301,4 @@ def _check_error_rate(summary: RunSummary, config: JobConfig) -> None:
         raise ErrorRateExceeded(
             f"{summary.rows_error} of {summary.rows} rows failed ({error_rate:.1%}), more than "
             f"output.max_error_rate={config.output.max_error_rate:.1%}; the output was written to "
-            f"{summary.output_path} with the errors in its 'error' column"
-        )
+            f"{summary.output_path} with the errors in its 'error' column", summary)

@@ -8,7 +8,7 @@ A torch-engine forward pass needs, beyond the weights:
     whole pass's projection/MLP temporaries (plain) or one chunk's (hybrid prefilling);
   - the LM head on the last position of each member (float32 logits and log-softmax).
 The estimates are deliberately simple and a little pessimistic (checked against peak RSS by
-`python -m batchscore.bench.mil_bench`); they need only the model config and the dtype.
+`batchscore bench mil`); they need only the model config and the dtype.
 """
 
 from __future__ import annotations

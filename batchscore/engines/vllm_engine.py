@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -32,10 +33,25 @@ from batchscore.engines import VLLM_INSTALL_HINT
 from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
 from batchscore.engines.shape import read_model_config
 from batchscore.engines.vllm_settings import VllmSettings, derive_settings
+from batchscore.errors import EngineUnavailable
 from batchscore.plan.types import PrefixGroup
 from batchscore.plan.validate import prompt_problem
 
 log = logging.getLogger("batchscore")
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost error's message, on one line."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:500]
 
 
 def import_vllm():
@@ -51,6 +67,12 @@ def import_vllm():
 import_vllm()  # fail at import with the install hint (the runner turns it into EngineUnavailable)
 
 from vllm import SamplingParams, TokensPrompt  # noqa: E402
+
+MIN_VLLM = "0.20"  # the first release with SamplingParams(logprob_token_ids=...)
+if "logprob_token_ids" not in getattr(SamplingParams, "__struct_fields__", ()):
+    raise ImportError(f"engine.kind: vllm needs vLLM >= {MIN_VLLM} (SamplingParams.logprob_token_ids, which "
+                      f"returns exact label log-probabilities); found vLLM {_vllm_version()}. Upgrade with "
+                      f"{VLLM_INSTALL_HINT}")
 
 
 @dataclass
@@ -98,6 +120,7 @@ class VllmEngine:
         self.max_length = max_length
         self.vllm_args = dict(vllm_args or {})
         self.hybrid_chunk = hybrid_chunk
+        self._hybrid_at_start = hybrid_chunk  # vLLM accepts a patch function only when created for one
         self.metrics = EngineMetrics(batch_token_counts=[])
         self.errors: dict[int, str] = {}
         self.settings: VllmSettings | None = None
@@ -128,13 +151,16 @@ class VllmEngine:
                  s.dtype, s.block_size, s.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
                  s.enable_chunked_prefill, s.kv_capacity_tokens, s.kv_capacity_source, s.extra)
         started = time.perf_counter()
-        if self.hybrid_chunk is not None:
-            if not s.llm_kwargs()["enforce_eager"]:
-                raise ValueError("engine.hybrid_chunk with vLLM needs enforce_eager (do not set it false in "
-                                 "engine.vllm_args): a compiled model would not run the chunked MLPs")
-            # lets the engine send `chunk_mlps` to vLLM's engine process (pickled over vLLM's local IPC)
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        self._llm = vllm.LLM(model=str(self.model_dir), **s.llm_kwargs())
+        if self.hybrid_chunk is not None and not s.llm_kwargs()["enforce_eager"]:
+            raise EngineUnavailable("engine.hybrid_chunk with vLLM needs enforce_eager (do not set it false in "
+                                    "engine.vllm_args): a compiled model would not run the chunked MLPs")
+        try:
+            with self._serialization():
+                self._llm = vllm.LLM(model=str(self.model_dir), **s.llm_kwargs())
+        except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; the job needs one clear line
+            raise EngineUnavailable(f"vLLM failed to start: {_root_cause(exc)} (settings: max_model_len="
+                                    f"{s.max_model_len}, KV cache {s.kv_capacity_source}); run with -v for "
+                                    "vLLM's log") from exc
         cache = self._llm.llm_engine.vllm_config.cache_config
         self.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
         log.info("vLLM started in %.1f s: KV cache %d tokens (%d blocks of %d)",
@@ -153,15 +179,35 @@ class VllmEngine:
 
         if self._llm is None:
             raise RuntimeError("start the engine before changing its hybrid chunk")
-        if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+        if self._hybrid_at_start is None:
             raise RuntimeError("hybrid prefilling on vLLM needs the engine to be created with a hybrid_chunk")
-        changed = min(self._llm.apply_model(partial(chunk_mlps, chunk=chunk)))
+        with self._serialization():
+            changed = min(self._llm.apply_model(partial(chunk_mlps, chunk=chunk)))
         if chunk is not None and changed == 0:
             raise ValueError("engine.hybrid_chunk: found no MLP module (named *MLP with a down_proj) in vLLM's "
                              "model to chunk; this model family is not supported by hybrid prefilling on vLLM")
         self.hybrid_chunk = chunk
         log.info("vLLM hybrid prefilling: %s", f"{changed} MLPs run {chunk} tokens at a time" if chunk else "off")
         return changed
+
+    @contextmanager
+    def _serialization(self):
+        """Let this process send a function (`chunk_mlps`) to vLLM's engine process, pickled over
+        vLLM's local IPC — only with hybrid prefilling, and only for the vLLM call inside: the
+        process-wide setting is restored after it. (The engine process keeps the setting it
+        started with; it runs vLLM only.)"""
+        if self._hybrid_at_start is None:
+            yield
+            return
+        previous = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+            else:
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = previous
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (benchmarks call it between runs)."""

@@ -109,6 +109,30 @@ def plan_request_cap(
     return max(1, min(fit, len(suffix_blocks), max_num_batched_tokens))
 
 
+CPU_KV_HEADROOM = 2.0  # a second group's prefix can arrive while the last one's requests finish
+CPU_KV_MIN_BYTES = 64 << 20
+
+
+def plan_kv_cache_bytes(groups: Sequence[PrefixGroup], model_config: dict[str, Any], dtype: str,
+                        token_budget: int, block_size: int) -> int:
+    """KV-cache bytes a CPU run of this plan needs: the largest group's prefix plus a step's worth
+    of its members' suffixes (at least the longest prompt), in whole blocks, with headroom;
+    at least CPU_KV_MIN_BYTES, at most half of the machine's available memory."""
+    blocks = lambda tokens: math.ceil(tokens / block_size)  # noqa: E731
+    need = 0
+    for group in groups:
+        suffixes = sorted((len(m.suffix) + 1 for m in group.members), reverse=True)
+        step, taken = 0, 0
+        for length in suffixes:
+            if taken and step + length > token_budget:
+                break
+            step, taken = step + length, taken + 1
+        need = max(need, blocks(group.prefix_len) + sum(blocks(n) + 1 for n in suffixes[:taken]))
+    nbytes = int(need * block_size * kv_bytes_per_token(model_config, dtype) * CPU_KV_HEADROOM)
+    available = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    return max(CPU_KV_MIN_BYTES, min(nbytes, available // 2))
+
+
 def derive_settings(
     groups: Sequence[PrefixGroup],
     model_config: dict[str, Any],
@@ -131,6 +155,10 @@ def derive_settings(
     block_size = int(args.pop("block_size", default_block_size()))
     chunked = bool(args.pop("enable_chunked_prefill", not one_pass_prefill))
     longest = max((g.prefix_len + len(m.suffix) for g in groups for m in g.members), default=1)
+    if not gpu_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and not args.get("kv_cache_memory_bytes"):
+        # vLLM on CPU would reserve gpu_memory_utilization of the whole NUMA node and fail to
+        # start on a machine with less free: size the cache for this plan instead.
+        args["kv_cache_memory_bytes"] = plan_kv_cache_bytes(groups, model_config, dtype, token_budget, block_size)
     capacity, source = estimate_kv_capacity(model_config, dtype, args, weight_bytes)
     if "max_model_len" in args:
         max_model_len = int(args.pop("max_model_len"))

@@ -17,23 +17,23 @@ log = logging.getLogger("batchscore")
 
 
 def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int], progress: RowProgress) -> None:
-    """Score the sink's remaining groups with `engine` in this process.
+    """Score the sink's remaining rows with `engine` in this process.
 
-    Raises RunInterrupted after flushing when SIGTERM/SIGINT arrives (checked between groups).
+    SIGTERM/SIGINT is checked after every result, i.e. after every forward batch of the engine:
+    the rows scored so far are flushed as a part and RunInterrupted is raised.
     """
-    todo = sink.groups[sink.next_group:]
     with stop_signals() as stop:
-        for result in score_with_row_errors(engine, todo, label_ids):
-            if record(result, sink, progress):
-                if stop.is_set():
-                    sink.flush()
-                    raise RunInterrupted(
-                        f"interrupted after {sink.next_group} of {len(sink.groups)} groups; the scored "
-                        f"groups are saved in {sink.store.folder} — rerun the same command to resume")
-                sink.maybe_flush()
+        for result in score_with_row_errors(engine, sink.remaining_groups(), label_ids):
+            record(result, sink, progress)
+            if stop.is_set():
+                sink.flush()
+                raise RunInterrupted(
+                    f"interrupted after {sink.position} of {sink.total} rows; the scored rows are saved in "
+                    f"{sink.store.folder} — rerun the same command to resume")
+            sink.maybe_flush()
         sink.flush()
     if not sink.done:
-        raise RuntimeError(f"the engine returned results for {sink.next_group} of {len(sink.groups)} groups")
+        raise RuntimeError(f"the engine returned results for {sink.position} of {sink.total} rows")
 
 
 def score_with_row_errors(engine: Engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int]):
@@ -55,7 +55,7 @@ def score_with_row_errors(engine: Engine, groups: Sequence[PrefixGroup], label_i
 
 @contextmanager
 def stop_signals():
-    """Turn SIGTERM/SIGINT into a flag checked at group boundaries (main thread only)."""
+    """Turn SIGTERM/SIGINT into a flag the executors check after every result (main thread only)."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -65,7 +65,7 @@ def stop_signals():
     def handler(signum, frame):
         if stop.is_set():  # a second signal: stop right away
             raise KeyboardInterrupt
-        log.warning("signal %s: finishing the current group, then saving progress", signum)
+        log.warning("signal %s: saving the rows scored so far, then stopping", signum)
         stop.set()
 
     for sig in previous:

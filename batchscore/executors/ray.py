@@ -74,7 +74,7 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, kind: str, mode
             actors[sink.worker] = actor_cls.remote(kind, str(model_dir), engine, int(executor.cpus_per_worker))
             pending[sink.worker] = deque(
                 actors[sink.worker].score.remote(chunk, list(label_ids))
-                for chunk in _chunks(sink.groups[sink.next_group:], min(TASK_ROWS, sinks[0].part_rows)))
+                for chunk in _chunks(sink.remaining_groups(), min(TASK_ROWS, sinks[0].part_rows)))
         log.info("ray: %d workers, %d tasks", len(actors), sum(len(q) for q in pending.values()))
         by_worker = {s.worker: s for s in sinks}
         with stop_signals() as stop:

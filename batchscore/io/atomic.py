@@ -7,6 +7,11 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from batchscore.faults import fault_point
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: the process's umask, restored at once
+
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
     """Call `write(tmp_path)`, fsync the file, rename it to `path`, fsync the folder.
@@ -20,8 +25,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; outputs follow the umask like any file
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
+        fault_point("atomic")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -17,6 +17,11 @@ from batchscore.io.atomic import atomic_write
 from batchscore.prompts import label_column
 
 
+def output_columns(labels: list[str]) -> list[str]:
+    """The columns `results_table` writes besides the id and the kept input columns."""
+    return [label_column(label) for label in labels] + ["label", "label_mass", "status", "error"]
+
+
 def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str],
                   probs: np.ndarray, label_mass: np.ndarray, errors: dict[int, str]) -> pa.Table:
     """Assemble the output table.
