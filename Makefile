@@ -31,13 +31,13 @@ test: setup
 	$(VENV)/bin/pytest -q
 
 bench-plan: setup
-	$(PY) -m batchscore.bench.plan_bench
+	$(VENV)/bin/batchscore bench plan
 
 bench-engine: setup
-	$(PY) -m batchscore.bench.engine_bench
+	$(VENV)/bin/batchscore bench engine
 
 bench-vllm: setup
-	$(PY) -m batchscore.bench.vllm_bench
+	$(VENV)/bin/batchscore bench vllm
 
 # The BatchLLM tables at CI scale: three microbenchmark shapes + the industry-like workload, each
 # with plain forward, the torch engine, vLLM on shuffled order and vLLM on the plan (bounded cache).
