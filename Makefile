@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test bench bench-plan bench-engine bench-vllm clean
+.PHONY: setup run test test-faults bench bench-plan bench-engine bench-vllm clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,11 @@ run: setup
 
 test: setup
 	$(VENV)/bin/pytest -q
+
+# Every fault-injection case (make test runs a quick selection): 20+ kill points, damaged parts,
+# a 2,000-row single-prefix SIGTERM, random-moment kills.
+test-faults: setup
+	BATCHSCORE_FAULTS=all $(VENV)/bin/pytest -q tests/test_faults.py
 
 bench-plan: setup
 	$(VENV)/bin/batchscore bench plan

@@ -117,6 +117,8 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         parsed_shard = Shard.parse(shard) if shard else None
     except ValueError as exc:
         _fail(str(exc), EXIT_CONFIG)
+    if quiet:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # also the model loader's bars
     with _metrics_on_every_exit(metrics) as record:
         config = _load(job, sets, output, allow_code=allow_code)
         summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)

@@ -345,9 +345,11 @@ def _concat_tables(tables: list[pa.Table]) -> pa.Table:
 
 
 def _check_unique_ids(ids: pa.Array, id_column: str) -> None:
+    """Ids must be unique; a null id (a line that could not be read has none) is not a duplicate:
+    its row keeps its place and its error names the file and line."""
     import pyarrow.compute as pc
 
-    if pc.count_distinct(ids).as_py() != len(ids):
+    if pc.count_distinct(ids, mode="only_valid").as_py() != len(ids) - ids.null_count:
         counts = pc.value_counts(ids)
-        dupes = [c["values"] for c in counts.to_pylist() if c["counts"] > 1][:5]
+        dupes = [c["values"] for c in counts.to_pylist() if c["counts"] > 1 and c["values"] is not None][:5]
         raise InputError(f"input.id_column {id_column!r} has duplicate values, e.g. {dupes}; ids must be unique")

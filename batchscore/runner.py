@@ -121,6 +121,7 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
         done = None if fresh else completed_summary(config.output.path, output_hash)
         if done is not None:
             log.info("%s is already the complete output of this job: nothing to do", config.output.path)
+            PartStore(config.output.path).finish()  # parts left by a run killed after its marker
             summary = RunSummary(**{**done, "seconds": time.perf_counter() - started, "skipped": True})
         else:
             summary = _run(source, progress, fresh, shard, engine_factory, started)

@@ -120,7 +120,9 @@ class VllmEngine:
         self.max_length = max_length
         self.vllm_args = dict(vllm_args or {})
         self.hybrid_chunk = hybrid_chunk
-        self._hybrid_at_start = hybrid_chunk  # vLLM accepts a patch function only when created for one
+        # vLLM's engine process accepts a patch function only when it was started allowing one:
+        # with hybrid prefilling, or when the caller allowed it for the whole process.
+        self._patchable = hybrid_chunk is not None or os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1"
         self.metrics = EngineMetrics(batch_token_counts=[])
         self.errors: dict[int, str] = {}
         self.settings: VllmSettings | None = None
@@ -179,7 +181,7 @@ class VllmEngine:
 
         if self._llm is None:
             raise RuntimeError("start the engine before changing its hybrid chunk")
-        if self._hybrid_at_start is None:
+        if not self._patchable:
             raise RuntimeError("hybrid prefilling on vLLM needs the engine to be created with a hybrid_chunk")
         with self._serialization():
             changed = min(self._llm.apply_model(partial(chunk_mlps, chunk=chunk)))
@@ -196,7 +198,7 @@ class VllmEngine:
         vLLM's local IPC — only with hybrid prefilling, and only for the vLLM call inside: the
         process-wide setting is restored after it. (The engine process keeps the setting it
         started with; it runs vLLM only.)"""
-        if self._hybrid_at_start is None:
+        if not self._patchable:
             yield
             return
         previous = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
