@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test bench bench-plan bench-engine bench-vllm clean
+.PHONY: setup run test test-faults bench bench-plan bench-engine bench-vllm clean
 
 setup: $(STAMP)
 
@@ -30,14 +30,19 @@ run: setup
 test: setup
 	$(VENV)/bin/pytest -q
 
+# Every fault-injection case (make test runs a quick selection): 20+ kill points, damaged parts,
+# a 2,000-row single-prefix SIGTERM, random-moment kills.
+test-faults: setup
+	BATCHSCORE_FAULTS=all $(VENV)/bin/pytest -q tests/test_faults.py
+
 bench-plan: setup
-	$(PY) -m batchscore.bench.plan_bench
+	$(VENV)/bin/batchscore bench plan
 
 bench-engine: setup
-	$(PY) -m batchscore.bench.engine_bench
+	$(VENV)/bin/batchscore bench engine
 
 bench-vllm: setup
-	$(PY) -m batchscore.bench.vllm_bench
+	$(VENV)/bin/batchscore bench vllm
 
 # The BatchLLM tables at CI scale: three microbenchmark shapes + the industry-like workload, each
 # with plain forward, the torch engine, vLLM on shuffled order and vLLM on the plan (bounded cache).

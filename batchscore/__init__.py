@@ -5,7 +5,13 @@
     scores = batchscore.score_dataframe(df, template="...{text}...", labels=["Yes", "No"])
 """
 
+import os
+
 __version__ = "0.1.0"
+
+# Nothing is ever downloaded from a model hub: set before any module imports huggingface_hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 __all__ = ["run_job", "load_job", "score_dataframe", "JobConfig", "RunSummary"]
 

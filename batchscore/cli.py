@@ -5,19 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
 from batchscore import __version__
-
-EXIT_OK = 0
-EXIT_CONFIG = 2
-EXIT_INPUT = 3
-EXIT_ERROR_RATE = 4
-EXIT_ENGINE = 5
-EXIT_INTERRUPTED = 130
+from batchscore.errors import EXIT_CONFIG, EXIT_INTERRUPTED, BatchscoreError
 
 
 def _fail(message: str, code: int) -> None:
@@ -25,10 +21,60 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _load(job: str, sets: tuple[str, ...], output: str | None = None):
+def _load(job: str, sets: tuple[str, ...], output: str | None = None, allow_code: bool = False):
     from batchscore.config import load_job, parse_set_options
 
-    return load_job(job, parse_set_options(sets), output=output)
+    return load_job(job, parse_set_options(sets), output=output, allow_code=allow_code)
+
+
+@contextmanager
+def _run_files_on_every_exit(metrics: str | None, metrics_prom: str | None, report: bool, job: str):
+    """Write `run`'s --metrics JSON and --metrics-prom file however the run ends: the summary with
+    `status: ok`, or the error, its exit code and (after an error-rate failure) the summary. With
+    --report, the HTML report of a written output (also after an error-rate failure). Yields a
+    function that records the summary of a run that ended well and returns the report's path."""
+    from batchscore.io.atomic import atomic_write
+
+    def write(data: dict) -> None:
+        if metrics:
+            atomic_write(metrics, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2)))
+        if metrics_prom:
+            from batchscore.metrics_prom import write_prometheus
+
+            write_prometheus(data, metrics_prom, job=job)
+
+    def write_report(summary) -> Path | None:
+        if not (report and summary is not None and summary.complete):
+            return None
+        from batchscore.report import write_report as write_html
+
+        return write_html(summary.output_path, metrics=summary.to_dict())
+
+    def ok(summary) -> Path | None:
+        path = write_report(summary)  # a report that cannot be written fails the run, recorded below
+        write({"status": "ok", "exit_code": 0, **summary.to_dict()})
+        return path
+
+    try:
+        yield ok
+    except BatchscoreError as exc:
+        summary = getattr(exc, "summary", None)
+        write({"status": "failed", "exit_code": exc.exit_code, "error": str(exc),
+               **(summary.to_dict() if summary is not None else {})})
+        try:  # the output was written (error rate): its report matters most now
+            path = write_report(summary)
+        except BatchscoreError as report_exc:
+            click.echo(f"warning: no report: {report_exc}", err=True)
+        else:
+            if path:
+                click.echo(f"report: {path}", err=True)
+        raise
+    except KeyboardInterrupt:
+        write({"status": "failed", "exit_code": EXIT_INTERRUPTED, "error": "interrupted"})
+        raise
+    except Exception as exc:
+        write({"status": "failed", "exit_code": 1, "error": f"{type(exc).__name__}: {exc}"})
+        raise
 
 
 def _guarded(fn):
@@ -37,28 +83,10 @@ def _guarded(fn):
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
-        from batchscore.config import JobConfigError
-        from batchscore.engines import EngineUnavailable
-        from batchscore.io.readers import InputError
-        from batchscore.models import ModelError
-        from batchscore.plan import PlanInputError
-        from batchscore.prompts import LabelError, PromptTemplateError
-        from batchscore.io.parts import ResumeMismatch
-        from batchscore.report import ReportError, ReportUnavailable
-        from batchscore.runner import ErrorRateExceeded, RunInterrupted
-
         try:
             return fn(*args, **kwargs)
-        except (JobConfigError, LabelError, PromptTemplateError, ModelError, ResumeMismatch) as exc:
-            _fail(str(exc), EXIT_CONFIG)
-        except (InputError, PlanInputError, ReportError) as exc:
-            _fail(str(exc), EXIT_INPUT)
-        except ErrorRateExceeded as exc:
-            _fail(str(exc), EXIT_ERROR_RATE)
-        except (EngineUnavailable, ReportUnavailable) as exc:
-            _fail(str(exc), EXIT_ENGINE)
-        except RunInterrupted as exc:
-            _fail(str(exc), EXIT_INTERRUPTED)
+        except BatchscoreError as exc:
+            _fail(str(exc), exc.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted", EXIT_INTERRUPTED)
 
@@ -75,6 +103,9 @@ def main(verbose: bool) -> None:
 
         batchscore run jobs/sample.yaml --output scores.parquet
     """
+    # A file-size limit (ulimit -f) then fails a write with EFBIG, reported and resumable,
+    # instead of killing the process with SIGXFSZ.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not verbose:  # vLLM logs every start-up and shutdown step at INFO; keep the terminal readable
@@ -95,9 +126,11 @@ def main(verbose: bool) -> None:
 @click.option("--fresh", is_flag=True, help="Discard a partial earlier run of this output and start over.")
 @click.option("--shard", metavar="I/N", help="Score only static shard I of N (e.g. one Airflow task each); "
               "the shard that completes the set writes the output, or run `batchscore merge`.")
+@click.option("--allow-code", is_flag=True, help="Allow engine.vllm_args that make vLLM load code "
+              "(trust_remote_code, worker_extension_cls, ...); off: a job file cannot run code.")
 @_guarded
 def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, metrics_prom: str | None,
-        report: bool, quiet: bool, fresh: bool, shard: str | None) -> None:
+        report: bool, quiet: bool, fresh: bool, shard: str | None, allow_code: bool) -> None:
     """Run a scoring job: read, plan, score, write one output row per input row.
 
     Progress is saved in parts next to the output; if the run dies, the same command resumes it.
@@ -106,24 +139,27 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
 
         batchscore run jobs/sample.yaml --set engine.dtype=bfloat16 -o scores.parquet
     """
-    from batchscore.runner import ErrorRateExceeded, Shard, run_job
+    from batchscore.runner import Shard, run_job
 
     try:
         parsed_shard = Shard.parse(shard) if shard else None
     except ValueError as exc:
         _fail(str(exc), EXIT_CONFIG)
-    config = _load(job, sets, output)
-    if report:
-        from batchscore.report import require_matplotlib
+    if quiet:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # also the model loader's bars
+    with _run_files_on_every_exit(metrics, metrics_prom, report, job=Path(job).stem) as record:
+        if report:
+            from batchscore.report import require_matplotlib
 
-        require_matplotlib()  # before the run, not after hours of scoring
-    try:
+            require_matplotlib()  # before the run, not after hours of scoring
+        config = _load(job, sets, output, allow_code=allow_code)
         summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
-    except ErrorRateExceeded as exc:
-        if exc.summary is not None:  # the output was written: its metrics and report matter most now
-            _write_run_files(exc.summary, job, metrics, metrics_prom, report, err=True)
-        raise
-    report_path = _write_run_files(summary, job, metrics, metrics_prom, report)
+        report_path = record(summary)
+    if summary.skipped:
+        click.echo(f"{summary.output_path} is already the complete output of this job (same configuration, "
+                   "input, model and software): nothing to do. Use --fresh to score it again."
+                   + (f"\nreport: {report_path}" if report_path else ""))
+        return
     if not summary.complete:
         click.echo(f"shard {shard} done; the output is written when every shard has finished "
                    f"(or run: batchscore merge {job} --shards {parsed_shard.count})")
@@ -135,25 +171,6 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}"
         + (f"\nreport: {report_path}" if report_path else "")
     )
-
-
-def _write_run_files(summary, job: str, metrics: str | None, metrics_prom: str | None, report: bool,
-                     err: bool = False) -> Path | None:
-    """`run`'s --metrics, --metrics-prom and --report files; returns the report's path, if written."""
-    if metrics:
-        Path(metrics).write_text(summary.to_json())
-    if metrics_prom:
-        from batchscore.metrics_prom import write_prometheus
-
-        write_prometheus(summary.to_dict(), metrics_prom, job=Path(job).stem)
-    if not (report and summary.complete):
-        return None
-    from batchscore.report import write_report
-
-    path = write_report(summary.output_path, metrics=summary.to_dict())
-    if err:
-        click.echo(f"report: {path}", err=True)
-    return path
 
 
 @main.command()
@@ -168,10 +185,10 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
 
         batchscore plan jobs/table3_a.yaml --json
     """
-    from batchscore.planning import plan_job
+    from batchscore.prepare import plan_job
 
     config = _load(job, sets)
-    stats = plan_job(config).to_dict()
+    stats = plan_job(config).stats.to_dict()
     if as_json:
         click.echo(json.dumps(stats))
         return
@@ -229,9 +246,29 @@ def report(output: str, previous: str | None, metrics: str | None, id_column: st
 
 
 class _BenchGroup(click.Group):
-    """`batchscore bench WORKLOAD...` runs the throughput suite; named tools are subcommands."""
+    """`batchscore bench WORKLOAD...` runs the throughput suite; named tools are subcommands.
+
+    The benchmark commands live in `batchscore.bench` (a leaf: no production module imports it)
+    and are loaded only when `batchscore bench` runs.
+    """
+
+    def _load(self) -> None:
+        if not self.commands:
+            from batchscore.bench.cli import COMMANDS
+
+            for command in COMMANDS:
+                self.add_command(command)
+
+    def list_commands(self, ctx):
+        self._load()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx, name):
+        self._load()
+        return super().get_command(ctx, name)
 
     def parse_args(self, ctx, args):
+        self._load()
         if args and not args[0].startswith("-") and args[0] not in self.commands:
             args = ["workloads", *args]
         return super().parse_args(ctx, args)
@@ -247,22 +284,6 @@ def bench() -> None:
 
         batchscore bench ci --scale ci --out bench_results
     """
-
-
-def _register_bench_commands() -> None:
-    from batchscore.bench.command import bench as suite
-
-    suite.name = "workloads"
-    bench.add_command(suite)
-    from batchscore.bench.mil_bench import mil
-
-    bench.add_command(mil)
-    from batchscore.bench.gpu_bench import gpu
-
-    bench.add_command(gpu)
-
-
-_register_bench_commands()
 
 
 @main.command()

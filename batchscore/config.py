@@ -16,12 +16,15 @@ from typing import Any
 
 import yaml
 
+from batchscore.engines.shape import DTYPE_BYTES
+from batchscore.errors import JobConfigError
 from batchscore.models import DEFAULT_MODEL
+from batchscore.plan.order import POLICIES as ORDER_POLICIES
 
 ENGINE_KINDS = ("torch", "vllm", "auto")
-DTYPES = ("float32", "bfloat16", "auto")
+DTYPES = (*DTYPE_BYTES, "auto")
 DEVICES = ("cpu", "cuda", "auto")
-ORDERS = ("r_group", "input", "srjf")
+ORDERS = ORDER_POLICIES
 INPUT_FORMATS = ("auto", "parquet", "jsonl")
 EXECUTOR_KINDS = ("local", "ray")
 
@@ -38,25 +41,55 @@ _JobYamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
+MAX_JOB_FILE_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000  # after expanding aliases: a few hundred in any real job file
+
+
 def safe_load_yaml(text: str):
-    """Parse YAML safely (no Python objects), with YAML 1.2 booleans."""
-    return yaml.load(text, Loader=_JobYamlLoader)
+    """Parse YAML safely (no Python objects), with YAML 1.2 booleans; refuses documents over
+    1 MiB or whose aliases expand to more than MAX_YAML_VALUES values (an "alias bomb" costs
+    exponential time in anything that walks the result) or refer to themselves."""
+    if len(text) > MAX_JOB_FILE_BYTES:
+        raise yaml.YAMLError(f"the job file is {len(text):,} characters; at most {MAX_JOB_FILE_BYTES:,}")
+    loader = _JobYamlLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expanded_size(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
-class JobConfigError(ValueError):
-    """The job file is invalid; `problems` lists every problem found."""
+def _check_expanded_size(root: yaml.Node) -> None:
+    sizes: dict[int, int] = {}
 
-    def __init__(self, problems: list[str], source: str | None = None):
-        self.problems = list(problems)
-        self.source = source
-        where = f" in {source}" if source else ""
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid job configuration{where}:\n{lines}")
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            if sizes[key] < 0:
+                raise yaml.YAMLError("an alias refers to the value that contains it (a recursive structure)")
+            return sizes[key]
+        sizes[key] = -1
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(v) for v in node.value)
+        else:
+            total = 1
+        if total > MAX_YAML_VALUES:
+            raise yaml.YAMLError(f"the job file expands to more than {MAX_YAML_VALUES:,} values through its "
+                                 "aliases (&anchor / *alias); write the values out")
+        sizes[key] = total
+        return total
+
+    size(root)
 
 
 @dataclass
 class SyntheticInput:
-    """A generated workload (benchmarks): `workload` names a generator in batchscore.bench.workloads."""
+    """A generated workload (benchmarks): `workload` names a generator in batchscore.synthetic."""
 
     workload: str = ""
     params: dict[str, Any] = field(default_factory=dict)
@@ -139,18 +172,21 @@ class JobConfig:
 
 
 def load_job(path: str | os.PathLike, overrides: dict[str, str] | None = None,
-             output: str | None = None) -> JobConfig:
+             output: str | None = None, allow_code: bool = False) -> JobConfig:
     """Read a job file safely, apply `--set` overrides and `--output`, and validate everything.
 
-    Relative paths in the file are resolved against the job file's folder.
+    Relative paths in the file (input, output, a model folder) are resolved against the job
+    file's folder. `allow_code` permits vLLM arguments that load code (the CLI's --allow-code).
     """
     path = Path(path)
-    if not path.exists():
-        raise JobConfigError([f"job file not found: {path}"])
+    if not path.is_file():
+        raise JobConfigError([f"job file not found: {path}" if not path.exists() else f"{path} is not a file"])
     try:
         raw = safe_load_yaml(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise JobConfigError([f"job file is not valid UTF-8: {exc}"], str(path)) from None
+    except OSError as exc:
+        raise JobConfigError([f"cannot read the job file: {exc.strerror}"], str(path)) from None
     except yaml.YAMLError as exc:
         raise JobConfigError([f"malformed YAML: {exc}"], str(path)) from None
     if raw is None:
@@ -159,20 +195,21 @@ def load_job(path: str | os.PathLike, overrides: dict[str, str] | None = None,
         raise JobConfigError(["the job file must be a mapping of keys (input, prompt, labels, ...)"], str(path))
     for key, value in (overrides or {}).items():
         _set_dotted(raw, key, _parse_override_value(value))
-    config = config_from_dict(raw, source=str(path))
+    config = config_from_dict(raw, source=str(path), allow_code=allow_code)
     _resolve_relative_paths(config, path.parent)
     if output is not None:  # given on the command line: relative to the working folder
         config.output.path = output
     return config
 
 
-def config_from_dict(raw: dict[str, Any], source: str | None = None) -> JobConfig:
+def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code: bool = False) -> JobConfig:
     """Build and validate a JobConfig from plain data; raises JobConfigError listing all problems."""
     problems: list[str] = []
     config = _build(JobConfig, raw, "", problems)
     config.source = source
     if not problems:
         problems.extend(_semantic_problems(config))
+        problems.extend(_vllm_args_problems(config.engine.vllm_args, allow_code))
     if problems:
         raise JobConfigError(problems, source)
     return config
@@ -283,7 +320,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     if inp.batch_rows < 1:
         problems.append("input.batch_rows: must be ≥ 1")
     if inp.synthetic is not None:
-        from batchscore.bench.workloads import WORKLOADS
+        from batchscore.synthetic import WORKLOADS
 
         if inp.synthetic.workload not in WORKLOADS:
             problems.append(f"input.synthetic.workload: unknown {inp.synthetic.workload!r}; "
@@ -305,6 +342,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("labels: give at least two labels, e.g. labels: [Yes, No]")
     elif len(set(config.labels)) != len(config.labels):
         problems.append(f"labels: must be distinct, got {config.labels}")
+    problems.extend(_output_column_problems(config))
     if config.engine.kind not in ENGINE_KINDS:
         problems.append(f"engine.kind: must be one of {', '.join(ENGINE_KINDS)}, got {config.engine.kind!r}")
     if config.engine.dtype not in DTYPES:
@@ -342,8 +380,68 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     return problems
 
 
+# engine.vllm_args a job file may set: sizes and switches of the engine. Anything that makes vLLM
+# import or run code named by the job (a remote model's code, a worker class, a plugin) needs the
+# CLI's --allow-code; anything else is refused by name, so a typo is not silently ignored.
+VLLM_ARGS_ALLOWED = frozenset({
+    "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "block_size", "enable_chunked_prefill", "enable_prefix_caching",
+    "tensor_parallel_size", "pipeline_parallel_size", "swap_space", "cpu_offload_gb", "enforce_eager",
+    "disable_log_stats", "seed", "quantization", "kv_cache_dtype", "calculate_kv_scales",
+    "max_logprobs", "disable_custom_all_reduce", "revision", "tokenizer_revision", "load_format",
+})
+VLLM_ARGS_CODE = frozenset({
+    "trust_remote_code", "worker_extension_cls", "worker_cls", "distributed_executor_backend",
+    "hf_overrides", "model_impl", "logits_processors", "compilation_config", "tokenizer",
+    "tokenizer_mode", "override_generation_config", "kv_transfer_config", "allowed_local_media_path",
+})
+
+
+def _vllm_args_problems(vllm_args: dict[str, Any], allow_code: bool) -> list[str]:
+    problems = []
+    for key in vllm_args:
+        if key in VLLM_ARGS_CODE and not allow_code:
+            problems.append(f"engine.vllm_args.{key}: makes vLLM load or run code named by the job file; "
+                            "pass --allow-code to batchscore run if you trust this job")
+        elif key not in VLLM_ARGS_ALLOWED | VLLM_ARGS_CODE:
+            close = difflib.get_close_matches(str(key), sorted(VLLM_ARGS_ALLOWED), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"engine.vllm_args.{key}: not an argument batchscore passes to vLLM{hint}; "
+                            f"allowed: {', '.join(sorted(VLLM_ARGS_ALLOWED))}")
+    return problems
+
+
+def _output_column_problems(config: JobConfig) -> list[str]:
+    """Two labels that would share one `p_<label>` column, or a kept input column that the scores
+    would overwrite: refused up front rather than losing a column silently."""
+    from batchscore.io.writer import output_columns
+    from batchscore.prompts import label_column
+
+    problems = []
+    by_column: dict[str, list[str]] = {}
+    for label in config.labels:
+        by_column.setdefault(label_column(label), []).append(label)
+    for column, labels in by_column.items():
+        if len(labels) > 1:
+            problems.append(f"labels: {labels} would all be written to the column {column!r}; make them differ "
+                            "by more than surrounding spaces")
+    id_name = config.input.id_column or "row_id"
+    generated = set(output_columns(config.labels)) | ({id_name} if config.input.id_column is None else set())
+    for name in config.output.keep_columns:
+        if name in generated and name != config.input.id_column:
+            problems.append(f"output.keep_columns: {name!r} is also a column batchscore writes (the scores: "
+                            f"{', '.join(sorted(generated))}); rename the input column or drop it from keep_columns")
+    return problems
+
+
 def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
-    """Make input/output paths relative to the job file's folder (changes `config` in place)."""
+    """Make input/output paths, and a model given as a relative path that exists there, relative
+    to the job file's folder (changes `config` in place)."""
+    from batchscore.models import BUILTIN_MODELS
+
+    model = os.path.expanduser(str(config.model))
+    if config.model not in BUILTIN_MODELS and not os.path.isabs(model) and (base / model).exists():
+        config.model = os.path.normpath(base / model)
     if config.input.path and not os.path.isabs(os.path.expanduser(config.input.path)):
         config.input.path = os.path.normpath(base / config.input.path)
     if config.output.path and not os.path.isabs(os.path.expanduser(config.output.path)):

@@ -13,6 +13,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from batchscore.errors import ModelError
+
 
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache: `$HF_HUB_CACHE` now, else huggingface_hub's own default."""
@@ -40,8 +42,6 @@ def cached_snapshot(repo_id: str, download: bool = False) -> Path | None:
     and it is not cached); None when it is not cached and `download` is false."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import LocalEntryNotFoundError
-
-    from batchscore.models import ModelError
 
     cache = hub_cache_dir()
     try:

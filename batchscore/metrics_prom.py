@@ -1,16 +1,24 @@
 """`batchscore run --metrics-prom PATH`: the run summary in Prometheus' text exposition format.
 
-For node-exporter's textfile collector: prometheus_client's `write_to_textfile` writes a
-temporary file in the same folder and renames it, so the collector never reads half a file
-(name the file `*.prom`). Every sample carries a `job` label (the job file's stem).
+For node-exporter's textfile collector (name the file `*.prom`): prometheus_client renders the
+gauges (`generate_latest`), io/atomic.py writes the file, so the collector never reads half a
+file. Written on every exit, like the `--metrics` JSON: `batchscore_run_success` and
+`batchscore_exit_code` say how the run ended, and the row counts are there whenever the run got
+as far as a summary. Every sample carries a `job` label (the job file's stem).
+
+Alert on `batchscore_run_success == 0`, or on a night that never ran:
+`time() - batchscore_last_run_timestamp_seconds > 26 * 3600`.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
-# (key in RunSummary.to_dict(), metric name, help)
+from batchscore.io.atomic import atomic_write
+
+# (key in the --metrics JSON, i.e. RunSummary.to_dict(), metric name, help)
 GAUGES = (
     ("rows", "batchscore_rows", "Input rows of the run."),
     ("rows_ok", "batchscore_rows_ok", "Rows scored."),
@@ -23,29 +31,40 @@ GAUGES = (
     ("score_seconds", "batchscore_score_seconds", "Time spent scoring."),
     ("rows_per_second", "batchscore_rows_per_second", "Rows per second of wall time."),
     ("logical_tokens_per_second", "batchscore_logical_tokens_per_second", "Logical tokens per second of wall time."),
-    ("resumed_groups", "batchscore_resumed_groups", "Prefix groups taken from an earlier, interrupted attempt."),
+    ("resumed_rows", "batchscore_resumed_rows", "Rows taken from an earlier, interrupted attempt."),
     ("workers", "batchscore_workers", "Workers (Ray actors or static shards) the groups were placed on."),
     ("complete", "batchscore_run_complete", "1 when the output was written (0: a shard waiting for the others)."),
+    ("skipped", "batchscore_run_skipped", "1 when the output was already complete and nothing was scored."),
+    ("exit_code", "batchscore_exit_code", "The exit code of batchscore run (0: success)."),
 )
 
 
-def write_prometheus(summary: dict, path: str | os.PathLike, job: str) -> None:
-    """Write `summary` (a RunSummary.to_dict()) to `path` as gauges labelled `job`, atomically."""
-    from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+def render_prometheus(data: dict, job: str) -> bytes:
+    """`data` (the --metrics JSON: a RunSummary.to_dict() with `status` and `exit_code`, or
+    just those and `error`) as gauges labelled `job`, in the text exposition format."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     registry = CollectorRegistry()
+
+    def gauge(name: str, help_text: str, value: float, **labels: str) -> None:
+        Gauge(name, help_text, ["job", *labels], registry=registry).labels(job=job, **labels).set(value)
+
     for key, name, help_text in GAUGES:
-        if summary.get(key) is not None:
-            Gauge(name, help_text, ["job"], registry=registry).labels(job=job).set(float(summary[key]))
-    rows = summary.get("rows") or 0
-    Gauge("batchscore_error_ratio", "Share of rows that could not be scored.", ["job"],
-          registry=registry).labels(job=job).set(summary.get("rows_error", 0) / rows if rows else 0.0)
-    # Alert on a stale file (a night that never finished) with time() - this.
-    Gauge("batchscore_last_run_timestamp_seconds", "When this file was written (Unix time).", ["job"],
-          registry=registry).labels(job=job).set(time.time())
-    Gauge("batchscore_run_info", "Engine, model and output of the run (value 1).",
-          ["job", "engine", "model", "output"], registry=registry).labels(
-        job=job, engine=str(summary.get("engine", "")), model=str(summary.get("model", "")),
-        output=str(summary.get("output_path", ""))).set(1)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    write_to_textfile(str(path), registry)
+        if data.get(key) is not None:
+            gauge(name, help_text, float(data[key]))
+    gauge("batchscore_run_success", "1 when the run ended well (exit code 0), else 0.",
+          1.0 if data.get("status") == "ok" else 0.0)
+    if data.get("rows"):
+        gauge("batchscore_error_ratio", "Share of rows that could not be scored.",
+              data.get("rows_error", 0) / data["rows"])
+    gauge("batchscore_last_run_timestamp_seconds", "When this file was written (Unix time).", time.time())
+    if "engine" in data:
+        gauge("batchscore_run_info", "Engine, model and output of the run (value 1).", 1.0,
+              engine=str(data["engine"]), model=str(data.get("model", "")), output=str(data.get("output_path", "")))
+    return generate_latest(registry)
+
+
+def write_prometheus(data: dict, path: str | os.PathLike, job: str) -> Path:
+    """Write `render_prometheus(data, job)` to `path` atomically; returns the path."""
+    text = render_prometheus(data, job)
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(text))

@@ -1,9 +1,9 @@
 """Model resolution: built-in names, local Hugging Face folders, local GGUF files and Hub ids
 found in the local Hugging Face cache (batchscore.hub_models).
 
-Nothing is downloaded from a model hub unless the job sets `model_download: true`. A GGUF file is converted once (dequantized) into a
-safetensors folder cached under `$BATCHSCORE_HOME/models/`, which transformers and vLLM both
-load quickly.
+Nothing is downloaded from a model hub unless the job sets `model_download: true`. A GGUF file
+is converted once (dequantized) into a safetensors folder cached under `$BATCHSCORE_HOME/models/`,
+which transformers and vLLM both load quickly.
 """
 
 from __future__ import annotations
@@ -17,14 +17,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from batchscore.errors import ModelError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-class ModelError(ValueError):
-    """A model name or path that cannot be resolved to local weights."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +57,7 @@ def resolve_model(spec: str | os.PathLike | None = None, *, download: bool = Fal
         return _converted_folder(_builtin_gguf_path(BUILTIN_MODELS[spec]), cache_name=spec)
     path = Path(spec).expanduser()
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelError(f"model folder {path} has no config.json (not a Hugging Face model folder)")
-        return path
+        return _checked_folder(path, f"model folder {path}")
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:12]
         return _converted_folder(path, cache_name=f"{path.stem}-{digest}")
@@ -75,16 +68,31 @@ def resolve_model(spec: str | os.PathLike | None = None, *, download: bool = Fal
     if is_repo_id(spec):
         snapshot = cached_snapshot(spec, download=download)
         if snapshot is not None:
-            if not (snapshot / "config.json").exists():
-                raise ModelError(f"model {spec!r}: the cached snapshot {snapshot} has no config.json "
-                                 "(not a transformers model, or only partly downloaded)")
-            return snapshot
+            return _checked_folder(snapshot, f"model {spec!r}: the cached snapshot {snapshot}")
         folder = "models--" + spec.replace("/", "--")
         searched += f"; the Hugging Face cache {hub_cache_dir()} (no {folder} snapshot for revision main)"
     raise ModelError(
         f"unknown model {spec!r}: searched {searched}. Give a built-in name, a Hugging Face folder, a "
         ".gguf file or a Hub id in the cache; nothing is downloaded unless the job sets model_download: true."
     )
+
+
+def _checked_folder(folder: Path, what: str) -> Path:
+    """`folder` if it holds a valid config.json; else ModelError starting with `what`."""
+    if not (folder / "config.json").exists():
+        raise ModelError(f"{what} has no config.json (not a Hugging Face model folder, or only partly downloaded)")
+    _check_config_json(folder / "config.json")
+    return folder
+
+
+def _check_config_json(path: Path) -> None:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelError(f"{path} is not a readable JSON file ({exc}); the model folder is incomplete or damaged") from None
+    missing = [k for k in ("model_type", "vocab_size") if not isinstance(config, dict) or k not in config]
+    if missing:
+        raise ModelError(f"{path} lacks {', '.join(missing)}: not a model configuration")
 
 
 def _builtin_gguf_path(model: BuiltinModel) -> Path:

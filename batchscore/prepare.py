@@ -1,21 +1,37 @@
-"""Input rows → Requests: read batches, render prompts, tokenize, and record per-row errors.
+"""Everything before scoring: find the input files, resolve engine and model, read the rows and
+turn them into Requests (or per-row errors), and plan them.
 
+`prepare_job` is the one way `run`, `plan`, `merge` and the benchmarks get from a JobConfig to
+requests: input files are discovered once, `config.json` read once, the tokenizer loaded once.
 Every input row gets a `row_id` (its position across all input files, in reading order); rows
 that cannot be scored keep their row id and an error message, so nothing is lost.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
 from batchscore.config import JobConfig
-from batchscore.io.readers import InputBatch, InputError, discover_files, iter_batches
+from batchscore.engines import kv_block_size, resolve_engine_kind
+from batchscore.engines.shape import context_length, read_model_config
+from batchscore.errors import InputError, OutputError, RowRenderError
+from batchscore.io.identity import input_identity, model_identity, software_versions
+from batchscore.io.readers import InputBatch, discover_files, iter_batches
+from batchscore.models import resolve_model
+from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
+from batchscore.plan.validate import token_ids_problem
 from batchscore.plan.types import Request
-from batchscore.prompts import RowRenderError
+from batchscore.prompts import PromptRenderer, label_token_ids
+
+log = logging.getLogger("batchscore")
 
 
 @dataclass
@@ -33,24 +49,183 @@ class PreparedInput:
         return sum(len(r) for r in self.requests)
 
 
-def prepare_input(config: JobConfig, renderer=None, max_length: int | None = None,
-                  vocab_size: int | None = None, progress: Callable[[int], None] | None = None) -> PreparedInput:
-    """Read every input row and turn it into a Request or a per-row error.
+@dataclass
+class JobSource:
+    """Where a job's rows and model are, and what its output depends on (no rows read yet)."""
 
-    `renderer` (a PromptRenderer) is needed unless the input carries token ids. Raises
-    InputError for problems that concern a whole file (missing, empty, a template field that is
-    not a column); everything row-level becomes an entry in `errors`.
+    config: JobConfig
+    kind: str  # the resolved engine kind: torch | vllm
+    files: list[tuple[Path, str]]  # (input file, format), discovered once
+    model_dir: Path | None  # None when not needed (merge)
+    identity: dict  # config, input, model, software, engine: see io/identity.py
+
+
+@dataclass
+class PreparedJob:
+    """A job after reading (and tokenizing) its input: everything but the plan and the scores."""
+
+    source: JobSource
+    label_ids: list[int]
+    input: PreparedInput
+
+    @property
+    def config(self) -> JobConfig:
+        return self.source.config
+
+    @property
+    def kind(self) -> str:
+        return self.source.kind
+
+    @property
+    def files(self) -> list[tuple[Path, str]]:
+        return self.source.files
+
+    @property
+    def model_dir(self) -> Path | None:
+        return self.source.model_dir
+
+    def plan(self) -> Plan:
+        return build_plan(self.input.requests, plan_options(self.config, self.kind))
+
+
+def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool = True) -> JobSource:
+    """Check the output path, find the input files, resolve engine and model, fingerprint what the
+    output depends on (cheap: no rows are read). With `for_output` False (planning only) the
+    output is neither checked nor fingerprinted for. Raises InputError / OutputError / ModelError."""
+    if for_output:
+        if not config.output.path:
+            raise InputError("output.path is not set (set it in the job file or pass --output)")
+        check_output_path(config.output.path)
+    files = [] if config.input.synthetic else discover_files(config.input.path, config.input.format)
+    if for_output:
+        _check_output_outside_input(config, [f for f, _ in files])
+    kind = resolve_engine_kind(config.engine.kind)
+    model_dir = Path(resolve_model(config.model, download=config.model_download)) if with_model else None
+    if not for_output:
+        return JobSource(config, kind, files, model_dir, {})
+    identity = {
+        "config": scoring_config(config),
+        "input": input_identity(files),
+        "model_path": str(model_dir.resolve()) if model_dir else None,
+        "model": model_identity(model_dir),
+        "software": software_versions(kind),
+        "engine": kind,
+    }
+    return JobSource(config, kind, files, model_dir, identity)
+
+
+def scoring_config(config: JobConfig) -> dict:
+    """The job keys the output's rows depend on: not where the output goes or how often parts
+    are written, not how workers run (their number is part of a parts folder's identity)."""
+    data = config.to_dict()
+    data["output"] = {"keep_columns": data["output"]["keep_columns"]}
+    data.pop("executor")
+    data.pop("model")  # by content, in the identity's model part
+    data.pop("model_download")  # how the weights were found, not which
+    if data["prompt"]["engine"] == "format":
+        del data["prompt"]["engine"]  # the default: outputs and parts from before the key stay valid
+    return data
+
+
+def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource | None = None,
+                progress: Callable[[int], None] | None = None) -> PreparedJob:
+    """Locate the job (unless `source` is given) and read and (unless `tokenize` is False)
+    tokenize its input; no model weights are loaded. Without tokenizing only the id and kept
+    columns are read (what assembling an output needs). Raises InputError / ModelError / LabelError."""
+    source = source or locate_job(config, with_model=tokenize)
+    label_ids, renderer, max_length, vocab_size = [], None, None, None
+    if tokenize:
+        tokenizer = load_tokenizer(source.model_dir)
+        label_ids = label_token_ids(tokenizer, config.labels)
+        max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
+        renderer = make_renderer(config, tokenizer)
+    prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
+                             tokenize=tokenize, progress=progress)
+    log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
+    return PreparedJob(source, label_ids, prepared)
+
+
+def check_output_path(output_path: str) -> None:
+    """Refuse an output path that cannot be written, before any work: a folder, a file in a
+    read-only folder. Raises OutputError."""
+    out = Path(output_path).expanduser()
+    if out.is_dir():
+        raise OutputError(f"output.path {output_path} is a folder; give a file path, e.g. {out / 'scores.parquet'}")
+    folder = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise OutputError(f"output.path {output_path}: {folder} is a file, not a folder")
+    if folder is not None and not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"output.path {output_path}: the folder {folder} is not writable")
+
+
+def plan_job(config: JobConfig) -> Plan:
+    """Plan `config`'s input exactly as `run` would (same reading, checks and plan options)."""
+    return prepare_job(config, source=locate_job(config, for_output=False)).plan()
+
+
+def plan_options(config: JobConfig, engine_kind: str) -> PlanOptions:
+    block = config.plan.block_size or kv_block_size(engine_kind)
+    return PlanOptions(min_prefix_tokens=config.plan.min_prefix_tokens, block_size=block,
+                       order=config.plan.order, enlarge=config.plan.enlarge)
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def prompt_limits(config: JobConfig, kind: str, model_dir, tokenizer) -> tuple[int, int]:
+    """(longest prompt scored, vocabulary size) for this model, engine and job."""
+    model_config = read_model_config(model_dir)
+    context = context_length(model_config)
+    if kind == "vllm":
+        context -= 1  # vLLM counts the one output token against max_model_len
+    max_length = min(config.engine.max_length or context, context)
+    return max_length, int(model_config.get("vocab_size") or len(tokenizer))
+
+
+def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
+    """The prompt renderer, or None when the input already carries token ids."""
+    if config.input.token_ids_column is not None or config.input.synthetic is not None:
+        return None
+    return PromptRenderer(tokenizer, config.prompt.template, system=config.prompt.system, chat=config.prompt.chat,
+                          engine=config.prompt.engine)
+
+
+def _check_output_outside_input(config: JobConfig, files: list[Path]) -> None:
+    """Refuse an output that is an input file or would be read as input by the next run."""
+    out = Path(config.output.path).expanduser().resolve()
+    if any(path.resolve() == out for path in files):
+        raise InputError(f"output.path {config.output.path} is one of the input files; choose another path")
+    source = config.input.path
+    if source is None:
+        return
+    source_path = Path(source).expanduser().resolve()
+    inside_folder = source_path.is_dir() and source_path in out.parents
+    matches_glob = any(ch in source for ch in "*?[") and fnmatch.fnmatch(str(out), str(Path(source).expanduser().resolve()))
+    if inside_folder or matches_glob:
+        raise InputError(f"output.path {config.output.path} is inside the input {source}; the next run "
+                         "would read it as input — write it elsewhere")
+
+
+def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=None, max_length: int | None = None,
+                  vocab_size: int | None = None, tokenize: bool = True,
+                  progress: Callable[[int], None] | None = None) -> PreparedInput:
+    """Read every input row of `files` and turn it into a Request or a per-row error.
+
+    `renderer` (a PromptRenderer) is needed unless the input carries token ids or `tokenize` is
+    False (then only ids and kept columns are read, and no requests made). Raises InputError for
+    problems that concern a whole file (missing, empty, a template field that is not a column);
+    everything row-level becomes an entry in `errors`.
     """
     if config.input.synthetic is not None:
         return _prepare_synthetic(config)
-    files = discover_files(config.input.path, config.input.format)
     id_column = config.input.id_column
     keep_columns = list(config.output.keep_columns)
-    token_column = config.input.token_ids_column
-    needed = list(dict.fromkeys(
-        ([id_column] if id_column else []) + keep_columns
-        + ([token_column] if token_column else renderer.template.columns if renderer else [])
-    ))
+    token_column = config.input.token_ids_column if tokenize else None
+    prompt_columns = [token_column] if token_column else renderer.template.columns if renderer and tokenize else []
+    needed = list(dict.fromkeys(([id_column] if id_column else []) + keep_columns + prompt_columns))
 
     ids, kept_tables, requests, errors = [], [], [], {}
     row_id = 0
@@ -63,7 +238,9 @@ def prepare_input(config: JobConfig, renderer=None, max_length: int | None = Non
         _check_columns(batch, needed)
         ids.append(_batch_ids(batch, id_column, row_id))
         kept_tables.append(_select_kept(batch.table, keep_columns))
-        if token_column:
+        if not tokenize:
+            rows_tokens = []
+        elif token_column:
             rows_tokens = _token_rows(batch, token_column, errors, row_id)
         else:
             rows_tokens = _rendered_rows(batch, renderer, errors, row_id)
@@ -71,7 +248,8 @@ def prepare_input(config: JobConfig, renderer=None, max_length: int | None = Non
             rid = row_id + offset
             if tokens is None:
                 continue
-            problem = _length_problem(tokens, max_length, vocab_size)
+            problem = prompt_problem(len(tokens), max_length, largest_token=int(np.max(tokens)) if len(tokens) else None,
+                                     vocab_size=vocab_size)
             if problem:
                 errors[rid] = problem
             else:
@@ -89,7 +267,7 @@ def prepare_input(config: JobConfig, renderer=None, max_length: int | None = Non
 
 
 def _prepare_synthetic(config: JobConfig) -> PreparedInput:
-    from batchscore.bench.workloads import WORKLOADS
+    from batchscore.synthetic import WORKLOADS
 
     sequences = WORKLOADS[config.input.synthetic.workload](**config.input.synthetic.params)
     requests = [Request(i, np.asarray(s, dtype=np.int32)) for i, s in enumerate(sequences)]
@@ -130,7 +308,7 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
             errors[rid] = read_error
             continue
         try:
-            texts.append(renderer.text(row))
+            texts.append(renderer.prompt(row))
             positions.append(offset)
         except KeyError as exc:
             errors[rid] = f"{batch.file}:{batch.first_line + offset}: field {exc.args[0]!r} is null or missing"
@@ -147,27 +325,14 @@ def _token_rows(batch: InputBatch, column: str, errors: dict[int, str], first_ro
     result: list = []
     for offset, (value, read_error) in enumerate(zip(values, batch.row_errors)):
         rid = first_row_id + offset
-        where = f"{batch.file}:{batch.first_line + offset}: field {column!r}"
-        if read_error:
-            errors[rid], value = read_error, None
-        elif value is None:
-            errors[rid] = f"{where} is null"
-        elif not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            errors[rid], value = f"{where} must be a list of integer token ids", None
-        elif any(t < 0 for t in value):
-            errors[rid], value = f"{where} holds a negative token id", None
-        result.append(value if rid not in errors else None)
+        tokens, problem = (None, read_error) if read_error else (None, "is null") if value is None \
+            else (None, "must be a list of integer token ids") if not isinstance(value, (list, tuple)) \
+            else token_ids_problem(value)
+        if problem:
+            sep = " " if problem.startswith(("is ", "must ")) else ": "
+            errors[rid] = problem if read_error else f"{batch.file}:{batch.first_line + offset}: field {column!r}{sep}{problem}"
+        result.append(tokens)
     return result
-
-
-def _length_problem(tokens, max_length: int | None, vocab_size: int | None) -> str | None:
-    if len(tokens) == 0:
-        return "empty prompt: no tokens to score"
-    if max_length is not None and len(tokens) > max_length:
-        return f"prompt is {len(tokens)} tokens, longer than the maximum {max_length} (the model's context)"
-    if vocab_size is not None and max(tokens) >= vocab_size:
-        return f"token id {max(tokens)} is outside the model's vocabulary (size {vocab_size})"
-    return None
 
 
 def _concat(arrays: list[pa.Array]) -> pa.Array:
@@ -186,9 +351,11 @@ def _concat_tables(tables: list[pa.Table]) -> pa.Table:
 
 
 def _check_unique_ids(ids: pa.Array, id_column: str) -> None:
+    """Ids must be unique; a null id (a line that could not be read has none) is not a duplicate:
+    its row keeps its place and its error names the file and line."""
     import pyarrow.compute as pc
 
-    if pc.count_distinct(ids).as_py() != len(ids):
+    if pc.count_distinct(ids, mode="only_valid").as_py() != len(ids) - ids.null_count:
         counts = pc.value_counts(ids)
-        dupes = [c["values"] for c in counts.to_pylist() if c["counts"] > 1][:5]
+        dupes = [c["values"] for c in counts.to_pylist() if c["counts"] > 1 and c["values"] is not None][:5]
         raise InputError(f"input.id_column {id_column!r} has duplicate values, e.g. {dupes}; ids must be unique")

@@ -18,21 +18,25 @@ engine; so does any `{{ … }}` that evaluates to null (e.g. a null field inside
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2 import StrictUndefined, TemplateError, TemplateSyntaxError, UndefinedError, meta
+from jinja2 import StrictUndefined, TemplateError, TemplateSyntaxError, meta
 from jinja2.sandbox import SandboxedEnvironment
 
-from batchscore.prompts import PromptTemplateError, RowRenderError
+from batchscore.errors import NullFieldError, PromptTemplateError, RowRenderError
 
 # A `{column}` field of the format engine, which jinja would print as literal text.
 _FORMAT_FIELD = re.compile(r"(?<!\{)\{\s*([A-Za-z_]\w*)\s*\}(?!\})")
 _RAW_OR_COMMENT = re.compile(r"\{%-?\s*raw\s*-?%\}.*?\{%-?\s*endraw\s*-?%\}|\{#.*?#\}", re.S)
 
-
-class _NullColumn(UndefinedError):
-    """A null (or absent) column was printed or iterated; the message is the column's name."""
+# For the spans of data, a second rendering wraps every `{{ … }}` value in these marks, so the
+# text that came from expressions (the row's data) is known: special-token text there is tokenized
+# as text (prompts.PromptRenderer.encode). A random nonce per process: data cannot forge a mark.
+_NONCE = str(secrets.randbits(64))
+_OPEN, _CLOSE = f"\ue000{_NONCE}\ue001", f"\ue002{_NONCE}\ue003"
+_MARK = re.compile(re.escape(_OPEN) + "|" + re.escape(_CLOSE))
 
 
 class _Null(StrictUndefined):
@@ -41,7 +45,7 @@ class _Null(StrictUndefined):
     __slots__ = ()
 
     def __init__(self, name: str):
-        super().__init__(hint=name, name=name, exc=_NullColumn)
+        super().__init__(hint=name, name=name, exc=NullFieldError)
 
     def __bool__(self) -> bool:
         return False
@@ -54,10 +58,41 @@ def _finalize(value: Any) -> Any:
     return value
 
 
-def _environment() -> SandboxedEnvironment:
+def _finalize_marked(value: Any) -> str:
+    return f"{_OPEN}{_finalize(value)}{_CLOSE}"
+
+
+def _environment(marked: bool = False) -> SandboxedEnvironment:
     # keep_trailing_newline: the text ends as written, as with the format engine.
     return SandboxedEnvironment(undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True,
-                                finalize=_finalize)
+                                finalize=_finalize_marked if marked else _finalize)
+
+
+def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """The text without marks and the [start, end) spans of marked (data) text; nested marks
+    (a macro's output printed again) merge. Unbalanced marks: the whole text is data."""
+    out, spans, depth, at, length, start = [], [], 0, 0, 0, 0
+    for match in _MARK.finditer(marked):
+        piece = marked[at:match.start()]
+        out.append(piece)
+        length += len(piece)
+        at = match.end()
+        if match.group() == _OPEN:
+            if depth == 0:
+                start = length
+            depth += 1
+        else:
+            depth -= 1
+            if depth < 0:
+                break
+            if depth == 0 and length > start:
+                spans.append((start, length))
+    out.append(marked[at:])
+    text = "".join(out)
+    if depth != 0 or _OPEN in text or _CLOSE in text:
+        text = _MARK.sub("", marked)
+        return text, [(0, len(text))] if text else []
+    return text, spans
 
 
 @dataclass(frozen=True)
@@ -67,21 +102,35 @@ class JinjaTemplate:
     source: str
     columns: list[str]
     _template: Any = field(compare=False, repr=False)
+    _marked: Any = field(compare=False, repr=False)  # the same template, every `{{ … }}` value marked
 
     def render(self, row: dict[str, Any]) -> str:
-        """Render one row; raises KeyError naming a null or missing column that the template
-        prints or loops over, RowRenderError for any other failure of this row."""
-        variables = {name: _Null(name) if row.get(name) is None else row[name] for name in self.columns}
+        """Render one row; raises NullFieldError (a KeyError) naming a null or missing column that
+        the template prints or loops over, RowRenderError for any other failure of this row."""
         try:
-            return self._template.render(variables)
-        except _NullColumn as exc:
-            raise KeyError(exc.message) from None
-        except TemplateError as exc:  # undefined attributes, the sandbox's refusals, …
-            raise RowRenderError(f"template: {exc.message or exc}") from None
+            return self._template.render(self._variables(row))
         except RowRenderError:
             raise
+        except TemplateError as exc:  # undefined attributes, the sandbox's refusals, …
+            raise RowRenderError(f"template: {exc.message or exc}") from None
         except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as exc:
             raise RowRenderError(f"template: {type(exc).__name__}: {exc}") from None
+
+    def render_spans(self, row: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
+        """Render one row: the text and the [start, end) spans every `{{ … }}` value fills. When the
+        marks change what the template does (a filter over a block's text, e.g. `truncate`), the
+        whole text counts as data. Raises as `render`."""
+        text = self.render(row)
+        try:
+            unmarked, spans = _unmark(self._marked.render(self._variables(row)))
+        except Exception:  # noqa: BLE001 — the text rendered; only the marks failed
+            unmarked, spans = None, []
+        if unmarked != text:
+            return text, [(0, len(text))] if text else []
+        return text, spans
+
+    def _variables(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {name: _Null(name) if row.get(name) is None else row[name] for name in self.columns}
 
 
 def parse_jinja_template(template: str) -> JinjaTemplate:
@@ -102,4 +151,4 @@ def parse_jinja_template(template: str) -> JinjaTemplate:
     # Names the template assigns itself (loop variables, {% set %}) are not columns; neither are
     # jinja's globals (range, dict, …).
     columns = sorted(name for name in meta.find_undeclared_variables(tree) if name not in env.globals)
-    return JinjaTemplate(template, columns, env.from_string(tree))
+    return JinjaTemplate(template, columns, env.from_string(tree), _environment(marked=True).from_string(template))

@@ -8,24 +8,15 @@ columns. `prompt.engine: jinja` renders with jinja2's sandbox instead (batchscor
 
 from __future__ import annotations
 
+import re
 import string
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-
-class PromptTemplateError(ValueError):
-    """The template itself is malformed or unsafe."""
+from batchscore.errors import LabelError, PromptTemplateError
 
 
-PROMPT_ENGINES = ("format", "jinja")
-
-
-class RowRenderError(ValueError):
-    """The template cannot render one row (the row gets this message as its error)."""
-
-
-class LabelError(ValueError):
-    """Labels that cannot be scored as single, distinct tokens."""
+PROMPT_ENGINES = ("format", "jinja")  # prompt.engine
 
 
 @dataclass(frozen=True)
@@ -44,15 +35,23 @@ class PromptTemplate:
 
     def render(self, row: dict[str, Any]) -> str:
         """Fill the fields from `row`; raises KeyError naming a missing or null field."""
-        out = []
+        return self.render_spans(row)[0]
+
+    def render_spans(self, row: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
+        """The filled text and the [start, end) character spans that came from the row's data."""
+        out, spans, length = [], [], 0
         for literal, column in self.pieces:
             out.append(literal)
+            length += len(literal)
             if column is not None:
                 value = row.get(column)
                 if value is None:
                     raise KeyError(column)
-                out.append(str(value))
-        return "".join(out)
+                text = str(value)
+                out.append(text)
+                spans.append((length, length + len(text)))
+                length += len(text)
+        return "".join(out), spans
 
 
 def parse_template(template: str) -> PromptTemplate:
@@ -94,6 +93,14 @@ def compile_template(template: str, engine: str = "format"):
     return parse_template(template)
 
 
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt's text and the [start, end) character spans that came from the row's data."""
+
+    text: str
+    spans: list[tuple[int, int]]
+
+
 class PromptRenderer:
     """Renders rows into prompt token ids with a tokenizer, optionally via its chat template."""
 
@@ -103,24 +110,60 @@ class PromptRenderer:
         self.template = compile_template(template, engine)
         self.system = system
         self.chat = chat
+        specials = sorted({str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
+                          | {str(t) for t in getattr(tokenizer, "get_added_vocab", dict)()}, key=len, reverse=True)
+        self._special = re.compile("|".join(re.escape(t) for t in specials if t)) if specials else None
         if chat and not getattr(tokenizer, "chat_template", None):
             raise PromptTemplateError("prompt.chat is true but the model's tokenizer has no chat template")
 
     def text(self, row: dict[str, Any]) -> str:
         """The full prompt text for one row (chat template applied when asked)."""
-        user = self.template.render(row)
+        return self.prompt(row).text
+
+    def prompt(self, row: dict[str, Any]) -> RenderedPrompt:
+        """The full prompt text for one row and the character spans of the row's data in it."""
+        user, spans = self.template.render_spans(row)
         if not self.chat:
-            return user if self.system is None else f"{self.system}\n\n{user}"
+            if self.system is None:
+                return RenderedPrompt(user, spans)
+            head = f"{self.system}\n\n"
+            return RenderedPrompt(head + user, [(a + len(head), b + len(head)) for a, b in spans])
         messages = [{"role": "user", "content": user}]
         if self.system is not None:
             messages.insert(0, {"role": "system", "content": self.system})
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        at = text.rfind(user)  # chat templates insert the message verbatim
+        return RenderedPrompt(text, [(a + at, b + at) for a, b in spans] if at >= 0 else [(0, len(text))])
 
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """Tokenize many prompt texts at once (the chat template already holds special tokens)."""
-        if not texts:
+    def encode(self, prompts: Sequence[str | RenderedPrompt]) -> list[list[int]]:
+        """Tokenize many prompts at once (the chat template already holds special tokens).
+
+        Text from the row's data never becomes a control token: a row whose data holds the text
+        of a special token (`<|im_start|>assistant` — a forged turn) is tokenized piece by piece,
+        its data pieces with the special tokens split into ordinary text. Every other row is
+        tokenized whole, as before.
+        """
+        if not prompts:
             return []
-        return self.tokenizer(list(texts), add_special_tokens=not self.chat)["input_ids"]
+        prompts = [p if isinstance(p, RenderedPrompt) else RenderedPrompt(p, []) for p in prompts]
+        result = self.tokenizer([p.text for p in prompts], add_special_tokens=not self.chat)["input_ids"]
+        for i, prompt in enumerate(prompts):
+            if self._special is not None and any(self._special.search(prompt.text, a, b) for a, b in prompt.spans):
+                result[i] = self._encode_pieces(prompt)
+        return result
+
+    def _encode_pieces(self, prompt: RenderedPrompt) -> list[int]:
+        tokens = self.tokenizer("", add_special_tokens=not self.chat)["input_ids"]  # BOS, if the model adds one
+        at = 0
+        for start, end in sorted(prompt.spans):
+            if start > at:
+                tokens += self.tokenizer(prompt.text[at:start], add_special_tokens=False)["input_ids"]
+            tokens += self.tokenizer(prompt.text[start:end], add_special_tokens=False,
+                                     split_special_tokens=True)["input_ids"]
+            at = max(at, end)
+        if at < len(prompt.text):
+            tokens += self.tokenizer(prompt.text[at:], add_special_tokens=False)["input_ids"]
+        return tokens
 
 
 def label_token_ids(tokenizer, labels: Sequence[str]) -> list[int]:

@@ -8,6 +8,7 @@ is not importable.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchscore.bench.command import bench
+from batchscore.bench.command import workloads as bench
 from batchscore.bench.postrec import postrec
 from batchscore.bench.suite import SCALES, expand_names, make_workload, plain_slices, vllm_available
 from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
@@ -114,9 +115,9 @@ def test_bench_tiny_end_to_end(tmp_path, tiny_llama):
 def test_gpu_bench_runs_on_cpu_and_counts_flops():
     """The GPU benchmark's throughput part on a tiny random model (CPU, float32): the engine agrees
     with the plain forward, and the FLOP accounting matches the shapes."""
-    from batchscore.bench.engine_bench import make_groups
-    from batchscore.bench.flops import attended_pairs_plain, attended_pairs_shared
     from batchscore.bench.gpu_bench import throughput
+    from batchscore.bench.scoring import make_groups
+    from batchscore.engines.shape import attended_pairs_plain, attended_pairs_shared
 
     groups = make_groups(4, 10, 3, 2, 100, seed=0)
     # plain: every prompt of 13 tokens causally; shared: two 10-token prefixes, each suffix 3x10 + 6
@@ -124,16 +125,18 @@ def test_gpu_bench_runs_on_cpu_and_counts_flops():
     assert attended_pairs_shared(groups) == 2 * 55 + 4 * (30 + 6)
     result = throughput("tiny-llama", "cpu", "float32", requests=16, prefix=64, distinct=8, degree=4,
                         token_budget=512, plain_batch=4)
-    assert result.max_abs_dp < 1e-5
-    assert result.processed_tokens == 4 * 64 + 16 * 8 and result.logical_tokens == 16 * 72
-    assert result.ideal_speedup == pytest.approx(16 * 72 / (4 * 64 + 16 * 8))
+    record = result.to_dict()
+    assert record["max_abs_dp"] < 1e-5
+    assert record["processed_tokens"] == 4 * 64 + 16 * 8 and record["logical_tokens"] == 16 * 72
+    assert record["ideal_speedup"] == pytest.approx(16 * 72 / (4 * 64 + 16 * 8))
+    assert record["requests"] == 16 and record["speedup"] == pytest.approx(result.plain.seconds / result.engine.seconds)
 
 
 def test_flop_ideal_is_below_the_token_ideal_when_attention_matters():
     """Linear FLOPs scale with tokens, attention with query-key pairs: sharing a 2000-token prefix
     saves fewer FLOPs than tokens on a small model, and about as many on a wide one."""
-    from batchscore.bench.engine_bench import make_groups
-    from batchscore.bench.flops import flop_ideal_speedup, forward_flops
+    from batchscore.bench.scoring import make_groups
+    from batchscore.engines.shape import flop_ideal_speedup, forward_flops
 
     small = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
              "num_key_value_heads": 3, "vocab_size": 49152}
@@ -147,3 +150,99 @@ def test_flop_ideal_is_below_the_token_ideal_when_attention_matters():
     assert forward_flops(small, groups, shared=True) == pytest.approx(linear + attention + 2 * 576 * 49152 * 16)
     assert flop_ideal_speedup(small, groups) < 0.9 * token_ideal
     assert 0.95 * token_ideal < flop_ideal_speedup(wide, groups) < token_ideal
+
+
+def test_throughput_rates_speedups_and_dp():
+    from batchscore.bench.results import Throughput
+
+    plain = Throughput("plain", logical_tokens=1000, processed_tokens=1000)
+    plain.add(2.0, {0: np.array([0.5, 0.5]), 1: np.array([0.2, 0.8])}, cpu_seconds=4.0)
+    shared = Throughput("torch", logical_tokens=1000, processed_tokens=250)
+    shared.time(lambda: {0: np.array([0.5, 0.5]), 1: np.array([0.25, 0.75])})
+    assert plain.requests == shared.requests == 2
+    assert plain.requests_per_s == 1.0 and plain.requests_per_cpu_s == 0.5 and plain.logical_tokens_per_s == 500
+    assert shared.saving_ratio == 0.75 and shared.ideal_speedup == 4.0
+    assert shared.speedup_over(plain) == pytest.approx(plain.seconds / shared.seconds)
+    assert shared.max_abs_dp(plain) == pytest.approx(0.05)
+    assert shared.max_abs_dp(Throughput("nothing")) is None
+    assert Throughput("idle").requests_per_s != Throughput("idle").requests_per_s  # nan, not a crash
+
+
+def test_bench_commands_are_registered_and_production_does_not_import_them():
+    import subprocess
+    import sys
+
+    from batchscore.bench.cli import COMMANDS
+    from batchscore.cli import main
+
+    names = {c.name for c in COMMANDS}
+    assert names == {"workloads", "plan", "engine", "vllm", "gpu", "mil", "scale", "placement", "dtype-parity"}
+    for name in sorted(names):
+        result = CliRunner().invoke(main, ["bench", name, "--help"])
+        assert result.exit_code == 0, result.output
+    code = ("import sys, batchscore.cli, batchscore.runner, batchscore.api, batchscore.prepare; "
+            "bad = sorted(m for m in sys.modules if m.startswith('batchscore.bench')); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bench_routes_a_workload_name_to_the_suite(tmp_path):
+    from batchscore.cli import main
+
+    path = tmp_path / "micro.parquet"
+    result = CliRunner().invoke(main, ["bench", "micro-2000-200", "--scale", "tiny", "--degree", "2",
+                                       "--write-parquet", str(path)])
+    assert result.exit_code == 0, result.output
+    assert pq.read_metadata(path).num_rows == len(make_workload("micro-2000-200", SCALES["tiny"], degree=2).prompts)
+
+
+def test_int_list_option():
+    import click
+
+    from batchscore.bench.common import int_list, nonempty_int_list
+
+    assert int_list(None, None, "4096, 1024,1024") == [1024, 4096]
+    assert int_list(None, None, "") == []
+    for bad in ("1,x", "0,2"):
+        with pytest.raises(click.BadParameter):
+            int_list(None, None, bad)
+    with pytest.raises(click.BadParameter):
+        nonempty_int_list(None, None, "")
+
+
+def test_plan_timing_runs_in_a_fresh_process():
+    from batchscore.bench.plan_bench import time_in_fresh_processes
+
+    timing = time_in_fresh_processes([40], runs=1, block_size=1)[40]
+    assert 0 < timing.plan_seconds < 60 and timing.tokens_per_request > 100
+
+
+def test_vllm_bench_orders_without_vllm():
+    from batchscore.bench.vllm_bench import make_requests, planned, shuffled_plain
+
+    requests = make_requests(3, 4, 50, 10, vocab=1000, seed=0)
+    assert len(requests) == 12 and {len(r) for r in requests} == {60}
+    (baseline,) = shuffled_plain(requests, seed=0)
+    assert baseline.prefix_len == 0 and sorted(m.row_id for m in baseline.members) == list(range(12))
+    groups = planned(requests, block_size=16)
+    assert len(groups) == 3 and all(g.prefix_len == 48 and len(g.members) == 4 for g in groups)
+
+
+def test_scale_bench_runs_the_production_data_path():
+    from batchscore.bench.scale_bench import scale
+
+    result = CliRunner().invoke(scale, ["--rows", "300", "--group-size", "10", "--prefix", "20", "--distinct", "4"])
+    assert result.exit_code == 0, result.output
+    assert "rows: 300  groups: 30" in result.output
+    for stage in ("read", "plan", "write parts", "assemble", "peak RSS"):
+        assert stage in result.output
+
+
+def test_dtype_parity_float32_engine_matches_plain_forward(model_dir):
+    from batchscore.bench.dtype_parity import dtype_parity
+
+    job = str(Path(__file__).resolve().parent.parent / "jobs" / "sample.yaml")
+    result = CliRunner().invoke(dtype_parity, [job, "--dtype", "float32", "--rows", "3", "--no-vllm"])
+    assert result.exit_code == 0, result.output
+    (line,) = [l for l in result.output.splitlines() if "hf-float32 vs torch-float32" in l]
+    assert "same label 100.0%" in line
+    assert float(line.split("max |dP|")[1].split()[0]) < 1e-4

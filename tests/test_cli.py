@@ -6,7 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
-from batchscore.cli import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INPUT, main
+from batchscore.cli import main
+from batchscore.errors import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INPUT
 
 
 def invoke(*args):

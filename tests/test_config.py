@@ -2,7 +2,8 @@
 
 import pytest
 
-from batchscore.config import JobConfigError, config_from_dict, load_job, parse_set_options
+from batchscore.config import config_from_dict, load_job, parse_set_options
+from batchscore.errors import JobConfigError
 
 VALID = {
     "input": {"path": "in.parquet"},
@@ -112,7 +113,7 @@ def test_engine_device_is_checked():
 
 def test_cuda_without_a_gpu_is_a_clear_error():
     from batchscore.engines import EngineUnavailable, gpu_available
-    from batchscore.runner import resolve_device
+    from batchscore.engines import resolve_device
 
     assert resolve_device("cpu") == "cpu"
     if gpu_available():
@@ -121,3 +122,28 @@ def test_cuda_without_a_gpu_is_a_clear_error():
         assert resolve_device("auto") == "cpu"
         with pytest.raises(EngineUnavailable, match="torch sees no GPU"):
             resolve_device("cuda")
+
+
+def test_a_model_folder_is_relative_to_the_job_file(tmp_path, monkeypatch):
+    jobs = tmp_path / "jobs"
+    (jobs / "models" / "m").mkdir(parents=True)
+    (jobs / "job.yaml").write_text("input: {path: d.jsonl}\nprompt: {template: '{q}'}\nlabels: [Yes, No]\n"
+                                   "model: models/m\noutput: {path: o.parquet}\n")
+    monkeypatch.chdir(tmp_path)  # not the job's folder
+    config = load_job(jobs / "job.yaml")
+    assert config.model == str(jobs / "models" / "m")
+    assert load_job(jobs / "job.yaml", {"model": "smollm2-135m-instruct"}).model == "smollm2-135m-instruct"
+
+
+def test_yaml_alias_bomb_is_refused_quickly():
+    import time
+
+    from batchscore.config import safe_load_yaml
+
+    text = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(20))
+    started = time.perf_counter()
+    with pytest.raises(Exception, match="aliases"):
+        safe_load_yaml(text)
+    assert time.perf_counter() - started < 1.0
+    assert safe_load_yaml("a: &x [1, 2]\nb: *x\n") == {"a": [1, 2], "b": [1, 2]}  # ordinary aliases work

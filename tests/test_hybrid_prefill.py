@@ -11,7 +11,8 @@ import torch
 
 from batchscore.engines import cascade_attention
 from batchscore.engines.cascade_attention import PrefixKV
-from batchscore.engines.hybrid import HybridDecoder, HybridUnsupported
+from batchscore.engines.hybrid import HybridDecoder
+from batchscore.errors import HybridUnsupported
 from batchscore.engines.torch_engine import TorchEngine
 from batchscore.plan.types import GroupMember, PrefixGroup
 from tests.test_torch_engine import BUDGET, FLOAT32_TOLERANCE, LABELS, make_groups, max_probability_error, tiny_model

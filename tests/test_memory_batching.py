@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchscore.engines.memory import MemoryBudgetError, MemoryEstimator, ModelShape
+from batchscore.engines.memory import MemoryEstimator
+from batchscore.engines.shape import ModelShape
+from batchscore.errors import MemoryBudgetError
 from batchscore.engines.torch_engine import TorchEngine, plan_suffix_batches
 from batchscore.plan.types import GroupMember, PrefixGroup
 from tests.test_hybrid_prefill import max_dp

@@ -6,11 +6,13 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchscore.cli import EXIT_CONFIG, main
+from batchscore.cli import main
 from batchscore.config import JobConfigError, config_from_dict
-from batchscore.models import ModelError, resolve_model
+from batchscore.errors import EXIT_CONFIG, ModelError
+from batchscore.models import resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+CONFIG = '{"model_type": "llama", "vocab_size": 32}'  # what models.py checks a config.json for
 
 
 def fake_hub_model(cache, repo_id, files, commit=COMMIT):
@@ -40,17 +42,17 @@ def hub_cache(tmp_path, monkeypatch):
 
 
 def test_a_hub_id_resolves_to_its_cached_snapshot(hub_cache):
-    snapshot = fake_hub_model(hub_cache, "Org/Name", {"config.json": "{}"})
+    snapshot = fake_hub_model(hub_cache, "Org/Name", {"config.json": CONFIG})
     assert resolve_model("Org/Name") == snapshot
     # model_download: true does not touch the network for a model already cached
     assert resolve_model("Org/Name", download=True) == snapshot
 
 
 def test_the_snapshot_follows_refs_main(hub_cache):
-    fake_hub_model(hub_cache, "Org/Name", {"config.json": "{}"}, commit="a" * 40)
+    fake_hub_model(hub_cache, "Org/Name", {"config.json": CONFIG}, commit="a" * 40)
     newer = hub_cache / "models--Org--Name" / "snapshots" / ("b" * 40)
     newer.mkdir()
-    (newer / "config.json").write_text("{}")
+    (newer / "config.json").write_text(CONFIG)
     (hub_cache / "models--Org--Name" / "refs" / "main").write_text("b" * 40)
     assert resolve_model("Org/Name") == newer
 
@@ -72,10 +74,10 @@ def test_a_snapshot_without_config_is_refused(hub_cache):
 
 
 def test_a_local_folder_still_wins_over_the_cache(hub_cache, tmp_path, monkeypatch):
-    fake_hub_model(hub_cache, "Org/Name", {"config.json": "{}"})
+    fake_hub_model(hub_cache, "Org/Name", {"config.json": CONFIG})
     local = tmp_path / "Org" / "Name"
     local.mkdir(parents=True)
-    (local / "config.json").write_text("{}")
+    (local / "config.json").write_text(CONFIG)
     monkeypatch.chdir(tmp_path)
     assert resolve_model("Org/Name").resolve() == local
 

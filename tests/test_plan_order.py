@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from batchscore.bench.workloads import microbench
+from batchscore.synthetic import microbench
 from batchscore.plan import (
     PlanOptions,
     build_plan,

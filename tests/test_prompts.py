@@ -2,7 +2,8 @@
 
 import pytest
 
-from batchscore.prompts import (LabelError, PromptRenderer, PromptTemplateError, label_token_ids,
+from batchscore.errors import LabelError, PromptTemplateError
+from batchscore.prompts import (PromptRenderer, label_token_ids,
                                 parse_template)
 
 

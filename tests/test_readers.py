@@ -6,7 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchscore.io.readers import InputError, discover_files, iter_batches
+from batchscore.errors import InputError
+from batchscore.io.readers import discover_files, iter_batches
 
 
 def test_folder_and_glob(tmp_path):

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchscore.cli import EXIT_ERROR_RATE, EXIT_INPUT, main
+from batchscore.cli import main
+from batchscore.errors import EXIT_ERROR_RATE, EXIT_INPUT
 from batchscore.io.writer import results_table
 from batchscore.report import load_output, write_report
 from batchscore.report.drift import PSI_EPSILON, bin_shares, compare, psi
@@ -94,7 +95,7 @@ def test_metrics_prom_parses_and_holds_the_row_counts(real_run):
 
     folder, _ = real_run
     text = (folder / "batchscore.prom").read_text()
-    assert not list(folder.glob("batchscore.prom.*"))  # the temporary file was renamed
+    assert [p.name for p in folder.iterdir() if "prom" in p.name] == ["batchscore.prom"]  # no temporary file left
     families = {f.name: f for f in text_string_to_metric_families(text)}
     values = {name: [(s.labels, s.value) for s in f.samples] for name, f in families.items()}
     assert values["batchscore_rows"] == [({"job": "job"}, 12.0)]
@@ -141,7 +142,18 @@ def test_error_rate_exceeded_still_writes_report_and_metrics(tmp_path, small_inp
     assert result.exit_code == EXIT_ERROR_RATE, result.output
     page = _Page((tmp_path / "out.parquet.report.html").read_text())
     assert "field 'title' is null or missing" in page.sections["errors"]
-    assert 'batchscore_rows_error{job="job"} 1.0' in (tmp_path / "m.prom").read_text()
+    prom = (tmp_path / "m.prom").read_text()
+    assert 'batchscore_rows_error{job="job"} 1.0' in prom
+    assert 'batchscore_run_success{job="job"} 0.0' in prom and 'batchscore_exit_code{job="job"} 4.0' in prom
+
+
+def test_metrics_prom_is_written_when_the_run_fails_early(tmp_path, small_input):
+    job = write_job(tmp_path, small_input, labels=["Yes", "Yes"])  # refused before any work
+    result = invoke("run", job, "-q", "--metrics-prom", tmp_path / "m.prom")
+    assert result.exit_code == 2, result.output
+    prom = (tmp_path / "m.prom").read_text()
+    assert 'batchscore_run_success{job="job"} 0.0' in prom and 'batchscore_exit_code{job="job"} 2.0' in prom
+    assert "batchscore_last_run_timestamp_seconds" in prom and "batchscore_rows{" not in prom
 
 
 # --- drift against a hand computation ---------------------------------------------------------
@@ -228,7 +240,7 @@ def test_error_messages_group_by_kind(tmp_path):
 def test_without_matplotlib_the_error_names_the_extra(monkeypatch, tmp_path, job_factory, small_input):
     import sys
 
-    from batchscore.cli import EXIT_ENGINE
+    from batchscore.errors import EXIT_ENGINE
 
     output = _output(tmp_path / "o.parquet", ["a"], [0.3])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError

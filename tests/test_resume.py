@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchscore.cli import EXIT_CONFIG, EXIT_INTERRUPTED, main
+from batchscore.cli import main
+from batchscore.errors import EXIT_CONFIG, EXIT_INTERRUPTED
 from batchscore.io.parts import staging_dir
 from tests.conftest import write_sample_subset
 
@@ -103,12 +105,14 @@ def test_a_partial_run_of_another_job_is_refused_unless_fresh(job_factory, multi
     folder = staging_dir(output)
     folder.mkdir()
     (folder / "run.manifest.json").write_text(json.dumps({
-        "job_hash": "0000", "input_fingerprint": [], "model": "m", "engine": "torch",
-        "num_groups": 1, "num_rows": 1, "parts": []}))
+        "job_hash": "0000", "identity": {"config": {}, "engine": "torch"}, "num_groups": 1, "num_rows": 1,
+        "worker_rows": {"0": 1}, "parts": [], "input_errors_file": "run-input-errors.parquet"}))
+    pq.write_table(pa.table({"row_id": pa.array([], pa.int64()), "error": pa.array([], pa.string())}),
+                   folder / "run-input-errors.parquet")
     runner = CliRunner()
     result = runner.invoke(main, ["run", str(job), "-q", "-o", str(output)])
     assert result.exit_code == EXIT_CONFIG
-    assert "--fresh" in result.output
+    assert "--fresh" in result.output and "the job configuration" in result.output
     result = runner.invoke(main, ["run", str(job), "-q", "-o", str(output), "--fresh"])
     assert result.exit_code == 0, result.output
     assert pq.read_table(output).num_rows == 24

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchscore.cli import EXIT_CONFIG, main
+from batchscore.cli import main
+from batchscore.errors import EXIT_CONFIG
 from batchscore.io.parts import staging_dir
 from tests.conftest import write_sample_subset
 

@@ -19,7 +19,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from batchscore.engines.vllm_engine import INSTALL_HINT, VllmEngine, import_vllm  # noqa: E402
+from batchscore.engines import VLLM_INSTALL_HINT as INSTALL_HINT  # noqa
+from batchscore.engines.vllm_engine import VllmEngine, import_vllm  # noqa: E402
 from batchscore.engines.vllm_settings import derive_settings, kv_bytes_per_token, plan_request_cap  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup, Request  # noqa: E402
 
@@ -28,7 +29,7 @@ ROWS = int(os.environ.get("BATCHSCORE_VLLM_TEST_ROWS", "60"))
 # Max |vLLM - transformers float32| on raw label log-probs (measured: 3e-5 in float32).
 LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 0.15}[DTYPE]
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-           "hidden_size": 576, "max_position_embeddings": 8192, "vocab_size": 49152}
+           "hidden_size": 576, "intermediate_size": 1536, "max_position_embeddings": 8192, "vocab_size": 49152}
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -78,6 +79,7 @@ def engine(model_dir):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the hybrid test patches this engine's MLPs
     eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=2048,
                      vllm_args={"kv_cache_memory_bytes": 256 << 20})
+    del os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"]  # the engine keeps it for its own vLLM calls
     yield eng
     eng.close()
 
@@ -171,6 +173,7 @@ def test_hybrid_mlp_chunking_inside_vllm_keeps_scores(engine, sample, sample_sco
             scores[chunk] = np.stack([r.log_probs + math.log(r.label_mass) for r in engine.score([plain], labels)])
     finally:
         engine.set_hybrid_chunk(None)
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ  # scoped to the vLLM calls
     diff = float(np.abs(scores[32] - scores[None]).max())
     assert diff <= {"float32": 1e-5, "bfloat16": 0.05}[DTYPE], f"max |Δ log P| hybrid on/off = {diff:.2e}"
 
@@ -240,3 +243,22 @@ def test_derived_settings_follow_the_job():
     one_pass = derive_settings(groups, SMOLLM2, dtype="float32", token_budget=512, max_length=None,
                                vllm_args={}, one_pass_prefill=True)  # hybrid prefilling's setting
     assert not one_pass.enable_chunked_prefill and one_pass.max_num_batched_tokens == one_pass.max_model_len == 1101
+
+
+def test_cli_runs_vllm_on_cpu_with_no_vllm_args_and_matches_torch(tmp_path, small_input, job_factory):
+    """No kv_cache_memory_bytes, no VLLM_CPU_KVCACHE_SPACE: the KV cache is sized from the plan."""
+    import pyarrow.parquet as pq
+    import subprocess
+
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        pytest.skip("VLLM_CPU_KVCACHE_SPACE is set")
+    job = job_factory(small_input)
+    outputs = {}
+    for kind in ("torch", "vllm"):
+        outputs[kind] = tmp_path / f"{kind}.parquet"
+        done = subprocess.run([sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "-o", str(outputs[kind]),
+                               "--set", f"engine.kind={kind}"], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout + done.stderr
+    torch_out, vllm_out = (pq.read_table(outputs[k]).to_pandas() for k in ("torch", "vllm"))
+    assert (vllm_out["status"] == "ok").all() and len(vllm_out) == 12
+    assert (vllm_out[["p_Yes", "p_No"]] - torch_out[["p_Yes", "p_No"]]).abs().max().max() <= 1e-4

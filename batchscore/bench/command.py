@@ -1,4 +1,5 @@
-"""The `bench` click command (registered in the CLI with `main.add_command(bench)`).
+"""`batchscore bench WORKLOAD...`: the throughput suite (bench/suite.py), as the click command
+`workloads` (the CLI routes `batchscore bench <workload>` to it).
 
 Also runnable on its own (vLLM spawns a process, hence the __main__ guard):
     python -m batchscore.bench.command ci --scale ci --out bench_results
@@ -6,16 +7,16 @@ Also runnable on its own (vLLM spawns a process, hence the __main__ guard):
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
 from batchscore.bench.suite import ENGINES, SCALES
+from batchscore.engines.shape import DTYPE_BYTES
 
 
-@click.command()
-@click.argument("workloads", nargs=-1, required=True, metavar="WORKLOAD...")
+@click.command("workloads")
+@click.argument("names", nargs=-1, required=True, metavar="WORKLOAD...")
 @click.option("--engines", "engines", default=",".join(ENGINES), show_default=True,
               help=f"Comma-separated engines to run: {', '.join(ENGINES)}.")
 @click.option("--scale", type=click.Choice(sorted(SCALES)), default="ci", show_default=True,
@@ -23,7 +24,7 @@ from batchscore.bench.suite import ENGINES, SCALES
 @click.option("--degree", type=click.IntRange(1, 256), multiple=True, default=(16,), show_default=True,
               help="Sharing degree of the microbenchmarks (repeatable: --degree 1 --degree 32).")
 @click.option("--model", default=None, help="Built-in model name or local HF folder (default: the built-in model).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="float32", show_default=True,
+@click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="float32", show_default=True,
               help="float32 is faster on CPUs without AVX512-BF16.")
 @click.option("--token-budget", type=click.IntRange(min=16), default=4096, show_default=True,
               help="Tokens per torch-engine forward batch.")
@@ -35,7 +36,7 @@ from batchscore.bench.suite import ENGINES, SCALES
 @click.option("--write-parquet", "parquet", type=click.Path(), default=None,
               help="Write the workload's prompts as Parquet input (row_id, token_ids list<int32>) and exit; "
                    "with several workloads PATH is a folder of <workload>.parquet files.")
-def bench(workloads, engines, scale, degree, model, dtype, token_budget, device, seed, out, parquet) -> None:
+def workloads(names, engines, scale, degree, model, dtype, token_budget, device, seed, out, parquet) -> None:
     """Benchmark batchscore against plain forward and vLLM on the papers' workloads.
 
     WORKLOAD is one or more of: micro-2000-200, micro-2000-1000, micro-1000-1000, industry,
@@ -54,7 +55,7 @@ def bench(workloads, engines, scale, degree, model, dtype, token_budget, device,
     from batchscore.bench.suite import BenchOptions, expand_names, make_workload, run_suite, write_parquet
 
     try:
-        names = expand_names(workloads)
+        names = expand_names(names)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="WORKLOAD") from exc
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
@@ -97,7 +98,7 @@ def _degrees(name: str, degrees: tuple[int, ...]) -> tuple[int, ...]:
     return degrees if name.startswith("micro-") else degrees[:1]
 
 
-__all__ = ["bench"]
+__all__ = ["workloads"]
 
 if __name__ == "__main__":
-    bench(sys.argv[1:])
+    workloads()

@@ -7,7 +7,7 @@ Two parts, one process, one GPU:
    (no sharing, sdpa attention, last-position logits only) and by batchscore's torch engine
    (prefix once per group, cascade attention). Reports requests/s, speedup, the ideal speedup
    (logical / processed tokens), max |ΔP| between the two, and model FLOPs utilization (MFU):
-   FLOPs the engine actually computed (`flops.forward_flops`: linear layers on processed tokens,
+   FLOPs the engine actually computed (`engines.shape.forward_flops`: linear layers on processed tokens,
    attention on the query-key pairs it attended, LM head on last positions) per second over the GPU's bf16 peak
    (the datasheet's dense figure and a matmul measured in the same run).
 2. Maximum input length (`--mil-lengths`): one prompt of N tokens on the first model with and
@@ -18,14 +18,13 @@ Two parts, one process, one GPU:
 Weights are random (`from_config`), so scores are meaningless but shapes, FLOPs and memory are
 the real model's. Example (on a GPU machine):
 
-    python -m batchscore.bench.gpu_bench --models llama-3.1-8b,qwen-2.5-7b --requests 128 \\
+    batchscore bench gpu --models llama-3.1-8b,qwen-2.5-7b --requests 128 \\
         --mil-lengths 8192,32768,131072 --json-out gpu.json
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -33,9 +32,9 @@ from functools import partial
 import click
 import numpy as np
 
-from batchscore.bench.flops import forward_flops
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from batchscore.bench.common import int_list
+from batchscore.bench.results import Throughput
+from batchscore.engines.shape import DTYPE_BYTES, forward_flops
 
 GIB = 2**30
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM parts
@@ -102,32 +101,41 @@ def _sync(device: str) -> None:
 
 
 @dataclass
-class ThroughputResult:
+class ModelThroughput:
+    """Plain forward vs the engine on one model shape and workload."""
+
     model: str
-    requests: int
     prefix: int
     distinct: int
     degree: int
-    plain_req_s: float
-    engine_req_s: float
-    speedup: float
-    ideal_speedup: float
-    fraction_of_ideal: float
-    logical_tokens: int
-    processed_tokens: int
-    engine_tflops: float
-    plain_tflops: float
-    max_abs_dp: float
+    plain: Throughput
+    engine: Throughput
+
+    @property
+    def speedup(self) -> float:
+        return self.engine.speedup_over(self.plain)
+
+    def to_dict(self) -> dict:
+        """The `--json-out` record of this model."""
+        return {
+            "model": self.model, "requests": self.engine.requests, "prefix": self.prefix,
+            "distinct": self.distinct, "degree": self.degree, "plain_req_s": self.plain.requests_per_s,
+            "engine_req_s": self.engine.requests_per_s, "speedup": self.speedup,
+            "ideal_speedup": self.engine.ideal_speedup, "fraction_of_ideal": self.speedup / self.engine.ideal_speedup,
+            "logical_tokens": self.engine.logical_tokens, "processed_tokens": self.engine.processed_tokens,
+            "engine_tflops": self.engine.tflops_per_s, "plain_tflops": self.plain.tflops_per_s,
+            "max_abs_dp": self.engine.max_abs_dp(self.plain),
+        }
 
 
 def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: int, distinct: int, degree: int,
-               token_budget: int, plain_batch: int) -> ThroughputResult:
+               token_budget: int, plain_batch: int) -> ModelThroughput:
     """Plain forward of every full prompt vs the engine, same weights (attention switched per side)."""
-    from batchscore.bench.engine_bench import make_groups, score_plain, score_shared
+    from batchscore.bench.scoring import engine_probs, make_groups, plain_probs
     from batchscore.engines.cascade_attention import register_cascade_attention
-    from batchscore.engines.torch_engine import DTYPES, TorchEngine
+    from batchscore.engines.torch_engine import TorchEngine, torch_dtype
 
-    model = build_model(name, DTYPES[dtype_name], device)
+    model = build_model(name, torch_dtype(dtype_name), device)
     vocab = model.config.vocab_size
     labels = [11, 17]
     groups = make_groups(requests, prefix, distinct, degree, vocab, seed=0)
@@ -137,38 +145,24 @@ def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: i
     def plain_side(batch):
         model.set_attn_implementation("sdpa")
         try:
-            return {row: p for g in batch for row, p in score_plain(model, g, labels, plain_batch).items()}
+            return plain_probs(model, batch, labels, plain_batch)
         finally:
             model.set_attn_implementation(register_cascade_attention())
 
-    def engine_side(batch):
-        return {row: p for g in batch for row, p in score_shared(engine, g, labels).items()}
-
-    timings, probs = {}, {}
-    for side, run in (("plain", plain_side), ("engine", engine_side)):
-        run(warmup)
-        _sync(device)
-        start = time.perf_counter()
-        probs[side] = run(groups)
-        _sync(device)
-        timings[side] = time.perf_counter() - start
-        click.echo(f"  {name} {side}: {requests / timings[side]:.2f} req/s ({timings[side]:.2f} s)")
     logical = sum(g.logical_tokens for g in groups)
-    processed = sum(g.processed_tokens for g in groups)
-    engine_flops = forward_flops(model.config.to_dict(), groups, shared=True)
-    plain_flops = forward_flops(model.config.to_dict(), groups, shared=False)
-    max_dp = max(float(np.abs(probs["engine"][row] - probs["plain"][row]).max()) for row in probs["plain"])
-    speedup = timings["plain"] / timings["engine"]
-    result = ThroughputResult(
-        model=name, requests=requests, prefix=prefix, distinct=distinct, degree=degree,
-        plain_req_s=requests / timings["plain"], engine_req_s=requests / timings["engine"], speedup=speedup,
-        ideal_speedup=logical / processed, fraction_of_ideal=speedup / (logical / processed),
-        logical_tokens=logical, processed_tokens=processed,
-        engine_tflops=engine_flops / timings["engine"] / 1e12, plain_tflops=plain_flops / timings["plain"] / 1e12,
-        max_abs_dp=max_dp,
-    )
+    sides = {
+        "plain": (Throughput("plain", logical_tokens=logical, processed_tokens=logical,
+                             flops=forward_flops(model.config, groups, shared=False)), plain_side),
+        "engine": (Throughput("engine", logical_tokens=logical, processed_tokens=sum(g.processed_tokens for g in groups),
+                              flops=forward_flops(model.config, groups, shared=True)),
+                   lambda batch: engine_probs(engine, batch, labels)),
+    }
+    for side, (result, run) in sides.items():
+        run(warmup)
+        result.time(lambda: run(groups), sync=partial(_sync, device))
+        click.echo(f"  {name} {side}: {result.requests_per_s:.2f} req/s ({result.seconds:.2f} s)")
     engine.close()
-    return result
+    return ModelThroughput(name, prefix, distinct, degree, plain=sides["plain"][0], engine=sides["engine"][0])
 
 
 @dataclass
@@ -185,10 +179,11 @@ def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybr
     import torch
 
     from batchscore.bench.mil_bench import longest_fitting
-    from batchscore.engines.torch_engine import DTYPES, TorchEngine
-    from batchscore.plan.types import GroupMember, PrefixGroup
+    from batchscore.bench.scoring import plain_group
+    from batchscore.engines.torch_engine import TorchEngine, torch_dtype
+    from batchscore.plan.types import Request
 
-    model = build_model(name, DTYPES[dtype_name], device)
+    model = build_model(name, torch_dtype(dtype_name), device)
     vocab = model.config.vocab_size
     engines = {"plain": TorchEngine(model, token_budget=max(lengths), device=device),
                "hybrid": TorchEngine(model, token_budget=max(lengths), device=device, hybrid_chunk=hybrid_chunk)}
@@ -200,7 +195,7 @@ def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybr
             return points[mode][tokens]
         engine = engines[mode]
         engine.token_budget = max(tokens, 64)
-        group = PrefixGroup(np.zeros(0, np.int32), [GroupMember(0, rng.integers(0, vocab, tokens, dtype=np.int32))])
+        group = plain_group([Request(0, rng.integers(0, vocab, tokens, dtype=np.int32))])
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -248,12 +243,12 @@ def check_attention(device: str, dtype_name: str) -> float:
     import torch
 
     from batchscore.engines.cascade_attention import attention_with_lse, attention_with_lse_math
-    from batchscore.engines.torch_engine import DTYPES
+    from batchscore.engines.torch_engine import torch_dtype
 
     generator = torch.Generator(device="cpu").manual_seed(0)
     worst = 0.0
     for causal, (rows, keys) in ((True, (300, 300)), (False, (70, 500))):
-        q, k, v = (torch.randn(2, h, n, 128, generator=generator).to(device, DTYPES[dtype_name])
+        q, k, v = (torch.randn(2, h, n, 128, generator=generator).to(device, torch_dtype(dtype_name))
                    for h, n in ((8, rows), (2, keys), (2, keys)))
         out, lse = attention_with_lse(q, k, v, causal, 128**-0.5)
         ref_out, ref_lse = attention_with_lse_math(q, k, v, causal, 128**-0.5)
@@ -273,7 +268,7 @@ def gpu_name(device: str) -> str:
 @click.option("--models", default="llama-3.1-8b,qwen-2.5-7b", show_default=True,
               help=f"Comma-separated model shapes: {', '.join(CONFIGS)}.")
 @click.option("--device", default="cuda", show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="bfloat16", show_default=True)
 @click.option("--requests", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--prefix", type=click.IntRange(min=1), default=2000, show_default=True)
 @click.option("--distinct", type=click.IntRange(min=1), default=200, show_default=True)
@@ -281,14 +276,20 @@ def gpu_name(device: str) -> str:
 @click.option("--token-budget", type=click.IntRange(min=16), default=16384, show_default=True)
 @click.option("--plain-batch", type=click.IntRange(min=1), default=16, show_default=True,
               help="Full prompts per plain forward.")
-@click.option("--mil-lengths", default="", help="Comma-separated prompt lengths for the MIL part (empty: skip).")
+@click.option("--mil-lengths", default="", callback=int_list,
+              help="Comma-separated prompt lengths for the MIL part (empty: skip).")
 @click.option("--hybrid-chunk", type=click.IntRange(min=16), default=2048, show_default=True)
 @click.option("--budget-gib", type=float, default=None, help="Activation budget for the MIL search.")
 @click.option("--resolution", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, mil_lengths,
         hybrid_chunk, budget_gib, resolution, json_out) -> None:
-    """Torch engine vs plain forward on random-weight 7–8B models (MFU), and MIL with/without hybrid."""
+    """Torch engine vs plain forward on random-weight 7–8B models (MFU), and MIL with/without hybrid.
+
+    Example (on a GPU machine):
+
+        batchscore bench gpu --models llama-3.1-8b,qwen-2.5-7b --requests 128 --mil-lengths 8192,32768,131072
+    """
     import torch
 
     names = [n for n in models.split(",") if n]
@@ -303,18 +304,17 @@ def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget,
     click.echo("| model | plain req/s | engine req/s | speedup | ideal | fraction of ideal | engine TFLOP/s | "
                "MFU (datasheet) | MFU (measured matmul) | plain TFLOP/s | max abs dP |")
     click.echo("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        mfu_d = f"{r.engine_tflops / datasheet:.1%}" if datasheet else "-"
-        mfu_m = f"{r.engine_tflops / measured:.1%}" if measured else "-"
-        click.echo(f"| {r.model} | {r.plain_req_s:.2f} | {r.engine_req_s:.2f} | {r.speedup:.2f}x | {r.ideal_speedup:.2f}x "
-                   f"| {r.fraction_of_ideal:.2f} | {r.engine_tflops:.0f} | {mfu_d} | {mfu_m} | {r.plain_tflops:.0f} "
-                   f"| {r.max_abs_dp:.1e} |")
+    for r in (result.to_dict() for result in results):
+        mfu_d = f"{r['engine_tflops'] / datasheet:.1%}" if datasheet else "-"
+        mfu_m = f"{r['engine_tflops'] / measured:.1%}" if measured else "-"
+        click.echo(f"| {r['model']} | {r['plain_req_s']:.2f} | {r['engine_req_s']:.2f} | {r['speedup']:.2f}x "
+                   f"| {r['ideal_speedup']:.2f}x | {r['fraction_of_ideal']:.2f} | {r['engine_tflops']:.0f} | {mfu_d} "
+                   f"| {mfu_m} | {r['plain_tflops']:.0f} | {r['max_abs_dp']:.1e} |")
     mil = None
     if mil_lengths:
-        lengths = sorted({int(n) for n in mil_lengths.split(",")})
-        mil = mil_points(names[0], device, dtype, lengths, hybrid_chunk, budget_gib, resolution)
+        mil = mil_points(names[0], device, dtype, mil_lengths, hybrid_chunk, budget_gib, resolution)
         ratio = mil["activation_ratio_at_longest"]
-        click.echo(f"MIL {mil['model']}: activation ratio plain/hybrid at N={lengths[-1]}: "
+        click.echo(f"MIL {mil['model']}: activation ratio plain/hybrid at N={mil_lengths[-1]}: "
                    f"{ratio:.2f}x" if ratio else "MIL: no ratio (out of memory)")
         click.echo(f"  longest prompt within {mil['budget_bytes'] / GIB:.2f} GiB of activations: "
                    f"plain {mil['mil']['plain']}, hybrid {mil['mil']['hybrid']}")
@@ -322,7 +322,7 @@ def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget,
         with open(json_out, "w") as out:
             json.dump({"device": name_of_gpu, "torch": torch.__version__, "dtype": dtype,
                        "measured_bf16_tflops": measured, "datasheet_bf16_tflops": datasheet,
-                       "throughput": [asdict(r) for r in results], "mil": mil}, out, indent=2)
+                       "throughput": [r.to_dict() for r in results], "mil": mil}, out, indent=2)
 
 
 if __name__ == "__main__":

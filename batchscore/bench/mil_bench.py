@@ -17,37 +17,24 @@ On a GPU, `batchscore bench gpu --mil-lengths ...` (gpu_bench.py) measures the s
 Llama-shaped model with random weights, with `torch.cuda.max_memory_allocated`.
 
 Example:
-    python -m batchscore.bench.mil_bench --lengths 1024,2048,4096,8192 --hybrid-chunk 512
+    batchscore bench mil --lengths 1024,2048,4096,8192 --hybrid-chunk 512
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable
 
 import click
 
+from batchscore.bench.common import in_fresh_process, nonempty_int_list
+from batchscore.bench.peak_memory import Measurement, process_memory, reset_peak_memory
+from batchscore.bench.results import Throughput
+from batchscore.engines.shape import DTYPE_BYTES
+
 MIB = 2**20
 MODES = ("plain", "hybrid", "chunked-prefill")
-
-
-@dataclass
-class Measurement:
-    """One fresh-process measurement (bytes)."""
-
-    mode: str
-    tokens: int
-    baseline_rss: int
-    peak_rss: int
-    estimated: int  # the engine's memory estimate for this prompt
-
-    @property
-    def activation(self) -> int:
-        return self.peak_rss - self.baseline_rss
 
 
 def measure_here(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: int, token_budget: int) -> dict:
@@ -57,10 +44,10 @@ def measure_here(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: i
     """
     import numpy as np
 
-    from batchscore.bench.peak_memory import process_memory, reset_peak_memory
+    from batchscore.bench.scoring import plain_group
     from batchscore.engines.torch_engine import TorchEngine
     from batchscore.models import resolve_model
-    from batchscore.plan.types import GroupMember, PrefixGroup
+    from batchscore.plan.types import PrefixGroup, Request
 
     budget = {"plain": max(tokens, 64), "hybrid": max(tokens, 64), "chunked-prefill": token_budget}[mode]
     engine = TorchEngine.from_pretrained(resolve_model(model), dtype=dtype, token_budget=budget,
@@ -69,7 +56,7 @@ def measure_here(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: i
     rng = np.random.default_rng(tokens)
 
     def group(n: int) -> PrefixGroup:
-        return PrefixGroup(np.zeros(0, np.int32), [GroupMember(0, rng.integers(0, vocab, n, dtype=np.int32))])
+        return plain_group([Request(0, rng.integers(0, vocab, n, dtype=np.int32))])
 
     list(engine.score([group(64)], [0, 1]))  # warm-up: kernels, thread pools
     prompt = group(tokens)
@@ -82,14 +69,8 @@ def measure_here(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: i
 
 def measure(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: int, token_budget: int) -> Measurement:
     """`measure_here` in a fresh Python process (so earlier peaks and caches do not count)."""
-    code = ("import json, sys; from batchscore.bench.mil_bench import measure_here; "
-            "print(json.dumps(measure_here(*json.loads(sys.argv[1]))))")
-    args = json.dumps([model, mode, tokens, dtype, hybrid_chunk, token_budget])
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", code, args], capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise click.ClickException(f"measurement {mode} N={tokens} failed:\n{done.stderr[-2000:]}")
-    return Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
+    return Measurement(**in_fresh_process("batchscore.bench.mil_bench", "measure_here", model, mode, tokens, dtype,
+                                          hybrid_chunk, token_budget, what=f"measurement {mode} N={tokens}"))
 
 
 def longest_fitting(fits: Callable[[int], bool], lengths: list[int], resolution: int) -> int:
@@ -110,42 +91,36 @@ def longest_fitting(fits: Callable[[int], bool], lengths: list[int], resolution:
 
 def throughput(
     model: str, dtype: str, hybrid_chunk: int, requests: int, token_budget: int = 4096
-) -> dict[str, dict[str, float]]:
-    """Requests/s of the engine with hybrid prefilling off and on, same weights, same process, on the
-    bench-engine workload (prefix 1000, distinct 100, degree 16), alternating group by group.
+) -> dict[str, Throughput]:
+    """The engine with hybrid prefilling off and on, same weights, same process, on the bench-engine
+    workload (prefix 1000, distinct 100, degree 16), alternating group by group.
 
-    Returns {"wall": {"off": r/s, "on": r/s}, "cpu": {...}}: per wall-clock second and per second
-    of this process's CPU time (the latter is steadier on a machine shared with other jobs).
+    Returns {"off": Throughput, "on": Throughput}, each with wall and CPU seconds (the latter is
+    steadier on a machine shared with other jobs).
     """
-    import time
-
-    from batchscore.bench.engine_bench import load, make_groups
+    from batchscore.bench.scoring import engine_probs, load_model, make_groups
     from batchscore.engines.torch_engine import TorchEngine
     from batchscore.models import resolve_model
 
-    weights = load(resolve_model(model), dtype)
+    weights = load_model(resolve_model(model), dtype)
+    vocab = weights.config.vocab_size
     engines = {"off": TorchEngine(weights, token_budget=token_budget),
                "on": TorchEngine(weights, token_budget=token_budget, hybrid_chunk=hybrid_chunk)}
-    groups = make_groups(requests, 1000, 100, 16, weights.config.vocab_size, seed=0)
-    seconds = {"off": 0.0, "on": 0.0}
-    cpu_seconds = {"off": 0.0, "on": 0.0}
-    for name, engine in engines.items():  # warm-up
-        list(engine.score(make_groups(2, 64, 16, 2, weights.config.vocab_size, seed=2), [0, 1]))
+    groups = make_groups(requests, 1000, 100, 16, vocab, seed=0)
+    results = {name: Throughput(f"hybrid {name}") for name in engines}
+    for engine in engines.values():  # warm-up
+        engine_probs(engine, make_groups(2, 64, 16, 2, vocab, seed=2), [0, 1])
     for index, group in enumerate(groups):
         for name in ("off", "on") if index % 2 == 0 else ("on", "off"):
-            start, cpu_start = time.perf_counter(), time.process_time()
-            list(engines[name].score([group], [0, 1]))
-            seconds[name] += time.perf_counter() - start
-            cpu_seconds[name] += time.process_time() - cpu_start
-    served = sum(len(g.members) for g in groups)
-    return {"wall": {k: served / v for k, v in seconds.items()}, "cpu": {k: served / v for k, v in cpu_seconds.items()}}
+            results[name].time(lambda: engine_probs(engines[name], [group], [0, 1]))
+    return results
 
 
 @click.command("mil")
 @click.option("--model", default="smollm2-135m-instruct", show_default=True,
               help="Built-in model name or local HF folder.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--lengths", default="1024,2048,4096,8192", show_default=True,
+@click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="float32", show_default=True)
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, callback=nonempty_int_list,
               help="Comma-separated prompt lengths to measure (at most the model's context).")
 @click.option("--hybrid-chunk", type=click.IntRange(min=1), default=512, show_default=True,
               help="Rows per chunk of the non-attention work (engine.hybrid_chunk).")
@@ -179,7 +154,7 @@ def mil(model, dtype, lengths, hybrid_chunk, budget_mib, resolution, chunked_pre
     if engine == "vllm" and (chunked_prefill or throughput_requests):
         raise click.BadParameter("--chunked-prefill and --throughput-requests are torch-engine options",
                                  param_hint="--engine")
-    grid = sorted({int(n) for n in lengths.split(",")})
+    grid = lengths
     probe = None
     if engine == "vllm":
         from batchscore.bench.vllm_mil import VllmMemoryProbe
@@ -199,10 +174,12 @@ def mil(model, dtype, lengths, hybrid_chunk, budget_mib, resolution, chunked_pre
 def _mil(model, dtype, grid, hybrid_chunk, budget_mib, resolution, chunked_prefill, token_budget, probe, json_out,
          throughput_requests) -> None:
     if throughput_requests:
-        rates = throughput(model, dtype, hybrid_chunk, throughput_requests)
-        for clock, rate in rates.items():
+        sides = throughput(model, dtype, hybrid_chunk, throughput_requests)
+        off, on = sides["off"], sides["on"]
+        for clock, rate in (("wall", "requests_per_s"), ("cpu", "requests_per_cpu_s")):
             click.echo(f"throughput ({clock} time), {throughput_requests} requests, interleaved: hybrid off "
-                       f"{rate['off']:.3f} req/s, on {rate['on']:.3f} req/s ({(rate['on'] / rate['off'] - 1) * 100:+.1f}%)")
+                       f"{getattr(off, rate):.3f} req/s, on {getattr(on, rate):.3f} req/s "
+                       f"({(on.speedup_over(off, clock) - 1) * 100:+.1f}%)")
     modes = ["plain", "hybrid"] + (["chunked-prefill"] if chunked_prefill else [])
     known: dict[str, dict[int, Measurement]] = {m: {} for m in modes}
 
@@ -211,8 +188,7 @@ def _mil(model, dtype, grid, hybrid_chunk, budget_mib, resolution, chunked_prefi
             if probe is None:
                 result = measure(model, mode, n, dtype, hybrid_chunk, token_budget)
             else:
-                point = probe.measure(mode, n)
-                result = Measurement(mode, n, point.baseline_rss, point.peak_rss, estimated=0)
+                result = probe.measure(mode, n)
             click.echo(f"  {mode:<16} N={n:>6}: peak {result.peak_rss / MIB:8.1f} MiB, activation "
                        f"{result.activation / MIB:7.1f} MiB" +
                        (f" (estimate {result.estimated / MIB:7.1f} MiB)" if probe is None else ""))

@@ -1,10 +1,28 @@
-"""This process's resident memory and its peak (Linux /proc), for the memory benchmarks.
+"""This process's resident memory and its peak (Linux /proc), for the memory benchmarks, and the
+`Measurement` they record.
 
-Also run inside vLLM's engine process (sent with `LLM.collective_rpc`, which passes the worker
-as the first argument: hence the unused `worker` parameters).
+The functions also run inside vLLM's engine process (sent with `LLM.collective_rpc`, which passes
+the worker as the first argument: hence the unused `worker` parameters).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Measurement:
+    """The peak resident memory around scoring one prompt (bytes)."""
+
+    mode: str  # plain | hybrid | chunked-prefill
+    tokens: int
+    baseline_rss: int  # before the pass
+    peak_rss: int  # during it
+    estimated: int = 0  # the torch engine's memory estimate for this prompt (0: none)
+
+    @property
+    def activation(self) -> int:
+        return self.peak_rss - self.baseline_rss
 
 
 def process_memory(worker=None) -> dict[str, int]:

@@ -1,6 +1,6 @@
-"""Placement benchmark: prefix groups over W workers against round-robin request dealing.
+"""`batchscore bench placement`: prefix groups over W workers against round-robin request dealing.
 
-    python -m batchscore.bench.placement_bench [--workers 2 8 64]
+    batchscore bench placement [--workers 2,8,64]
 
 For each workload (the industry-like batch, the BatchLLM microbenchmark 2000/200 with sharing
 degree 16 at 512 and 4096 requests) it plans once on one worker, then places the plan's groups
@@ -11,13 +11,15 @@ target is marked and explained under the table, never hidden.
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 
-from batchscore.bench.workloads import WORKLOADS
+import click
+
+from batchscore.bench.common import nonempty_int_list
 from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
 from batchscore.plan.placement import place_groups, round_robin_requests
+from batchscore.synthetic import WORKLOADS
 
 MAX_IMBALANCE = 1.05
 MAX_EXTRA = 0.02
@@ -109,19 +111,25 @@ def explain(rows: list[Row]) -> list[str]:
     return notes
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Placement balance and token cost benchmark.")
-    parser.add_argument("--workers", type=int, nargs="+", default=[2, 8, 64])
-    args = parser.parse_args(argv)
-    rows = run(args.workers)
-    print(f"targets: imbalance <= {MAX_IMBALANCE}, total processed tokens within "
-          f"{MAX_EXTRA:.0%} of the single-worker plan\n")
-    print(markdown(rows))
+@click.command("placement")
+@click.option("--workers", default="2,8,64", show_default=True, callback=nonempty_int_list,
+              help="Comma-separated worker counts W to place each plan on.")
+def placement(workers: list[int]) -> None:
+    """Placement balance and token cost: prefix groups on W workers vs round-robin requests.
+
+    Example:
+
+        batchscore bench placement --workers 2,8,64
+    """
+    rows = run(workers)
+    click.echo(f"targets: imbalance <= {MAX_IMBALANCE}, total processed tokens within "
+               f"{MAX_EXTRA:.0%} of the single-worker plan\n")
+    click.echo(markdown(rows))
     notes = explain(rows)
     if notes:
-        print("\nmissed targets:")
-        print("\n".join(notes))
+        click.echo("\nmissed targets:")
+        click.echo("\n".join(notes))
 
 
 if __name__ == "__main__":
-    main()
+    placement()

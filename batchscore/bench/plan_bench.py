@@ -1,6 +1,6 @@
-"""Planner benchmark: planning time on the industry workload and its growth at 10x the size.
+"""`batchscore bench plan`: planning time on the industry workload and its growth at 10x the size.
 
-    python -m batchscore.bench.plan_bench [--requests 8000] [--scale 10] [--runs 3]
+    batchscore bench plan [--requests 8000] [--scale 10] [--runs 3]
 
 Prints the saving ratios of the paper workloads, then the planning time (tree + DP +
 grouping + ordering, validation excluded) for N and scale*N requests and the growth ratio.
@@ -15,14 +15,13 @@ CPU time is printed beside wall time because a shared machine inflates wall time
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
-import sys
 from dataclasses import dataclass
 
-from batchscore.bench.workloads import WORKLOADS, industry
+import click
+
+from batchscore.bench.common import in_fresh_process
 from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
+from batchscore.synthetic import WORKLOADS, industry
 
 
 @dataclass
@@ -48,12 +47,8 @@ def time_in_fresh_processes(sizes: list[int], runs: int, block_size: int) -> dic
     best = {n: Timing(float("inf"), float("inf"), 0.0) for n in sizes}
     for _ in range(runs):
         for n in sizes:
-            out = subprocess.run(
-                [sys.executable, "-m", "batchscore.bench.plan_bench", "--one", str(n),
-                 "--block-size", str(block_size)],
-                check=True, capture_output=True, text=True,
-            ).stdout
-            stats = json.loads(out.strip().splitlines()[-1])
+            stats = in_fresh_process("batchscore.bench.plan_bench", "plan_once", n, block_size,
+                                     what=f"planning {n} requests")
             best[n] = Timing(
                 min(best[n].plan_seconds, stats["plan_seconds"]),
                 min(best[n].plan_cpu_seconds, stats["plan_cpu_seconds"]),
@@ -64,48 +59,49 @@ def time_in_fresh_processes(sizes: list[int], runs: int, block_size: int) -> dic
 
 def print_savings(block_size: int) -> None:
     """Saving ratios (BatchLLM Eq. 1) of the named workloads at their default sizes."""
-    print("== saving ratios (BatchLLM Eq. 1) ==")
+    click.echo("== saving ratios (BatchLLM Eq. 1) ==")
     for name in ("table3_a", "table3_b", "microbench", "industry"):
         requests = requests_from_token_lists(WORKLOADS[name]())
         stats = build_plan(requests, PlanOptions(block_size=block_size)).stats
-        print(
+        click.echo(
             f"{name:<11} saving {stats.saving_ratio:6.1%}"
             f"  first-level {stats.first_level_saving_ratio:6.1%}"
             f"  multi-level bound {stats.multilevel_saving_ratio:6.1%}  groups {stats.num_groups}"
         )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Planner speed and saving benchmark.")
-    parser.add_argument("--requests", type=int, default=8000)
-    parser.add_argument("--scale", type=int, default=10)
-    parser.add_argument("--runs", type=int, default=3, help="fresh processes per size")
-    parser.add_argument("--block-size", type=int, default=1)
-    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: plan once, print JSON
-    args = parser.parse_args(argv)
-    if args.one:
-        print(json.dumps(plan_once(args.one, args.block_size)))
-        return
+@click.command("plan")
+@click.option("--requests", type=click.IntRange(min=1), default=8000, show_default=True)
+@click.option("--scale", type=click.IntRange(min=1), default=10, show_default=True,
+              help="The larger batch is this many times --requests.")
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True, help="Fresh processes per size.")
+@click.option("--block-size", type=click.IntRange(min=1), default=1, show_default=True)
+def plan(requests: int, scale: int, runs: int, block_size: int) -> None:
+    """Planner speed and saving ratios: the paper workloads, then N and scale*N industry requests.
 
-    print_savings(args.block_size)
-    print("== planning time, industry workload, one build_plan per fresh process ==")
-    small, large = args.requests, args.requests * args.scale
-    timings = time_in_fresh_processes([small, large], args.runs, args.block_size)
+    Example:
+
+        batchscore bench plan --requests 8000 --scale 10 --runs 3
+    """
+    print_savings(block_size)
+    click.echo("== planning time, industry workload, one build_plan per fresh process ==")
+    small, large = requests, requests * scale
+    timings = time_in_fresh_processes([small, large], runs, block_size)
     for n, t in timings.items():
-        print(
+        click.echo(
             f"{n:>7} requests ({t.tokens_per_request:,.0f} tokens avg, sharing degree ~3): "
             f"plan {t.plan_seconds:.3f} s wall, {t.plan_cpu_seconds:.3f} s CPU"
         )
     wall_ratio = timings[large].plan_seconds / timings[small].plan_seconds
     cpu_ratio = timings[large].plan_cpu_seconds / timings[small].plan_cpu_seconds
-    limit = 1.2 * args.scale
-    print(f"growth for {args.scale}x requests: {wall_ratio:.1f}x wall, {cpu_ratio:.1f}x CPU"
-          f" (target <= {limit:.0f}x)")
+    limit = 1.2 * scale
+    click.echo(f"growth for {scale}x requests: {wall_ratio:.1f}x wall, {cpu_ratio:.1f}x CPU"
+               f" (target <= {limit:.0f}x)")
     met = timings[small].plan_seconds <= 0.5
-    print(f"target {small} requests <= 0.5 s: {'MET' if met else 'MISSED'}")
+    click.echo(f"target {small} requests <= 0.5 s: {'MET' if met else 'MISSED'}")
     met = cpu_ratio <= limit or wall_ratio <= limit
-    print(f"target {args.scale}x requests <= {limit:.0f}x time: {'MET' if met else 'MISSED'}")
+    click.echo(f"target {scale}x requests <= {limit:.0f}x time: {'MET' if met else 'MISSED'}")
 
 
 if __name__ == "__main__":
-    main()
+    plan()

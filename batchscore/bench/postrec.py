@@ -6,14 +6,15 @@ history is the shared prefix of the user's group. `history_scale` shrinks the hi
 so the longest prompt fits `max_context` (SmolLM2-135M: 8192) and CPU time; lengths are drawn
 from a normal distribution and clipped to [1, max_context - post_len].
 
-Pure numpy, seeded; returns list[np.ndarray] of int32 token ids like `workloads.py`.
+Pure numpy, seeded; returns list[np.ndarray] of int32 token ids, like the generators in
+`batchscore.synthetic`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from batchscore.bench.workloads import DEFAULT_VOCAB, grouped_prompts, shuffled
+from batchscore.synthetic import DEFAULT_VOCAB, grouped_prompts, shuffled
 
 
 def postrec(

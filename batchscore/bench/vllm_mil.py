@@ -13,23 +13,14 @@ activation peak is that peak minus the RSS before the pass. The longest prompt u
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
+from batchscore.bench.peak_memory import Measurement, process_memory, reset_peak_memory
+from batchscore.bench.scoring import plain_group
+from batchscore.plan.types import Request
+
 MIB = 2**20
-
-
-@dataclass
-class VllmMilPoint:
-    mode: str
-    tokens: int
-    baseline_rss: int
-    peak_rss: int
-
-    @property
-    def activation(self) -> int:
-        return self.peak_rss - self.baseline_rss
 
 
 class VllmMemoryProbe:
@@ -38,9 +29,7 @@ class VllmMemoryProbe:
     def __init__(self, model_dir, dtype: str, longest: int, hybrid_chunk: int, kv_space_gib: int) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
         from batchscore.engines.vllm_engine import VllmEngine
-        from batchscore.plan.types import GroupMember, PrefixGroup
 
-        self._group_type, self._member_type = PrefixGroup, GroupMember
         self._rng = np.random.default_rng(0)
         self._row = 0
         self.hybrid_chunk = hybrid_chunk
@@ -51,12 +40,10 @@ class VllmMemoryProbe:
 
     def _group(self, prompt: np.ndarray):
         self._row += 1
-        return self._group_type(np.zeros(0, np.int32), [self._member_type(self._row, prompt)])
+        return plain_group([Request(self._row, prompt)])
 
-    def measure(self, mode: str, tokens: int) -> VllmMilPoint:
-        """Peak RSS of vLLM's engine process around one `tokens`-token prompt in `mode`."""
-        from batchscore.bench.peak_memory import process_memory, reset_peak_memory
-
+    def measure(self, mode: str, tokens: int) -> Measurement:
+        """Peak RSS of vLLM's engine process around one `tokens`-token prompt in `mode` (no estimate)."""
         self.engine.set_hybrid_chunk(self.hybrid_chunk if mode == "hybrid" else None)
         self.engine.reset_prefix_cache()
         prompt = self._rng.integers(0, self.vocab, tokens, dtype=np.int32)
@@ -65,7 +52,7 @@ class VllmMemoryProbe:
         if result.error:
             raise RuntimeError(f"vLLM refused the {tokens}-token prompt: {result.error}")
         after = self.engine.llm.collective_rpc(process_memory)[0]
-        return VllmMilPoint(mode, tokens, before["rss"], after["hwm"])
+        return Measurement(mode, tokens, before["rss"], after["hwm"])
 
     def close(self) -> None:
         self.engine.close()

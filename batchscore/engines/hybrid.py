@@ -26,13 +26,10 @@ from typing import Iterator
 import torch
 
 from batchscore.engines.cascade_attention import CascadeBatch, CascadePart, attend_query_rows
+from batchscore.errors import HybridUnsupported
 
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-class HybridUnsupported(NotImplementedError):
-    """The model's decoder does not use the standard submodule names hybrid prefilling drives."""
 
 
 @dataclass

@@ -8,64 +8,17 @@ A torch-engine forward pass needs, beyond the weights:
     whole pass's projection/MLP temporaries (plain) or one chunk's (hybrid prefilling);
   - the LM head on the last position of each member (float32 logits and log-softmax).
 The estimates are deliberately simple and a little pessimistic (checked against peak RSS by
-`python -m batchscore.bench.mil_bench`); they need only the model config and the dtype.
+`batchscore bench mil`); they need only the model config and the dtype.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
+
+from batchscore.engines.shape import ModelShape
 
 FLOAT32_BYTES = 4
 WORKSPACE_BYTES = 16 * 2**20  # kernel workspaces and allocator slack of any pass (peak RSS at 512 tokens)
-
-
-class MemoryBudgetError(ValueError):
-    """One request needs more memory than `memory_budget` even when scored alone."""
-
-    def __init__(self, row_id: int, needed_bytes: int, budget_bytes: int) -> None:
-        self.row_id = row_id
-        self.needed_bytes = needed_bytes
-        self.budget_bytes = budget_bytes
-        super().__init__(
-            f"row {row_id}: needs about {needed_bytes / 2**20:.1f} MiB beyond the weights when scored alone, "
-            f"over engine.memory_budget {budget_bytes / 2**20:.1f} MiB ({budget_bytes} bytes); raise the "
-            "budget, set engine.hybrid_chunk, or shorten the prompt"
-        )
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes that set a decoder's memory use."""
-
-    num_layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    dtype_bytes: int
-
-    @classmethod
-    def from_config(cls, config, dtype_bytes: int) -> ModelShape:
-        heads = int(config.num_attention_heads)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(
-            num_layers=int(config.num_hidden_layers),
-            hidden=int(config.hidden_size),
-            intermediate=int(config.intermediate_size),
-            heads=heads,
-            kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
-            vocab=int(config.vocab_size),
-            dtype_bytes=dtype_bytes,
-        )
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token, all layers."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
 class MemoryEstimator:

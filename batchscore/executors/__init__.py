@@ -1,1 +1,2 @@
-"""Ways to run the engines: in this process (batchscore.scoring) or across Ray actors."""
+"""Ways to run an engine over a plan: in this process (`local`) or across Ray actors (`ray`);
+`sinks` is where both hand their results."""

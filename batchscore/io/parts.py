@@ -2,26 +2,31 @@
 
 Layout, for `output.path = out/scores.parquet`:
 
+    out/scores.parquet.lock              # held for the whole run (io/lock.py)
     out/scores.parquet.parts/
-        run.manifest.json            # job identity + which groups each part covers
-        run-part-000000.parquet      # row_id, label log-probs, label_mass, error of whole groups
-        shard-1-of-3.manifest.json   # a static shard writes its own manifest and parts
+        run.manifest.json                # run identity + which rows each part covers
+        run-input-errors.parquet         # row_id, error of rows refused before scoring
+        run-part-001-000000.parquet      # attempt 1, part 0: row_id, log-probs, label_mass, error
+        shard-1-of-3.manifest.json       # a static shard writes its own manifest and parts
         ...
+    out/scores.parquet.complete.json     # written after the output: a rerun is a no-op
 
-Every file is written under a temporary name and renamed when complete, and a manifest is
-rewritten (atomically) after each part, so a run killed at any moment leaves a consistent
-folder. The placement gives every worker a list of groups in plan order; a part covers a
-contiguous run of one worker's list, so resuming skips the groups its parts cover and the
-resume state is O(parts), never O(rows).
+Every file is written under a temporary name, fsynced and renamed when complete, and a manifest
+is rewritten (atomically) after each part, so a run killed at any moment leaves a consistent
+folder. The placement gives every worker a list of groups in plan order; a worker's members, in
+that order, are its *positions*, and a part covers a contiguous run of them — whole groups or
+any rows inside one — so a stop never waits for a group to end. Resuming skips the positions its
+parts cover (the state is O(parts), never O(rows)); each part is checked against the size and
+checksum recorded when it was written, and a damaged or missing part is scored again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,41 +34,49 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-MANIFEST_VERSION = 1
+from batchscore.errors import ResumeMismatch
+from batchscore.faults import fault_point
+from batchscore.io.atomic import atomic_write
+from batchscore.io.identity import describe_changes
 
+log = logging.getLogger("batchscore")
 
-class ResumeMismatch(RuntimeError):
-    """A staging folder exists but belongs to a different job configuration or input."""
+MANIFEST_VERSION = 3  # 3: parts cover row positions, carry checksums; identity by content
 
 
 @dataclass
 class PartRecord:
     file: str
-    group_start: int  # first group covered, as a position in its worker's list (inclusive)
-    group_end: int  # exclusive
-    rows: int
+    start: int  # first position covered in its worker's member order (inclusive)
+    end: int  # exclusive
     worker: int = 0
+    sha256: str = ""
+    size: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
 
 
 @dataclass
 class Manifest:
-    job_hash: str  # config + input fingerprint + model + engine
-    input_fingerprint: list[dict]
-    model: str
-    engine: str
+    job_hash: str  # identity + number of workers
+    identity: dict  # config, input, model, software, engine (io/identity.py)
     num_groups: int
     num_rows: int
-    worker_groups: dict[str, int] = field(default_factory=dict)  # worker -> groups it must score
+    worker_rows: dict[str, int] = field(default_factory=dict)  # worker -> members it must score
     parts: list[PartRecord] = field(default_factory=list)
+    input_errors_file: str | None = None  # rows refused before scoring (row_id, error)
+    attempt: int = 1  # incremented by each run that continues this manifest
     version: int = MANIFEST_VERSION
 
-    def groups_done(self, worker: int = 0) -> int:
-        """Groups of `worker`'s list covered by parts (a worker's parts are written in order)."""
-        return max((p.group_end for p in self.parts if p.worker == worker), default=0)
+    def rows_done(self, worker: int = 0) -> int:
+        """Positions of `worker`'s member order covered by parts (a worker's parts are contiguous)."""
+        return max((p.end for p in self.parts if p.worker == worker), default=0)
 
     @property
     def complete(self) -> bool:
-        return all(self.groups_done(int(w)) >= n for w, n in self.worker_groups.items())
+        return all(self.rows_done(int(w)) >= n for w, n in self.worker_rows.items())
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -75,25 +88,48 @@ class Manifest:
         return cls(**data)
 
 
-def input_fingerprint(files: list[Path]) -> list[dict]:
-    """Identity of the input files: path, size and modification time (cheap, no reading)."""
-    result = []
-    for path in files:
-        stat = Path(path).stat()
-        result.append({"file": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
-    return result
-
-
-def job_hash(config_dict: dict, fingerprint: list[dict], model: str, engine: str) -> str:
-    """A stable hash of everything that decides the scores and the plan."""
-    payload = json.dumps({"config": config_dict, "input": fingerprint, "model": model, "engine": engine},
-                         sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
 def staging_dir(output_path: str | os.PathLike) -> Path:
     output_path = Path(output_path)
     return output_path.with_name(output_path.name + ".parts")
+
+
+def marker_path(output_path: str | os.PathLike) -> Path:
+    output_path = Path(output_path)
+    return output_path.with_name(output_path.name + ".complete.json")
+
+
+def write_completion_marker(output_path: str | os.PathLike, output_hash: str, summary: dict) -> None:
+    """Record that `output_path` is the complete output of the job `output_hash` identifies."""
+    size = Path(output_path).stat().st_size
+    text = json.dumps({"output_hash": output_hash, "output_size": size, "summary": summary}, indent=2)
+    atomic_write(marker_path(output_path), lambda tmp: Path(tmp).write_text(text))
+
+
+def completed_summary(output_path: str | os.PathLike, output_hash: str) -> dict | None:
+    """The recorded summary when `output_path` is already this job's complete output, else None."""
+    marker = _read_marker(output_path)
+    return marker["summary"] if marker is not None and marker.get("output_hash") == output_hash else None
+
+
+def recorded_summary(output_path: str | os.PathLike) -> dict | None:
+    """The summary recorded by the run that wrote `output_path` (its completion marker), or None
+    when there is no marker or the output changed since (`batchscore report` reads it)."""
+    marker = _read_marker(output_path)
+    return marker["summary"] if marker is not None else None
+
+
+def _read_marker(output_path: str | os.PathLike) -> dict | None:
+    try:
+        marker = json.loads(marker_path(output_path).read_text())
+        if Path(output_path).stat().st_size == marker["output_size"] and isinstance(marker["summary"], dict):
+            return marker
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class PartStore:
@@ -114,41 +150,57 @@ class PartStore:
         if not self.manifest_path.exists():
             return None
         try:
-            return Manifest.from_json(self.manifest_path.read_text())
+            manifest = Manifest.from_json(self.manifest_path.read_text())
         except (ValueError, TypeError, KeyError):
             return None  # unreadable manifest: start over rather than trust it
+        if manifest.version != MANIFEST_VERSION:
+            log.warning("%s is from another batchscore version; starting over", self.manifest_path)
+            return None
+        return manifest
 
-    def start(self, manifest: Manifest, fresh: bool) -> Manifest:
+    def start(self, manifest: Manifest, fresh: bool, input_errors: dict[int, str] | None = None) -> Manifest:
         """Open the staging folder for `manifest`'s job; returns the manifest to continue.
 
-        Side effects: with `fresh`, deletes an existing staging folder; otherwise keeps a
-        matching one and raises ResumeMismatch for one that belongs to another job.
+        Side effects: with `fresh`, deletes this writer's files first; otherwise keeps a matching
+        manifest (parts checked: a damaged or missing one and the worker's later parts are dropped,
+        to be scored again) and raises ResumeMismatch, naming what changed, for one that belongs
+        to another job. A new manifest records `input_errors` (rows refused before scoring) in a
+        file of its own, so assembling the output never needs to tokenize the input again.
+        The caller holds the output's lock.
         """
         existing = None if fresh else self.load_manifest()
         if fresh:
             self._remove_own_files()
-        if existing is not None:
-            if existing.job_hash != manifest.job_hash:
-                raise ResumeMismatch(
-                    f"{self.folder} holds a partial run of a different job configuration or input "
-                    f"(manifest {existing.job_hash}, this job {manifest.job_hash}); rerun with --fresh "
-                    "to discard it and start over"
-                )
+        if existing is not None and existing.job_hash != manifest.job_hash:
+            changed = "; ".join(describe_changes(existing.identity, manifest.identity))
+            raise ResumeMismatch(
+                f"{self.folder} holds a partial run of this output made with a different job: changed "
+                f"since: {changed}. Rerun with --fresh to discard it and start over")
+        if existing is not None and self._input_errors_readable(existing):
+            self._drop_damaged_parts(existing)
             self._remove_strays(existing)
+            existing.attempt += 1
+            self.write_manifest(existing)
             return existing
-        self._remove_own_files()  # leftovers without a readable manifest
+        self._remove_own_files()  # leftovers without a usable manifest
         self.folder.mkdir(parents=True, exist_ok=True)
+        errors = input_errors or {}
+        manifest.input_errors_file = f"{self.name}-input-errors.parquet"
+        table = pa.table({"row_id": pa.array(list(errors), type=pa.int64()),
+                          "error": pa.array(list(errors.values()), type=pa.string())})
+        atomic_write(self.folder / manifest.input_errors_file, lambda tmp: pq.write_table(table, tmp))
         self.write_manifest(manifest)
         return manifest
 
     def write_part(self, manifest: Manifest, row_ids: np.ndarray, log_probs: np.ndarray,
-                   label_mass: np.ndarray, errors: dict[int, str], group_start: int, group_end: int,
+                   label_mass: np.ndarray, errors: dict[int, str], start: int, end: int,
                    worker: int = 0) -> None:
         """Write one part (atomically), then record it in the manifest (atomically).
 
-        row_ids: [R]; log_probs: [R, L]; label_mass: [R]; errors: row_id -> engine error message.
+        row_ids: [R]; log_probs: [R, L]; label_mass: [R]; errors: row_id -> engine error message;
+        [start, end): the positions of the worker's member order the part covers (R = end - start).
         """
-        name = f"{self.name}-part-{len(manifest.parts):06d}.parquet"
+        name = f"{self.name}-part-{manifest.attempt:03d}-{len(manifest.parts):06d}.parquet"
         table = pa.table({
             "row_id": pa.array(row_ids, type=pa.int64()),
             "log_probs": pa.FixedSizeListArray.from_arrays(
@@ -156,28 +208,44 @@ class PartStore:
             "label_mass": pa.array(label_mass, type=pa.float64()),
             "error": pa.array([errors.get(int(r)) for r in row_ids], type=pa.string()),
         })
-        _atomic_write(self.folder / name, lambda tmp: pq.write_table(table, tmp))
-        manifest.parts.append(PartRecord(name, group_start, group_end, len(row_ids), worker))
+        path = atomic_write(self.folder / name, lambda tmp: pq.write_table(table, tmp))
+        fault_point("part")
+        manifest.parts.append(PartRecord(name, start, end, worker, _digest(path), path.stat().st_size))
         self.write_manifest(manifest)
 
     def write_manifest(self, manifest: Manifest) -> None:
-        _atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
+        atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
 
     def read_results(self, manifests: list[Manifest], num_rows: int,
                      num_labels: int) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
         """Gather every part, reading each once: ([num_rows, L] log-probs, [num_rows] mass, NaN
-        where unscored) and the rows the engine could not score, with its message."""
+        where unscored) and the rows that were not scored (refused before scoring, or by the
+        engine), with the reason. Raises RuntimeError when any row has two results (parts that
+        overlap, or a part that scored a row refused before scoring): exactly once, or not at all."""
         log_probs = np.full((num_rows, num_labels), np.nan)
         mass = np.full(num_rows, np.nan)
         errors: dict[int, str] = {}
+        seen = np.zeros(num_rows, dtype=np.int64)
+        for name in {m.input_errors_file for m in manifests if m.input_errors_file}:
+            table = pq.read_table(self.folder / name)
+            rows = table.column("row_id").to_numpy()
+            np.add.at(seen, rows, 1)
+            errors.update(zip(rows.tolist(), table.column("error").to_pylist()))
         for part in (p for m in manifests for p in m.parts):
             table = pq.read_table(self.folder / part.file)
             rows = table.column("row_id").to_numpy()
+            if len(rows) != part.rows:
+                raise RuntimeError(f"{part.file} holds {len(rows)} rows, its manifest says {part.rows}")
+            np.add.at(seen, rows, 1)
             log_probs[rows] = np.asarray(table.column("log_probs").combine_chunks().flatten()).reshape(-1, num_labels)
             mass[rows] = table.column("label_mass").to_numpy()
             for row_id, message in zip(rows.tolist(), table.column("error").to_pylist()):
                 if message is not None:
                     errors[row_id] = message
+        twice = np.flatnonzero(seen > 1)
+        if twice.size:
+            raise RuntimeError(f"rows {twice[:5].tolist()} have more than one result in {self.folder}; "
+                               "refusing to write an output that could mix them (rerun with --fresh)")
         return log_probs, mass, errors
 
     def sibling_manifests(self, names: list[str]) -> list[Manifest | None]:
@@ -193,28 +261,42 @@ class PartStore:
             return []
         return [p for p in self.folder.iterdir()
                 if p.name.startswith(f"{self.name}-part-") or p.name.startswith(f".{self.name}")
+                or p.name == f"{self.name}-input-errors.parquet"
                 or p.name == self.manifest_path.name]
 
     def _remove_own_files(self) -> None:
         for path in self._own_files():
             path.unlink(missing_ok=True)
 
+    def _input_errors_readable(self, manifest: Manifest) -> bool:
+        try:
+            pq.read_table(self.folder / manifest.input_errors_file)
+            return True
+        except (OSError, TypeError, pa.ArrowException):
+            log.warning("%s: the input-errors file is damaged or missing; starting this output over", self.folder)
+            return False
+
+    def _drop_damaged_parts(self, manifest: Manifest) -> None:
+        """Keep each worker's parts up to its first damaged or missing one (later ones would leave
+        a gap: a worker's parts must be contiguous); the dropped positions are scored again."""
+        kept, broken = [], set()
+        for part in manifest.parts:
+            path = self.folder / part.file
+            ok = part.worker not in broken and path.is_file() and path.stat().st_size == part.size \
+                and _digest(path) == part.sha256
+            if ok:
+                kept.append(part)
+            else:
+                if part.worker not in broken:
+                    log.warning("%s: part %s is damaged or missing; rows %d.. of worker %d will be scored again",
+                                self.folder, part.file, part.start, part.worker)
+                broken.add(part.worker)
+        manifest.parts = kept
+
     def _remove_strays(self, manifest: Manifest) -> None:
         # Temporary files and parts written after the last manifest update are not trusted.
-        known = {p.file for p in manifest.parts} | {self.manifest_path.name}
+        known = {p.file for p in manifest.parts} | {self.manifest_path.name, manifest.input_errors_file}
         for path in self._own_files():
             if path.name not in known:
                 path.unlink()
 
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

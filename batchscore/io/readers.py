@@ -11,11 +11,9 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchscore.errors import InputError
+
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
-
-
-class InputError(ValueError):
-    """Input files that cannot be read at all (missing, empty, unreadable)."""
 
 
 @dataclass
@@ -64,13 +62,23 @@ def iter_batches(files: list[tuple[Path, str]], batch_rows: int) -> Iterator[Inp
             yield from _jsonl_batches(path, batch_rows)
 
 
+_ARROW_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
+
+
 def _parquet_batches(path: Path, batch_rows: int) -> Iterator[InputBatch]:
     try:
         parquet = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as exc:
+    except _ARROW_READ_ERRORS as exc:
         raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
     line = 1
-    for batch in parquet.iter_batches(batch_size=batch_rows):
+    batches = parquet.iter_batches(batch_size=batch_rows)
+    while True:
+        try:  # a file damaged after its footer fails here, in the middle of reading
+            batch = next(batches, None)
+        except _ARROW_READ_ERRORS as exc:
+            raise InputError(f"{path}: not a readable Parquet file: rows from {line} on cannot be read ({exc})") from None
+        if batch is None:
+            return
         table = pa.Table.from_batches([batch])
         yield InputBatch(path, line, table, [None] * table.num_rows)
         line += table.num_rows
@@ -87,6 +95,8 @@ def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[InputBatch]:
         raise InputError(f"{path}: cannot open ({exc})") from None
     with handle:
         for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(_UTF8_BOM):
+                raw = raw[len(_UTF8_BOM):]  # written by some Windows tools; not part of the row
             if not raw.strip():
                 continue  # blank lines are not rows
             if not rows:
@@ -101,6 +111,9 @@ def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[InputBatch]:
         yield InputBatch(path, first_line, _rows_to_table(rows, path), errors)
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _parse_json_line(raw: bytes, path: Path, number: int) -> tuple[dict, str | None]:
     try:
         text = raw.decode("utf-8")
@@ -110,23 +123,28 @@ def _parse_json_line(raw: bytes, path: Path, number: int) -> tuple[dict, str | N
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         return {}, f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        return {}, f"{path}:{number}: JSON nested too deeply to read"
     if not isinstance(value, dict):
         return {}, f"{path}:{number}: expected a JSON object, got {type(value).__name__}"
     return value, None
 
 
 def _rows_to_table(rows: list[dict], path: Path) -> pa.Table:
-    try:
-        return pa.Table.from_pylist(rows)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        # Mixed types inside one column (e.g. a number on one line, text on another): keep the
-        # rows by reading every scalar as text rather than losing the file.
-        columns = sorted({k for row in rows for k in row})
-        as_text = [{k: _to_text(row.get(k)) for k in columns} for row in rows]
+    """One column per key seen in ANY row (a row without the key gets null there), so neither a
+    bad first line nor a key missing from the first row can drop data. A column whose values
+    have mixed types (a number on one line, text on another) is read as text."""
+    names = list(dict.fromkeys(key for row in rows for key in row))
+    columns = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
         try:
-            return pa.Table.from_pylist(as_text)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            raise InputError(f"{path}: rows cannot be read as a table ({exc})") from None
+            columns[name] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+            columns[name] = pa.array([_to_text(v) for v in values], type=pa.string())
+    if not columns:
+        return pa.table({"__row__": pa.nulls(len(rows))}).drop_columns(["__row__"])
+    return pa.table(columns)
 
 
 def _to_text(value):

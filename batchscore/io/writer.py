@@ -7,14 +7,19 @@ same folder, then renamed), so a reader never sees a partial output.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchscore.io.atomic import atomic_write
 from batchscore.prompts import label_column
+
+
+def output_columns(labels: list[str]) -> list[str]:
+    """The columns `results_table` writes besides the id and the kept input columns."""
+    return [label_column(label) for label in labels] + ["label", "label_mass", "status", "error"]
 
 
 def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str],
@@ -43,15 +48,5 @@ def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str]
 
 
 def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
-    """Write `table` to `path` via a temporary file and an atomic rename; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write `table` to `path` atomically (see `io/atomic.py`); returns the path."""
+    return atomic_write(path, lambda tmp: pq.write_table(table, tmp))

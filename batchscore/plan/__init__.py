@@ -8,7 +8,7 @@ Pure Python + numpy; never imports torch or vllm.
 """
 
 from batchscore.plan.cache_sim import PrefixCache, SimResult, simulate, simulate_groups
-from batchscore.plan.errors import PlanInputError
+from batchscore.errors import PlanInputError
 from batchscore.plan.planner import Plan, PlanOptions, PlanStats, build_plan
 from batchscore.plan.placement import (
     Placement,
@@ -17,7 +17,7 @@ from batchscore.plan.placement import (
     round_robin_requests,
 )
 from batchscore.plan.types import GroupMember, PrefixGroup, Request
-from batchscore.plan.validate import requests_from_token_lists
+from batchscore.plan.validate import prompt_problem, requests_from_token_lists
 
 __all__ = [
     "GroupMember",
@@ -33,6 +33,7 @@ __all__ = [
     "WorkerAssignment",
     "build_plan",
     "place_groups",
+    "prompt_problem",
     "requests_from_token_lists",
     "round_robin_requests",
     "simulate",

@@ -134,7 +134,7 @@ def sequences_in_order(groups: Iterable[PrefixGroup]) -> Iterable[np.ndarray]:
     """Each member's full prompt (prefix + suffix), in execution order."""
     for group in groups:
         for member in group.members:
-            yield np.concatenate((group.prefix, member.suffix))
+            yield group.full_prompt(member)
 
 
 def simulate_groups(

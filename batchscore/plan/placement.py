@@ -83,7 +83,7 @@ def place_groups(groups: Sequence[PrefixGroup], num_workers: int) -> Placement:
     suffix_lens = [[len(m.suffix) for m in g.members] for g in groups]
     costs = [g.prefix_len + sum(lens) for g, lens in zip(groups, suffix_lens)]
     if num_workers == 1:
-        return _assemble(groups, [[(0, tuple(range(len(g.members))))] for g in groups], 1)
+        return _placement_from(groups, [[(0, tuple(range(len(g.members))))] for g in groups], 1)
 
     base: list[_Item] = []  # items every candidate level shares
     big: list[int] = []  # prefixed groups above the fair share: the only ones ever cut
@@ -132,7 +132,7 @@ def place_groups(groups: Sequence[PrefixGroup], num_workers: int) -> Placement:
         load, worker = heapq.heappop(heap)
         placed[item.group].append((worker, item.members))
         heapq.heappush(heap, (load + item.cost, worker))
-    return _assemble(groups, placed, num_workers)
+    return _placement_from(groups, placed, num_workers)
 
 
 def round_robin_requests(groups: Sequence[PrefixGroup], num_workers: int) -> Placement:
@@ -149,7 +149,7 @@ def round_robin_requests(groups: Sequence[PrefixGroup], num_workers: int) -> Pla
     placed: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in groups]
     for rank, (_, g, i) in enumerate(rows):
         placed[g].append((rank % num_workers, (i,)))
-    return _assemble(groups, placed, num_workers)
+    return _placement_from(groups, placed, num_workers)
 
 
 def _check_workers(num_workers: int) -> None:
@@ -238,7 +238,7 @@ def _share_out(lens: list[int], parts: int) -> list[tuple[int, ...]]:
     return sorted(tuple(sorted(c)) for c in chosen)
 
 
-def _assemble(
+def _placement_from(
     groups: Sequence[PrefixGroup],
     placed: list[list[tuple[int, tuple[int, ...]]]],
     num_workers: int,

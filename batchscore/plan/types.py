@@ -58,6 +58,10 @@ class PrefixGroup:
     def prefix_len(self) -> int:
         return int(self.prefix.shape[0])
 
+    def full_prompt(self, member: GroupMember) -> np.ndarray:
+        """`member`'s whole prompt: the shared prefix glued back to its suffix."""
+        return np.concatenate((self.prefix, member.suffix)) if self.prefix_len else member.suffix
+
     @property
     def logical_tokens(self) -> int:
         """Tokens a plain forward pass of every member would process."""

@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from batchscore.plan.errors import PlanInputError
+from batchscore.errors import PlanInputError
 from batchscore.plan.tree import TokenTable
 from batchscore.plan.types import Request
 
@@ -39,26 +39,54 @@ def requests_from_token_lists(
     ]
 
 
-def _checked_tokens(row_id: int, tokens) -> np.ndarray:
-    """Return `tokens` as an int32 array, or raise PlanInputError naming `row_id`."""
+def prompt_problem(num_tokens: int, max_length: int | None, *, largest_token: int | None = None,
+                   vocab_size: int | None = None, limit_name: str = "the model's context") -> str | None:
+    """Why a prompt of `num_tokens` tokens cannot be scored, or None when it can.
+
+    The one check of a prompt's length and ids against a model, used where rows are read and by
+    each engine (whose `limit_name` says whose limit `max_length` is).
+    """
+    if num_tokens == 0:
+        return "empty prompt: no tokens to score"
+    if max_length is not None and num_tokens > max_length:
+        return f"prompt is {num_tokens} tokens, longer than the maximum {max_length} ({limit_name})"
+    if vocab_size is not None and largest_token is not None and largest_token >= vocab_size:
+        return f"token id {largest_token} is outside the model's vocabulary (size {vocab_size})"
+    return None
+
+
+def token_ids_problem(tokens) -> tuple[np.ndarray | None, str | None]:
+    """(`tokens` as an int32 array, None), or (None, why they are not a list of token ids).
+
+    The one check of a token list given by a user (`requests_from_token_lists`, a job's
+    `input.token_ids_column`): flat, integers (not floats, strings or bools), not negative,
+    within int32. An empty list passes here; `prompt_problem` refuses it.
+    """
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError) as exc:  # ragged nested lists and the like
-        raise PlanInputError(f"row {row_id}: token ids are not a flat list ({exc})") from exc
+        return None, f"token ids are not a flat list ({exc})"
     if arr.ndim != 1:
-        raise PlanInputError(f"row {row_id}: token ids must be a flat list, got shape {arr.shape}")
+        return None, f"token ids must be a flat list, got shape {arr.shape}"
     if arr.size == 0:
-        raise PlanInputError(f"row {row_id}: empty token sequence")
+        return arr.astype(np.int32), None
     # bool is an integer subtype in numpy but never a token id.
     if arr.dtype.kind not in "iu":
-        raise PlanInputError(
-            f"row {row_id}: token ids must be integers, got {arr.dtype} values"
-        )
+        return None, f"token ids must be integers, got {arr.dtype} values"
     if arr.min() < 0:
-        raise PlanInputError(f"row {row_id}: negative token id {int(arr.min())}")
+        return None, f"negative token id {int(arr.min())}"
     if arr.max() > _INT32_MAX:
-        raise PlanInputError(f"row {row_id}: token id {int(arr.max())} does not fit in int32")
-    return arr.astype(np.int32, copy=False)
+        return None, f"token id {int(arr.max())} does not fit in int32"
+    return arr.astype(np.int32, copy=False), None
+
+
+def _checked_tokens(row_id: int, tokens) -> np.ndarray:
+    """Return `tokens` as an int32 array, or raise PlanInputError naming `row_id`."""
+    arr, problem = token_ids_problem(tokens)
+    problem = problem or prompt_problem(len(arr), None)
+    if problem:
+        raise PlanInputError(f"row {row_id}: {problem}")
+    return arr
 
 
 def checked_table(requests: Sequence[Request]) -> TokenTable:

@@ -11,14 +11,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from batchscore.report.data import ReportError, ScoredOutput, find_metrics, load_metrics, load_output, metrics_candidates
+from batchscore.errors import ReportError, ReportUnavailable
+from batchscore.report.data import ScoredOutput, find_metrics, load_metrics, load_output, metrics_candidates
 
 __all__ = ["write_report", "default_report_path", "require_matplotlib", "ReportError", "ReportUnavailable",
            "ScoredOutput", "load_output"]
-
-
-class ReportUnavailable(RuntimeError):
-    """matplotlib, which draws the report's plots, is not installed."""
 
 
 def require_matplotlib() -> None:
@@ -41,8 +38,9 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
                  id_column: str | None = None) -> Path:
     """Write the HTML report of `output` and return its path.
 
-    `metrics`: a `--metrics` JSON path or its dict (a RunSummary.to_dict()); when None, a JSON
-    next to the output is used if one names this output (see data.metrics_candidates).
+    `metrics`: a `--metrics` JSON path or its dict (a RunSummary.to_dict()); when None,
+    the summary in the output's completion marker, else a JSON next to the output that names it
+    (see data.find_metrics).
     `previous`: an earlier output of the same job, joined by `id_column` (default: the first
     column) for the drift section. Raises ReportError for unreadable inputs, ReportUnavailable
     without matplotlib.
@@ -58,7 +56,8 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
         metrics_data, note = load_metrics(metrics), str(metrics)
     else:
         metrics_data, found = find_metrics(output)
-        note = str(found) if found else ("no metrics JSON naming this output next to it (looked for "
-                                         + ", ".join(p.name for p in metrics_candidates(output)) + ")")
+        note = str(found) if found else ("no completion marker and no metrics JSON naming this output "
+                                         "next to it (looked for " + ", ".join(
+                                             p.name for p in metrics_candidates(output)) + ")")
     target = Path(html_path) if html_path is not None else default_report_path(output)
     return write_html(render(current, before, metrics_data, note), target)

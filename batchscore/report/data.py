@@ -9,11 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from batchscore.errors import ReportError
+
 RESULT_COLUMNS = ("label", "label_mass", "status", "error")
-
-
-class ReportError(ValueError):
-    """The output (or a file given with it) cannot be reported on."""
 
 
 @dataclass
@@ -98,7 +96,13 @@ def metrics_candidates(output: str | os.PathLike) -> list[Path]:
 
 
 def find_metrics(output: str | os.PathLike) -> tuple[dict | None, Path | None]:
-    """The metrics JSON of `output`'s run: the first candidate that names this output's file."""
+    """The summary of `output`'s run: the one its completion marker recorded (when the output is
+    unchanged since), else the first metrics JSON candidate that names this output's file."""
+    from batchscore.io.parts import marker_path, recorded_summary
+
+    recorded = recorded_summary(output)
+    if recorded is not None:
+        return recorded, marker_path(output)
     name = Path(output).name
     for candidate in metrics_candidates(output):
         try:

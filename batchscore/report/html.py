@@ -318,17 +318,7 @@ def _short(value, limit: int = 60) -> str:
 
 
 def write_html(text: str, path: Path) -> Path:
-    """Write the document atomically (a temporary file in the same folder, then a rename)."""
-    import os
-    import tempfile
+    """Write the document atomically (io/atomic.py)."""
+    from batchscore.io.atomic import atomic_write
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

@@ -121,7 +121,7 @@ class Throughput:
     engine: str
     model: str
     workers: int
-    resumed_groups: int
+    resumed_rows: int
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -149,12 +149,15 @@ def throughput(metrics: dict, output: ScoredOutput) -> Throughput:
         engine=str(metrics.get("engine", "?")),
         model=str(metrics.get("model", "?")),
         workers=int(metrics.get("workers") or 1),
-        resumed_groups=int(metrics.get("resumed_groups") or 0),
+        resumed_rows=int(metrics.get("resumed_rows") or 0),
     )
     if rows != output.rows:
         result.warnings.append(f"the metrics count {rows} rows, the output has {output.rows}: "
                                "they may be from different runs")
-    if result.resumed_groups:
-        result.warnings.append(f"this run resumed {result.resumed_groups} prefix groups scored by an "
+    if result.resumed_rows:
+        result.warnings.append(f"this run resumed {result.resumed_rows} rows scored by an "
                                "earlier attempt; its times and batches cover only the rest")
+    if metrics.get("skipped"):
+        result.warnings.append("this run found the output already complete and scored nothing; "
+                               "the times are those of the run that wrote it, except the total")
     return result

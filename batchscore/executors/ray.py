@@ -13,10 +13,12 @@ import os
 from collections import deque
 from typing import Sequence
 
-from batchscore.config import JobConfig
-from batchscore.engines import EngineUnavailable
+from batchscore.config import EngineConfig, ExecutorConfig
+from batchscore.engines import create_engine
 from batchscore.engines.base import LabelScores
-from batchscore.scoring import PartSink, RowProgress, RunInterrupted, record, score_with_row_errors, stop_signals
+from batchscore.errors import EngineUnavailable, RunInterrupted
+from batchscore.executors.local import score_with_row_errors, stop_signals
+from batchscore.executors.sinks import PartSink, RowProgress, record
 
 log = logging.getLogger("batchscore")
 
@@ -35,13 +37,11 @@ def _import_ray():
 class ScoringWorker:
     """A Ray actor holding one engine (created in the actor's own process)."""
 
-    def __init__(self, config: JobConfig, kind: str, model_dir: str, threads: int):
+    def __init__(self, kind: str, model_dir: str, engine: EngineConfig, threads: int):
         import torch
 
-        from batchscore.runner import create_engine
-
         torch.set_num_threads(max(1, threads))
-        self.engine = create_engine(config, kind, model_dir)
+        self.engine = create_engine(kind, model_dir, engine)
 
     def score(self, groups, label_ids) -> list[LabelScores]:
         return list(score_with_row_errors(self.engine, groups, label_ids))
@@ -50,7 +50,7 @@ class ScoringWorker:
         return os.getpid()
 
 
-def score_on_ray(config: JobConfig, kind: str, model_dir, sinks: Sequence[PartSink],
+def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, kind: str, model_dir, sinks: Sequence[PartSink],
                  label_ids: Sequence[int], progress: RowProgress) -> None:
     """Score every sink's remaining groups on its own Ray actor; results go through the sinks.
 
@@ -61,9 +61,9 @@ def score_on_ray(config: JobConfig, kind: str, model_dir, sinks: Sequence[PartSi
     ray = _import_ray()
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=config.executor.address, include_dashboard=False, log_to_driver=False,
+        ray.init(address=executor.address, include_dashboard=False, log_to_driver=False,
                  ignore_reinit_error=True)
-    actor_cls = ray.remote(num_cpus=config.executor.cpus_per_worker, num_gpus=config.executor.gpus_per_worker,
+    actor_cls = ray.remote(num_cpus=executor.cpus_per_worker, num_gpus=executor.gpus_per_worker,
                            max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)(ScoringWorker)
     actors = {}
     try:
@@ -71,10 +71,10 @@ def score_on_ray(config: JobConfig, kind: str, model_dir, sinks: Sequence[PartSi
         for sink in sinks:
             if sink.done:
                 continue
-            actors[sink.worker] = actor_cls.remote(config, kind, str(model_dir), int(config.executor.cpus_per_worker))
+            actors[sink.worker] = actor_cls.remote(kind, str(model_dir), engine, int(executor.cpus_per_worker))
             pending[sink.worker] = deque(
                 actors[sink.worker].score.remote(chunk, list(label_ids))
-                for chunk in _chunks(sink.groups[sink.next_group:], min(TASK_ROWS, config.output.part_rows)))
+                for chunk in _chunks(sink.remaining_groups(), min(TASK_ROWS, sinks[0].part_rows)))
         log.info("ray: %d workers, %d tasks", len(actors), sum(len(q) for q in pending.values()))
         by_worker = {s.worker: s for s in sinks}
         with stop_signals() as stop:

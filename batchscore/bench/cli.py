@@ -1,0 +1,21 @@
+"""The `batchscore bench` subcommands (loaded by the CLI only when `batchscore bench` runs).
+
+`workloads` is the throughput suite: `batchscore bench micro-2000-200 --scale ci` is routed to it.
+The modules import torch, transformers and vLLM only inside the commands, so `--help` is quick.
+"""
+
+from __future__ import annotations
+
+from batchscore.bench.command import workloads
+from batchscore.bench.dtype_parity import dtype_parity
+from batchscore.bench.engine_bench import engine
+from batchscore.bench.gpu_bench import gpu
+from batchscore.bench.mil_bench import mil
+from batchscore.bench.placement_bench import placement
+from batchscore.bench.plan_bench import plan
+from batchscore.bench.scale_bench import scale
+from batchscore.bench.vllm_bench import vllm
+
+COMMANDS = [workloads, plan, engine, vllm, gpu, mil, scale, placement, dtype_parity]
+
+__all__ = ["COMMANDS"]

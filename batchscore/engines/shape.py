@@ -1,0 +1,126 @@
+"""A decoder's shape and the arithmetic on it: bytes per dtype, KV bytes per token, forward FLOPs.
+
+Pure Python (no torch): the planner-side code, the vLLM sizing, the torch engine's memory
+estimates and the benchmarks all read the model's sizes from here.
+
+The FLOP count of scoring a plan (with or without prefix sharing) counts the linear layers per
+processed token, attention per query-key pair, and the LM head once per request. The token ideal
+(logical / processed tokens, BatchLLM Eq. 1) treats every token as equal work; a suffix token
+attends to its whole prefix, so when attention is a large share of the work (small models, long
+prefixes) the FLOP ideal is lower.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from batchscore.plan.types import PrefixGroup
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the dtypes the engines run (job key engine.dtype)
+DEFAULT_CONTEXT = 2048  # when a config names no max_position_embeddings
+
+
+@functools.lru_cache(maxsize=8)
+def read_model_config(model_dir: str | Path) -> dict[str, Any]:
+    """The model folder's `config.json` as a dict (read once per process and folder)."""
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def context_length(config: dict[str, Any]) -> int:
+    """Longest sequence the model takes (`max_position_embeddings`)."""
+    return int(config.get("max_position_embeddings") or DEFAULT_CONTEXT)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of an engine dtype name; raises ValueError for another name."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    return DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that set a decoder's memory use and FLOPs."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int = 4
+
+    @classmethod
+    def from_config(cls, config, dtype_bytes: int = 4) -> ModelShape:
+        """From a `config.json` dict or a transformers config object."""
+        get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+        heads = int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
+        return cls(
+            num_layers=int(get("num_hidden_layers")),
+            hidden=hidden,
+            intermediate=int(get("intermediate_size")),
+            heads=heads,
+            kv_heads=int(get("num_key_value_heads", None) or heads),
+            head_dim=int(get("head_dim", None) or hidden // heads),
+            vocab=int(get("vocab_size")),
+            dtype_bytes=dtype_bytes,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token, all layers (full attention)."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def layer_params(self) -> int:
+        """Weights one decoder layer multiplies each token by (attention projections + gated MLP)."""
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o + k, v
+        return attention + 3 * self.hidden * self.intermediate
+
+    def flops(self, tokens: int, attended_pairs: int, requests: int) -> float:
+        """Forward FLOPs: linear layers over `tokens`, attention over `attended_pairs` query-key
+        pairs, and the LM head on one position of each of `requests`."""
+        linear = 2.0 * self.num_layers * self.layer_params * tokens
+        attention = 4.0 * self.num_layers * self.heads * self.head_dim * attended_pairs
+        return linear + attention + 2.0 * self.hidden * self.vocab * requests
+
+
+def attended_pairs_shared(groups: Sequence[PrefixGroup]) -> int:
+    """Query-key pairs with sharing: each prefix causally once, each suffix to its prefix and itself."""
+    pairs = 0
+    for group in groups:
+        prefix = group.prefix_len
+        pairs += prefix * (prefix + 1) // 2
+        for member in group.members:
+            s = len(member.suffix)
+            pairs += s * prefix + s * (s + 1) // 2
+    return pairs
+
+
+def attended_pairs_plain(groups: Sequence[PrefixGroup]) -> int:
+    """Query-key pairs without sharing: every full prompt causally."""
+    return sum((t := g.prefix_len + len(m.suffix)) * (t + 1) // 2 for g in groups for m in g.members)
+
+
+def forward_flops(config, groups: Sequence[PrefixGroup], shared: bool) -> float:
+    """FLOPs of scoring every member of `groups`, with (`shared`) or without prefix sharing.
+
+    `config`: a `config.json` dict, a transformers config or a ModelShape."""
+    shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
+    requests = sum(len(g.members) for g in groups)
+    if shared:
+        tokens = sum(g.processed_tokens for g in groups)
+        return shape.flops(tokens, attended_pairs_shared(groups), requests)
+    tokens = sum(g.logical_tokens for g in groups)
+    return shape.flops(tokens, attended_pairs_plain(groups), requests)
+
+
+def flop_ideal_speedup(config, groups: Sequence[PrefixGroup]) -> float:
+    """FLOPs without sharing / FLOPs with sharing: the speedup a FLOP-bound engine could reach."""
+    return forward_flops(config, groups, shared=False) / forward_flops(config, groups, shared=True)

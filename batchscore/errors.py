@@ -1,0 +1,150 @@
+"""Every error batchscore raises on purpose, under one base that carries the CLI's exit code.
+
+The CLI maps any `BatchscoreError` to `error: <message>` and its `exit_code`; anything else is a
+bug and keeps its traceback. Pure Python: every module (the planner too) may import this one.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_CONFIG = 2  # the job file, its labels, template, model or resume state
+EXIT_INPUT = 3  # input files that cannot be read at all
+EXIT_ERROR_RATE = 4  # more row errors than output.max_error_rate (the output is written)
+EXIT_ENGINE = 5  # the engine cannot be started or cannot run this job
+EXIT_OUTPUT = 6  # the output cannot be written (a folder, no permission, disk full): rerun resumes
+EXIT_LOCKED = 75  # another run holds this output's lock; nothing was touched (EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130  # SIGTERM/SIGINT: progress saved, rerun to resume
+
+
+class BatchscoreError(Exception):
+    """A problem the user can fix; `exit_code` is what `batchscore` exits with."""
+
+    exit_code = 1
+
+
+class JobConfigError(BatchscoreError, ValueError):
+    """The job file is invalid; `problems` lists every problem found."""
+
+    exit_code = EXIT_CONFIG
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid job configuration{where}:\n{lines}")
+
+
+class PromptTemplateError(BatchscoreError, ValueError):
+    """The template itself is malformed or unsafe."""
+
+    exit_code = EXIT_CONFIG
+
+
+class RowRenderError(BatchscoreError, ValueError):
+    """A (jinja) template cannot render one row: that row gets the message as its error; the run
+    goes on. Never ends a run itself."""
+
+    exit_code = EXIT_INPUT
+
+
+class NullFieldError(RowRenderError, KeyError):
+    """A jinja template printed or looped over a null or missing column; `args[0]` is the column
+    (a KeyError like the format engine's, so both engines report it the same way)."""
+
+
+class LabelError(BatchscoreError, ValueError):
+    """Labels that cannot be scored (not single, distinct tokens)."""
+
+    exit_code = EXIT_CONFIG
+
+
+class ModelError(BatchscoreError, ValueError):
+    """A model name or path that cannot be resolved to local weights."""
+
+    exit_code = EXIT_CONFIG
+
+
+class ResumeMismatch(BatchscoreError, RuntimeError):
+    """A staging folder exists but belongs to a different job configuration or input."""
+
+    exit_code = EXIT_CONFIG
+
+
+class InputError(BatchscoreError, ValueError):
+    """Input files that cannot be read at all (missing, empty, unreadable)."""
+
+    exit_code = EXIT_INPUT
+
+
+class PlanInputError(BatchscoreError, ValueError):
+    """A request the planner cannot plan: empty prompt, non-integer or negative token ids."""
+
+    exit_code = EXIT_INPUT
+
+
+class ErrorRateExceeded(BatchscoreError, RuntimeError):
+    """More rows failed than `output.max_error_rate` allows (the output is still written);
+    `summary` is the run's RunSummary."""
+
+    exit_code = EXIT_ERROR_RATE
+
+    def __init__(self, message: str, summary=None):
+        super().__init__(message)
+        self.summary = summary
+
+
+class OutputError(BatchscoreError, OSError):
+    """The output (or its parts) cannot be written: a folder in the way, no permission, disk full."""
+
+    exit_code = EXIT_OUTPUT
+
+
+class OutputLocked(BatchscoreError, RuntimeError):
+    """Another run of the same output holds its lock (a cron retry or an Airflow zombie)."""
+
+    exit_code = EXIT_LOCKED
+
+
+class ReportError(BatchscoreError, ValueError):
+    """`batchscore report`: the output (or a file given with it) cannot be reported on."""
+
+    exit_code = EXIT_INPUT
+
+
+class ReportUnavailable(BatchscoreError, RuntimeError):
+    """matplotlib, which draws the report's plots, is not installed."""
+
+    exit_code = EXIT_ENGINE
+
+
+class EngineUnavailable(BatchscoreError, RuntimeError):
+    """The requested engine cannot be used: packages missing, no GPU, an unsupported model."""
+
+    exit_code = EXIT_ENGINE
+
+
+class HybridUnsupported(EngineUnavailable, NotImplementedError):
+    """Hybrid prefilling was asked for on a model whose layers it cannot run."""
+
+
+class MemoryBudgetError(BatchscoreError, ValueError):
+    """One request needs more memory than `memory_budget` even when scored alone (a row error)."""
+
+    exit_code = EXIT_ENGINE
+
+    def __init__(self, row_id: int, needed_bytes: int, budget_bytes: int) -> None:
+        self.row_id = row_id
+        self.needed_bytes = needed_bytes
+        self.budget_bytes = budget_bytes
+        super().__init__(
+            f"row {row_id}: needs about {needed_bytes / 2**20:.1f} MiB beyond the weights when scored alone, "
+            f"over engine.memory_budget {budget_bytes / 2**20:.1f} MiB ({budget_bytes} bytes); raise the "
+            "budget, set engine.hybrid_chunk, or shorten the prompt"
+        )
+
+
+class RunInterrupted(BatchscoreError, RuntimeError):
+    """SIGTERM/SIGINT: the current part was finished and recorded; rerun to resume."""
+
+    exit_code = EXIT_INTERRUPTED

@@ -1,0 +1,143 @@
+"""Where results go while a job is scored: durable parts, and the progress bar.
+
+A `PartSink` takes one worker's results in that worker's group order and flushes whole groups
+into parts (by row count, by time, at the end, and when asked to stop). Both executors hand every
+result to `record`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from batchscore.engines.base import LabelScores
+from batchscore.faults import fault_point
+from batchscore.io.parts import Manifest, PartStore
+from batchscore.plan.types import PrefixGroup
+
+
+class PartSink:
+    """Buffers one worker's results and writes them as parts.
+
+    `groups` is the worker's whole list; its members, in order, are the worker's positions, and
+    scoring resumes at position `first_row` (earlier ones are already in parts), which may lie
+    inside a group. A part covers whatever is buffered — whole groups or rows inside one — so a
+    stop or a timed flush never waits for a group to end. Side effects: `flush` writes a part
+    and updates the manifest.
+    """
+
+    def __init__(self, store: PartStore, manifest: Manifest, worker: int, groups: Sequence[PrefixGroup],
+                 first_row: int, num_labels: int, part_rows: int, part_seconds: float):
+        self.store, self.manifest, self.worker = store, manifest, worker
+        self.groups = groups
+        self.num_labels = num_labels
+        self.part_rows, self.part_seconds = part_rows, part_seconds
+        self.group_ends = np.cumsum([len(g.members) for g in groups], dtype=np.int64)  # [G]
+        self.total = int(self.group_ends[-1]) if len(groups) else 0
+        if not 0 <= first_row <= self.total:
+            raise ValueError(f"worker {worker}: resume position {first_row} outside its {self.total} rows")
+        self.part_start = first_row  # first position of the part being buffered
+        self.position = first_row  # next position to arrive
+        self.last_flush = time.monotonic()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.row_ids: list[int] = []
+        self.log_probs: list[np.ndarray] = []
+        self.mass: list[float] = []
+        self.errors: dict[int, str] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.total
+
+    @property
+    def next_group(self) -> int:
+        """Index of the group the next result belongs to (len(groups) when done)."""
+        return int(np.searchsorted(self.group_ends, self.position, side="right"))
+
+    def remaining_groups(self) -> list[PrefixGroup]:
+        """The groups still to score, the first one cut to its members not yet scored."""
+        first = self.next_group
+        if first >= len(self.groups):
+            return []
+        group = self.groups[first]
+        done_in_group = self.position - (int(self.group_ends[first - 1]) if first else 0)
+        head = PrefixGroup(group.prefix, group.members[done_in_group:]) if done_in_group else group
+        return [head, *self.groups[first + 1:]]
+
+    def add(self, result: LabelScores) -> bool:
+        """Buffer one result; returns True when it completed a group."""
+        group = self.next_group
+        expected = self._expected_row(group)
+        if result.row_id != expected:
+            raise RuntimeError(f"worker {self.worker}: the engine returned row {result.row_id} where row "
+                               f"{expected} was due; refusing to mix rows")
+        self.row_ids.append(result.row_id)
+        self.log_probs.append(np.asarray(result.log_probs, dtype=np.float64))
+        self.mass.append(float(result.label_mass))
+        if result.error:
+            self.errors[result.row_id] = result.error
+        self.position += 1
+        fault_point("result")
+        return self.position == int(self.group_ends[group])
+
+    def _expected_row(self, group: int) -> int:
+        if group >= len(self.groups):
+            raise RuntimeError(f"worker {self.worker}: the engine returned more rows than it was given")
+        offset = self.position - (int(self.group_ends[group - 1]) if group else 0)
+        return self.groups[group].members[offset].row_id
+
+    def maybe_flush(self) -> None:
+        """Flush when the part is big or old enough."""
+        if len(self.row_ids) >= self.part_rows or time.monotonic() - self.last_flush >= self.part_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the results buffered so far as one part (nothing if none)."""
+        if self.position <= self.part_start:
+            return
+        log_probs = np.stack(self.log_probs)
+        self.store.write_part(self.manifest, np.asarray(self.row_ids, dtype=np.int64), log_probs,
+                              np.asarray(self.mass), self.errors, start=self.part_start, end=self.position,
+                              worker=self.worker)
+        self.part_start, self.last_flush = self.position, time.monotonic()
+        self._reset()
+
+
+class RowProgress:
+    """A tqdm bar over rows with logical tokens/s (counted per completed group); no-op when off."""
+
+    def __init__(self, total_rows: int, enabled: bool):
+        self.bar = None
+        if enabled and total_rows:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_rows, unit="row", desc="scoring", dynamic_ncols=True)
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def row_done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def group_done(self, group: PrefixGroup) -> None:
+        if self.bar is not None:
+            self.tokens += group.logical_tokens
+            rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+            self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def record(result: LabelScores, sink: PartSink, progress: RowProgress) -> bool:
+    """Hand one result to its sink and count it; True when it completed a group."""
+    progress.row_done()
+    if not sink.add(result):
+        return False
+    progress.group_done(sink.groups[sink.next_group - 1])
+    return True

