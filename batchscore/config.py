@@ -25,7 +25,8 @@ ENGINE_KINDS = ("torch", "vllm", "auto")
 DTYPES = (*DTYPE_BYTES, "auto")
 DEVICES = ("cpu", "cuda", "auto")
 ORDERS = ORDER_POLICIES
-INPUT_FORMATS = ("auto", "parquet", "jsonl")
+INPUT_FORMATS = ("auto", "parquet", "jsonl", "openai_batch")
+OUTPUT_FORMATS = ("auto", "parquet", "jsonl", "openai_batch")
 EXECUTOR_KINDS = ("local", "ray")
 
 
@@ -98,7 +99,7 @@ class SyntheticInput:
 @dataclass
 class InputConfig:
     path: str | None = None  # a file, a folder or a glob of .parquet / .jsonl files
-    format: str = "auto"
+    format: str = "auto"  # auto (by suffix) | parquet | jsonl | openai_batch (OpenAI Batch API requests)
     id_column: str | None = None
     token_ids_column: str | None = None  # pre-tokenized prompts: no template or tokenizer needed
     batch_rows: int = 8192  # rows per Arrow record batch while reading
@@ -137,6 +138,8 @@ class PlanConfig:
 @dataclass
 class OutputConfig:
     path: str | None = None
+    format: str = "auto"  # auto | parquet | jsonl | openai_batch: see JobConfig.output_format
+    error_path: str | None = None  # openai_batch: the failed rows' file (default <output>.errors.jsonl)
     keep_columns: list[str] = field(default_factory=list)
     max_error_rate: float = 0.01
     part_rows: int = 20000  # rows per durable part file (a part always holds whole prefix groups)
@@ -169,6 +172,28 @@ class JobConfig:
         data = dataclasses.asdict(self)
         data.pop("source")
         return data
+
+    @property
+    def output_format(self) -> str:
+        """output.format, `auto` resolved: openai_batch for an openai_batch input, jsonl for a
+        .jsonl/.ndjson output path, else parquet."""
+        if self.output.format != "auto":
+            return self.output.format
+        if self.input.format == "openai_batch":
+            return "openai_batch"
+        suffix = Path(str(self.output.path or "")).suffix.lower()
+        return "jsonl" if suffix in (".jsonl", ".ndjson") else "parquet"
+
+    @property
+    def output_error_path(self) -> str | None:
+        """Where an openai_batch output puts its failed rows (None for other formats)."""
+        if self.output_format != "openai_batch":
+            return None
+        if self.output.error_path:
+            return self.output.error_path
+        path = Path(str(self.output.path))
+        stem = path.name[: -len(path.suffix)] if path.suffix.lower() in (".jsonl", ".ndjson") else path.name
+        return str(path.with_name(stem + ".errors.jsonl"))
 
 
 def load_job(path: str | os.PathLike, overrides: dict[str, str] | None = None,
@@ -212,6 +237,8 @@ def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code:
         problems.extend(_vllm_args_problems(config.engine.vllm_args, allow_code))
     if problems:
         raise JobConfigError(problems, source)
+    if config.input.format == "openai_batch" and config.input.id_column is None:
+        config.input.id_column = "custom_id"  # each request's own id
     return config
 
 
@@ -326,7 +353,9 @@ def _semantic_problems(config: JobConfig) -> list[str]:
             problems.append(f"input.synthetic.workload: unknown {inp.synthetic.workload!r}; "
                             f"available: {', '.join(sorted(WORKLOADS))}")
     has_tokens = inp.token_ids_column is not None or inp.synthetic is not None
-    if not has_tokens and not config.prompt.template:
+    if inp.format == "openai_batch":
+        problems.extend(_openai_batch_problems(config))
+    elif not has_tokens and not config.prompt.template:
         problems.append("prompt.template: required unless input.token_ids_column is given "
                         "(e.g. 'Query: {query}\\nAnswer Yes or No.')")
     from batchscore.prompts import PROMPT_ENGINES, PromptTemplateError, template_fields
@@ -365,6 +394,8 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("plan.min_prefix_tokens: must be ≥ 1")
     if config.plan.block_size is not None and config.plan.block_size < 1:
         problems.append("plan.block_size: must be ≥ 1")
+    if config.output.format not in OUTPUT_FORMATS:
+        problems.append(f"output.format: must be one of {', '.join(OUTPUT_FORMATS)}, got {config.output.format!r}")
     if not 0.0 <= config.output.max_error_rate <= 1.0:
         problems.append(f"output.max_error_rate: must be between 0 and 1, got {config.output.max_error_rate}")
     if config.executor.kind not in EXECUTOR_KINDS:
@@ -411,6 +442,20 @@ def _vllm_args_problems(vllm_args: dict[str, Any], allow_code: bool) -> list[str
     return problems
 
 
+def _openai_batch_problems(config: JobConfig) -> list[str]:
+    """input.format openai_batch: each request's body.messages (through the model's chat
+    template) or body.prompt is its prompt, and its custom_id its id."""
+    problems = []
+    if config.prompt.template or config.prompt.system:
+        problems.append("prompt.template / prompt.system: not used with input.format openai_batch (each request's "
+                        "body.messages or body.prompt is its prompt); remove them")
+    if config.input.token_ids_column is not None:
+        problems.append("input.token_ids_column: not used with input.format openai_batch")
+    if config.input.id_column not in (None, "custom_id"):
+        problems.append(f"input.id_column: an openai_batch input is keyed by custom_id, got {config.input.id_column!r}")
+    return problems
+
+
 def _output_column_problems(config: JobConfig) -> list[str]:
     """Two labels that would share one `p_<label>` column, or a kept input column that the scores
     would overwrite: refused up front rather than losing a column silently."""
@@ -446,3 +491,5 @@ def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
         config.input.path = os.path.normpath(base / config.input.path)
     if config.output.path and not os.path.isabs(os.path.expanduser(config.output.path)):
         config.output.path = os.path.normpath(base / config.output.path)
+    if config.output.error_path and not os.path.isabs(os.path.expanduser(config.output.error_path)):
+        config.output.error_path = os.path.normpath(base / config.output.error_path)

@@ -29,7 +29,7 @@ from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
 from batchscore.plan.validate import token_ids_problem
 from batchscore.plan.types import Request
-from batchscore.prompts import PromptRenderer, label_token_ids
+from batchscore.prompts import PromptRenderer, RequestRenderer, label_token_ids
 
 log = logging.getLogger("batchscore")
 
@@ -119,6 +119,8 @@ def scoring_config(config: JobConfig) -> dict:
     are written, not how workers run (their number is part of a parts folder's identity)."""
     data = config.to_dict()
     data["output"] = {"keep_columns": data["output"]["keep_columns"]}
+    if config.output_format != "parquet":  # parquet: the identity outputs had before the key existed
+        data["output"].update(format=config.output_format, error_path=config.output_error_path)
     data.pop("executor")
     data.pop("model")  # by content, in the identity's model part
     data.pop("model_download")  # how the weights were found, not which
@@ -189,6 +191,8 @@ def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
     """The prompt renderer, or None when the input already carries token ids."""
     if config.input.token_ids_column is not None or config.input.synthetic is not None:
         return None
+    if config.input.format == "openai_batch":
+        return RequestRenderer(tokenizer)
     return PromptRenderer(tokenizer, config.prompt.template, system=config.prompt.system, chat=config.prompt.chat,
                           engine=config.prompt.engine)
 
@@ -223,8 +227,10 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
         return _prepare_synthetic(config)
     id_column = config.input.id_column
     keep_columns = list(config.output.keep_columns)
+    if config.input.format == "openai_batch" and config.output_format == "openai_batch" and "url" not in keep_columns:
+        keep_columns.append("url")  # chat or text completion, per request (io/formats.py)
     token_column = config.input.token_ids_column if tokenize else None
-    prompt_columns = [token_column] if token_column else renderer.template.columns if renderer and tokenize else []
+    prompt_columns = [token_column] if token_column else renderer.columns if renderer and tokenize else []
     needed = list(dict.fromkeys(([id_column] if id_column else []) + keep_columns + prompt_columns))
 
     ids, kept_tables, requests, errors = [], [], [], {}
@@ -299,7 +305,7 @@ def _select_kept(table: pa.Table, keep_columns: list[str]) -> pa.Table:
 
 
 def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int) -> list:
-    columns = [c for c in renderer.template.columns if c in batch.table.column_names]
+    columns = [c for c in renderer.columns if c in batch.table.column_names]
     rows = batch.table.select(columns).to_pylist()
     texts, positions = [], []
     for offset, (row, read_error) in enumerate(zip(rows, batch.row_errors)):

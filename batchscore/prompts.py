@@ -8,12 +8,13 @@ columns. `prompt.engine: jinja` renders with jinja2's sandbox instead (batchscor
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from batchscore.errors import LabelError, PromptTemplateError
+from batchscore.errors import LabelError, PromptTemplateError, RowRenderError
 
 
 PROMPT_ENGINES = ("format", "jinja")  # prompt.engine
@@ -99,6 +100,7 @@ class RenderedPrompt:
 
     text: str
     spans: list[tuple[int, int]]
+    chat: bool | None = None  # the text holds a chat template's tokens (None: the renderer's `chat`)
 
 
 class PromptRenderer:
@@ -106,15 +108,23 @@ class PromptRenderer:
 
     def __init__(self, tokenizer, template: str, *, system: str | None = None, chat: bool = False,
                  engine: str = "format"):
-        self.tokenizer = tokenizer
+        self._use_tokenizer(tokenizer)
         self.template = compile_template(template, engine)
         self.system = system
         self.chat = chat
+        if chat and not getattr(tokenizer, "chat_template", None):
+            raise PromptTemplateError("prompt.chat is true but the model's tokenizer has no chat template")
+
+    def _use_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
         specials = sorted({str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
                           | {str(t) for t in getattr(tokenizer, "get_added_vocab", dict)()}, key=len, reverse=True)
         self._special = re.compile("|".join(re.escape(t) for t in specials if t)) if specials else None
-        if chat and not getattr(tokenizer, "chat_template", None):
-            raise PromptTemplateError("prompt.chat is true but the model's tokenizer has no chat template")
+
+    @property
+    def columns(self) -> list[str]:
+        """The input columns a prompt is made of."""
+        return self.template.columns
 
     def text(self, row: dict[str, Any]) -> str:
         """The full prompt text for one row (chat template applied when asked)."""
@@ -146,14 +156,21 @@ class PromptRenderer:
         if not prompts:
             return []
         prompts = [p if isinstance(p, RenderedPrompt) else RenderedPrompt(p, []) for p in prompts]
-        result = self.tokenizer([p.text for p in prompts], add_special_tokens=not self.chat)["input_ids"]
+        result: list = [None] * len(prompts)
+        for chat in (True, False):  # a chat template's text already holds BOS and the like
+            at = [i for i, p in enumerate(prompts) if (self.chat if p.chat is None else p.chat) == chat]
+            if at:
+                encoded = self.tokenizer([prompts[i].text for i in at], add_special_tokens=not chat)["input_ids"]
+                for i, tokens in zip(at, encoded):
+                    result[i] = tokens
         for i, prompt in enumerate(prompts):
             if self._special is not None and any(self._special.search(prompt.text, a, b) for a, b in prompt.spans):
                 result[i] = self._encode_pieces(prompt)
         return result
 
     def _encode_pieces(self, prompt: RenderedPrompt) -> list[int]:
-        tokens = self.tokenizer("", add_special_tokens=not self.chat)["input_ids"]  # BOS, if the model adds one
+        chat = self.chat if prompt.chat is None else prompt.chat
+        tokens = self.tokenizer("", add_special_tokens=not chat)["input_ids"]  # BOS, if the model adds one
         at = 0
         for start, end in sorted(prompt.spans):
             if start > at:
@@ -164,6 +181,47 @@ class PromptRenderer:
         if at < len(prompt.text):
             tokens += self.tokenizer(prompt.text[at:], add_special_tokens=False)["input_ids"]
         return tokens
+
+
+class RequestRenderer(PromptRenderer):
+    """Prompts of OpenAI Batch requests (`input.format: openai_batch`, rows of
+    io.readers.OPENAI_BATCH_SCHEMA): `messages` through the model's chat template, or a plain
+    `prompt` (completions). Every message's content, and the whole plain prompt, is data."""
+
+    def __init__(self, tokenizer):
+        self._use_tokenizer(tokenizer)
+        self.system = None
+        self.chat = False
+
+    @property
+    def columns(self) -> list[str]:
+        return ["messages", "prompt"]
+
+    def prompt(self, row: dict[str, Any]) -> RenderedPrompt:
+        if row.get("messages") is None:
+            if row.get("prompt") is None:
+                raise KeyError("prompt")
+            return RenderedPrompt(row["prompt"], [(0, len(row["prompt"]))], chat=False)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise PromptTemplateError("input.format openai_batch: requests with body.messages need a model whose "
+                                      "tokenizer has a chat template")
+        messages = json.loads(row["messages"])
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        spans, at = [], 0
+        for message in messages:  # chat templates insert each content in order (some strip it)
+            content = message["content"]
+            if not content.strip():
+                continue  # nothing a special token could hide in
+            found = text.find(content, at)
+            if found < 0:
+                content = content.strip()
+                found = text.find(content, at)
+            if found < 0:
+                raise RowRenderError(f"the model's chat template changes the text of a {message['role']!r} "
+                                     "message; its data cannot be told from the template's own tokens")
+            spans.append((found, found + len(content)))
+            at = found + len(content)
+        return RenderedPrompt(text, spans, chat=True)
 
 
 def label_token_ids(tokenizer, labels: Sequence[str]) -> list[int]:

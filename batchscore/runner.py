@@ -30,7 +30,8 @@ from batchscore.faults import fault_point
 from batchscore.io.identity import identity_hash
 from batchscore.io.lock import OutputLock
 from batchscore.io.parts import Manifest, PartStore, completed_summary, write_completion_marker
-from batchscore.io.writer import results_table, write_parquet_atomic
+from batchscore.io.formats import write_output
+from batchscore.io.writer import results_table
 from batchscore.plan.placement import place_groups
 from batchscore.prepare import JobSource, PreparedJob, locate_job, prepare_job
 
@@ -291,7 +292,8 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
     if table.num_rows != prepared.num_rows:  # the invariant: every input row exactly once
         raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
     fault_point("assemble")
-    write_parquet_atomic(table, config.output.path)
+    write_output(table, config.output.path, config.output_format, id_name=id_name, labels=config.labels,
+                 model=str(config.model), error_path=config.output_error_path)
     fault_point("output")
     return errors
 

@@ -1,4 +1,5 @@
-"""Input readers: Parquet and JSONL files (one file, a folder or a glob) as Arrow record batches."""
+"""Input readers: Parquet, JSONL and OpenAI Batch files (one file, a folder or a glob) as Arrow
+record batches."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def iter_batches(files: list[tuple[Path, str]], batch_rows: int) -> Iterator[Inp
     for path, fmt in files:
         if fmt == "parquet":
             yield from _parquet_batches(path, batch_rows)
+        elif fmt == "openai_batch":
+            yield from _jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA)
         else:
             yield from _jsonl_batches(path, batch_rows)
 
@@ -84,8 +87,9 @@ def _parquet_batches(path: Path, batch_rows: int) -> Iterator[InputBatch]:
         line += table.num_rows
 
 
-def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[InputBatch]:
-    """Parse JSON Lines one line at a time so a bad line becomes a row error, not a lost file."""
+def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema | None = None) -> Iterator[InputBatch]:
+    """Parse JSON Lines one line at a time so a bad line becomes a row error, not a lost file.
+    `convert(value) -> (row, problem)` turns each parsed object into a row of `schema`."""
     rows: list[dict] = []
     errors: list[str | None] = []
     first_line = 1
@@ -102,13 +106,16 @@ def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[InputBatch]:
             if not rows:
                 first_line = number
             row, error = _parse_json_line(raw, path, number)
+            if convert is not None:
+                row, problem = convert(row) if error is None else ({}, None)
+                error = error or (f"{path}:{number}: {problem}" if problem else None)
             rows.append(row)
             errors.append(error)
             if len(rows) >= batch_rows:
-                yield InputBatch(path, first_line, _rows_to_table(rows, path), errors)
+                yield InputBatch(path, first_line, _rows_to_table(rows, path, schema), errors)
                 rows, errors = [], []
     if rows:
-        yield InputBatch(path, first_line, _rows_to_table(rows, path), errors)
+        yield InputBatch(path, first_line, _rows_to_table(rows, path, schema), errors)
 
 
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -130,10 +137,13 @@ def _parse_json_line(raw: bytes, path: Path, number: int) -> tuple[dict, str | N
     return value, None
 
 
-def _rows_to_table(rows: list[dict], path: Path) -> pa.Table:
+def _rows_to_table(rows: list[dict], path: Path, schema: pa.Schema | None = None) -> pa.Table:
     """One column per key seen in ANY row (a row without the key gets null there), so neither a
     bad first line nor a key missing from the first row can drop data. A column whose values
-    have mixed types (a number on one line, text on another) is read as text."""
+    have mixed types (a number on one line, text on another) is read as text. With `schema`,
+    exactly its columns."""
+    if schema is not None:
+        return pa.Table.from_pylist(rows, schema=schema)
     names = list(dict.fromkeys(key for row in rows for key in row))
     columns = {}
     for name in names:
@@ -153,3 +163,67 @@ def _to_text(value):
     if isinstance(value, (list, dict)):
         return json.dumps(value)
     return str(value)
+
+
+# --- OpenAI Batch API request files -----------------------------------------------------------
+
+# One request per line: {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
+# "body": {"model": ..., "messages": [...]}} or, for /v1/completions, "body": {"prompt": ...}.
+OPENAI_BATCH_SCHEMA = pa.schema([
+    ("custom_id", pa.string()), ("method", pa.string()), ("url", pa.string()), ("model", pa.string()),
+    ("messages", pa.string()),  # JSON text: [{"role": ..., "content": "..."}], contents as plain text
+    ("prompt", pa.string()),
+])
+
+
+def openai_request(value: dict) -> tuple[dict, str | None]:
+    """One OpenAI Batch request line as a row of OPENAI_BATCH_SCHEMA, and the problem that keeps
+    it from being scored (None if it can be). The row keeps its custom_id even when it fails,
+    so its error is reported under that id."""
+    custom_id = value.get("custom_id")
+    row = {"custom_id": custom_id if isinstance(custom_id, str) else None,
+           "method": _text_or_none(value.get("method")), "url": _text_or_none(value.get("url"))}
+    if not isinstance(custom_id, str) or not custom_id:
+        return row, "custom_id: missing or not a string"
+    body = value.get("body")
+    if not isinstance(body, dict):
+        return row, "body: missing or not an object"
+    row["model"] = _text_or_none(body.get("model"))
+    if body.get("messages") is not None:
+        messages, problem = _chat_messages(body["messages"])
+        if problem:
+            return row, f"body.messages: {problem}"
+        row["messages"] = json.dumps(messages, ensure_ascii=False)
+    elif body.get("prompt") is not None:
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            return row, "body.prompt: must be one string (a request scores one prompt)"
+        row["prompt"] = prompt
+    else:
+        return row, "body: has neither messages (chat completions) nor prompt (completions)"
+    return row, None
+
+
+def _chat_messages(messages) -> tuple[list[dict], str | None]:
+    if not isinstance(messages, list) or not messages:
+        return [], "must be a non-empty list of {role, content} objects"
+    result = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return [], f"message {i} has no role"
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                return [], f"message {i}: only text content parts can be scored"
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            return [], f"message {i} has no text content"
+        result.append({"role": message["role"], "content": content})
+    return result, None
+
+
+def _text_or_none(value):
+    return value if isinstance(value, str) else None

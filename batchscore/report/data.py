@@ -35,19 +35,15 @@ class ScoredOutput:
 
 
 def load_output(path: str | os.PathLike, id_column: str | None = None) -> ScoredOutput:
-    """Read an output file. The labels are the `p_*` columns just before `label` (the writer's
-    layout); the id column is `id_column` or the first column; the other columns are keep columns.
-    Raises ReportError for a missing file or one that is not a batchscore output."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    """Read an output file: Parquet, JSON Lines, or an OpenAI Batch output (with the failed rows
+    from its error file next to it, `<stem>.errors.jsonl`, if there). The labels are the `p_*`
+    columns just before `label` (the writer's layout); the id column is `id_column` or the first
+    column; the other columns are keep columns. Raises ReportError for a missing file or one that
+    is not a batchscore output."""
     path = Path(path)
     if not path.is_file():
         raise ReportError(f"output not found: {path}")
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise ReportError(f"{path}: not a readable Parquet file ({exc})") from None
+    table = _read_table(path)
     names = table.column_names
     missing = [c for c in RESULT_COLUMNS if c not in names]
     if missing:
@@ -65,7 +61,8 @@ def load_output(path: str | os.PathLike, id_column: str | None = None) -> Scored
     elif id_column not in names:
         raise ReportError(f"--id-column {id_column!r} is not a column of {path} (columns: {names})")
     ids = table.column(id_column).to_pylist()
-    if len(set(ids)) != len(ids):
+    present = [i for i in ids if i is not None]  # a line that could not be read has no id
+    if len(set(present)) != len(present):
         raise ReportError(f"{path}: id column {id_column!r} has duplicate values; pass --id-column")
 
     def floats(name: str) -> np.ndarray:
@@ -84,6 +81,54 @@ def load_output(path: str | os.PathLike, id_column: str | None = None) -> Scored
         error=table.column("error").to_pylist(),
         kept={name: table.column(name).to_pylist() for name in names if name not in result},
     )
+
+
+def _read_table(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with path.open("rb") as handle:
+        parquet = handle.read(4) == b"PAR1"
+    try:
+        if parquet:
+            return pq.read_table(path)
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ReportError(f"{path}: not a readable Parquet or JSON Lines file ({exc})") from None
+    if rows and isinstance(rows[0], dict) and {"custom_id", "response"} <= set(rows[0]):
+        return _openai_batch_table(path, rows)
+    try:
+        return pa.Table.from_pylist(rows)
+    except (pa.ArrowException, TypeError) as exc:
+        raise ReportError(f"{path}: JSON lines that do not form one table ({exc})") from None
+
+
+def _openai_batch_table(path: Path, rows: list[dict]):
+    """An OpenAI Batch output (io/formats.py) and its error file as the writer's table layout."""
+    import pyarrow as pa
+
+    stem = path.name[: -len(path.suffix)] if path.suffix.lower() in (".jsonl", ".ndjson") else path.name
+    errors_file = path.with_name(stem + ".errors.jsonl")
+    failed = [json.loads(line) for line in errors_file.read_text(encoding="utf-8").splitlines()
+              if line.strip()] if errors_file.is_file() else []
+    labels = list(next((r["response"]["body"].get("scores", {}) for r in rows), {}))
+    if not labels:
+        raise ReportError(f"{path}: an OpenAI Batch output without batchscore's scores (not written by batchscore)")
+    columns: dict[str, list] = {"custom_id": [], **{f"p_{label}": [] for label in labels},
+                                "label": [], "label_mass": [], "status": [], "error": []}
+    for row in rows + failed:
+        body = (row.get("response") or {}).get("body") or {}
+        ok = (row.get("response") or {}).get("status_code") == 200 and "scores" in body
+        columns["custom_id"].append(row.get("custom_id"))
+        for label in labels:
+            columns[f"p_{label}"].append(body["scores"].get(label) if ok else None)
+        choice = (body.get("choices") or [{}])[0] if ok else {}
+        columns["label"].append((choice.get("message") or {}).get("content", choice.get("text")) if ok else None)
+        columns["label_mass"].append(body.get("label_mass") if ok else None)
+        columns["status"].append("ok" if ok else "error")
+        error = (body.get("error") or {}).get("message") or (row.get("error") or {}).get("message")
+        columns["error"].append(None if ok else error or "failed")
+    return pa.table(columns)
 
 
 def metrics_candidates(output: str | os.PathLike) -> list[Path]:

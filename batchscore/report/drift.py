@@ -100,7 +100,8 @@ def compare(previous, current, top: int = 20) -> Drift:
     labels = [label for label in current.labels if label in previous.labels]
     prev_ids, cur_ids = _comparable_ids(previous.ids, current.ids)
     prev_index = {value: i for i, value in enumerate(prev_ids)}
-    joined = [(prev_index[value], j) for j, value in enumerate(cur_ids) if value in prev_index]
+    joined = [(prev_index[value], j) for j, value in enumerate(cur_ids)
+              if value is not None and value in prev_index]  # a row without an id joins nothing
     compared, flips, became_error, became_ok = [], 0, 0, 0
     flip_counts: dict[tuple[str, str], int] = {}
     for i, j in joined:
@@ -140,7 +141,8 @@ def _comparable_ids(previous: list, current: list) -> tuple[list, list]:
     types = {type(v) for v in previous if v is not None} | {type(v) for v in current if v is not None}
     if len(types) <= 1 or types <= {int, float}:
         return previous, current
-    return [str(v) for v in previous], [str(v) for v in current]
+    return ([None if v is None else str(v) for v in previous],
+            [None if v is None else str(v) for v in current])
 
 
 def describe_psi(value: float | None) -> str:
