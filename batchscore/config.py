@@ -104,6 +104,7 @@ class InputConfig:
     token_ids_column: str | None = None  # pre-tokenized prompts: no template or tokenizer needed
     batch_rows: int = 8192  # rows per Arrow record batch while reading
     synthetic: SyntheticInput | None = None
+    filter: dict[str, Any] = field(default_factory=dict)  # hive partition column -> value or [values]
 
 
 @dataclass
@@ -223,7 +224,7 @@ def load_job(path: str | os.PathLike, overrides: dict[str, str] | None = None,
     config = config_from_dict(raw, source=str(path), allow_code=allow_code)
     _resolve_relative_paths(config, path.parent)
     if output is not None:  # given on the command line: relative to the working folder
-        config.output.path = output
+        config.output.path = local_path(output)
     return config
 
 
@@ -237,9 +238,23 @@ def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code:
         problems.extend(_vllm_args_problems(config.engine.vllm_args, allow_code))
     if problems:
         raise JobConfigError(problems, source)
+    config.input.path = local_path(config.input.path)
+    config.output.path = local_path(config.output.path)
+    # partition values are text (a YAML date such as 2026-11-25 included)
+    config.input.filter = {str(k): [str(v) for v in want] if isinstance(want, list) else str(want)
+                           for k, want in config.input.filter.items()}
     if config.input.format == "openai_batch" and config.input.id_column is None:
         config.input.id_column = "custom_id"  # each request's own id
     return config
+
+
+def local_path(path: str | None) -> str | None:
+    """A `file://` URL as the local path it names; anything else as it is."""
+    if path is not None and path.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return unquote(urlparse(path).path)
+    return path
 
 
 def parse_set_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
@@ -346,6 +361,10 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append(f"input.format: must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
     if inp.batch_rows < 1:
         problems.append("input.batch_rows: must be ≥ 1")
+    for key, want in inp.filter.items():
+        values = want if isinstance(want, list) else [want]
+        if not values or any(isinstance(v, (dict, list)) or v is None for v in values):
+            problems.append(f"input.filter.{key}: a partition value or a list of them, got {want!r}")
     if inp.synthetic is not None:
         from batchscore.synthetic import WORKLOADS
 

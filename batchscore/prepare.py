@@ -24,7 +24,7 @@ from batchscore.engines import kv_block_size, resolve_engine_kind
 from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import InputError, OutputError, RowRenderError
 from batchscore.io.identity import input_identity, model_identity, software_versions
-from batchscore.io.readers import InputBatch, discover_files, iter_batches
+from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
 from batchscore.plan.validate import token_ids_problem
@@ -96,7 +96,8 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
         if not config.output.path:
             raise InputError("output.path is not set (set it in the job file or pass --output)")
         check_output_path(config.output.path)
-    files = [] if config.input.synthetic else discover_files(config.input.path, config.input.format)
+    files = [] if config.input.synthetic else discover_files(config.input.path, config.input.format,
+                                                             config.input.filter)
     if for_output:
         _check_output_outside_input(config, [f for f, _ in files])
     kind = resolve_engine_kind(config.engine.kind)
@@ -124,6 +125,8 @@ def scoring_config(config: JobConfig) -> dict:
     data.pop("executor")
     data.pop("model")  # by content, in the identity's model part
     data.pop("model_download")  # how the weights were found, not which
+    if not data["input"]["filter"]:
+        del data["input"]["filter"]  # no filter: the identity outputs had before the key existed
     if data["prompt"]["engine"] == "format":
         del data["prompt"]["engine"]  # the default: outputs and parts from before the key stay valid
     return data
@@ -236,7 +239,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     ids, kept_tables, requests, errors = [], [], [], {}
     row_id = 0
     saw_rows = False
-    for batch in iter_batches(files, config.input.batch_rows):
+    for batch in iter_batches(files, config.input.batch_rows, columns=needed, base=input_base(config.input.path)):
         n = batch.table.num_rows
         if n == 0:
             continue
@@ -287,7 +290,7 @@ def _check_columns(batch: InputBatch, needed: list[str]) -> None:
     if missing and all(e is None for e in batch.row_errors):
         raise InputError(
             f"{batch.file}: column(s) {missing} not found (used by the template, id_column, "
-            f"token_ids_column or keep_columns); the file has columns {sorted(names)}"
+            f"token_ids_column or keep_columns); the file has columns {sorted(batch.available or names)}"
         )
 
 

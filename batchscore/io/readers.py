@@ -1,15 +1,24 @@
 """Input readers: Parquet, JSONL and OpenAI Batch files (one file, a folder or a glob) as Arrow
-record batches."""
+record batches.
+
+Parquet goes through `pyarrow.dataset`: only the columns a job uses are read (projection), the
+schemas of all files are unified (a column missing from a file is null there; types that cannot
+be promoted are read as text), and hive partition folders (`date=2026-11-25/`) below the input
+folder become text columns, which `input.filter` selects files by. JSONL is parsed line by line
+so that a bad line is that row's error, never a lost file.
+"""
 
 from __future__ import annotations
 
 import glob as globlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchscore.errors import InputError
@@ -23,12 +32,14 @@ class InputBatch:
 
     file: Path
     first_line: int  # 1-based line / row number of the batch's first row inside `file`
-    table: pa.Table
+    table: pa.Table  # the requested columns the input has
     row_errors: list[str | None] = field(default_factory=list)
+    available: list[str] | None = None  # every column the input has (None: the table's)
 
 
-def discover_files(path: str, fmt: str = "auto") -> list[tuple[Path, str]]:
-    """Resolve `path` (file, folder or glob) to sorted (file, format) pairs; raises InputError."""
+def discover_files(path: str, fmt: str = "auto", filter: dict | None = None) -> list[tuple[Path, str]]:
+    """Resolve `path` (file, folder or glob) to sorted (file, format) pairs, keeping only the
+    files whose hive partitions match `filter` ({column: value or [values]}); raises InputError."""
     p = Path(path).expanduser()
     if any(ch in path for ch in "*?["):
         candidates = [Path(x) for x in sorted(globlib.glob(str(p), recursive=True))]
@@ -51,40 +62,142 @@ def discover_files(path: str, fmt: str = "auto") -> list[tuple[Path, str]]:
             raise InputError(f"{candidate}: unknown file type {candidate.suffix!r}; "
                              "use .parquet or .jsonl, or set input.format")
         files.append((candidate, detected))
+    if filter:
+        files = _filter_partitions(files, input_base(path), filter, path)
     return files
 
 
-def iter_batches(files: list[tuple[Path, str]], batch_rows: int) -> Iterator[InputBatch]:
-    """Yield record batches of every file in order; raises InputError for unreadable files."""
-    for path, fmt in files:
+def input_base(path: str) -> Path | None:
+    """The folder hive partitions are found below: the input folder, or a glob's leading folders
+    without wildcards; None for a single file."""
+    p = Path(path).expanduser()
+    if any(ch in path for ch in "*?["):
+        fixed = []
+        for part in p.parts:
+            if any(ch in part for ch in "*?["):
+                break
+            fixed.append(part)
+        return Path(*fixed) if fixed else Path(".")
+    return p if p.is_dir() else None
+
+
+def partition_values(files: list[Path], base: Path | None) -> list[dict[str, str | None]]:
+    """Each file's hive partitions (`key=value` folders below `base`) as text, parsed by
+    pyarrow.dataset.HivePartitioning (URL-decoded; `__HIVE_DEFAULT_PARTITION__` is null)."""
+    if base is None:
+        return [{} for _ in files]
+    folders = [Path(os.path.relpath(f.parent, base)).as_posix() for f in files]
+    names = list(dict.fromkeys(seg.split("=", 1)[0] for folder in folders for seg in folder.split("/") if "=" in seg))
+    if not names:
+        return [{} for _ in files]
+    hive = ds.HivePartitioning(pa.schema([(name, pa.string()) for name in names]))
+    return [ds.get_partition_keys(hive.parse(f"/{folder}/")) for folder in folders]
+
+
+def _filter_partitions(files: list[tuple[Path, str]], base: Path | None, filter: dict, path: str) -> list[tuple[Path, str]]:
+    values = partition_values([f for f, _ in files], base)
+    names = {name for v in values for name in v}
+    unknown = [key for key in filter if key not in names]
+    if unknown:
+        raise InputError(f"input.filter: {unknown} are not partition columns of {path} (its key=value folders: "
+                         f"{sorted(names) or 'none'})")
+    allowed = {key: {str(v) for v in (want if isinstance(want, list) else [want])} for key, want in filter.items()}
+    kept = [f for f, v in zip(files, values) if all(str(v.get(k)) in ok for k, ok in allowed.items())]
+    if not kept:
+        raise InputError(f"input.filter {filter}: no file of {path} is in those partitions")
+    return kept
+
+
+def iter_batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None = None,
+                 base: Path | None = None) -> Iterator[InputBatch]:
+    """Yield record batches of every file in order, with only `columns` (None: all) and the hive
+    partition columns of folders below `base`; raises InputError for unreadable files."""
+    partitions = partition_values([f for f, _ in files], base)
+    parquet = [(f, p) for (f, fmt), p in zip(files, partitions) if fmt == "parquet"]
+    scan = _ParquetScan(parquet, base, columns) if parquet else None
+    for (path, fmt), values in zip(files, partitions):
         if fmt == "parquet":
-            yield from _parquet_batches(path, batch_rows)
-        elif fmt == "openai_batch":
-            yield from _jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA)
-        else:
-            yield from _jsonl_batches(path, batch_rows)
+            yield from scan.batches(path, batch_rows)
+            continue
+        lines = _jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA) if fmt == "openai_batch" \
+            else _jsonl_batches(path, batch_rows)
+        for batch in lines:
+            yield _with_partitions(batch, values, columns)
+
+
+def _with_partitions(batch: InputBatch, values: dict, columns: list[str] | None) -> InputBatch:
+    """A JSONL batch with its file's partition columns (a key of the rows wins), only `columns`."""
+    table = batch.table
+    for name, value in values.items():
+        if name not in table.column_names:
+            table = table.append_column(name, pa.array([value] * table.num_rows, type=pa.string()))
+    available = table.column_names
+    if columns is not None:
+        table = table.select([c for c in columns if c in available])
+    return InputBatch(batch.file, batch.first_line, table, batch.row_errors, available)
 
 
 _ARROW_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
 
 
-def _parquet_batches(path: Path, batch_rows: int) -> Iterator[InputBatch]:
+class _ParquetScan:
+    """The Parquet files of an input as one pyarrow dataset: one unified schema (plus the hive
+    partition columns), read file by file (fragment by fragment) so that errors name the file
+    and row, with only the requested columns."""
+
+    def __init__(self, files: list[tuple[Path, dict]], base: Path | None, columns: list[str] | None):
+        schemas = []
+        for path, _ in files:
+            try:
+                schemas.append(pq.read_schema(path))
+            except _ARROW_READ_ERRORS as exc:
+                raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
+        schema = _unify(schemas)
+        names = list(dict.fromkeys(name for _, values in files for name in values))
+        extra = [pa.field(name, pa.string()) for name in names if name not in schema.names]  # a data column wins
+        self.schema = pa.schema(list(schema) + extra)
+        hive = ds.HivePartitioning(pa.schema(extra)) if extra else None
+        dataset = ds.dataset([str(Path(p).resolve()) for p, _ in files], format="parquet", schema=self.schema,
+                             partitioning=hive, partition_base_dir=str(base.resolve()) if hive else None)
+        by_path = {fragment.path: fragment for fragment in dataset.get_fragments()}
+        self.fragments = {p: by_path[str(Path(p).resolve())] for p, _ in files}
+        self.columns = self.schema.names if columns is None else [c for c in columns if c in self.schema.names]
+
+    def batches(self, path: Path, batch_rows: int) -> Iterator[InputBatch]:
+        line = 1
+        batches = self.fragments[path].to_batches(schema=self.schema, columns=self.columns, batch_size=batch_rows)
+        while True:
+            try:  # a file damaged after its footer fails here, in the middle of reading
+                batch = next(batches, None)
+            except _ARROW_READ_ERRORS as exc:
+                raise InputError(f"{path}: not a readable Parquet file: rows from {line} on cannot be read ({exc})") from None
+            if batch is None:
+                return
+            if batch.num_rows == 0:
+                continue
+            table = pa.Table.from_batches([batch])
+            yield InputBatch(path, line, table, [None] * table.num_rows, self.schema.names)
+            line += table.num_rows
+
+
+def _unify(schemas: list[pa.Schema]) -> pa.Schema:
+    """One schema for all files: each column's types promoted (int32 + int64 → int64, a null
+    column → the other type), or read as text when they cannot be."""
     try:
-        parquet = pq.ParquetFile(path)
-    except _ARROW_READ_ERRORS as exc:
-        raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
-    line = 1
-    batches = parquet.iter_batches(batch_size=batch_rows)
-    while True:
-        try:  # a file damaged after its footer fails here, in the middle of reading
-            batch = next(batches, None)
-        except _ARROW_READ_ERRORS as exc:
-            raise InputError(f"{path}: not a readable Parquet file: rows from {line} on cannot be read ({exc})") from None
-        if batch is None:
-            return
-        table = pa.Table.from_batches([batch])
-        yield InputBatch(path, line, table, [None] * table.num_rows)
-        line += table.num_rows
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        pass
+    fields: dict[str, list[pa.Field]] = {}
+    for schema in schemas:
+        for f in schema:
+            fields.setdefault(f.name, []).append(f)
+    unified = []
+    for name, group in fields.items():
+        try:
+            unified.append(pa.unify_schemas([pa.schema([f]) for f in group], promote_options="permissive").field(0))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            unified.append(pa.field(name, pa.string()))
+    return pa.schema(unified)
 
 
 def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema | None = None) -> Iterator[InputBatch]:
