@@ -1,0 +1,251 @@
+"""Speculative prefill: kept-token sets, original position ids, the group union, token importance
+against eager attention, and keep 1.0 reproducing the exact scores (tiny random models)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchscore.engines.kept_tokens import (
+    DISTINCT,
+    EXACT,
+    SHARED,
+    SINK_TOKENS,
+    GroupDecision,
+    PrunedGroup,
+    SpecPrefillOptions,
+    decide,
+    drop_stats,
+    forced_mask,
+    kept_count,
+    prune_group,
+    select_kept,
+    speculator_shape,
+)
+from batchscore.engines.shape import ModelShape
+from batchscore.engines.torch_engine import TorchEngine
+from batchscore.plan.types import GroupMember, PrefixGroup
+from tests.test_hybrid_prefill import max_dp
+from tests.test_torch_engine import LABELS, VOCAB, make_groups, tiny_model
+
+EXACT_TOLERANCE = 1e-5  # keep 1.0 against the exact engine, float32
+POSITION_TOLERANCE = 1e-4  # pruned groups against a plain forward of the kept tokens, float32
+NO_SPECIALS = np.zeros(0, np.int64)
+
+
+def tokens(rng, n: int) -> np.ndarray:
+    return rng.integers(20, VOCAB, n, dtype=np.int32)  # ids < 20 are free for "special" tokens
+
+
+# ------------------------------------------------------------------------------ kept-token sets
+
+
+def test_forced_tokens_are_sink_specials_and_last_chunk():
+    prompt = np.array([1, 50, 51, 52, 53, 54, 7, 55, 56, 57, 58, 59, 60, 61, 62, 63], np.int32)
+    forced = forced_mask(prompt, np.array([7]), chunk=3)
+    assert np.flatnonzero(forced).tolist() == [*range(SINK_TOKENS), 6, 13, 14, 15]
+    # a shared prefix keeps the tail before each member's end that falls inside it
+    forced = forced_mask(prompt[:12], NO_SPECIALS, chunk=3, ends=[13, 20])
+    assert np.flatnonzero(forced).tolist() == [0, 1, 2, 3, 10, 11]
+
+
+def test_select_kept_takes_top_chunks_to_the_exact_budget():
+    n, chunk = 40, 4
+    importance = np.zeros(n)
+    importance[16:20] = 1.0  # chunk 4: the most important
+    importance[28:32] = 0.5  # chunk 7: second
+    importance[9] = 0.3  # chunk 2: third (mean 0.075)
+    forced = forced_mask(np.full(n, 99, np.int32), NO_SPECIALS, chunk)  # sink 0..3, last chunk 36..39
+    kept = select_kept(importance, forced, keep=0.3, chunk=chunk)  # budget ceil(12) = 12 = 8 forced + 4
+    assert kept.tolist() == [0, 1, 2, 3, 16, 17, 18, 19, 36, 37, 38, 39]
+    kept = select_kept(importance, forced, keep=0.45, chunk=chunk)  # 18 = 8 + chunk 4 + chunk 7 + 2 of chunk 2
+    assert kept.tolist() == [0, 1, 2, 3, 8, 9, 16, 17, 18, 19, 28, 29, 30, 31, 36, 37, 38, 39]
+    assert len(kept) == kept_count(n, int(forced.sum()), 0.45)
+    # forced tokens over the budget: exactly the forced ones
+    assert select_kept(importance, forced, keep=0.1, chunk=chunk).tolist() == np.flatnonzero(forced).tolist()
+    assert select_kept(importance, forced, keep=1.0, chunk=chunk).tolist() == list(range(n))
+
+
+def test_group_union_keeps_what_any_member_needs():
+    rng = np.random.default_rng(0)
+    group = PrefixGroup(tokens(rng, 64), [GroupMember(0, tokens(rng, 5)), GroupMember(1, tokens(rng, 7))])
+    options = SpecPrefillOptions(keep=0.25, chunk=8, pool=1)  # prefix budget 16 = sink 4 + 12
+    decision = decide(group, options, NO_SPECIALS, speculator_cost=0.0)
+    assert decision.mode == SHARED
+    first, second = np.zeros(69), np.zeros(71)
+    first[16:24] = 1.0  # member 0 reads prefix chunk 2
+    second[40:48] = 0.9  # member 1 reads prefix chunk 5
+    second[16:24] = 0.1
+    pruned = prune_group(group, decision, [first, second], options)
+    # sink, the prefix tail before member 0's end (its suffix is shorter than a chunk), then the
+    # union's top chunks: all of member 0's chunk 2, and the one token left of member 1's chunk 5
+    assert pruned.prefix_positions.tolist() == [0, 1, 2, 3, *range(16, 24), 40, 61, 62, 63]
+    assert len(pruned.prefix_positions) == kept_count(64, int(decision.prefix_forced.sum()), 0.25) == 16
+    assert np.array_equal(pruned.prefix, group.prefix[pruned.prefix_positions])
+    # suffixes are whole, at their original positions after the full prefix
+    assert [m.suffix.tolist() for m in pruned.members] == [m.suffix.tolist() for m in group.members]
+    assert pruned.member_positions[0].tolist() == list(range(64, 69))
+    assert pruned.member_positions[1].tolist() == list(range(64, 71))
+
+
+def test_decide_picks_the_cheaper_mode():
+    rng = np.random.default_rng(1)
+    options = SpecPrefillOptions(keep=0.3, chunk=8)
+    long_prefix = PrefixGroup(tokens(rng, 400), [GroupMember(i, tokens(rng, 10)) for i in range(4)])
+    short_prefix = PrefixGroup(tokens(rng, 20), [GroupMember(i, tokens(rng, 300)) for i in range(4)])
+    plain = PrefixGroup(np.zeros(0, np.int32), [GroupMember(i, tokens(rng, 200)) for i in range(3)])
+    tiny = PrefixGroup(np.zeros(0, np.int32), [GroupMember(0, tokens(rng, 10))])
+    assert decide(long_prefix, options, NO_SPECIALS, 0.25).mode == SHARED
+    assert decide(short_prefix, options, NO_SPECIALS, 0.25).mode == DISTINCT
+    assert decide(plain, options, NO_SPECIALS, 0.25).mode == DISTINCT
+    assert decide(tiny, options, NO_SPECIALS, 0.25).mode == EXACT  # all forced: nothing to drop
+    assert decide(plain, SpecPrefillOptions(keep=1.0), NO_SPECIALS, 0.25).mode == EXACT
+    assert decide(plain, SpecPrefillOptions(keep=0.9, chunk=8), NO_SPECIALS, 0.5).mode == EXACT  # speculator costs more
+
+
+# ------------------------------------------------------------------------------ original positions
+
+
+@torch.inference_mode()
+def reference_on_kept(model, pruned: PrunedGroup, labels) -> dict[int, np.ndarray]:
+    """log P(label) of a plain forward of each member's kept tokens at their original positions."""
+    out = {}
+    for index, member in enumerate(pruned.members):
+        ids = np.concatenate([pruned.prefix, member.suffix]).astype(np.int64)
+        positions = np.concatenate([pruned.prefix_positions, pruned.member_positions[index]])
+        logits = model(input_ids=torch.from_numpy(ids)[None], position_ids=torch.from_numpy(positions)[None]).logits
+        out[member.row_id] = torch.log_softmax(logits[0, -1].float(), dim=-1)[labels].numpy()
+    return out
+
+
+def random_pruned_groups(seed: int = 3) -> list[PrunedGroup]:
+    """Shared and distinct pruned groups with random kept sets (positions with gaps)."""
+    rng = np.random.default_rng(seed)
+
+    def kept(n: int, fraction: float) -> np.ndarray:
+        chosen = rng.random(n) < fraction
+        chosen[-1] = True
+        return np.flatnonzero(chosen)
+
+    groups = []
+    for prefix_len, suffixes in [(90, [6, 0, 30, 1, 12]), (70, [60, 3])]:  # a long suffix (> budget 48) too
+        prefix = tokens(rng, prefix_len)
+        members = [GroupMember(10 * len(groups) + i, tokens(rng, n)) for i, n in enumerate(suffixes)]
+        positions = kept(prefix_len, 0.4)
+        groups.append(PrunedGroup(prefix[positions], members, prefix_positions=positions,
+                                  member_positions=[np.arange(prefix_len, prefix_len + n) for n in suffixes],
+                                  mode=SHARED))
+    members, member_positions = [], []
+    for i, n in enumerate([50, 80, 9, 120]):
+        positions = kept(n, 0.5)
+        members.append(GroupMember(100 + i, tokens(rng, n)[positions]))
+        member_positions.append(positions)
+    groups.append(PrunedGroup(np.zeros(0, np.int32), members, member_positions=member_positions, mode=DISTINCT))
+    return groups
+
+
+@pytest.mark.parametrize("budget, hybrid", [(48, None), (48, 7), (4096, None)])
+def test_pruned_groups_run_at_their_original_positions(budget, hybrid):
+    """Kept tokens at their original position ids: a pruned prefix in chunks, suffixes starting at
+    the original prefix length, pruned whole prompts, long suffixes, ride-along prefixes (budget
+    4096) and hybrid prefilling all equal a plain forward of the kept tokens with those ids."""
+    groups = random_pruned_groups()
+    reference = {}
+    for group in groups:
+        reference.update(reference_on_kept(tiny_model("llama"), group, LABELS))
+    engine = TorchEngine(tiny_model("llama"), token_budget=budget, hybrid_chunk=hybrid)
+    results = list(engine.score(groups, LABELS))
+    assert [r.row_id for r in results] == [m.row_id for g in groups for m in g.members]
+    worst = max(np.abs(np.exp(r.log_probs) - np.exp(reference[r.row_id] - np.logaddexp.reduce(reference[r.row_id]))).max()
+                for r in results)
+    assert worst <= POSITION_TOLERANCE
+    assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)
+    # the positions matter: the same kept tokens renumbered from 0 score differently
+    group = groups[-1]
+    shifted = PrunedGroup(group.prefix, group.members, member_positions=[np.arange(len(m.suffix)) for m in group.members])
+    moved = list(TorchEngine(tiny_model("llama"), token_budget=budget).score([shifted], LABELS))
+    assert max_dp(moved, results[-len(moved):]) > 1e-3
+
+
+# ------------------------------------------------------------------------------ keep 1.0 and importance
+
+
+def exact_and_speculative(groups, keep: float, **engine_options):
+    exact = list(TorchEngine(tiny_model("llama"), token_budget=48, **engine_options).score(groups, LABELS))
+    options = SpecPrefillOptions(keep=keep, speculator="layers:1", chunk=4, pool=3)
+    engine = TorchEngine(tiny_model("llama"), token_budget=48, speculative=options, **engine_options)
+    return exact, list(engine.score(groups, LABELS)), engine
+
+
+def test_keep_one_reproduces_exact_scores():
+    groups = make_groups()
+    exact, approx, engine = exact_and_speculative(groups, keep=1.0)
+    assert max_dp(approx, exact) <= EXACT_TOLERANCE
+    assert engine.speculator.metrics.groups == {EXACT: len(groups)}  # nothing to drop: no speculator pass
+    # the pruned path itself, with every token kept, equals the exact engine too
+    options = SpecPrefillOptions(keep=1.0, chunk=4)
+    full = []
+    for group in groups:
+        ones = [np.ones(group.prefix_len + len(m.suffix)) for m in group.members]
+        for mode in (SHARED, DISTINCT) if group.prefix_len else (DISTINCT,):
+            forced = forced_mask(group.prefix, NO_SPECIALS, 4, [group.prefix_len + len(m.suffix) for m in group.members])
+            member_forced = tuple(forced_mask(group.full_prompt(m), NO_SPECIALS, 4) for m in group.members)
+            decision = GroupDecision(mode, 0, 0, 0, prefix_forced=forced, member_forced=member_forced)
+            full.append(prune_group(group, decision, ones, options))
+    by_row = {r.row_id: r for r in exact}
+    results = list(TorchEngine(tiny_model("llama"), token_budget=48).score(full, LABELS))
+    assert max_dp(results, [by_row[r.row_id] for r in results]) <= EXACT_TOLERANCE
+
+
+def test_dropping_changes_scores_and_counts_what_the_plan_predicts():
+    groups = make_groups()
+    exact, approx, engine = exact_and_speculative(groups, keep=0.3)
+    assert [r.row_id for r in approx] == [r.row_id for r in exact]
+    assert max_dp(approx, exact) > 1e-3  # approximate (random weights)
+    shape = ModelShape.from_config(engine.model.config)
+    options = engine.speculator.options
+    stats = drop_stats(groups, options, shape, NO_SPECIALS, len(LABELS), speculator_shape(shape, options))
+    assert engine.metrics.processed_tokens == stats.main_tokens < stats.main_tokens_exact
+    assert engine.speculator.metrics.context_tokens <= stats.speculator_tokens
+
+
+@pytest.mark.parametrize("hybrid, memory", [(7, None), (None, 64 * 2**20)])
+def test_speculative_composes_with_hybrid_prefilling_and_memory_batching(hybrid, memory):
+    groups = make_groups(seed=4)
+    _, plain, _ = exact_and_speculative(groups, keep=0.3)
+    _, composed, engine = exact_and_speculative(groups, keep=0.3, hybrid_chunk=hybrid, memory_budget=memory)
+    assert max_dp(composed, plain) <= EXACT_TOLERANCE  # same kept tokens, same scores
+
+
+@torch.inference_mode()
+def reference_importance(model, prompt: np.ndarray, labels: list[int], layers: int, pool: int) -> np.ndarray:
+    """Token importance from eager attention probabilities of full forwards (the definition)."""
+    n = len(prompt)
+    rows = []  # [Q] of [layers, H, n]
+    out = model(input_ids=torch.from_numpy(prompt.astype(np.int64))[None], output_attentions=True)
+    rows.append(torch.stack([a[0, :, n - 1, :n] for a in out.attentions[:layers]]))
+    for label in labels:
+        ids = np.append(prompt, label).astype(np.int64)
+        out = model(input_ids=torch.from_numpy(ids)[None], output_attentions=True)
+        probs = torch.stack([a[0, :, n, :n] for a in out.attentions[:layers]])
+        rows.append(probs / probs.sum(-1, keepdim=True))  # softmax over the prompt only
+    probs = torch.stack(rows)  # [Q, layers, H, n]
+    pooled = torch.nn.functional.avg_pool1d(probs.reshape(-1, 1, n), pool, 1, pool // 2)[..., :n].reshape(probs.shape)
+    return pooled.amax(dim=(1, 2)).mean(0).double().numpy()
+
+
+@pytest.mark.parametrize("arch, layers, hybrid", [("llama", 2, None), ("llama", 2, 5), ("qwen2", 2, None), ("llama", 1, None)])
+def test_importance_equals_eager_attention_of_the_first_layers(arch, layers, hybrid):
+    rng = np.random.default_rng(2)
+    group = PrefixGroup(tokens(rng, 30), [GroupMember(0, tokens(rng, 9)), GroupMember(1, tokens(rng, 0)),
+                                          GroupMember(2, tokens(rng, 1)), GroupMember(3, tokens(rng, 40))])
+    options = SpecPrefillOptions(keep=0.3, speculator=f"layers:{layers}", chunk=4, pool=5)
+    reference_model = tiny_model(arch)
+    reference_model.set_attn_implementation("eager")
+    engine = TorchEngine(tiny_model(arch), token_budget=16, hybrid_chunk=hybrid, speculative=options)  # members in chunks
+    labels = torch.tensor(LABELS)
+    importance = engine.speculator.importance(group, labels)
+    for member, got in zip(group.members, importance):
+        expected = reference_importance(reference_model, group.full_prompt(member), LABELS, layers, pool=5)
+        np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-4)
