@@ -249,3 +249,93 @@ def test_importance_equals_eager_attention_of_the_first_layers(arch, layers, hyb
     for member, got in zip(group.members, importance):
         expected = reference_importance(reference_model, group.full_prompt(member), LABELS, layers, pool=5)
         np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------ job file, plan, output
+
+
+def test_config_section_defaults_overrides_and_problems(tmp_path):
+    from batchscore.config import config_from_dict, load_job
+    from batchscore.errors import JobConfigError
+
+    base = {"input": {"path": "x.parquet"}, "prompt": {"template": "{q}"}, "labels": ["Yes", "No"]}
+    assert config_from_dict(base).engine.speculative is None  # off by default
+    spec = config_from_dict({**base, "engine": {"speculative": {}}}).engine.speculative
+    assert (spec.keep, spec.speculator, spec.chunk, spec.pool) == (0.3, "layers:8", 32, 13)
+    with pytest.raises(JobConfigError) as error:
+        config_from_dict({**base, "engine": {"speculative": {"kep": 0.2}}})
+    assert "did you mean engine.speculative.keep" in str(error.value)
+    with pytest.raises(JobConfigError) as error:
+        config_from_dict({**base, "engine": {"kind": "vllm", "speculative": {"keep": 1.5, "speculator": "layers:0",
+                                                                             "chunk": 0, "pool": 0}}})
+    for key in ("keep", "speculator", "chunk", "pool"):
+        assert f"engine.speculative.{key}" in str(error.value)
+    assert "engine.kind: torch" in str(error.value)
+    job = tmp_path / "job.yaml"
+    job.write_text("input: {path: x.parquet}\nprompt: {template: '{q}'}\nlabels: [Yes, No]\n")
+    spec = load_job(job, {"engine.speculative.keep": "0.1", "engine.speculative.speculator": "layers:4"}).engine.speculative
+    assert (spec.keep, spec.speculator, spec.chunk) == (0.1, "layers:4", 32)
+
+
+def test_plan_json_reports_main_tokens_with_and_without_dropping(job_factory, small_input):
+    import json
+
+    from tests.test_cli import invoke
+
+    exact = json.loads(invoke("plan", job_factory(small_input), "--json").output)
+    assert not any(key.startswith("speculative_") for key in exact)
+    result = invoke("plan", job_factory(small_input, engine={"speculative": {"keep": 0.3}}), "--json")
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.output)
+    assert stats["speculative_main_tokens_exact"] == stats["processed_tokens"] == exact["processed_tokens"]
+    assert 0 < stats["speculative_main_tokens"] < stats["speculative_main_tokens_exact"]
+    assert stats["speculative_groups_shared"] == 3  # one product page per group, pruned once
+    assert stats["speculative_speculator_tokens"] == stats["processed_tokens"]
+    assert stats["speculative_flop_ideal_speedup"] > 1.0
+
+
+def test_run_marks_rows_approximate_and_keep_one_is_exact(job_factory, small_input, tmp_path, model_dir):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from batchscore.engines.kept_tokens import plan_drop_stats
+    from batchscore.prepare import plan_job
+    from tests.test_cli import invoke
+
+    assert invoke("run", job_factory(small_input), "-q", "-o", tmp_path / "exact.parquet").exit_code == 0
+    exact = pq.read_table(tmp_path / "exact.parquet").to_pandas()
+    assert "approx_keep" not in exact.columns
+    for keep in (1.0, 0.3):
+        job = job_factory(small_input, engine={"speculative": {"keep": keep}})
+        out, metrics = tmp_path / f"keep{keep}.parquet", tmp_path / f"keep{keep}.json"
+        result = invoke("run", job, "-q", "-o", out, "--metrics", metrics)
+        assert result.exit_code == 0, result.output
+        table = pq.read_table(out).to_pandas()
+        assert (table["approx_keep"] == keep).all() and (table["status"] == "ok").all()
+        assert json.loads(metrics.read_text())["approx_keep"] == keep
+        dp = (table["p_Yes"] - exact["p_Yes"]).abs().max()
+        if keep == 1.0:
+            assert dp <= EXACT_TOLERANCE
+        else:
+            assert 0 < dp < 0.5
+    # the engine runs exactly the main-model tokens the plan reported, keeping the chat markers
+    from transformers import AutoTokenizer
+
+    from batchscore.config import load_job
+    from batchscore.engines.kept_tokens import special_token_ids
+    from batchscore.prompts import label_token_ids
+
+    config = load_job(job)
+    groups = plan_job(config).groups
+    stats = plan_drop_stats(groups, config.engine.speculative, model_dir, 2)
+    options = SpecPrefillOptions.from_config(config.engine.speculative)
+    engine = TorchEngine.from_pretrained(model_dir, token_budget=1024, speculative=options)
+    labels = label_token_ids(AutoTokenizer.from_pretrained(str(model_dir)), ["Yes", "No"])
+    pruned = list(engine.speculator.pruned(groups, engine._label_tensor(labels)))
+    specials = special_token_ids(model_dir)
+    assert {1, 2} <= set(specials.tolist())  # <|im_start|>, <|im_end|>
+    for group, kept in zip(groups, pruned):
+        assert kept.mode == SHARED
+        assert np.isin(group.prefix, specials).sum() == np.isin(kept.prefix, specials).sum() > 0
+    assert sum(g.processed_tokens for g in pruned) == stats.main_tokens

@@ -358,3 +358,17 @@ def kept_shape_group(group: PrefixGroup, decision: GroupDecision, keep: float) -
                    for m, f in zip(group.members, decision.member_forced)]
         return PrefixGroup(np.zeros(0, np.int32), members)
     return group
+
+
+def plan_drop_stats(groups: Sequence[PrefixGroup], speculative, model_dir, num_labels: int) -> DropStats:
+    """`drop_stats` for a job: `speculative` is its `engine.speculative` section, `model_dir` the
+    main model's folder (its config, special tokens; a speculator folder is read for its config)."""
+    options = SpecPrefillOptions.from_config(speculative)
+    main = ModelShape.from_config(read_model_config(model_dir))
+    speculator_config = None
+    if options.speculator_layers is None:
+        from batchscore.models import resolve_model
+
+        speculator_config = read_model_config(resolve_model(options.speculator))
+    return drop_stats(groups, options, main, special_token_ids(model_dir), num_labels,
+                      speculator_shape(main, options, speculator_config))
