@@ -339,3 +339,82 @@ def test_run_marks_rows_approximate_and_keep_one_is_exact(job_factory, small_inp
         assert kept.mode == SHARED
         assert np.isin(group.prefix, specials).sum() == np.isin(kept.prefix, specials).sum() > 0
     assert sum(g.processed_tokens for g in pruned) == stats.main_tokens
+
+
+# ------------------------------------------------------------------------------ benchmark
+
+
+def test_docqa_workloads_are_real_text_with_known_answers(tokenizer):
+    from batchscore.bench.docqa import COLORS, distinct_documents, label_words, shared_documents
+    from batchscore.bench.haystack import SENTENCES
+    from batchscore.prompts import label_token_ids
+
+    assert len(label_token_ids(tokenizer, label_words())) == len(COLORS)  # one token each
+    items = distinct_documents(tokenizer, 4, min_tokens=300, max_tokens=400, seed=3)
+    for item in items:
+        fact = item.text.split("Question: What color is the ")[1].split("?")[0]
+        assert f"The {fact} is {COLORS[item.answer]}." in item.text
+        assert 280 <= len(tokenizer(item.text)["input_ids"]) <= 420
+        assert sum(sentence in item.text for sentence in SENTENCES) >= 5  # real sentences, not random tokens
+    assert len({item.text for item in items}) == 4
+    shared = shared_documents(tokenizer, 2, 3, min_tokens=300, max_tokens=400)
+    assert [item.document for item in shared] == [0, 0, 0, 1, 1, 1]
+    for item in shared:
+        fact = item.text.split("Question: What color is the ")[1].split("?")[0]
+        assert f"The {fact} is {COLORS[item.answer]}." in item.text
+    body = shared[0].text.split("\n\nQuestion:")[0]
+    assert all(item.text.startswith(body) for item in shared[:3])
+
+
+def test_specprefill_bench_writes_table_and_plot(tmp_path, model_dir):
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from batchscore.bench.specprefill import specprefill
+
+    torch.manual_seed(0)
+    folder = tmp_path / "tiny"
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                 tie_word_embeddings=True)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the built-in model's tokenizer
+        shutil.copy(model_dir / name, folder / name)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(specprefill, ["--model", str(folder), "--docs", "3", "--shared-docs", "1",
+                                              "--questions", "2", "--min-tokens", "200", "--max-tokens", "260",
+                                              "--keeps", "0.3,1", "--speculator", "layers:1", "--chunk", "8",
+                                              "--token-budget", "512", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in out.iterdir()} == {"specprefill.md", "specprefill.json", "specprefill.png"}
+    report = json.loads((out / "specprefill.json").read_text())
+    assert [w["name"] for w in report["workloads"]] == ["docqa-distinct", "docqa-shared"]
+    for workload in report["workloads"]:
+        exact, approx, full = workload["points"]
+        assert (exact["keep"], approx["keep"], full["keep"]) == (None, 0.3, 1.0)
+        assert approx["main_tokens"] < exact["main_tokens"] == full["main_tokens"] == workload["exact_tokens"]
+        assert approx["speculator_tokens"] > 0 and approx["flop_ideal"] > 1.0
+        assert full["max_dp"] <= EXACT_TOLERANCE and full["agreement"] == 1.0
+    assert report["workloads"][1]["points"][1]["groups_by_mode"] == {"shared": 1}
+    assert "| 0.3 |" in (out / "specprefill.md").read_text()
+
+
+def test_flop_ideal_of_keep_03_with_eight_layers_on_long_documents(tokenizer, model_dir):
+    """The arithmetic behind the CPU acceptance point: main-model FLOPs at keep 0.3 plus the
+    speculator's (7 layers and the 8th layer's keys over every token, plus the probes)."""
+    from batchscore.bench.docqa import distinct_documents
+    from batchscore.engines.kept_tokens import special_token_ids
+    from batchscore.engines.shape import read_model_config
+    from batchscore.plan import build_plan, requests_from_token_lists
+
+    items = distinct_documents(tokenizer, 6, seed=0)
+    groups = build_plan(requests_from_token_lists([tokenizer(i.text)["input_ids"] for i in items])).groups
+    shape = ModelShape.from_config(read_model_config(model_dir))
+    options = SpecPrefillOptions(keep=0.3, speculator="layers:8")
+    stats = drop_stats(groups, options, shape, special_token_ids(model_dir), 6, speculator_shape(shape, options))
+    assert stats.groups_distinct == len(groups) and stats.groups_exact == 0
+    assert 0.29 < stats.main_tokens / stats.main_tokens_exact < 0.31
+    assert 0.2 < stats.speculator_flops / stats.main_flops_exact < 0.26  # ~7.1 of 30 layers
+    assert 1.9 < stats.flop_ideal_speedup < 2.2
