@@ -418,3 +418,19 @@ def test_flop_ideal_of_keep_03_with_eight_layers_on_long_documents(tokenizer, mo
     assert 0.29 < stats.main_tokens / stats.main_tokens_exact < 0.31
     assert 0.2 < stats.speculator_flops / stats.main_flops_exact < 0.26  # ~7.1 of 30 layers
     assert 1.9 < stats.flop_ideal_speedup < 2.2
+
+
+def test_random_weight_speed_mode_runs_with_a_separate_speculator(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from batchscore.bench.specprefill import specprefill
+
+    result = CliRunner().invoke(specprefill, ["--random-weights", "tiny-llama:tiny-llama-speculator", "--lengths", "128",
+                                              "--requests", "2", "--device", "cpu", "--keeps", "0.3", "--chunk", "8",
+                                              "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    exact, approx = json.loads((tmp_path / "specprefill_random.json").read_text())["points"]
+    assert exact["keep"] is None and exact["main_tokens"] == 256
+    assert approx["keep"] == 0.3 and approx["main_tokens"] == 2 * 39 and approx["flop_ideal"] > 1

@@ -14,6 +14,12 @@ over the exact run (whole run, speculator included; wall clock and process CPU t
 fraction of the FLOP ideal reached, label agreement and max / mean |ΔP| against the exact run,
 and accuracy against the known answers. Writes specprefill.md, specprefill.json and
 specprefill.png (quality vs speed) under `--out`.
+
+With `--random-weights MAIN:SPECULATOR` (shapes from `gpu_bench.CONFIGS`, e.g.
+llama-3.1-8b:llama-3.2-1b on a GPU) it measures speed only: `--requests` random-token prompts per
+length in `--lengths`, one prompt per pass, the exact engine vs each keep rate with the separate
+speculator model (Speculative Prefill's setting; scores of random weights are meaningless).
+Writes specprefill_random.md and specprefill_random.json.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from batchscore.bench.common import nonempty_int_list
 from batchscore.bench.results import Throughput
 from batchscore.engines.shape import DTYPE_BYTES
 
@@ -237,6 +244,94 @@ def chart(reports: list[WorkloadReport], path: Path) -> Path:
     return path
 
 
+@dataclass
+class RandomPoint:
+    """One (prompt length, keep) point of the random-weight speed measurement."""
+
+    length: int
+    keep: float | None
+    seconds_per_prompt: float
+    main_tokens: int
+    speedup: float
+    flop_ideal: float
+
+    @property
+    def fraction_of_ideal(self) -> float:
+        return self.speedup / self.flop_ideal
+
+
+def random_weight_points(main_name: str, speculator_name: str, lengths: list[int], keeps: list[float], requests: int,
+                         device: str, dtype_name: str, chunk: int, pool: int, progress) -> list[RandomPoint]:
+    """Exact engine vs speculative prefill with a separate random-weight speculator, per length
+    and keep rate; every setting times the same prompts, settings alternating prompt by prompt."""
+    from functools import partial
+
+    from batchscore.bench.gpu_bench import _sync, build_model
+    from batchscore.bench.scoring import engine_probs, make_groups
+    from batchscore.engines.kept_tokens import SpecPrefillOptions, drop_stats
+    from batchscore.engines.shape import ModelShape
+    from batchscore.engines.torch_engine import TorchEngine, torch_dtype
+
+    dtype = torch_dtype(dtype_name)
+    main, speculator = build_model(main_name, dtype, device), build_model(speculator_name, dtype, device)
+    if main.config.vocab_size != speculator.config.vocab_size:
+        raise click.BadParameter(f"{speculator_name} has another vocabulary than {main_name}", param_hint="--random-weights")
+    element = next(main.parameters()).element_size()
+    shape, spec_shape = ModelShape.from_config(main.config, element), ModelShape.from_config(speculator.config, element)
+    decoder = (speculator.get_decoder(), speculator.config.num_hidden_layers, spec_shape)
+    labels, sync = [11, 17], partial(_sync, device)
+    points = []
+    for length in lengths:
+        settings = [(None, TorchEngine(main, token_budget=length, device=device))]
+        for keep in keeps:
+            options = SpecPrefillOptions(keep=keep, speculator=speculator_name, chunk=chunk, pool=pool)
+            settings.append((keep, TorchEngine(main, token_budget=length, device=device, speculative=options,
+                                               speculator_decoder=decoder)))
+        groups = make_groups(requests, 0, length, 1, main.config.vocab_size, seed=length)  # one prompt per group
+        warmup = make_groups(1, 0, min(length, 512), 1, main.config.vocab_size, seed=1)
+        sides = [Throughput(str(keep)) for keep, _ in settings]
+        for _, engine in settings:
+            engine_probs(engine, warmup, labels)
+            engine.metrics.processed_tokens = 0
+        for index, group in enumerate(groups):
+            order = list(range(len(settings)))
+            for s in order[index % len(order):] + order[: index % len(order)]:
+                sides[s].time(lambda e=settings[s][1], g=group: engine_probs(e, [g], labels), sync=sync)
+        exact = sides[0]
+        for (keep, engine), side in zip(settings, sides):
+            stats = drop_stats(groups, SpecPrefillOptions(keep=keep or 1.0, speculator=speculator_name, chunk=chunk,
+                                                          pool=pool), shape, np.zeros(0, np.int64), len(labels), spec_shape)
+            ideal = stats.flop_ideal_speedup if keep is not None else 1.0
+            points.append(RandomPoint(length, keep, side.seconds / requests, engine.metrics.processed_tokens,
+                                      exact.seconds / side.seconds, ideal))
+            progress(f"  {length} tokens, keep {keep}: {side.seconds / requests:.3f} s/prompt, speedup "
+                     f"{exact.seconds / side.seconds:.2f}x, FLOP ideal {ideal:.2f}x")
+            engine.close()
+    return points
+
+
+def random_markdown(points: list[RandomPoint], header: dict) -> str:
+    lines = [
+        "# Speculative prefill on random weights — `batchscore bench specprefill --random-weights`",
+        "",
+        f"Main model {header['main']}, speculator {header['speculator']} (random weights, public configs), "
+        f"{header['dtype']} on {header['device']}; chunk {header['chunk']}, pool {header['pool']}; "
+        f"{header['requests']} prompts per length, one per pass.",
+        f"Command: `{header['command']}`",
+        "",
+        "Speedup = exact seconds / speculative seconds (speculator included). FLOP ideal = exact FLOPs / (main-model "
+        "FLOPs on the kept tokens + speculator FLOPs). Compare with the shape of Speculative Prefill's Figure 3 "
+        "(TTFT speedup vs keep rate).",
+        "",
+        "| prompt tokens | keep | s / prompt | main tokens | speedup | FLOP ideal | fraction of FLOP ideal |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in points:
+        lines.append(f"| {p.length:,} | {'exact' if p.keep is None else f'{p.keep:g}'} | {p.seconds_per_prompt:.3f} "
+                     f"| {p.main_tokens:,} | {p.speedup:.2f}x | {p.flop_ideal:.2f}x | {p.fraction_of_ideal:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 @click.command("specprefill")
 @click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Built-in model name or local HF folder.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="float32", show_default=True)
@@ -257,13 +352,22 @@ def chart(reports: list[WorkloadReport], path: Path) -> Path:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="bench_results", show_default=True,
               help="Folder for specprefill.md, specprefill.json and specprefill.png.")
+@click.option("--random-weights", default=None, metavar="MAIN:SPECULATOR",
+              help="Speed only, random weights from public configs, e.g. llama-3.1-8b:llama-3.2-1b (GPU).")
+@click.option("--lengths", default="8192,32768", show_default=True, callback=nonempty_int_list,
+              help="--random-weights: prompt lengths.")
+@click.option("--requests", type=click.IntRange(min=1), default=4, show_default=True,
+              help="--random-weights: prompts per length.")
+@click.option("--device", default="cuda", show_default=True, help="--random-weights: cuda or cpu.")
 def specprefill(model, dtype, docs, shared_docs, questions, min_tokens, max_tokens, keeps, speculator, chunk, pool,
-                token_budget, threads, seed, out) -> None:
+                token_budget, threads, seed, out, random_weights, lengths, requests, device) -> None:
     """Speculative prefill vs the exact engine on document QA of real text: speed and quality.
 
     Example:
 
         batchscore bench specprefill --docs 8 --shared-docs 4 --threads 1 --out bench_results
+
+        batchscore bench specprefill --random-weights llama-3.1-8b:llama-3.2-1b --dtype bfloat16
     """
     import os
     import sys
@@ -283,6 +387,22 @@ def specprefill(model, dtype, docs, shared_docs, questions, min_tokens, max_toke
     if threads:
         torch.set_num_threads(threads)
     started = time.perf_counter()
+    command = "batchscore bench specprefill " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "specprefill"]
+                                                         else sys.argv[1:])
+    if random_weights:
+        main_name, _, speculator_name = random_weights.partition(":")
+        points = random_weight_points(main_name, speculator_name, lengths, keeps, requests, device, dtype, chunk, pool,
+                                      lambda line: click.echo(line, err=True))
+        header = {"main": main_name, "speculator": speculator_name, "dtype": dtype, "device": device, "chunk": chunk,
+                  "pool": pool, "requests": requests, "command": command}
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        text = random_markdown(points, header)
+        (folder / "specprefill_random.md").write_text(text)
+        (folder / "specprefill_random.json").write_text(json.dumps(
+            {**header, "points": [{**asdict(p), "fraction_of_ideal": p.fraction_of_ideal} for p in points]}, indent=2))
+        click.echo(text)
+        return
     path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     labels = label_token_ids(tokenizer, label_words())
@@ -301,9 +421,7 @@ def specprefill(model, dtype, docs, shared_docs, questions, min_tokens, max_toke
                for name, description, items in workloads]
     header = {"machine": info, "model": model, "dtype": dtype, "speculator": speculator, "chunk": chunk, "pool": pool,
               "token_budget": token_budget, "seconds": time.perf_counter() - started,
-              "load_avg_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-              "command": "batchscore bench specprefill " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "specprefill"]
-                                                                     else sys.argv[1:])}
+              "load_avg_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "command": command}
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     text = markdown(reports, header)
@@ -316,4 +434,4 @@ def specprefill(model, dtype, docs, shared_docs, questions, min_tokens, max_toke
     click.echo(f"wrote {folder / 'specprefill.md'}, {folder / 'specprefill.json'}, {folder / 'specprefill.png'}")
 
 
-__all__ = ["specprefill", "run_workload", "markdown", "chart"]
+__all__ = ["specprefill", "run_workload", "markdown", "chart", "random_weight_points", "random_markdown"]
