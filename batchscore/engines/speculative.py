@@ -131,7 +131,7 @@ class Speculator:
 
     @torch.inference_mode()
     def importance(self, group: PrefixGroup, labels: torch.Tensor, needed: list[bool] | None = None) -> list[np.ndarray]:
-        """Per member, the importance of every token of its prompt ([P + S_i] float64); a member
+        """Per member, the importance of every token of its prompt ([P + S_i] float32); a member
         not `needed` gets ones (it keeps everything). Side effects: `self.metrics`."""
         members = group.members
         needed = needed or [True] * len(members)
@@ -248,7 +248,19 @@ class Speculator:
         """Importance [n] of the prompt's tokens from its look-ahead queries (module docstring).
 
         `context`: the KV of prompt[:-1] (all N layers; values of the last layer not needed).
+        On a CPU the probe's operations (a few rows each) run on one thread: more threads only
+        add synchronization, which costs whole time slices on a machine shared with other jobs.
         """
+        if self.device.type != "cpu":
+            return self._probe_rows(prompt, context, labels)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._probe_rows(prompt, context, labels)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _probe_rows(self, prompt: np.ndarray, context: PrefixKV, labels: torch.Tensor) -> np.ndarray:
         n = len(prompt)
         last = torch.tensor([int(prompt[-1])], dtype=torch.int64, device=self.device)
         input_ids = torch.cat([last, labels])  # [Q]
@@ -257,11 +269,10 @@ class Speculator:
         positions[0] = n - 1
         hidden = self.embed_tokens(input_ids[None])[0]  # [Q, hidden]
         cos, sin = self.rotary_emb(hidden[None], position_ids=positions[None])  # [1, Q, D]
-        # row 0 (the last prompt token) sees the context and itself; label i sees those and itself
-        allowed = torch.zeros(queries, n - 1 + queries, dtype=torch.bool, device=self.device)
-        allowed[:, :n] = True
-        allowed[torch.arange(1, queries), n - 1 + torch.arange(1, queries)] = True
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill(~allowed, float("-inf"))
+        # own keys: row 0 (the last prompt token) sees itself; label i sees row 0 and itself
+        own_allowed = torch.eye(queries, dtype=torch.bool, device=self.device)
+        own_allowed[:, 0] = True
+        own_bias = torch.zeros(queries, queries, device=self.device).masked_fill(~own_allowed, float("-inf"))  # [Q, Q]
         importance = torch.zeros(queries, n, dtype=torch.float32, device=self.device)  # max over heads, layers
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
@@ -271,24 +282,28 @@ class Speculator:
             k = attention.k_proj(x).view(1, queries, -1, head_dim)
             if hasattr(attention, "q_norm"):
                 q, k = attention.q_norm(q), attention.k_norm(k)
-            q = self._rotate(q.transpose(1, 2), cos, sin)  # [1, H, Q, D]
-            k = self._rotate(k.transpose(1, 2), cos, sin)  # [1, H_kv, Q, D]
-            context_keys = _concat([key for key, _ in context.layers[index]], k)  # [1, H_kv, n-1+Q, D]
-            groups = q.shape[1] // k.shape[1]
-            scores = torch.matmul(q.float(), context_keys.float().repeat_interleave(groups, 1).transpose(-1, -2))
-            scores = scores[0] * attention.scaling  # [H, Q, n-1+Q]
+            q = self._rotate(q.transpose(1, 2), cos, sin)[0].float()  # [H, Q, D]
+            k = self._rotate(k.transpose(1, 2), cos, sin)[0].float()  # [H_kv, Q, D]
+            heads, kv_heads = q.shape[0], k.shape[0]
+            grouped = q.reshape(kv_heads, -1, head_dim)  # [H_kv, G*Q, D]: query heads of one K/V head
+            # scores over the context segments and the probe's own keys, [H, Q, *] each
+            parts = [torch.matmul(grouped, key[0].float().transpose(-1, -2)).view(heads, queries, -1)
+                     for key, _ in context.layers[index]]
+            parts.append(torch.matmul(grouped, k.transpose(-1, -2)).view(heads, queries, queries))
+            scores = torch.cat(parts, dim=-1) * attention.scaling  # [H, Q, n-1+Q]
             probs = torch.softmax(scores[..., :n], dim=-1)  # [H, Q, n]: over the prompt only
             importance = torch.maximum(importance, self._pool(probs).amax(dim=0))
             if index == self.num_layers - 1:
                 break  # the last layer's output is never needed
-            weights = torch.softmax(scores + bias, dim=-1)  # [H, Q, n-1+Q]
-            v = attention.v_proj(x).view(1, queries, -1, head_dim).transpose(1, 2)  # [1, H_kv, Q, D]
-            values = _concat([value for _, value in context.layers[index]], v)  # [1, H_kv, n-1+Q, D]
-            out = torch.matmul(weights, values[0].float().repeat_interleave(groups, 0))  # [H, Q, D]
+            scores[..., n - 1:] += own_bias
+            weights = torch.softmax(scores, dim=-1).view(kv_heads, -1, scores.shape[-1])  # [H_kv, G*Q, n-1+Q]
+            v = attention.v_proj(x).view(queries, -1, head_dim).transpose(0, 1).float()  # [H_kv, Q, D]
+            values = torch.cat([value[0].float() for _, value in context.layers[index]] + [v], dim=1)  # [H_kv, n-1+Q, D]
+            out = torch.matmul(weights, values).view(heads, queries, head_dim)  # [H, Q, D]
             hidden = hidden + attention.o_proj(out.transpose(0, 1).reshape(queries, -1).to(hidden.dtype))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         self.metrics.probes += 1
-        return importance.mean(dim=0).double().cpu().numpy()  # [n]
+        return importance.mean(dim=0).cpu().numpy()  # [n] float32
 
     def _pool(self, probs: torch.Tensor) -> torch.Tensor:
         """1-D average pooling along the last axis, same length (kernel `pool`, zero padding)."""
@@ -298,11 +313,6 @@ class Speculator:
         shape = probs.shape
         pooled = torch.nn.functional.avg_pool1d(probs.reshape(-1, 1, shape[-1]), pool, stride=1, padding=pool // 2)
         return pooled[..., : shape[-1]].reshape(shape)
-
-
-def _concat(segments: list[torch.Tensor], last: torch.Tensor) -> torch.Tensor:
-    """[1, H_kv, *, D] segments and `last` along the token axis."""
-    return torch.cat([*segments, last], dim=2) if segments else last
 
 
 def _trimmed(kv: PrefixKV, count: int) -> PrefixKV:
