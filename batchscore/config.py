@@ -457,6 +457,11 @@ def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
     model = os.path.expanduser(str(config.model))
     if config.model not in BUILTIN_MODELS and not os.path.isabs(model) and (base / model).exists():
         config.model = os.path.normpath(base / model)
+    spec = config.engine.speculative
+    if spec is not None and not spec.speculator.startswith("layers:") and spec.speculator not in BUILTIN_MODELS:
+        speculator = os.path.expanduser(spec.speculator)
+        if not os.path.isabs(speculator) and (base / speculator).exists():  # a speculator model folder
+            spec.speculator = os.path.normpath(base / speculator)
     if config.input.path and not os.path.isabs(os.path.expanduser(config.input.path)):
         config.input.path = os.path.normpath(base / config.input.path)
     if config.output.path and not os.path.isabs(os.path.expanduser(config.output.path)):

@@ -275,6 +275,9 @@ def test_config_section_defaults_overrides_and_problems(tmp_path):
     job.write_text("input: {path: x.parquet}\nprompt: {template: '{q}'}\nlabels: [Yes, No]\n")
     spec = load_job(job, {"engine.speculative.keep": "0.1", "engine.speculative.speculator": "layers:4"}).engine.speculative
     assert (spec.keep, spec.speculator, spec.chunk) == (0.1, "layers:4", 32)
+    (tmp_path / "small").mkdir()  # a speculator model folder next to the job file
+    spec = load_job(job, {"engine.speculative.speculator": "small"}).engine.speculative
+    assert spec.speculator == str(tmp_path / "small")
 
 
 def test_plan_json_reports_main_tokens_with_and_without_dropping(job_factory, small_input):
