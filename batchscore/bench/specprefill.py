@@ -229,7 +229,7 @@ def chart(reports: list[WorkloadReport], path: Path) -> Path:
             axis.plot(speedups, values, "o-", color=color, label=report.name)
             for p, x, y in zip(points, speedups, values):
                 axis.annotate("exact" if p.keep is None else f"{p.keep:g}", (x, y), textcoords="offset points",
-                              xytext=(4, 4), fontsize=8, color=color)
+                              xytext=(4, -11) if p.keep == 1.0 else (4, 4), fontsize=8, color=color)
     axes[0].set_title("label agreement with the exact run")
     axes[1].set_title("accuracy (known answers)")
     for axis in axes:
