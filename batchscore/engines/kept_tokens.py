@@ -322,6 +322,8 @@ class DropStats:
     def to_dict(self) -> dict:
         """Flat keys for `plan --json`, all prefixed `speculative_`."""
         data = dataclasses.asdict(self)
+        for key in ("main_flops_exact", "main_flops", "speculator_flops"):
+            data[key] = int(round(data[key]))
         data["flop_ideal_speedup"] = self.flop_ideal_speedup
         data["main_token_ratio"] = self.main_tokens / max(self.main_tokens_exact, 1)
         return {f"speculative_{k}": v for k, v in data.items()}
