@@ -188,7 +188,14 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
     from batchscore.prepare import plan_job
 
     config = _load(job, sets)
-    stats = plan_job(config).stats.to_dict()
+    plan = plan_job(config)
+    stats = plan.stats.to_dict()
+    if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping
+        from batchscore.engines.kept_tokens import plan_drop_stats
+        from batchscore.models import resolve_model
+
+        stats.update(plan_drop_stats(plan.groups, config.engine.speculative, resolve_model(config.model),
+                                     len(config.labels)).to_dict())
     if as_json:
         click.echo(json.dumps(stats))
         return

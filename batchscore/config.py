@@ -116,6 +116,16 @@ class PromptConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """`engine.speculative`: speculative prefill (approximate; see engines/kept_tokens.py)."""
+
+    keep: float = 0.3  # fraction of each prompt's tokens the main model runs
+    speculator: str = "layers:8"  # layers:N (the model's own first N layers) or a same-tokenizer model
+    chunk: int = 32  # tokens are kept in chunks of this many
+    pool: int = 13  # average-pooling kernel over the importance
+
+
+@dataclass
 class EngineConfig:
     kind: str = "torch"
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
@@ -125,6 +135,7 @@ class EngineConfig:
     threads: int | None = None  # torch CPU threads; default: torch's (all cores)
     hybrid_chunk: int | None = None  # run norms/projections/MLP (vllm: MLP) this many tokens at a time
     memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch
+    speculative: SpeculativeConfig | None = None  # torch: drop unimportant prompt tokens (approximate)
     vllm_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -318,7 +329,7 @@ _INVALID = object()
 def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
     nested = {"InputConfig": InputConfig, "PromptConfig": PromptConfig, "EngineConfig": EngineConfig,
               "PlanConfig": PlanConfig, "OutputConfig": OutputConfig, "ExecutorConfig": ExecutorConfig,
-              "SyntheticInput | None": SyntheticInput}
+              "SyntheticInput | None": SyntheticInput, "SpeculativeConfig | None": SpeculativeConfig}
     optional = type_str.endswith("| None")
     if value is None:
         if optional:
@@ -403,6 +414,14 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append(f"engine.hybrid_chunk: must be ≥ 16 tokens, got {config.engine.hybrid_chunk}")
     if config.engine.memory_budget is not None and config.engine.memory_budget < 2**20:
         problems.append(f"engine.memory_budget: bytes, must be ≥ 1 MiB (1048576), got {config.engine.memory_budget}")
+    if config.engine.speculative is not None:
+        from batchscore.engines.kept_tokens import options_problems
+
+        spec = config.engine.speculative
+        problems.extend(options_problems(spec.keep, spec.speculator, spec.chunk, spec.pool))
+        if config.engine.kind != "torch":
+            problems.append(f"engine.speculative: speculative prefill runs on the torch engine; set engine.kind: torch "
+                            f"(got {config.engine.kind!r})")
     if config.engine.threads is not None and config.engine.threads < 1:
         problems.append("engine.threads: must be ≥ 1")
     if config.engine.max_length is not None and config.engine.max_length < 1:
@@ -506,6 +525,11 @@ def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
     model = os.path.expanduser(str(config.model))
     if config.model not in BUILTIN_MODELS and not os.path.isabs(model) and (base / model).exists():
         config.model = os.path.normpath(base / model)
+    spec = config.engine.speculative
+    if spec is not None and not spec.speculator.startswith("layers:") and spec.speculator not in BUILTIN_MODELS:
+        speculator = os.path.expanduser(spec.speculator)
+        if not os.path.isabs(speculator) and (base / speculator).exists():  # a speculator model folder
+            spec.speculator = os.path.normpath(base / speculator)
     if config.input.path and not os.path.isabs(os.path.expanduser(config.input.path)):
         config.input.path = os.path.normpath(base / config.input.path)
     if config.output.path and not os.path.isabs(os.path.expanduser(config.output.path)):

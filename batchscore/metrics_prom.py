@@ -36,6 +36,7 @@ GAUGES = (
     ("complete", "batchscore_run_complete", "1 when the output was written (0: a shard waiting for the others)."),
     ("skipped", "batchscore_run_skipped", "1 when the output was already complete and nothing was scored."),
     ("exit_code", "batchscore_exit_code", "The exit code of batchscore run (0: success)."),
+    ("approx_keep", "batchscore_approx_keep", "Speculative prefill's keep rate: the scores are approximate."),
 )
 
 

@@ -82,6 +82,7 @@ class RunSummary:
     workers: int = 1
     batch_token_counts: list[int] = field(default_factory=list)
     skipped: bool = False  # True: the output was already complete; nothing was scored
+    approx_keep: float | None = None  # speculative prefill's keep rate: the scores are approximate
 
     @property
     def rows_per_second(self) -> float:
@@ -205,6 +206,7 @@ def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
         resumed_rows=resumed,
         workers=num_workers,
         batch_token_counts=batch_tokens,
+        approx_keep=_approx_keep(config),
     )
 
 
@@ -288,7 +290,8 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
     for row in unscored[~np.isin(unscored, np.fromiter(errors, dtype=np.int64, count=len(errors)))]:
         errors[int(row)] = "not scored: no result from the engine"  # never silently lost
     id_name = config.input.id_column or "row_id"
-    table = results_table(prepared.ids, id_name, prepared.kept, config.labels, np.exp(log_probs), mass, errors)
+    table = results_table(prepared.ids, id_name, prepared.kept, config.labels, np.exp(log_probs), mass, errors,
+                          approx_keep=_approx_keep(config))
     if table.num_rows != prepared.num_rows:  # the invariant: every input row exactly once
         raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
     fault_point("assemble")
@@ -296,6 +299,11 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
                  model=str(config.model), error_path=config.output_error_path)
     fault_point("output")
     return errors
+
+
+def _approx_keep(config: JobConfig) -> float | None:
+    """The keep rate when speculative prefill drops tokens (approximate scores), else None."""
+    return config.engine.speculative.keep if config.engine.speculative is not None else None
 
 
 def _check_error_rate(summary: RunSummary, config: JobConfig) -> None:

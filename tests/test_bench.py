@@ -176,7 +176,8 @@ def test_bench_commands_are_registered_and_production_does_not_import_them():
     from batchscore.cli import main
 
     names = {c.name for c in COMMANDS}
-    assert names == {"workloads", "plan", "engine", "vllm", "gpu", "mil", "scale", "placement", "dtype-parity"}
+    assert names == {"workloads", "plan", "engine", "vllm", "gpu", "mil", "scale", "placement", "dtype-parity",
+                     "specprefill"}
     for name in sorted(names):
         result = CliRunner().invoke(main, ["bench", name, "--help"])
         assert result.exit_code == 0, result.output

@@ -79,9 +79,9 @@ def engine(model_dir):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the hybrid test patches this engine's MLPs
     eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=2048,
                      vllm_args={"kv_cache_memory_bytes": 256 << 20})
-    del os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"]  # the engine keeps it for its own vLLM calls
     yield eng
     eng.close()
+    del os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,6 @@ def test_hybrid_mlp_chunking_inside_vllm_keeps_scores(engine, sample, sample_sco
             scores[chunk] = np.stack([r.log_probs + math.log(r.label_mass) for r in engine.score([plain], labels)])
     finally:
         engine.set_hybrid_chunk(None)
-    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ  # scoped to the vLLM calls
     diff = float(np.abs(scores[32] - scores[None]).max())
     assert diff <= {"float32": 1e-5, "bfloat16": 0.05}[DTYPE], f"max |Δ log P| hybrid on/off = {diff:.2e}"
 
@@ -262,3 +261,12 @@ def test_cli_runs_vllm_on_cpu_with_no_vllm_args_and_matches_torch(tmp_path, smal
     torch_out, vllm_out = (pq.read_table(outputs[k]).to_pandas() for k in ("torch", "vllm"))
     assert (vllm_out["status"] == "ok").all() and len(vllm_out) == 12
     assert (vllm_out[["p_Yes", "p_No"]] - torch_out[["p_Yes", "p_No"]]).abs().max().max() <= 1e-4
+
+
+def test_the_serialization_setting_lives_only_as_long_as_a_hybrid_engine(model_dir, monkeypatch):
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    eng = VllmEngine(model_dir, hybrid_chunk=64)
+    eng._allow_serialization()  # what start() does for hybrid prefilling, before creating vLLM
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    eng.close()
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ

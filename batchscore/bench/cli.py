@@ -14,8 +14,9 @@ from batchscore.bench.mil_bench import mil
 from batchscore.bench.placement_bench import placement
 from batchscore.bench.plan_bench import plan
 from batchscore.bench.scale_bench import scale
+from batchscore.bench.specprefill import specprefill
 from batchscore.bench.vllm_bench import vllm
 
-COMMANDS = [workloads, plan, engine, vllm, gpu, mil, scale, placement, dtype_parity]
+COMMANDS = [workloads, plan, engine, vllm, gpu, mil, scale, placement, dtype_parity, specprefill]
 
 __all__ = ["COMMANDS"]

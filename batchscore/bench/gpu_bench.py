@@ -54,6 +54,19 @@ CONFIGS: dict[str, dict] = {
         num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1000000.0, use_sliding_window=False,
     ),
+    "llama-3.2-1b": dict(  # the speculator of `bench specprefill --random-weights` (Llama-3.1-8B's tokenizer)
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "tiny-llama-speculator": dict(
+        model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=512,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
     "tiny-llama": dict(
         model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,

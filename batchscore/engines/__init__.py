@@ -78,10 +78,15 @@ def create_engine(kind: str, model_dir, engine) -> Engine:
 
         if engine.threads:
             torch.set_num_threads(engine.threads)  # process-wide: torch has no per-model setting
-        log.info("torch engine on %s, %s", device, dtype)
+        speculative = None
+        if getattr(engine, "speculative", None) is not None:
+            from batchscore.engines.kept_tokens import SpecPrefillOptions
+
+            speculative = SpecPrefillOptions.from_config(engine.speculative)
+        log.info("torch engine on %s, %s%s", device, dtype, f", speculative prefill {speculative}" if speculative else "")
         return TorchEngine.from_pretrained(model_dir, dtype=dtype, token_budget=engine.token_budget,
                                            device=device, hybrid_chunk=engine.hybrid_chunk,
-                                           memory_budget=engine.memory_budget)
+                                           memory_budget=engine.memory_budget, speculative=speculative)
     if kind == "vllm":
         try:
             from batchscore.engines.vllm_engine import VllmEngine

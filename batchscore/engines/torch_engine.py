@@ -24,6 +24,9 @@ Options:
     recorded KV, activation peak, LM head); suffix batches close at the token budget or at the
     memory budget, whichever comes first (no cap on the number of requests). A request that does
     not fit alone raises `MemoryBudgetError` before its group is computed.
+  speculative: speculative prefill (approximate, `speculative.py`): a speculator drops the
+    unimportant prompt tokens of each group before the group runs; the kept tokens run with their
+    original position ids (a pruned group carries them), through the same paths as above.
 Memory lifetimes: a suffix's K/V is dropped after its layer's attention; a group's prefix KV is
 dropped as soon as its last member is scored (before that member's result is yielded).
 """
@@ -46,6 +49,7 @@ from batchscore.engines.cascade_attention import (
     register_cascade_attention,
 )
 from batchscore.engines.hybrid import HybridDecoder
+from batchscore.engines.kept_tokens import PrunedGroup, SpecPrefillOptions
 from batchscore.engines.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape, dtype_bytes
 from batchscore.errors import EngineUnavailable, MemoryBudgetError
@@ -124,6 +128,9 @@ class TorchEngine:
         device: str = "cpu",
         hybrid_chunk: int | None = None,
         memory_budget: int | None = None,
+        speculative: SpecPrefillOptions | None = None,
+        special_token_ids: Sequence[int] = (),
+        speculator_decoder: tuple | None = None,
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be at least 1, got {token_budget}")
@@ -145,6 +152,15 @@ class TorchEngine:
         self._hybrid = HybridDecoder(self._decoder, hybrid_chunk) if hybrid_chunk is not None else None
         element_bytes = next(model.parameters()).element_size()
         self.memory = MemoryEstimator(ModelShape.from_config(model.config, element_bytes), hybrid_chunk)
+        self.speculator = None
+        if speculative is not None:
+            from batchscore.engines.speculative import Speculator, load_speculator_decoder
+
+            decoder, layers, shape = speculator_decoder or load_speculator_decoder(
+                speculative, model, next(model.parameters()).dtype, device)
+            self.speculator = Speculator(decoder, layers, speculative, np.asarray(special_token_ids, dtype=np.int64),
+                                         self.memory.shape, shape, token_budget=token_budget,
+                                         hybrid_chunk=hybrid_chunk, memory_budget=memory_budget, device=device)
 
     @classmethod
     def from_pretrained(
@@ -156,13 +172,20 @@ class TorchEngine:
         device: str = "cpu",
         hybrid_chunk: int | None = None,
         memory_budget: int | None = None,
+        speculative: SpecPrefillOptions | None = None,
     ) -> TorchEngine:
-        """Load a local Hugging Face causal-LM folder (never downloads) and wrap it."""
+        """Load a local Hugging Face causal-LM folder (never downloads) and wrap it. With
+        `speculative`, the special tokens to keep are read from the folder's tokenizer files."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
+        special = ()
+        if speculative is not None:
+            from batchscore.engines.kept_tokens import special_token_ids
+
+            special = special_token_ids(path)
         return cls(model, token_budget=token_budget, device=device, hybrid_chunk=hybrid_chunk,
-                   memory_budget=memory_budget)
+                   memory_budget=memory_budget, speculative=speculative, special_token_ids=special)
 
     @property
     def max_context(self) -> int:
@@ -171,7 +194,7 @@ class TorchEngine:
 
     def close(self) -> None:
         """Drop the engine's references to the model (the caller's references stay valid)."""
-        self.model = self._decoder = self._lm_head = self._hybrid = None
+        self.model = self._decoder = self._lm_head = self._hybrid = self.speculator = None
 
     # ------------------------------------------------------------------ public scoring
 
@@ -186,6 +209,8 @@ class TorchEngine:
             raise RuntimeError("engine is closed")
         labels = self._label_tensor(label_token_ids)
         pending = iter(groups)
+        if self.speculator is not None:  # one group ahead of the main model (see the loop below)
+            pending = self.speculator.pruned(pending, labels, check=self._check_group)
         group = next(pending, None)
         carried: list[PrefilledPrefix] = []  # at most one: the next group's prefix, prefilled early
         while group is not None:
@@ -217,7 +242,7 @@ class TorchEngine:
         emitted = 0
         next_prefilled = None
 
-        prefix = carried.pop() if carried else self.prefill_prefix(group.prefix)
+        prefix = carried.pop() if carried else self.prefill_prefix(group.prefix, positions=_prefix_positions(group))
         empty = [i for i, m in enumerate(members) if len(m.suffix) == 0]
         if empty:
             log_probs, mass = self._label_scores(prefix.last_hidden[None], labels)  # one row, shared
@@ -228,13 +253,19 @@ class TorchEngine:
         for number, batch in enumerate(batches):
             if batch.chunked:
                 (index,) = batch.member_indices
-                log_probs, mass = self.score_long_suffix(prefix.kv, members[index].suffix, labels)
+                log_probs, mass = self.score_long_suffix(prefix.kv, members[index].suffix, labels,
+                                                         positions=_member_positions(group, index))
             else:
                 suffixes = [members[i].suffix for i in batch.member_indices]
+                positions = None
+                if isinstance(group, PrunedGroup):
+                    positions = [group.member_positions[i] for i in batch.member_indices]
                 ride_along = None
                 if number == len(batches) - 1:
                     ride_along = self._prefix_that_fits(next_group, group.prefix_len, suffixes)
-                log_probs, mass, next_prefilled = self.score_suffix_batch(prefix.kv, suffixes, labels, ride_along)
+                log_probs, mass, next_prefilled = self.score_suffix_batch(
+                    prefix.kv, suffixes, labels, ride_along, positions=positions,
+                    next_prefix_positions=_prefix_positions(next_group) if ride_along is not None else None)
             for row, index in enumerate(batch.member_indices):
                 results[index] = LabelScores(members[index].row_id, log_probs[row], mass[row])
             if number == len(batches) - 1:
@@ -251,8 +282,12 @@ class TorchEngine:
         return next_prefilled
 
     @torch.inference_mode()
-    def prefill_prefix(self, tokens: np.ndarray, base: PrefixKV | None = None) -> PrefilledPrefix:
+    def prefill_prefix(self, tokens: np.ndarray, base: PrefixKV | None = None, *,
+                       positions: np.ndarray | None = None) -> PrefilledPrefix:
         """Compute the KV of `tokens` (continuing after `base`), in chunks of at most the budget.
+
+        `positions` [len(tokens)]: their position ids when tokens were dropped (default: right
+        after `base`'s tokens).
 
         Returns the KV of base + tokens (sharing base's tensors; `base` itself is unchanged) and
         the hidden state of the last token (None when `tokens` is empty).
@@ -262,7 +297,7 @@ class TorchEngine:
         last_hidden = None
         for start in range(0, len(tokens), self.token_budget):
             chunk = tokens[start : start + self.token_budget]  # [C]
-            part = _prefix_part(chunk, kv)
+            part = _prefix_part(chunk, kv, None if positions is None else positions[start : start + self.token_budget])
             hidden = self._run_decoder([part])  # [C, hidden]
             kv.length += len(chunk)
             last_hidden = hidden[-1].clone()  # [hidden]; a view would keep the pass's [C, hidden] alive
@@ -275,19 +310,24 @@ class TorchEngine:
         suffixes: list[np.ndarray],
         labels: torch.Tensor,
         next_prefix: np.ndarray | None = None,
+        *,
+        positions: list[np.ndarray] | None = None,
+        next_prefix_positions: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, PrefilledPrefix | None]:
         """Score several non-empty suffixes of one group in one packed forward pass.
 
         `next_prefix` (optional, fitting the budget with the suffixes) is another group's prefix,
-        prefilled in the same pass. Returns ([B, L] log P normalized over labels, [B] label mass,
-        the prefilled `next_prefix` or None).
+        prefilled in the same pass. `positions` / `next_prefix_positions`: position ids of those
+        tokens when tokens were dropped (default: each suffix right after the prefix, the next
+        prefix from 0). Returns ([B, L] log P normalized over labels, [B] label mass, the
+        prefilled `next_prefix` or None).
         Side effects: one forward pass, counted in `self.metrics`; the suffixes' KV is discarded.
         """
-        suffix_part, last_index = _suffix_part(suffixes, prefix_kv)
+        suffix_part, last_index = _suffix_part(suffixes, prefix_kv, positions)
         parts = [suffix_part]
         if next_prefix is not None:
             next_kv = PrefixKV.empty(self._num_layers)
-            parts.append(_prefix_part(next_prefix, next_kv))
+            parts.append(_prefix_part(next_prefix, next_kv, next_prefix_positions))
         hidden = self._run_decoder(parts)  # [T, hidden]
         log_probs, mass = self._label_scores(hidden[last_index.to(hidden.device)], labels)  # [B, hidden]
         if next_prefix is None:
@@ -297,14 +337,14 @@ class TorchEngine:
 
     @torch.inference_mode()
     def score_long_suffix(
-        self, prefix_kv: PrefixKV, suffix: np.ndarray, labels: torch.Tensor
+        self, prefix_kv: PrefixKV, suffix: np.ndarray, labels: torch.Tensor, *, positions: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Score one suffix longer than the budget by prefilling it in chunks on top of the prefix.
 
         Returns ([1, L], [1]) like `score_suffix_batch`. `prefix_kv` is not modified (its tensors
         are shared, not copied); the suffix's own KV is dropped on return.
         """
-        prefilled = self.prefill_prefix(suffix, base=prefix_kv)
+        prefilled = self.prefill_prefix(suffix, base=prefix_kv, positions=positions)
         return self._label_scores(prefilled.last_hidden[None], labels)
 
     # ------------------------------------------------------------------ memory
@@ -429,24 +469,45 @@ class PackedPart:
     cascade: CascadePart
 
 
-def _prefix_part(tokens: np.ndarray, kv: PrefixKV) -> PackedPart:
-    """Prefix tokens continuing `kv` causally; their K/V will be appended to `kv`."""
-    positions = np.arange(kv.length, kv.length + len(tokens), dtype=np.int64)  # [C]
+def _prefix_positions(group: PrefixGroup | None) -> np.ndarray | None:
+    """Position ids of a pruned group's kept prefix tokens (None: contiguous from 0)."""
+    return group.prefix_positions if isinstance(group, PrunedGroup) else None
+
+
+def _member_positions(group: PrefixGroup, index: int) -> np.ndarray | None:
+    """Position ids of a pruned group member's kept tokens (None: right after the prefix)."""
+    return group.member_positions[index] if isinstance(group, PrunedGroup) else None
+
+
+def _prefix_part(tokens: np.ndarray, kv: PrefixKV, positions: np.ndarray | None = None) -> PackedPart:
+    """Prefix tokens continuing `kv` causally; their K/V will be appended to `kv`.
+
+    `positions` [C]: explicit position ids (kept tokens of a pruned prompt, in increasing order:
+    the causal masks follow the packed order, which is then the position order).
+    """
+    if positions is None:
+        positions = np.arange(kv.length, kv.length + len(tokens), dtype=np.int64)  # [C]
     layout = SequenceLayout.from_lengths([len(tokens)])
     return PackedPart(tokens, positions, CascadePart(len(tokens), prefix=kv, layout=layout, record_into=kv))
 
 
-def _suffix_part(suffixes: list[np.ndarray], prefix_kv: PrefixKV) -> tuple[PackedPart, torch.Tensor]:
-    """Suffixes packed after each other, each continuing the prefix at position P.
+def _suffix_part(suffixes: list[np.ndarray], prefix_kv: PrefixKV,
+                 positions: list[np.ndarray] | None = None) -> tuple[PackedPart, torch.Tensor]:
+    """Suffixes packed after each other, each continuing the prefix at position P (or at the
+    explicit `positions` given per suffix, for pruned prompts).
 
     Returns the part and the index [B] of each suffix's last token in the part.
     """
     lengths = np.array([len(s) for s in suffixes], dtype=np.int64)  # [B]
     ends = np.cumsum(lengths)  # [B]
-    offsets = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - lengths, lengths)  # [T] in own suffix
+    if positions is None:
+        offsets = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - lengths, lengths)  # [T] in own suffix
+        token_positions = offsets + prefix_kv.length
+    else:
+        token_positions = np.concatenate(positions).astype(np.int64)  # [T]
     layout = SequenceLayout.from_lengths(lengths.tolist())
     part = CascadePart(int(ends[-1]), prefix=prefix_kv, layout=layout)
-    return PackedPart(np.concatenate(suffixes), offsets + prefix_kv.length, part), torch.from_numpy(ends - 1)
+    return PackedPart(np.concatenate(suffixes), token_positions, part), torch.from_numpy(ends - 1)
 
 
 def _check_full_attention(config) -> None:

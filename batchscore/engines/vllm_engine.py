@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -123,6 +122,7 @@ class VllmEngine:
         # vLLM's engine process accepts a patch function only when it was started allowing one:
         # with hybrid prefilling, or when the caller allowed it for the whole process.
         self._patchable = hybrid_chunk is not None or os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1"
+        self._serialization_before: str | None = None  # set while this engine allows pickled calls
         self.metrics = EngineMetrics(batch_token_counts=[])
         self.errors: dict[int, str] = {}
         self.settings: VllmSettings | None = None
@@ -156,10 +156,12 @@ class VllmEngine:
         if self.hybrid_chunk is not None and not s.llm_kwargs()["enforce_eager"]:
             raise EngineUnavailable("engine.hybrid_chunk with vLLM needs enforce_eager (do not set it false in "
                                     "engine.vllm_args): a compiled model would not run the chunked MLPs")
+        if self.hybrid_chunk is not None:
+            self._allow_serialization()
         try:
-            with self._serialization():
-                self._llm = vllm.LLM(model=str(self.model_dir), **s.llm_kwargs())
+            self._llm = vllm.LLM(model=str(self.model_dir), **s.llm_kwargs())
         except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; the job needs one clear line
+            self._restore_serialization()
             raise EngineUnavailable(f"vLLM failed to start: {_root_cause(exc)} (settings: max_model_len="
                                     f"{s.max_model_len}, KV cache {s.kv_capacity_source}); run with -v for "
                                     "vLLM's log") from exc
@@ -183,8 +185,7 @@ class VllmEngine:
             raise RuntimeError("start the engine before changing its hybrid chunk")
         if not self._patchable:
             raise RuntimeError("hybrid prefilling on vLLM needs the engine to be created with a hybrid_chunk")
-        with self._serialization():
-            changed = min(self._llm.apply_model(partial(chunk_mlps, chunk=chunk)))
+        changed = min(self._llm.apply_model(partial(chunk_mlps, chunk=chunk)))
         if chunk is not None and changed == 0:
             raise ValueError("engine.hybrid_chunk: found no MLP module (named *MLP with a down_proj) in vLLM's "
                              "model to chunk; this model family is not supported by hybrid prefilling on vLLM")
@@ -192,24 +193,22 @@ class VllmEngine:
         log.info("vLLM hybrid prefilling: %s", f"{changed} MLPs run {chunk} tokens at a time" if chunk else "off")
         return changed
 
-    @contextmanager
-    def _serialization(self):
+    def _allow_serialization(self) -> None:
         """Let this process send a function (`chunk_mlps`) to vLLM's engine process, pickled over
-        vLLM's local IPC — only with hybrid prefilling, and only for the vLLM call inside: the
-        process-wide setting is restored after it. (The engine process keeps the setting it
-        started with; it runs vLLM only.)"""
-        if not self._patchable:
-            yield
-            return
-        previous = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+        vLLM's local IPC: needed by hybrid prefilling only, and only while this engine lives —
+        `close` restores the setting (vLLM's client and engine process must agree on it for every
+        message, so it cannot be narrower than the engine's life)."""
+        self._serialization_before = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "")
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-            else:
-                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = previous
+
+    def _restore_serialization(self) -> None:
+        before, self._serialization_before = self._serialization_before, None
+        if before is None:
+            return
+        if before:
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = before
+        else:
+            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (benchmarks call it between runs)."""
@@ -238,6 +237,7 @@ class VllmEngine:
         """Shut the vLLM engine core down and free its memory (idempotent)."""
         llm, self._llm = self._llm, None
         if llm is None:
+            self._restore_serialization()
             return
         try:
             llm.llm_engine.engine_core.shutdown()
@@ -247,6 +247,7 @@ class VllmEngine:
         import gc
 
         gc.collect()
+        self._restore_serialization()
 
     def __enter__(self) -> VllmEngine:
         return self

@@ -60,6 +60,7 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
     column = {name: table.column(name).to_pylist() for name in
               [id_name, "label", "label_mass", "status", "error", *map(label_column, labels)]}
     urls = table.column("url").to_pylist() if "url" in table.column_names else [None] * table.num_rows
+    approx = table.column("approx_keep").to_pylist() if "approx_keep" in table.column_names else None
     ok, failed = [], []
     for i in range(table.num_rows):
         custom_id = column[id_name][i]
@@ -67,9 +68,11 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
         key = hashlib.sha256(f"{i}:{custom_id}".encode()).hexdigest()[:24]
         if column["status"][i] == "ok":
             probs = {label: column[label_column(label)][i] for label in labels}
-            response = {"status_code": 200, "request_id": key,
-                        "body": _completion(key, created, model, column["label"][i], probs, column["label_mass"][i],
-                                            completions=str(urls[i] or "").endswith("/v1/completions"))}
+            body = _completion(key, created, model, column["label"][i], probs, column["label_mass"][i],
+                               completions=str(urls[i] or "").endswith("/v1/completions"))
+            if approx is not None:
+                body["approx_keep"] = approx[i]  # speculative prefill: the scores are approximate
+            response = {"status_code": 200, "request_id": key, "body": body}
             ok.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response,
                                   "error": None}, ensure_ascii=False))
         else:

@@ -23,11 +23,14 @@ def output_columns(labels: list[str]) -> list[str]:
 
 
 def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str],
-                  probs: np.ndarray, label_mass: np.ndarray, errors: dict[int, str]) -> pa.Table:
+                  probs: np.ndarray, label_mass: np.ndarray, errors: dict[int, str],
+                  approx_keep: float | None = None) -> pa.Table:
     """Assemble the output table.
 
     probs: [N, L] probabilities normalized over the labels (NaN for error rows);
-    label_mass: [N]; errors: row_id -> message for rows that were not scored.
+    label_mass: [N]; errors: row_id -> message for rows that were not scored;
+    approx_keep: the keep rate of speculative prefill (adds an `approx_keep` column: the scores
+    are approximate), None for exact scores (no column).
     """
     n = len(ids)
     ok = np.ones(n, dtype=bool)
@@ -42,6 +45,8 @@ def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str]
     best = np.argmax(np.nan_to_num(probs, nan=-1.0), axis=1)
     columns["label"] = pa.array([labels[b] if good else None for b, good in zip(best, ok)], type=pa.string())
     columns["label_mass"] = pa.array(label_mass, mask=~ok, type=pa.float64())
+    if approx_keep is not None:
+        columns["approx_keep"] = pa.array(np.full(n, approx_keep), mask=~ok, type=pa.float64())
     columns["status"] = pa.array(np.where(ok, "ok", "error"), type=pa.string())
     columns["error"] = pa.array([errors.get(i) for i in range(n)], type=pa.string())
     return pa.table(columns)
