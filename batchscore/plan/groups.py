@@ -97,16 +97,18 @@ def make_units(
     return units
 
 
-def to_prefix_group(unit: Unit, table: TokenTable, row_ids: list[int]) -> PrefixGroup:
-    """Materialize a shared unit as a PrefixGroup (members' suffixes are views, not copies)."""
+def to_prefix_group(unit: Unit, table: TokenTable, row_ids: list[int], options: list | None = None) -> PrefixGroup:
+    """Materialize a shared unit as a PrefixGroup (members' suffixes are views, not copies).
+
+    `options` (by input position, or None) are the rows' OptionTokens, handed to the members."""
     arrays = table.arrays
     start = unit.prefix_len
-    members = [GroupMember(row_ids[r], arrays[r][start:]) for r in unit.rows]
+    members = [GroupMember(row_ids[r], arrays[r][start:], options[r] if options else None) for r in unit.rows]
     return PrefixGroup(arrays[unit.rows[0]][:start], members)
 
 
-def flat_group(rows: list[int], table: TokenTable, row_ids: list[int]) -> PrefixGroup:
+def flat_group(rows: list[int], table: TokenTable, row_ids: list[int], options: list | None = None) -> PrefixGroup:
     """A PrefixGroup with an empty prefix holding plain requests (suffix = whole prompt)."""
     arrays = table.arrays
-    members = [GroupMember(row_ids[r], arrays[r]) for r in rows]
+    members = [GroupMember(row_ids[r], arrays[r], options[r] if options else None) for r in rows]
     return PrefixGroup(np.zeros(0, dtype=np.int32), members)

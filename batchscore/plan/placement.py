@@ -80,7 +80,7 @@ def place_groups(groups: Sequence[PrefixGroup], num_workers: int) -> Placement:
     Groups that are not split are passed through as the same objects.
     """
     _check_workers(num_workers)
-    suffix_lens = [[len(m.suffix) for m in g.members] for g in groups]
+    suffix_lens = [[m.work_tokens for m in g.members] for g in groups]
     costs = [g.prefix_len + sum(lens) for g, lens in zip(groups, suffix_lens)]
     if num_workers == 1:
         return _placement_from(groups, [[(0, tuple(range(len(g.members))))] for g in groups], 1)

@@ -22,6 +22,7 @@ from batchscore.plan.groups import (
     saved_tokens,
     to_prefix_group,
 )
+from batchscore.plan.options import option_token_counts
 from batchscore.plan.order import POLICIES, order_units
 from batchscore.plan.tree import TokenTable, build_tree
 from batchscore.plan.types import PrefixGroup, Request
@@ -54,6 +55,10 @@ class PlanOptions:
 class PlanStats:
     """Token counts and saving ratios (BatchLLM Eq. 1) of a plan.
 
+    With options scored per row (multi-token labels, choices), logical tokens count every
+    multi-token option as its own prompt and processed tokens add each option's tokens once
+    (`option_tokens` of them: n - 1 per option of n tokens), so the ratios cover all three levels.
+
     saving_ratio: the plan as emitted (enlarged if enabled, block-aligned, flattened).
     first_level_saving_ratio: plain first-level groups, no enlargement, same rules.
     unaligned_saving_ratio: the plan's groups if prefixes were not aligned to blocks.
@@ -72,6 +77,7 @@ class PlanStats:
     multilevel_saving_ratio: float
     plan_seconds: float
     plan_cpu_seconds: float = 0.0
+    option_tokens: int = 0  # option positions computed (included in processed_tokens)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,6 +100,9 @@ def build_plan(requests: Sequence[Request], options: PlanOptions = PlanOptions()
     """
     table = checked_table(requests)
     row_ids = [r.row_id for r in requests]
+    row_options = [r.options for r in requests]
+    if all(o is None for o in row_options):
+        row_options = None
 
     if not requests:
         return Plan([], _stats(0, 0, 0, 0, 0, 0, 0, 0.0))
@@ -102,14 +111,14 @@ def build_plan(requests: Sequence[Request], options: PlanOptions = PlanOptions()
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _plan(table, row_ids, options)
+        return _plan(table, row_ids, options, row_options)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _plan(table: TokenTable, row_ids: list[int], options: PlanOptions) -> Plan:
-    """build_plan after validation."""
+def _plan(table: TokenTable, row_ids: list[int], options: PlanOptions, row_options: list | None = None) -> Plan:
+    """build_plan after validation; `row_options` are the requests' options (None: none has any)."""
     logical = int(table.lengths.sum())
     started = time.perf_counter()
     cpu_started = time.process_time()
@@ -122,7 +131,7 @@ def _plan(table: TokenTable, row_ids: list[int], options: PlanOptions) -> Plan:
     order = order_units(
         units, options.order, table, options.srjf_lambda, options.cache_tokens, options.block_size
     )
-    groups = _materialize(units, order, table, row_ids, keep_input_order)
+    groups = _materialize(units, order, table, row_ids, keep_input_order, row_options)
     seconds = time.perf_counter() - started
     cpu_seconds = time.process_time() - cpu_started
 
@@ -137,6 +146,7 @@ def _plan(table: TokenTable, row_ids: list[int], options: PlanOptions) -> Plan:
         saved_multilevel=logical - tree.stored_tokens(),
         seconds=seconds,
         cpu_seconds=cpu_seconds,
+        options=option_token_counts(row_options, table.lengths.tolist()) if row_options else (0, 0),
     )
     return Plan(groups, stats)
 
@@ -147,6 +157,7 @@ def _materialize(
     table: TokenTable,
     row_ids: list[int],
     keep_input_order: bool,
+    row_options: list | None = None,
 ) -> list[PrefixGroup]:
     """PrefixGroups in `order`; consecutive flattened requests merge into one group.
 
@@ -158,7 +169,7 @@ def _materialize(
 
     def flush(run: list[int]) -> None:
         rows = sorted(run) if keep_input_order else sorted(run, key=lambda r: (lengths[r], r))
-        groups.append(flat_group(rows, table, row_ids))
+        groups.append(flat_group(rows, table, row_ids, row_options))
 
     groups: list[PrefixGroup] = []
     flat_run: list[int] = []
@@ -170,7 +181,7 @@ def _materialize(
         if flat_run:
             flush(flat_run)
             flat_run = []
-        groups.append(to_prefix_group(unit, table, row_ids))
+        groups.append(to_prefix_group(unit, table, row_ids, row_options))
     if flat_run:
         flush(flat_run)
     return groups
@@ -186,19 +197,26 @@ def _stats(
     saved_multilevel: int,
     seconds: float,
     cpu_seconds: float = 0.0,
+    options: tuple[int, int] = (0, 0),
 ) -> PlanStats:
+    """`options`: (tokens plain forwards add for the rows' options, option rows computed)."""
+    option_plain, option_rows = options
+    option_saved = option_plain - option_rows
+    logical += option_plain
+
     def ratio(tokens_saved: int) -> float:
-        return tokens_saved / logical if logical else 0.0
+        return (tokens_saved + option_saved) / logical if logical else 0.0
 
     return PlanStats(
         num_requests=num_requests,
         num_groups=num_groups,
         logical_tokens=logical,
-        processed_tokens=logical - saved,
+        processed_tokens=logical - saved - option_saved,
         saving_ratio=ratio(saved),
         first_level_saving_ratio=ratio(saved_plain),
         unaligned_saving_ratio=ratio(saved_unaligned),
         multilevel_saving_ratio=ratio(saved_multilevel),
         plan_seconds=seconds,
         plan_cpu_seconds=cpu_seconds,
+        option_tokens=option_rows,
     )

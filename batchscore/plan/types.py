@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchscore.plan.options import OptionTokens
+
 
 def as_token_array(token_ids) -> np.ndarray:
     """Return `token_ids` as a contiguous 1-D int32 array (no copy when already one)."""
@@ -17,10 +19,13 @@ def as_token_array(token_ids) -> np.ndarray:
 
 @dataclass
 class Request:
-    """One input row to score: its position in the input (`row_id`) and its prompt tokens."""
+    """One input row to score: its position in the input (`row_id`), its prompt tokens, and its
+    options when they are scored per row (None: the job's one-token labels, read at the last
+    position)."""
 
     row_id: int
     token_ids: np.ndarray  # [T] int32
+    options: OptionTokens | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = as_token_array(self.token_ids)
@@ -35,9 +40,15 @@ class GroupMember:
 
     row_id: int
     suffix: np.ndarray  # [S] int32, may be empty when the prompt equals the prefix
+    options: OptionTokens | None = None  # the row's options (see `Request.options`)
 
     def __post_init__(self) -> None:
         self.suffix = as_token_array(self.suffix)
+
+    @property
+    def work_tokens(self) -> int:
+        """Positions computed for this member beyond the shared prefix: suffix + option rows."""
+        return len(self.suffix) + (self.options.extra_rows if self.options is not None else 0)
 
 
 @dataclass
@@ -64,10 +75,16 @@ class PrefixGroup:
 
     @property
     def logical_tokens(self) -> int:
-        """Tokens a plain forward pass of every member would process."""
-        return sum(self.prefix_len + len(m.suffix) for m in self.members)
+        """Tokens plain forward passes of every member would process (with options: each
+        multi-token option as its own prompt, see `OptionTokens.plain_tokens`)."""
+        total = 0
+        for m in self.members:
+            length = self.prefix_len + len(m.suffix)
+            total += m.options.plain_tokens(length) if m.options is not None else length
+        return total
 
     @property
     def processed_tokens(self) -> int:
-        """Tokens processed when the prefix is computed once for the whole group."""
-        return self.prefix_len + sum(len(m.suffix) for m in self.members)
+        """Tokens processed when the prefix is computed once for the whole group, each suffix
+        once and each option's tokens once."""
+        return self.prefix_len + sum(m.work_tokens for m in self.members)
