@@ -102,6 +102,7 @@ class InputConfig:
     format: str = "auto"  # auto (by suffix) | parquet | jsonl | openai_batch (OpenAI Batch API requests)
     id_column: str | None = None
     token_ids_column: str | None = None  # pre-tokenized prompts: no template or tokenizer needed
+    choices_column: str | None = None  # a list<string> column: each row scored over its own options
     batch_rows: int = 8192  # rows per Arrow record batch while reading
     synthetic: SyntheticInput | None = None
     filter: dict[str, Any] = field(default_factory=dict)  # hive partition column -> value or [values]
@@ -148,6 +149,11 @@ class PlanConfig:
 
 
 @dataclass
+class ScoreConfig:
+    normalize: str = "sum"  # sum | token | byte: option log-probability before normalizing (labels.py)
+
+
+@dataclass
 class OutputConfig:
     path: str | None = None
     format: str = "auto"  # auto | parquet | jsonl | openai_batch: see JobConfig.output_format
@@ -156,6 +162,7 @@ class OutputConfig:
     max_error_rate: float = 0.01
     part_rows: int = 20000  # rows per durable part file (a part always holds whole prefix groups)
     part_seconds: float = 120.0  # ...or fewer, when this many seconds passed since the last part
+    logprobs: bool = False  # add each option's raw total log-probability (logp_<label> / logp_choices)
 
 
 @dataclass
@@ -172,6 +179,7 @@ class JobConfig:
     input: InputConfig = field(default_factory=InputConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     labels: list[str] = field(default_factory=list)
+    score: ScoreConfig = field(default_factory=ScoreConfig)
     model: str = DEFAULT_MODEL
     model_download: bool = False  # a Hub id missing from the local cache may be downloaded (once)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -329,6 +337,7 @@ _INVALID = object()
 def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
     nested = {"InputConfig": InputConfig, "PromptConfig": PromptConfig, "EngineConfig": EngineConfig,
               "PlanConfig": PlanConfig, "OutputConfig": OutputConfig, "ExecutorConfig": ExecutorConfig,
+              "ScoreConfig": ScoreConfig,
               "SyntheticInput | None": SyntheticInput, "SpeculativeConfig | None": SpeculativeConfig}
     optional = type_str.endswith("| None")
     if value is None:
@@ -397,10 +406,9 @@ def _semantic_problems(config: JobConfig) -> list[str]:
             template_fields(config.prompt.template, config.prompt.engine)
         except PromptTemplateError as exc:
             problems.append(f"prompt.template: {exc}")
-    if len(config.labels) < 2:
-        problems.append("labels: give at least two labels, e.g. labels: [Yes, No]")
-    elif len(set(config.labels)) != len(config.labels):
-        problems.append(f"labels: must be distinct, got {config.labels}")
+    from batchscore.labels import label_problems
+
+    problems.extend(label_problems(config.labels, inp.choices_column, config.score.normalize))
     problems.extend(_output_column_problems(config))
     if config.engine.kind not in ENGINE_KINDS:
         problems.append(f"engine.kind: must be one of {', '.join(ENGINE_KINDS)}, got {config.engine.kind!r}")

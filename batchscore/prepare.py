@@ -25,11 +25,12 @@ from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import InputError, OutputError, RowRenderError
 from batchscore.io.identity import input_identity, model_identity, software_versions
 from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
+from batchscore.labels import OptionEncoder, RowOptionSource
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
 from batchscore.plan.validate import token_ids_problem
 from batchscore.plan.types import Request
-from batchscore.prompts import PromptRenderer, RequestRenderer, label_token_ids
+from batchscore.prompts import PromptRenderer, RequestRenderer
 
 log = logging.getLogger("batchscore")
 
@@ -43,6 +44,7 @@ class PreparedInput:
     kept: pa.Table  # [num_rows] output.keep_columns
     requests: list[Request]  # rows that can be scored
     errors: dict[int, str] = field(default_factory=dict)  # row_id -> message
+    choices: pa.Array | None = None  # [num_rows] input.choices_column as read (for the output)
 
     @property
     def logical_tokens(self) -> int:
@@ -65,7 +67,7 @@ class PreparedJob:
     """A job after reading (and tokenizing) its input: everything but the plan and the scores."""
 
     source: JobSource
-    label_ids: list[int]
+    label_ids: list[int] | None  # one-token labels shared by every row; None: each request's own options
     input: PreparedInput
 
     @property
@@ -129,6 +131,12 @@ def scoring_config(config: JobConfig) -> dict:
         del data["input"]["filter"]  # no filter: the identity outputs had before the key existed
     if data["prompt"]["engine"] == "format":
         del data["prompt"]["engine"]  # the default: outputs and parts from before the key stay valid
+    if data["input"]["choices_column"] is None:
+        del data["input"]["choices_column"]  # the same for the option keys at their defaults
+    if data["score"] == {"normalize": "sum"}:
+        del data["score"]
+    if config.output.logprobs:
+        data["output"]["logprobs"] = True
     return data
 
 
@@ -138,14 +146,20 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
     tokenize its input; no model weights are loaded. Without tokenizing only the id and kept
     columns are read (what assembling an output needs). Raises InputError / ModelError / LabelError."""
     source = source or locate_job(config, with_model=tokenize)
-    label_ids, renderer, max_length, vocab_size = [], None, None, None
+    label_ids, renderer, max_length, vocab_size, options = None, None, None, None, None
     if tokenize:
         tokenizer = load_tokenizer(source.model_dir)
-        label_ids = label_token_ids(tokenizer, config.labels)
         max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
         renderer = make_renderer(config, tokenizer)
+        options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length)
     prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
-                             tokenize=tokenize, progress=progress)
+                             tokenize=tokenize, progress=progress, options=options)
+    if options is not None:
+        options.encoder.boundary.log_once(len(prepared.requests))
+        label_ids = options.single_token_ids(prepared.requests)
+        if label_ids is not None:  # one-token labels everywhere: today's one-position path
+            for request in prepared.requests:
+                request.options = None
     log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
     return PreparedJob(source, label_ids, prepared)
 
@@ -218,25 +232,30 @@ def _check_output_outside_input(config: JobConfig, files: list[Path]) -> None:
 
 def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=None, max_length: int | None = None,
                   vocab_size: int | None = None, tokenize: bool = True,
-                  progress: Callable[[int], None] | None = None) -> PreparedInput:
+                  progress: Callable[[int], None] | None = None,
+                  options: RowOptionSource | None = None) -> PreparedInput:
     """Read every input row of `files` and turn it into a Request or a per-row error.
 
     `renderer` (a PromptRenderer) is needed unless the input carries token ids or `tokenize` is
-    False (then only ids and kept columns are read, and no requests made). Raises InputError for
+    False (then only ids, kept columns and choices are read, and no requests made). `options`
+    gives each request its options (labels or the row's choices; None: requests get none).
+    Raises InputError for
     problems that concern a whole file (missing, empty, a template field that is not a column);
     everything row-level becomes an entry in `errors`.
     """
     if config.input.synthetic is not None:
-        return _prepare_synthetic(config)
+        return _prepare_synthetic(config, options)
     id_column = config.input.id_column
+    choices_column = config.input.choices_column
     keep_columns = list(config.output.keep_columns)
     if config.input.format == "openai_batch" and config.output_format == "openai_batch" and "url" not in keep_columns:
         keep_columns.append("url")  # chat or text completion, per request (io/formats.py)
     token_column = config.input.token_ids_column if tokenize else None
     prompt_columns = [token_column] if token_column else renderer.columns if renderer and tokenize else []
-    needed = list(dict.fromkeys(([id_column] if id_column else []) + keep_columns + prompt_columns))
+    needed = list(dict.fromkeys(([id_column] if id_column else []) + keep_columns + prompt_columns
+                                + ([choices_column] if choices_column else [])))
 
-    ids, kept_tables, requests, errors = [], [], [], {}
+    ids, kept_tables, choice_arrays, requests, errors = [], [], [], [], {}
     row_id = 0
     saw_rows = False
     for batch in iter_batches(files, config.input.batch_rows, columns=needed, base=input_base(config.input.path)):
@@ -247,12 +266,15 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
         _check_columns(batch, needed)
         ids.append(_batch_ids(batch, id_column, row_id))
         kept_tables.append(_select_kept(batch.table, keep_columns))
+        if choices_column:
+            choice_arrays.append(_select_kept(batch.table, [choices_column]).column(0).combine_chunks())
+        prompts = None
         if not tokenize:
             rows_tokens = []
         elif token_column:
             rows_tokens = _token_rows(batch, token_column, errors, row_id)
         else:
-            rows_tokens = _rendered_rows(batch, renderer, errors, row_id)
+            rows_tokens, prompts = _rendered_rows(batch, renderer, errors, row_id)
         for offset, tokens in enumerate(rows_tokens):
             rid = row_id + offset
             if tokens is None:
@@ -261,8 +283,11 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
                                      vocab_size=vocab_size)
             if problem:
                 errors[rid] = problem
-            else:
-                requests.append(Request(rid, tokens))
+                rows_tokens[offset] = None
+        row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id)
+        for offset, tokens in enumerate(rows_tokens):
+            if tokens is not None and row_id + offset not in errors:
+                requests.append(Request(row_id + offset, tokens, row_options[offset]))
         row_id += n
         if progress:
             progress(n)
@@ -272,16 +297,48 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     if id_column:
         _check_unique_ids(id_array, id_column)
     kept = _concat_tables(kept_tables) if keep_columns else pa.table({})
-    return PreparedInput(row_id, id_array, kept, requests, errors)
+    choices = _concat(choice_arrays) if choices_column else None
+    return PreparedInput(row_id, id_array, kept, requests, errors, choices)
 
 
-def _prepare_synthetic(config: JobConfig) -> PreparedInput:
+def _row_options(options: RowOptionSource | None, batch: InputBatch, rows_tokens: list, prompts: list | None,
+                 renderer, choices_column: str | None, errors: dict[int, str], first_row_id: int) -> list:
+    """Each row's OptionTokens (None without `options` or for rows with errors); option problems
+    become row errors. `prompts`: the rows' RenderedPrompts (None: pre-tokenized prompts)."""
+    if options is None or not rows_tokens:
+        return [None] * len(rows_tokens)
+    choices = None
+    if choices_column:
+        choices = batch.table.column(choices_column).to_pylist() if choices_column in batch.table.column_names \
+            else [None] * batch.table.num_rows
+    texts = chat = None
+    if prompts is not None:
+        texts = [p.text if p is not None else None for p in prompts]
+        chat = [renderer.chat if p is None or p.chat is None else p.chat for p in prompts]
+    where = [f"{batch.file}:{batch.first_line + offset}" for offset in range(len(rows_tokens))]
+    result = []
+    for offset, (row_options, problem) in enumerate(options.batch(rows_tokens, texts, choices, where, chat)):
+        if problem:
+            errors[first_row_id + offset] = problem
+        result.append(row_options)
+    return result
+
+
+def _prepare_synthetic(config: JobConfig, options: RowOptionSource | None = None) -> PreparedInput:
     from batchscore.synthetic import WORKLOADS
 
-    sequences = WORKLOADS[config.input.synthetic.workload](**config.input.synthetic.params)
-    requests = [Request(i, np.asarray(s, dtype=np.int32)) for i, s in enumerate(sequences)]
-    n = len(requests)
-    return PreparedInput(n, pa.array(np.arange(n, dtype=np.int64)), pa.table({}), requests, {})
+    sequences = [np.asarray(s, dtype=np.int32) for s in
+                 WORKLOADS[config.input.synthetic.workload](**config.input.synthetic.params)]
+    errors: dict[int, str] = {}
+    row_options = [None] * len(sequences)
+    if options is not None:
+        where = [f"{config.input.synthetic.workload} row {i}" for i in range(len(sequences))]
+        results = options.batch(sequences, None, [None] * len(sequences), where)
+        row_options = [o for o, _ in results]
+        errors = {i: problem for i, (_, problem) in enumerate(results) if problem}
+    requests = [Request(i, s, o) for i, (s, o) in enumerate(zip(sequences, row_options)) if i not in errors]
+    n = len(sequences)
+    return PreparedInput(n, pa.array(np.arange(n, dtype=np.int64)), pa.table({}), requests, errors)
 
 
 def _check_columns(batch: InputBatch, needed: list[str]) -> None:
@@ -307,7 +364,8 @@ def _select_kept(table: pa.Table, keep_columns: list[str]) -> pa.Table:
     return pa.table(columns) if columns else pa.table({})
 
 
-def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int) -> list:
+def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int) -> tuple[list, list]:
+    """(each row's prompt token ids, each row's RenderedPrompt); None for rows with errors."""
     columns = [c for c in renderer.columns if c in batch.table.column_names]
     rows = batch.table.select(columns).to_pylist()
     texts, positions = [], []
@@ -324,9 +382,11 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
         except RowRenderError as exc:  # prompt.engine jinja: any other failure of this row's template
             errors[rid] = f"{batch.file}:{batch.first_line + offset}: {exc}"
     result: list = [None] * len(rows)
-    for offset, tokens in zip(positions, renderer.encode(texts)):
+    rendered: list = [None] * len(rows)
+    for offset, prompt, tokens in zip(positions, texts, renderer.encode(texts)):
         result[offset] = tokens
-    return result
+        rendered[offset] = prompt
+    return result, rendered
 
 
 def _token_rows(batch: InputBatch, column: str, errors: dict[int, str], first_row_id: int) -> list:

@@ -1,0 +1,434 @@
+"""Labels and per-row choices: what is scored after each prompt, and how the scores become columns.
+
+A job scores either the same `labels` after every prompt, or each row's own options
+(`input.choices_column`, a list<string> column). Either way an option is any non-empty text:
+
+- Tokens: an option's tokens are the tokens that follow the prompt's own tokens when prompt text +
+  option text is tokenized as one text (lm-evaluation-harness's rule), so merges at the boundary
+  are handled the way lm-eval handles them. When an option's tokens there differ from the option
+  tokenized alone, the job log says so once. Pre-tokenized prompts (`input.token_ids_column`) have
+  no text: their options are tokenized alone.
+- Scores: each option's total log-probability (the sum over its tokens, from the model's
+  full-vocabulary softmax) is what the engines return; `score.normalize` turns totals into the
+  probabilities written: `sum` (the totals; lm-eval `acc`), `token` (per token) or `byte` (per
+  UTF-8 byte of the option text; lm-eval's `acc_norm` divides by characters, the same for ASCII),
+  then softmax over the row's options. `label_mass` is the sum of the options' probabilities
+  before normalizing.
+
+Output columns: with fixed labels `p_<label>`, `label`, `label_mass` (and `logp_<label>` with
+`output.logprobs`); with choices `choice`, `choice_index`, `p_choices` (list<double>, in the row's
+option order), `label_mass` (and `logp_choices`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from batchscore.plan.options import OptionTokens
+from batchscore.prompts import label_column
+
+log = logging.getLogger("batchscore")
+
+NORMALIZE = ("sum", "token", "byte")
+
+
+def logp_column(label: str) -> str:
+    """Output column name for a label's raw total log-probability, e.g. 'Yes' -> 'logp_Yes'."""
+    return f"logp_{label.strip()}"
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def label_problems(labels: Sequence[str], choices_column: str | None, normalize: str) -> list[str]:
+    """Problems of a job's `labels` / `input.choices_column` / `score.normalize` (config validation)."""
+    problems = []
+    if normalize not in NORMALIZE:
+        problems.append(f"score.normalize: must be one of {', '.join(NORMALIZE)}, got {normalize!r}")
+    if choices_column is not None:
+        if labels:
+            problems.append("labels and input.choices_column: give one of them — fixed labels for every row, "
+                            "or a list<string> column of each row's own options")
+        return problems
+    if len(labels) < 2:
+        problems.append("labels: give at least two labels, e.g. labels: [Yes, No] "
+                        "(or input.choices_column for each row's own options)")
+        return problems
+    empty = [i for i, label in enumerate(labels) if label == ""]
+    if empty:
+        problems.append(f"labels: label {empty[0]} is empty; every label needs some text")
+    if len(set(labels)) != len(labels):
+        problems.append(f"labels: must be distinct, got {list(labels)}")
+    return problems
+
+
+def choices_problem(value: Any) -> tuple[list[str] | None, str | None]:
+    """(the row's options, None), or (None, why the value is not a non-empty list of non-empty strings).
+
+    A string holding a JSON list of strings is accepted as that list: the JSONL reader turns a
+    column whose rows mix types into text, lists included.
+    """
+    if value is None:
+        return None, "is null (expected a list of option strings)"
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            decoded = None
+        if not isinstance(decoded, list):
+            return None, f"must be a list of option strings, got the string {_short(value)}"
+        value = decoded
+    if not isinstance(value, (list, tuple)):
+        return None, f"must be a list of option strings, got {type(value).__name__} {_short(value)}"
+    if len(value) == 0:
+        return None, "is an empty list: no options to score"
+    for index, option in enumerate(value):
+        if not isinstance(option, str):
+            kind = "null" if option is None else f"{type(option).__name__} {_short(option)}"
+            return None, f"option {index} is {kind}, not a string"
+        if option == "":
+            return None, f"option {index} is empty; every option needs some text"
+    return list(value), None
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------- tokenization
+
+
+@dataclass
+class BoundaryReport:
+    """Options whose tokens after the prompt differ from the option tokenized alone."""
+
+    rows: int = 0
+    example: str | None = None
+
+    def note(self, row_label: str, option: str, after: list[int], alone: list[int], tokenizer) -> None:
+        self.rows += 1
+        if self.example is None:
+            pieces = lambda ids: [tokenizer.decode([t]) for t in ids]  # noqa: E731
+            self.example = (f"{row_label}: option {option!r} is {pieces(after)} after the prompt, "
+                            f"{pieces(alone)} alone")
+
+    def log_once(self, total_rows: int) -> None:
+        if self.rows:
+            log.warning("labels: in %d of %d rows an option's tokens depend on the end of the prompt "
+                        "(e.g. %s); each option is scored as the tokens that follow the prompt's own tokens "
+                        "when prompt + option are tokenized as one text, as lm-eval does. To avoid it, end "
+                        "the prompt where a token ends (e.g. before a trailing space) and start the options "
+                        "with that text (' Yes').", self.rows, total_rows, self.example)
+
+
+class OptionEncoder:
+    """Tokenizes options after their prompts (see the module docstring), interning equal results."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.boundary = BoundaryReport()
+        self._alone: dict[str, list[int]] = {}
+        self._interned: dict[tuple[bytes, bytes], OptionTokens] = {}
+
+    def alone(self, options: Sequence[str]) -> list[list[int]]:
+        """Each option tokenized on its own (cached)."""
+        missing = [o for o in dict.fromkeys(options) if o not in self._alone]
+        if missing:
+            encoded = self.tokenizer(missing, add_special_tokens=False)["input_ids"]
+            self._alone.update(zip(missing, encoded))
+        return [self._alone[o] for o in options]
+
+    def intern(self, token_lists: list[list[int]]) -> OptionTokens:
+        """One shared OptionTokens per distinct list of option tokens."""
+        options = OptionTokens.from_lists(token_lists)
+        return self._interned.setdefault(options.key(), options)
+
+    def after_prompts(self, texts: Sequence[str], prompt_tokens: Sequence[Sequence[int]],
+                      options: Sequence[Sequence[str]], row_labels: Sequence[str],
+                      name=lambda index, text: f"option {index} {_short(text)}", chat: Sequence[bool] | None = None,
+                      ) -> list[tuple[list[list[int]] | None, str | None]]:
+        """For each row, (the token ids of each option after its prompt, None) or (None, why not).
+
+        texts[i] / prompt_tokens[i]: row i's prompt text and its tokens; options[i]: its options;
+        row_labels[i]: how to name the row in messages; name(index, text): how to name an option;
+        chat[i]: the prompt text holds a chat template's special tokens (then no BOS and the like
+        are added when tokenizing, as for the prompt; default: every row).
+        """
+        chat = [True] * len(texts) if chat is None else chat
+        joined = [(text + option, row_chat) for text, opts, row_chat in zip(texts, options, chat) for option in opts]
+        encoded: list = [None] * len(joined)
+        for flag in (True, False):
+            at = [i for i, (_, row_chat) in enumerate(joined) if row_chat == flag]
+            if at:
+                ids = self.tokenizer([joined[i][0] for i in at], add_special_tokens=not flag)["input_ids"]
+                for i, tokens in zip(at, ids):
+                    encoded[i] = tokens
+        results = []
+        position = 0
+        for row_label, tokens, opts in zip(row_labels, prompt_tokens, options):
+            n = len(tokens)
+            alone = self.alone(opts)
+            row, problem, noted = [], None, False
+            for index, option in enumerate(opts):
+                whole = encoded[position + index]
+                after = list(whole[n:])
+                if not after:
+                    problem = (f"{name(index, option)} adds no token after the prompt: tokenized with the "
+                               "prompt it merges into the prompt's last token(s); end the prompt before its "
+                               "trailing space or punctuation and start the options with it")
+                    break
+                if not noted and (after != list(alone[index]) or list(whole[:n]) != list(tokens)):
+                    self.boundary.note(row_label, option, after, alone[index], self.tokenizer)
+                    noted = True
+                row.append(after)
+            position += len(opts)
+            results.append((None, problem) if problem else (row, None))
+        return results
+
+
+def option_length_problem(options: OptionTokens, texts: Sequence[str], prompt_len: int,
+                          max_length: int | None, limit_name: str = "the model's context",
+                          name=lambda index, text: f"option {index} {_short(text)}") -> str | None:
+    """Why the longest option does not fit after a `prompt_len`-token prompt, or None.
+
+    Scoring an option of n tokens takes in the prompt and the option's first n - 1 tokens.
+    """
+    if max_length is None:
+        return None
+    needed = prompt_len + options.lengths - 1
+    over = np.flatnonzero(needed > max_length)
+    if not len(over):
+        return None
+    index = int(over[0])
+    return (f"{name(index, texts[index])} is {int(options.lengths[index])} tokens: with the {prompt_len}-token "
+            f"prompt that is {int(needed[index])} tokens, longer than the maximum {max_length} ({limit_name})")
+
+
+# ---------------------------------------------------------------------------- output columns
+
+
+@dataclass
+class RowScores:
+    """Every row's option totals as Arrow lists (null: the row has no result), for the output.
+
+    logp: list<double> raw total log-probability of each option (NaN for rows the engine failed);
+    tokens: list<int32> tokens of each option (null lists: one token each).
+    """
+
+    logp: pa.ListArray
+    tokens: pa.ListArray | None = None
+    mass: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+def normalized_log_probs(logp: np.ndarray, row_of: np.ndarray, num_rows: int,
+                         divisors: np.ndarray | None) -> np.ndarray:
+    """log of the normalized probabilities: softmax over each row's options of logp / divisor.
+
+    logp, row_of, divisors: [M] flat over all options of all rows (row_of non-decreasing).
+    """
+    values = logp if divisors is None else logp / divisors
+    finite = np.where(np.isfinite(values), values, -np.inf)
+    top = np.full(num_rows, -np.inf)
+    np.maximum.at(top, row_of, finite)
+    top = np.where(np.isfinite(top), top, 0.0)
+    shifted = values - top[row_of]
+    sums = np.bincount(row_of, weights=np.exp(shifted), minlength=num_rows)
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(sums)[row_of]
+
+
+def score_columns(*, labels: Sequence[str] | None, choices: Sequence[Sequence[str] | None] | None,
+                  scores: RowScores, ok: np.ndarray, normalize: str = "sum",
+                  logprobs: bool = False) -> dict[str, pa.Array]:
+    """The score columns of the output, in order (see the module docstring).
+
+    labels: the job's fixed labels, or None with `choices`: each row's options (None for rows
+    without a valid list; only ok rows are read). ok: [N] rows that were scored.
+    """
+    n = len(ok)
+    logp_list = scores.logp
+    lengths = np.asarray(logp_list.value_lengths().fill_null(0), dtype=np.int64)
+    lengths[~ok] = 0
+    flat, offsets = _flat_values(logp_list, lengths)
+    row_of = np.repeat(np.arange(n), lengths)
+    divisors = _divisors(normalize, labels, choices, scores.tokens, lengths, row_of, ok)
+    log_p = normalized_log_probs(flat, row_of, n, divisors)
+    probs = np.exp(log_p)
+    with np.errstate(over="ignore"):
+        mass = np.bincount(row_of, weights=np.exp(flat), minlength=n)
+    best = _first_argmax(probs, offsets, lengths)
+    columns: dict[str, pa.Array] = {}
+    mask = ~ok
+    if labels is not None:
+        count = len(labels)
+        if (lengths[ok] != count).any():
+            raise ValueError(f"expected {count} label scores per scored row")
+        matrix = np.full((n, count), np.nan)
+        matrix[ok] = probs.reshape(-1, count)
+        raw = np.full((n, count), np.nan)
+        raw[ok] = flat.reshape(-1, count)
+        for i, label in enumerate(labels):
+            columns[label_column(label)] = pa.array(matrix[:, i], mask=mask, type=pa.float64())
+        columns["label"] = pa.array([labels[b] if good else None for b, good in zip(best, ok)], type=pa.string())
+        columns["label_mass"] = pa.array(mass, mask=mask, type=pa.float64())
+        if logprobs:
+            for i, label in enumerate(labels):
+                columns[logp_column(label)] = pa.array(raw[:, i], mask=mask, type=pa.float64())
+        return columns
+    list_offsets = pa.array(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
+    validity = pa.array(ok)
+    columns["choice"] = pa.array([choices[i][b] if good else None for i, (b, good) in enumerate(zip(best, ok))],
+                                 type=pa.string())
+    columns["choice_index"] = pa.array(best, mask=mask, type=pa.int64())
+    columns["p_choices"] = _list_column(list_offsets, probs, validity)
+    columns["label_mass"] = pa.array(mass, mask=mask, type=pa.float64())
+    if logprobs:
+        columns["logp_choices"] = _list_column(list_offsets, flat, validity)
+    return columns
+
+
+def _list_column(offsets: pa.Array, values: np.ndarray, validity: pa.Array) -> pa.Array:
+    array = pa.ListArray.from_arrays(offsets, pa.array(values, type=pa.float64()))
+    return pa.compute.if_else(validity, array, pa.scalar(None, array.type))
+
+
+def _flat_values(array: pa.ListArray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The values of the rows with lengths > 0 (rows set to 0 are skipped), and their offsets."""
+    array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
+    starts = np.asarray(array.offsets, dtype=np.int64)[:-1]
+    values = np.asarray(array.values.to_numpy(zero_copy_only=False), dtype=np.float64)
+    index = np.repeat(starts, lengths) + _ranks(lengths)
+    return values[index], np.concatenate(([0], np.cumsum(lengths)))[:-1]
+
+
+def _ranks(lengths: np.ndarray) -> np.ndarray:
+    """0, 1, .., len-1 for every row, concatenated."""
+    total = int(lengths.sum())
+    return np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
+def _first_argmax(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per row, the index of its largest value (the first on ties; 0 for empty rows)."""
+    n = len(lengths)
+    best = np.zeros(n, dtype=np.int64)
+    if not len(values):
+        return best
+    row_of = np.repeat(np.arange(n), lengths)
+    clean = np.nan_to_num(values, nan=-np.inf)
+    order = np.lexsort((_ranks(lengths), -clean, row_of))  # by row, largest first, then position
+    nonempty = lengths > 0
+    best[nonempty] = _ranks(lengths)[order[offsets[nonempty]]]
+    return best
+
+
+def _divisors(normalize: str, labels, choices, tokens: pa.ListArray | None, lengths: np.ndarray,
+              row_of: np.ndarray, ok: np.ndarray) -> np.ndarray | None:
+    if normalize == "sum":
+        return None
+    if normalize == "token":
+        if tokens is None:
+            return np.ones(len(row_of))
+        token_lengths = np.asarray(tokens.value_lengths().fill_null(0), dtype=np.int64)
+        counts, _ = _flat_values(tokens.cast(pa.list_(pa.float64())), np.where(ok & (token_lengths > 0), lengths, 0))
+        out = np.ones(len(row_of))
+        has = np.repeat(ok & (token_lengths > 0), lengths)
+        out[has] = counts
+        return out
+    if normalize == "byte":
+        if labels is not None:
+            per_label = np.array([len(label.encode("utf-8")) for label in labels], dtype=np.float64)
+            return np.tile(per_label, int(ok.sum()))
+        return np.array([len(option.encode("utf-8")) for i in np.flatnonzero(ok) for option in choices[i]],
+                        dtype=np.float64)
+    raise ValueError(f"unknown normalize {normalize!r}")
+
+
+# ---------------------------------------------------------------------------- rows -> options
+
+
+class RowOptionSource:
+    """Each input row's options as token ids (or why the row cannot be scored).
+
+    labels: the job's fixed labels, or None with `choices_column`. `encoder` tokenizes; prompts
+    that are text are passed per batch (`texts`), pre-tokenized prompts are not (options are then
+    tokenized alone). `max_length`: the longest sequence the engine takes in.
+    """
+
+    def __init__(self, labels: Sequence[str] | None, choices_column: str | None, encoder: OptionEncoder,
+                 max_length: int | None = None, limit_name: str = "the model's context") -> None:
+        self.labels = list(labels) if labels else None
+        self.choices_column = choices_column
+        self.encoder = encoder
+        self.max_length = max_length
+        self.limit_name = limit_name
+
+    def batch(self, prompt_tokens: Sequence, texts: Sequence[str | None] | None, choices: Sequence | None,
+              where: Sequence[str], chat: Sequence[bool] | None = None) -> list[tuple[OptionTokens | None, str | None]]:
+        """For every row of a batch with prompt tokens (None: the row has an error already),
+        (its options, None) or (None, the row's error message, starting with `where[i]`).
+        texts / chat: the rows' prompt texts and whether each holds a chat template's tokens
+        (texts None: pre-tokenized prompts, options are tokenized alone)."""
+        results: list[tuple[OptionTokens | None, str | None]] = [(None, None)] * len(prompt_tokens)
+        todo, option_texts = [], []
+        for i, tokens in enumerate(prompt_tokens):
+            if tokens is None:
+                continue
+            if self.labels is not None:
+                opts = self.labels
+            else:
+                opts, problem = choices_problem(choices[i])
+                if problem:
+                    results[i] = (None, f"{where[i]}: field {self.choices_column!r} {problem}")
+                    continue
+            todo.append(i)
+            option_texts.append(opts)
+        if texts is not None:
+            encoded = self.encoder.after_prompts([texts[i] for i in todo], [prompt_tokens[i] for i in todo],
+                                                 option_texts, [where[i] for i in todo], self._name,
+                                                 [chat[i] for i in todo] if chat is not None else None)
+        else:
+            encoded = [self._alone(opts) for opts in option_texts]
+        for i, opts, (token_lists, problem) in zip(todo, option_texts, encoded):
+            options = None if problem else self.encoder.intern(token_lists)
+            problem = problem or option_length_problem(options, opts, len(prompt_tokens[i]), self.max_length,
+                                                       self.limit_name, self._name)
+            results[i] = (None, f"{where[i]}: {problem}") if problem else (options, None)
+        return results
+
+    def _alone(self, opts: Sequence[str]) -> tuple[list[list[int]] | None, str | None]:
+        token_lists = self.encoder.alone(opts)
+        empty = [i for i, tokens in enumerate(token_lists) if not tokens]
+        if empty:
+            return None, f"{self._name(empty[0], opts[empty[0]])} has no tokens"
+        return token_lists, None
+
+    def _name(self, index: int, text: str) -> str:
+        """How messages name an option: `label 'Yes'`, or `field 'choices' option 2 'Paris'`."""
+        if self.labels is not None:
+            return f"label {_short(text)}"
+        return f"field {self.choices_column!r} option {index} {_short(text)}"
+
+    def single_token_ids(self, requests) -> list[int] | None:
+        """The label token ids when every request has the same one-token labels (the one-position
+        path), else None (every request is scored over its own options)."""
+        if self.labels is None or not requests:
+            return None
+        first = requests[0].options
+        if first is None or not first.single_token or any(r.options is not first for r in requests):
+            return None
+        return [int(t) for t in first.tokens]
+
+
+def choices_for_output(choices: pa.Array | None, ok: np.ndarray) -> list | None:
+    """Each row's options as read (for the `choice` column): a list for ok rows, None elsewhere."""
+    if choices is None:
+        return None
+    values = choices.to_pylist()
+    return [choices_problem(v)[0] if good else None for v, good in zip(values, ok)]
