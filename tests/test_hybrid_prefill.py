@@ -127,14 +127,14 @@ def test_suffix_kv_dropped_after_its_layer_plain(monkeypatch):
     previous: list[weakref.ref] = []
     original = cascade_attention._attend_part
 
-    def tracked(query, key, value, part, layer_idx, scale):
+    def tracked(query, key, value, part, layer_idx, scale, *row_kv):
         gc.collect()
         if part.record_into is None and layer_idx > 0:
             assert all(ref() is None for ref in previous), "previous layer's suffix KV still alive"
         previous.clear()
         if part.record_into is None:
             previous.append(weakref.ref(key))
-        return original(query, key, value, part, layer_idx, scale)
+        return original(query, key, value, part, layer_idx, scale, *row_kv)
 
     monkeypatch.setattr(cascade_attention, "_attend_part", tracked)
     list(TorchEngine(tiny_model("llama"), token_budget=BUDGET).score(make_groups(seed=4)[:2], LABELS))

@@ -13,6 +13,11 @@ The prefix part needs no mask and no per-sequence copy of the prefix: all suffix
 laid out as one block `[1, H, T, D]` against the prefix KV `[1, H_kv, P, D]` (GQA is handled by
 the kernel). The per-sequence causal part runs on a right-padded view `[B, H, S_max, D]`.
 
+A part may instead hold *option rows* (`OptionLayout`): the tokens of the options scored after
+each member's prompt. An option row attends to the prefix KV, fully to its member's suffix (other
+rows of the same packed pass) and causally to the earlier rows of its own option; the last two
+run as one masked attention over a per-member padded view, merged with the prefix the same way.
+
 The context travels through the model's forward keyword arguments (`cascade=CascadeBatch(...)`)
 and reaches `cascade_attention_forward`, registered with transformers' `AttentionInterface`.
 No mask is built: transformers skips mask creation for attention implementations that have no
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 
@@ -78,6 +84,24 @@ def attention_with_lse_math(
     if causal:
         rows, cols = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value.float())  # [B, H, T, D]
+    return out.to(query.dtype), lse
+
+
+def attention_with_lse_masked(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention under an additive mask (0 / -inf, [B, 1, T, S], every row with a 0), with log-sum-exp.
+
+    Same contract as `attention_with_lse`. CPU: PyTorch's flash kernel for CPU (the mask in the
+    query's dtype); elsewhere the float32 math reference.
+    """
+    if query.device.type == "cpu":
+        out, lse = _flash_attention_cpu(query, key, value, 0.0, False, attn_mask=mask.to(query.dtype), scale=scale)[:2]
+        return out, lse
+    key, value = _repeat_kv(key, query.shape[1]), _repeat_kv(value, query.shape[1])
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale + mask.float()  # [B, H, T, S]
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value.float())  # [B, H, T, D]
     return out.to(query.dtype), lse
@@ -157,20 +181,103 @@ class SequenceLayout:
 
 
 @dataclass
+class OptionLayout:
+    """Option rows of several members packed in one part, and what each row attends to besides
+    the prefix: its member's suffix (all of it, elsewhere in the packed row) and, causally, the
+    earlier rows of its own option.
+
+    Attention runs on a padded view with one slot per member: queries `[B, H, R_max, D]` (the
+    member's option rows), keys `[B, H_kv, K_max, D]` (the member's suffix, then its option rows)
+    and an additive mask `[B, 1, R_max, K_max]` (padding query slots see key slot 0 only; their
+    outputs are dropped).
+    """
+
+    num_members: int
+    max_rows: int  # R_max
+    max_keys: int  # K_max
+    query_index: torch.Tensor  # [B * R_max] part row of each query slot
+    unpad_index: torch.Tensor  # [R] query slot of each part row
+    key_index: torch.Tensor  # [B * K_max] packed-row token of each key slot
+    mask: torch.Tensor  # [B, 1, R_max, K_max] float32, 0 or -inf
+
+    @classmethod
+    def build(cls, suffix_starts: list[int], suffix_lengths: list[int], option_rows: list[list[int]],
+              part_offset: int) -> OptionLayout:
+        """Members' suffixes at packed rows [suffix_starts[b], + suffix_lengths[b]) and their options'
+        row counts `option_rows[b]` (each > 0), packed member after member from `part_offset`."""
+        count = len(option_rows)
+        rows = np.array([sum(r) for r in option_rows], dtype=np.int64)  # [B]
+        suffix = np.asarray(suffix_lengths, dtype=np.int64)  # [B]
+        max_rows, max_keys = int(rows.max()), int((suffix + rows).max())
+        first_row = np.cumsum(rows) - rows  # [B] part row of each member's first option row
+        # the first row (member-local) of the option each member-local row belongs to
+        option_start = np.full((count, max_rows), max_rows, dtype=np.int64)  # [B, R_max], padding: never
+        for b, lengths in enumerate(option_rows):
+            starts = np.cumsum(lengths) - lengths
+            option_start[b, : rows[b]] = np.repeat(starts, lengths)
+        q = np.arange(max_rows)[None, :, None]  # [1, R_max, 1]
+        k = np.arange(max_keys)[None, None, :]  # [1, 1, K_max]
+        own = k - suffix[:, None, None]  # [B, 1, K_max] option-row index of key slot k (when >= 0)
+        real = q < rows[:, None, None]  # [B, R_max, 1]
+        allowed = np.where(real, (own < 0) | ((own >= option_start[:, :, None]) & (own <= q)), k == 0)
+        mask = np.where(allowed, 0.0, -np.inf).astype(np.float32)[:, None]  # [B, 1, R_max, K_max]
+        query_index = np.where(q[0, :, 0][None] < rows[:, None], first_row[:, None] + np.arange(max_rows), first_row[:, None])
+        slots = np.arange(max_keys)[None]  # [1, K_max]
+        starts = np.asarray(suffix_starts, dtype=np.int64)[:, None]
+        own_rows = part_offset + first_row[:, None] + (slots - suffix[:, None])
+        key_index = np.where(slots < suffix[:, None], starts + slots,
+                             np.where(slots < (suffix + rows)[:, None], own_rows, part_offset + first_row[:, None]))
+        unpad_index = np.concatenate([b * max_rows + np.arange(r) for b, r in enumerate(rows)])
+        return cls(count, max_rows, max_keys, torch.from_numpy(query_index.reshape(-1)),
+                   torch.from_numpy(unpad_index), torch.from_numpy(key_index.reshape(-1)), torch.from_numpy(mask))
+
+    def to(self, device: torch.device | str) -> OptionLayout:
+        return OptionLayout(self.num_members, self.max_rows, self.max_keys, self.query_index.to(device),
+                            self.unpad_index.to(device), self.key_index.to(device), self.mask.to(device))
+
+
+def attend_option_rows(
+    query: torch.Tensor, row_key: torch.Tensor, row_value: torch.Tensor, layout: OptionLayout, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of option rows over their members' suffixes and their own options (no prefix).
+
+    query [1, H, R, D]: the part's option rows; row_key/row_value [1, H_kv, T, D]: the whole
+    packed row's K/V. Returns (out [1, H, R, D], lse [1, H, R]).
+    """
+    heads, dim, kv_heads = query.shape[1], query.shape[3], row_key.shape[1]
+    members, rows, keys = layout.num_members, layout.max_rows, layout.max_keys
+    q = query.index_select(2, layout.query_index).reshape(heads, members, rows, dim).transpose(0, 1)
+    k = row_key.index_select(2, layout.key_index).reshape(kv_heads, members, keys, dim).transpose(0, 1)
+    v = row_value.index_select(2, layout.key_index).reshape(kv_heads, members, keys, dim).transpose(0, 1)
+    out, lse = attention_with_lse_masked(q, k, v, layout.mask, scale)  # [B, H, R_max, D], [B, H, R_max]
+    out = out.transpose(0, 1).reshape(1, heads, members * rows, dim).index_select(2, layout.unpad_index)
+    lse = lse.transpose(0, 1).reshape(1, heads, members * rows).index_select(2, layout.unpad_index)
+    return out, lse
+
+
+@dataclass
 class CascadePart:
     """A contiguous run of the packed tokens that shares one prefix KV.
 
     num_tokens: tokens of this part (the parts of a batch follow each other along T).
     prefix: KV every token of the part attends to in full (empty for plain requests).
-    layout: the causal sequences the part's tokens form.
+    layout: the causal sequences the part's tokens form (None for a part of option rows).
     record_into: when set, each layer appends the part's own K/V to it (prefix prefill);
         when None the part's K/V are discarded after the layer (suffix scoring).
+    options: set for a part of option rows (see `OptionLayout`), attended whole.
     """
 
     num_tokens: int
     prefix: PrefixKV
-    layout: SequenceLayout
+    layout: SequenceLayout | None
     record_into: PrefixKV | None = None
+    options: OptionLayout | None = None
+
+    def own_attention(self, query, key, value, row_key, row_value, scale: float):
+        """Attention over the part's own tokens (and, for option rows, their members' suffixes)."""
+        if self.options is not None:
+            return attend_option_rows(query, row_key, row_value, self.options, scale)
+        return causal_attention_per_sequence(query, key, value, self.layout, scale)
 
 
 @dataclass
@@ -260,7 +367,8 @@ def cascade_attention_forward(
     outputs, start = [], 0
     for part in cascade.parts:
         span = slice(start, start + part.num_tokens)
-        outputs.append(_attend_part(query[:, :, span], key[:, :, span], value[:, :, span], part, layer_idx, scale))
+        outputs.append(_attend_part(query[:, :, span], key[:, :, span], value[:, :, span], part, layer_idx, scale,
+                                    key, value))
         start += part.num_tokens
     if start != query.shape[2]:
         raise ValueError(f"cascade parts cover {start} tokens, the batch has {query.shape[2]}")
@@ -269,14 +377,16 @@ def cascade_attention_forward(
 
 
 def _attend_part(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, part: CascadePart, layer_idx: int, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, part: CascadePart, layer_idx: int, scale: float,
+    row_key: torch.Tensor | None = None, row_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one part: own causal sequences merged with the part's prefix KV.
 
-    query [1, H, T_p, D], key/value [1, H_kv, T_p, D]. Returns [1, H, T_p, D] in query's dtype.
+    query [1, H, T_p, D], key/value [1, H_kv, T_p, D]; row_key/row_value [1, H_kv, T, D] the whole
+    packed row (read by option rows). Returns [1, H, T_p, D] in query's dtype.
     Side effect: appends (key, value) to `part.record_into` for this layer when set.
     """
-    out, lse = causal_attention_per_sequence(query, key, value, part.layout, scale)  # [1, H, T_p, D], [1, H, T_p]
+    out, lse = part.own_attention(query, key, value, row_key, row_value, scale)  # [1, H, T_p, D], [1, H, T_p]
     for prefix_key, prefix_value in part.prefix.layers[layer_idx]:
         out_p, lse_p = attention_with_lse(query, prefix_key, prefix_value, False, scale)
         out, lse = merge_partial_attention(out_p, lse_p, out, lse)
@@ -293,6 +403,8 @@ def attend_query_rows(
     layer_idx: int,
     scale: float,
     query_start: int = 0,
+    row_key: torch.Tensor | None = None,
+    row_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the part's query rows [query_start, query_start + U) (hybrid prefilling).
 
@@ -300,14 +412,16 @@ def attend_query_rows(
     (only rows before query_start + U are read). A part of several sequences must be attended
     whole (query_start 0, U = T_p); a single sequence may be split into query chunks: the chunk
     attends causally to its own rows and fully to the earlier rows, merged exactly by
-    log-sum-exp like the prefix. Returns [1, H, U, D] in query's dtype. Records nothing.
+    log-sum-exp like the prefix. A part of option rows is attended whole and reads the packed
+    row's K/V (`row_key`, `row_value`). Returns [1, H, U, D] in query's dtype. Records nothing.
     """
     rows = query.shape[2]
     end = query_start + rows
-    if part.layout.num_sequences > 1 and (query_start != 0 or end != part.num_tokens):
+    whole = part.options is not None or part.layout.num_sequences > 1
+    if whole and (query_start != 0 or end != part.num_tokens):
         raise ValueError("a part of several sequences is attended whole, not in query chunks")
     own = slice(query_start, end)
-    out, lse = causal_attention_per_sequence(query, key[:, :, own], value[:, :, own], part.layout, scale)
+    out, lse = part.own_attention(query, key[:, :, own], value[:, :, own], row_key, row_value, scale)
     if query_start > 0:  # the sequence's earlier rows: every query of the chunk sees all of them
         out_e, lse_e = attention_with_lse(query, key[:, :, :query_start], value[:, :, :query_start], False, scale)
         out, lse = merge_partial_attention(out_e, lse_e, out, lse)

@@ -47,10 +47,11 @@ class QueryChunk:
 
 
 def query_chunks(cascade: CascadeBatch, chunk: int) -> list[QueryChunk]:
-    """Split the parts into query chunks: single sequences by `chunk` rows, packed parts whole."""
+    """Split the parts into query chunks: single sequences by `chunk` rows, packed parts (and
+    parts of option rows) whole."""
     chunks, offset = [], 0
     for part in cascade.parts:
-        step = chunk if part.layout.num_sequences == 1 else part.num_tokens
+        step = chunk if part.options is None and part.layout.num_sequences == 1 else part.num_tokens
         for start in range(0, part.num_tokens, step):
             chunks.append(QueryChunk(part, offset, start, min(start + step, part.num_tokens)))
         offset += part.num_tokens
@@ -118,7 +119,7 @@ class HybridDecoder:
             query = self._rotate(query.transpose(1, 2), cos[:, rows], sin[:, rows])  # [1, H, U, D]
             own = slice(chunk.offset, chunk.offset + chunk.part.num_tokens)
             out = attend_query_rows(query, key[:, :, own], value[:, :, own], chunk.part, attention.layer_idx,
-                                    attention.scaling, chunk.start)  # [1, H, U, D]
+                                    attention.scaling, chunk.start, key, value)  # [1, H, U, D]
             del query, x
             hidden[rows] += attention.o_proj(out.transpose(1, 2).reshape(count, -1))  # [U, hidden]
             del out

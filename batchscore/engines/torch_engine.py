@@ -11,6 +11,12 @@ Per prefix group:
      under the budget, the next group's prefix is prefilled in that same pass (one large matrix
      for the projections and MLPs instead of two smaller ones).
 
+Options (multi-token labels, per-row choices; `label_token_ids` None): each member's options are
+one more level of the tree, packed as option rows after the suffixes of the same pass and scored
+exactly (see `torch_options.py`); a member whose suffix and option rows exceed the budget is
+prefilled in chunks and its options scored on top of its KV. One-token labels shared by every row
+keep the one-position path above.
+
 A group with an empty prefix holds plain requests: their whole prompts are packed the same way.
 A member whose suffix is empty is scored from the prefix's last position. A member whose suffix
 is longer than the budget is prefilled in chunks on top of the (shared, uncopied) prefix KV
@@ -48,12 +54,14 @@ from batchscore.engines.cascade_attention import (
     SequenceLayout,
     register_cascade_attention,
 )
+from batchscore.engines.cascade_attention import OptionLayout
 from batchscore.engines.hybrid import HybridDecoder
 from batchscore.engines.kept_tokens import PrunedGroup, SpecPrefillOptions
 from batchscore.engines.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape, dtype_bytes
+from batchscore.engines.torch_options import LM_HEAD_ROWS, OptionBatch, pack_options, subset
 from batchscore.errors import EngineUnavailable, MemoryBudgetError
-from batchscore.plan.types import PrefixGroup
+from batchscore.plan.types import GroupMember, PrefixGroup
 from batchscore.plan.validate import prompt_problem
 
 
@@ -198,16 +206,20 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ public scoring
 
-    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int]) -> Iterator[LabelScores]:
+    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int] | None) -> Iterator[LabelScores]:
         """Yield one `LabelScores` per member, group by group, members in their given order.
 
+        `label_token_ids` None: every member is scored over its own `options`.
         When a group's last suffix batch leaves room under the budget, the next group's prefix
         rides along in the same forward pass (its KV is recorded, ready for that group).
         Side effects: updates `self.metrics` (tokens processed, batches, tokens per batch).
         """
         if self.model is None:
             raise RuntimeError("engine is closed")
-        labels = self._label_tensor(label_token_ids)
+        labels = self._label_tensor(label_token_ids) if label_token_ids is not None else None
+        if labels is None and self.speculator is not None:
+            raise ValueError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
+                             "this job's labels or choices are scored per row (multi-token options)")
         pending = iter(groups)
         if self.speculator is not None:  # one group ahead of the main model (see the loop below)
             pending = self.speculator.pruned(pending, labels, check=self._check_group)
@@ -225,7 +237,7 @@ class TorchEngine:
     def _score_group(
         self,
         group: PrefixGroup,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None,
         carried: list[PrefilledPrefix],
         next_group: PrefixGroup | None,
     ) -> Generator[LabelScores, None, PrefilledPrefix | None]:
@@ -243,31 +255,47 @@ class TorchEngine:
         next_prefilled = None
 
         prefix = carried.pop() if carried else self.prefill_prefix(group.prefix, positions=_prefix_positions(group))
-        empty = [i for i, m in enumerate(members) if len(m.suffix) == 0]
-        if empty:
+        options = labels is None
+        empty = [i for i, m in enumerate(members) if _work(m, options) == 0]
+        if empty and options:  # one-token options after the prefix: read at its last position
+            scored, _ = self.score_option_batch(prefix, [members[i] for i in empty])
+            for i, result in zip(empty, scored):
+                results[i] = result
+        elif empty:
             log_probs, mass = self._label_scores(prefix.last_hidden[None], labels)  # one row, shared
             for i in empty:
                 results[i] = LabelScores(members[i].row_id, log_probs[0].copy(), mass[0])
 
-        batches = self._plan_batches(group)
+        batches = self._plan_batches(group, options)
         for number, batch in enumerate(batches):
-            if batch.chunked:
-                (index,) = batch.member_indices
-                log_probs, mass = self.score_long_suffix(prefix.kv, members[index].suffix, labels,
-                                                         positions=_member_positions(group, index))
+            ride_along = None
+            if not batch.chunked and number == len(batches) - 1:
+                lengths = [_work(members[i], options) for i in batch.member_indices]
+                ride_along = self._prefix_that_fits(next_group, group.prefix_len, lengths)
+            if options:  # (no speculative prefill here: `score` refuses it with options)
+                if batch.chunked:
+                    (index,) = batch.member_indices
+                    scored = [self.score_long_member(prefix, members[index])]
+                else:
+                    scored, next_prefilled = self.score_option_batch(
+                        prefix, [members[i] for i in batch.member_indices], ride_along)
+                for index, result in zip(batch.member_indices, scored):
+                    results[index] = result
             else:
-                suffixes = [members[i].suffix for i in batch.member_indices]
-                positions = None
-                if isinstance(group, PrunedGroup):
-                    positions = [group.member_positions[i] for i in batch.member_indices]
-                ride_along = None
-                if number == len(batches) - 1:
-                    ride_along = self._prefix_that_fits(next_group, group.prefix_len, suffixes)
-                log_probs, mass, next_prefilled = self.score_suffix_batch(
-                    prefix.kv, suffixes, labels, ride_along, positions=positions,
-                    next_prefix_positions=_prefix_positions(next_group) if ride_along is not None else None)
-            for row, index in enumerate(batch.member_indices):
-                results[index] = LabelScores(members[index].row_id, log_probs[row], mass[row])
+                if batch.chunked:
+                    (index,) = batch.member_indices
+                    log_probs, mass = self.score_long_suffix(prefix.kv, members[index].suffix, labels,
+                                                             positions=_member_positions(group, index))
+                else:
+                    suffixes = [members[i].suffix for i in batch.member_indices]
+                    positions = None
+                    if isinstance(group, PrunedGroup):
+                        positions = [group.member_positions[i] for i in batch.member_indices]
+                    log_probs, mass, next_prefilled = self.score_suffix_batch(
+                        prefix.kv, suffixes, labels, ride_along, positions=positions,
+                        next_prefix_positions=_prefix_positions(next_group) if ride_along is not None else None)
+                for row, index in enumerate(batch.member_indices):
+                    results[index] = LabelScores(members[index].row_id, log_probs[row], mass[row])
             if number == len(batches) - 1:
                 del prefix  # the group's last member is scored: free the prefix KV before yielding it
                 prefix = None
@@ -282,6 +310,100 @@ class TorchEngine:
         return next_prefilled
 
     @torch.inference_mode()
+    def score_option_batch(
+        self, prefix: PrefilledPrefix, members: list[GroupMember], next_prefix: np.ndarray | None = None,
+    ) -> tuple[list[LabelScores], PrefilledPrefix | None]:
+        """Score members over their options in one packed pass on top of `prefix`: the non-empty
+        suffixes, then every option's rows (its tokens but the last), and `next_prefix` (another
+        group's prefix, prefilled in the same pass) when given. Members whose suffix is empty are
+        read at the prefix's last position. No pass runs when there is nothing to compute.
+
+        Returns (one LabelScores per member with `logp` set, the prefilled `next_prefix` or None).
+        """
+        batch = pack_options([(m.suffix, m.options) for m in members], prefix.kv.length)
+        totals, next_prefilled = self._option_pass(prefix, batch, next_prefix)
+        return [LabelScores.from_totals(m.row_id, t, m.options) for m, t in zip(members, totals)], next_prefilled
+
+    @torch.inference_mode()
+    def score_long_member(self, prefix: PrefilledPrefix, member: GroupMember) -> LabelScores:
+        """Score one member whose suffix and option rows exceed the budget: its suffix is prefilled
+        in chunks on top of the (uncopied) prefix KV, then its options run as suffixes of that KV,
+        in passes under the budget (an option longer than the budget in chunks of its own)."""
+        options = member.options
+        prompt = self.prefill_prefix(member.suffix, base=prefix.kv) if len(member.suffix) else prefix
+        totals = np.empty(options.count)
+        rows = (options.lengths - 1).tolist()
+        singles = [j for j, r in enumerate(rows) if r == 0]
+        groups = [b.member_indices for b in plan_suffix_batches(rows, self.token_budget, long_in_one_pass=True)]
+        for indices in ([singles] if singles else []) + groups:
+            if len(indices) == 1 and rows[indices[0]] > self.token_budget:
+                totals[indices[0]] = self._option_in_chunks(prompt, options.option(indices[0]))
+                continue
+            batch = pack_options([(np.zeros(0, np.int32), subset(options, indices))], prompt.kv.length)
+            totals[indices] = self._option_pass(prompt, batch)[0][0]
+        return LabelScores.from_totals(member.row_id, totals, options)
+
+    def _option_pass(
+        self, prefix: PrefilledPrefix, batch: OptionBatch, next_prefix: np.ndarray | None = None
+    ) -> tuple[list[np.ndarray], PrefilledPrefix | None]:
+        """Run `batch`'s pass (if it has tokens) and return each member's option totals."""
+        parts, last_index = [], None
+        if batch.suffixes:
+            suffix_part, last_index = _suffix_part(batch.suffixes, prefix.kv)
+            parts.append(suffix_part)
+        if batch.num_option_rows:
+            layout = OptionLayout.build(batch.suffix_starts, batch.suffix_lengths, batch.option_rows,
+                                        part_offset=batch.suffix_tokens)
+            part = CascadePart(batch.num_option_rows, prefix=prefix.kv, layout=None, options=layout)
+            parts.append(PackedPart(batch.option_tokens, batch.option_positions, part))
+        next_kv = None
+        if next_prefix is not None:
+            next_kv = PrefixKV.empty(self._num_layers)
+            parts.append(_prefix_part(next_prefix, next_kv))
+        hidden = self._run_decoder(parts) if parts else None  # [T, hidden]
+        first = []
+        for index in batch.suffix_of:
+            first.append(prefix.last_hidden[None] if index is None else hidden[int(last_index[index])][None])
+        start = batch.suffix_tokens
+        sources = torch.cat(first + ([hidden[start : start + batch.num_option_rows]] if batch.num_option_rows else []))
+        totals = batch.totals(self._pair_log_probs(sources, batch.pair_source, batch.pair_target))
+        if next_prefix is None:
+            return totals, None
+        next_kv.length = len(next_prefix)
+        return totals, PrefilledPrefix(next_kv, hidden[-1].clone())
+
+    def _option_in_chunks(self, prompt: PrefilledPrefix, option: np.ndarray) -> float:
+        """Total log-probability of one option longer than the budget, prefilled in chunks on top of
+        the prompt's KV (left unchanged)."""
+        kv = prompt.kv.extended()
+        first = self._pair_log_probs(prompt.last_hidden[None], np.zeros(1, np.int64), option[:1].astype(np.int64))
+        total = float(first.sum())
+        inputs = option[:-1]
+        for start in range(0, len(inputs), self.token_budget):
+            chunk = inputs[start : start + self.token_budget]
+            hidden = self._run_decoder([_prefix_part(chunk, kv)])  # [C, hidden]
+            kv.length += len(chunk)
+            targets = option[start + 1 : start + 1 + len(chunk)].astype(np.int64)
+            total += float(self._pair_log_probs(hidden, np.arange(len(chunk)), targets).sum())
+        return total
+
+    @torch.inference_mode()
+    def _pair_log_probs(self, sources: torch.Tensor, pair_source: np.ndarray, pair_target: np.ndarray) -> np.ndarray:
+        """log P(pair_target[m]) under the full-vocabulary softmax at hidden row pair_source[m]
+        (sorted); the LM head runs on `LM_HEAD_ROWS` rows at a time. Returns [M] float64."""
+        out = np.empty(len(pair_source))
+        for first in range(0, sources.shape[0], LM_HEAD_ROWS):
+            last = min(first + LM_HEAD_ROWS, sources.shape[0])
+            lo, hi = np.searchsorted(pair_source, [first, last])
+            if lo == hi:
+                continue
+            logits = self._lm_head(sources[first:last]).float()  # [C, V]
+            lse = torch.logsumexp(logits, dim=-1)  # [C]
+            rows = torch.from_numpy(pair_source[lo:hi] - first).to(logits.device)
+            targets = torch.from_numpy(pair_target[lo:hi]).to(logits.device)
+            out[lo:hi] = (logits[rows, targets] - lse[rows]).double().cpu().numpy()
+        return out
+
     def prefill_prefix(self, tokens: np.ndarray, base: PrefixKV | None = None, *,
                        positions: np.ndarray | None = None) -> PrefilledPrefix:
         """Compute the KV of `tokens` (continuing after `base`), in chunks of at most the budget.
@@ -352,7 +474,7 @@ class TorchEngine:
     def memory_needed(self, group: PrefixGroup, member_index: int) -> int:
         """Bytes (beyond the weights) scoring this member alone needs: its group's prefix prefill,
         then its own pass (or chunked prefill) on top of the prefix KV. Changes nothing."""
-        suffix_len = len(group.members[member_index].suffix)
+        suffix_len = group.members[member_index].work_tokens
         needed = self.memory.prefix_bytes(group.prefix_len, self.token_budget)
         if suffix_len == 0:
             return needed
@@ -381,25 +503,26 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ helpers
 
-    def _plan_batches(self, group: PrefixGroup) -> list[SuffixBatch]:
-        """Suffix batches by the token budget and, when set, the memory budget."""
+    def _plan_batches(self, group: PrefixGroup, options: bool = False) -> list[SuffixBatch]:
+        """Suffix batches by the token budget and, when set, the memory budget (with `options`, a
+        member's length is its suffix plus its option rows)."""
         fits = None
         if self.memory_budget is not None:
             def fits(lengths: list[int]) -> bool:
                 return self.memory.suffix_batch_bytes(group.prefix_len, lengths) <= self.memory_budget
-        return plan_suffix_batches([len(m.suffix) for m in group.members], self.token_budget, fits=fits,
+        return plan_suffix_batches([_work(m, options) for m in group.members], self.token_budget, fits=fits,
                                    long_in_one_pass=self._hybrid is not None)
 
     def _prefix_that_fits(
-        self, group: PrefixGroup | None, prefix_len: int, suffixes: list[np.ndarray]
+        self, group: PrefixGroup | None, prefix_len: int, lengths: list[int]
     ) -> np.ndarray | None:
-        """The group's prefix when it is non-empty, valid and fits next to `suffixes` (scored on a
-        prefix of `prefix_len` tokens) under the token budget and the memory budget, else None."""
-        room = self.token_budget - sum(map(len, suffixes))
+        """The group's prefix when it is non-empty, valid and fits next to a batch of `lengths`
+        tokens per member (scored on a prefix of `prefix_len` tokens) under the token budget and
+        the memory budget, else None."""
+        room = self.token_budget - sum(lengths)
         if group is None or not 0 < group.prefix_len <= room or not group.members:
             return None
         if self.memory_budget is not None:
-            lengths = [len(s) for s in suffixes]
             if self.memory.suffix_batch_bytes(prefix_len, lengths, group.prefix_len) > self.memory_budget:
                 return None
         try:
@@ -420,7 +543,10 @@ class TorchEngine:
         position_ids = torch.from_numpy(positions).to(self.device)  # [T]
         if self.device.type != "cpu":
             for part in parts:
-                part.cascade.layout = part.cascade.layout.to(self.device)
+                if part.cascade.layout is not None:
+                    part.cascade.layout = part.cascade.layout.to(self.device)
+                if part.cascade.options is not None:
+                    part.cascade.options = part.cascade.options.to(self.device)
         cascade = CascadeBatch([p.cascade for p in parts])
         if self._hybrid is not None:
             hidden = self._hybrid.forward(input_ids, position_ids, cascade)  # [T, hidden]
@@ -446,10 +572,22 @@ class TorchEngine:
         return torch.as_tensor(labels, dtype=torch.int64, device=self.device)  # [L]
 
     def _check_group(self, group: PrefixGroup) -> None:
+        vocab = int(self._lm_head.weight.shape[0])
         for member in group.members:
-            problem = prompt_problem(group.prefix_len + len(member.suffix), self.max_context)
+            prompt_len = group.prefix_len + len(member.suffix)
+            problem = prompt_problem(prompt_len, self.max_context)
             if problem:
                 raise ValueError(f"row {member.row_id}: {problem}")
+            options = member.options
+            if options is None:
+                continue
+            if options.input_length(prompt_len) > self.max_context:
+                index = int(np.argmax(options.lengths))
+                raise ValueError(f"row {member.row_id}: option {index} is {int(options.lengths[index])} tokens; with "
+                                 f"the {prompt_len}-token prompt that is more than the model's context "
+                                 f"{self.max_context}")
+            if len(options.tokens) and not 0 <= int(options.tokens.min()) <= int(options.tokens.max()) < vocab:
+                raise ValueError(f"row {member.row_id}: option token ids outside the model's vocabulary (0..{vocab - 1})")
 
 
 @dataclass
@@ -508,6 +646,15 @@ def _suffix_part(suffixes: list[np.ndarray], prefix_kv: PrefixKV,
     layout = SequenceLayout.from_lengths(lengths.tolist())
     part = CascadePart(int(ends[-1]), prefix=prefix_kv, layout=layout)
     return PackedPart(np.concatenate(suffixes), token_positions, part), torch.from_numpy(ends - 1)
+
+
+def _work(member: GroupMember, options: bool) -> int:
+    """Tokens a member adds to a pass: its suffix, plus its option rows when scoring options."""
+    if not options:
+        return len(member.suffix)
+    if member.options is None:
+        raise ValueError(f"row {member.row_id}: no options to score (and no shared label ids given)")
+    return member.work_tokens
 
 
 def _check_full_attention(config) -> None:
