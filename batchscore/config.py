@@ -409,6 +409,9 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     from batchscore.labels import label_problems
 
     problems.extend(label_problems(config.labels, inp.choices_column, config.score.normalize))
+    if config.output_format == "openai_batch" and (inp.choices_column or config.score.normalize != "sum"):
+        problems.append("output.format openai_batch: writes fixed labels' probabilities normalized by their sum; "
+                        "write parquet or jsonl for input.choices_column or score.normalize token | byte")
     problems.extend(_output_column_problems(config))
     if config.engine.kind not in ENGINE_KINDS:
         problems.append(f"engine.kind: must be one of {', '.join(ENGINE_KINDS)}, got {config.engine.kind!r}")
@@ -517,7 +520,8 @@ def _output_column_problems(config: JobConfig) -> list[str]:
             problems.append(f"labels: {labels} would all be written to the column {column!r}; make them differ "
                             "by more than surrounding spaces")
     id_name = config.input.id_column or "row_id"
-    generated = set(output_columns(config.labels)) | ({id_name} if config.input.id_column is None else set())
+    generated = set(output_columns(config.labels, config.input.choices_column is not None, config.output.logprobs))
+    generated |= {id_name} if config.input.id_column is None else set()
     for name in config.output.keep_columns:
         if name in generated and name != config.input.id_column:
             problems.append(f"output.keep_columns: {name!r} is also a column batchscore writes (the scores: "

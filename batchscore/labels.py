@@ -432,3 +432,11 @@ def choices_for_output(choices: pa.Array | None, ok: np.ndarray) -> list | None:
         return None
     values = choices.to_pylist()
     return [choices_problem(v)[0] if good else None for v, good in zip(values, ok)]
+
+
+def score_column_names(labels: Sequence[str], choices: bool, logprobs: bool) -> list[str]:
+    """The names `score_columns` gives its columns, in order."""
+    if choices:
+        return ["choice", "choice_index", "p_choices", "label_mass"] + (["logp_choices"] if logprobs else [])
+    return ([label_column(label) for label in labels] + ["label", "label_mass"]
+            + ([logp_column(label) for label in labels] if logprobs else []))

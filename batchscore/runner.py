@@ -31,7 +31,8 @@ from batchscore.io.identity import identity_hash
 from batchscore.io.lock import OutputLock
 from batchscore.io.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.io.formats import write_output
-from batchscore.io.writer import results_table
+from batchscore.io.writer import ok_rows, scores_table
+from batchscore.labels import choices_for_output, score_columns
 from batchscore.plan.placement import place_groups
 from batchscore.prepare import JobSource, PreparedJob, locate_job, prepare_job
 
@@ -162,7 +163,7 @@ def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
         log.info("resuming: %d rows already scored", resumed)
 
     score_started = time.perf_counter()
-    sinks = [PartSink(store, manifest, w, placement.workers[w].groups, manifest.rows_done(w), len(config.labels),
+    sinks = [PartSink(store, manifest, w, placement.workers[w].groups, manifest.rows_done(w),
                       config.output.part_rows, config.output.part_seconds) for w in my_workers]
     bar = RowProgress(sum(s.total - s.position for s in sinks), progress)
     batch_tokens: list[int] = []
@@ -285,13 +286,15 @@ _PATH_PROBLEMS = {errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.
 def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest]) -> dict[int, str]:
     """Write the final output from every part (atomically), remove the parts; returns row errors."""
     config, prepared = job.config, job.input
-    log_probs, mass, errors = store.read_results(manifests, prepared.num_rows, len(config.labels))
-    unscored = np.flatnonzero(np.isnan(mass))
+    scores, errors = store.read_results(manifests, prepared.num_rows)
+    unscored = np.flatnonzero(np.isnan(scores.mass))
     for row in unscored[~np.isin(unscored, np.fromiter(errors, dtype=np.int64, count=len(errors)))]:
         errors[int(row)] = "not scored: no result from the engine"  # never silently lost
     id_name = config.input.id_column or "row_id"
-    table = results_table(prepared.ids, id_name, prepared.kept, config.labels, np.exp(log_probs), mass, errors,
-                          approx_keep=_approx_keep(config))
+    ok = ok_rows(prepared.num_rows, errors)
+    columns = score_columns(labels=config.labels or None, choices=choices_for_output(prepared.choices, ok),
+                            scores=scores, ok=ok, normalize=config.score.normalize, logprobs=config.output.logprobs)
+    table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=_approx_keep(config))
     if table.num_rows != prepared.num_rows:  # the invariant: every input row exactly once
         raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
     fault_point("assemble")

@@ -8,7 +8,7 @@ import threading
 from contextlib import contextmanager
 from typing import Sequence
 
-from batchscore.engines.base import Engine, LabelScores
+from batchscore.engines.base import Engine, LabelScores, num_options
 from batchscore.errors import RunInterrupted
 from batchscore.executors.sinks import PartSink, RowProgress, record
 from batchscore.plan.types import PrefixGroup
@@ -16,7 +16,7 @@ from batchscore.plan.types import PrefixGroup
 log = logging.getLogger("batchscore")
 
 
-def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int], progress: RowProgress) -> None:
+def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int] | None, progress: RowProgress) -> None:
     """Score the sink's remaining rows with `engine` in this process.
 
     SIGTERM/SIGINT is checked after every result, i.e. after every forward batch of the engine:
@@ -36,7 +36,7 @@ def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int], prog
         raise RuntimeError(f"the engine returned results for {sink.position} of {sink.total} rows")
 
 
-def score_with_row_errors(engine: Engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int]):
+def score_with_row_errors(engine: Engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int] | None):
     """`engine.score`, except that rows the engine says it cannot fit (its `memory_problems`)
     come out as error results instead of stopping the job. Yields group by group."""
     bad = {p.row_id: str(p) for p in engine.memory_problems(groups)}
@@ -48,7 +48,7 @@ def score_with_row_errors(engine: Engine, groups: Sequence[PrefixGroup], label_i
     for group, kept in zip(groups, runnable):
         for member in group.members:
             if member.row_id in bad:
-                yield LabelScores.failed(member.row_id, len(label_ids), bad[member.row_id])
+                yield LabelScores.failed(member.row_id, num_options(member, label_ids), bad[member.row_id])
         for _ in kept.members:
             yield next(results)
 

@@ -51,7 +51,7 @@ class ScoringWorker:
 
 
 def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, kind: str, model_dir, sinks: Sequence[PartSink],
-                 label_ids: Sequence[int], progress: RowProgress) -> None:
+                 label_ids: Sequence[int] | None, progress: RowProgress) -> None:
     """Score every sink's remaining groups on its own Ray actor; results go through the sinks.
 
     Side effects: starts a local Ray (or connects to `executor.address`) unless Ray is already
@@ -73,7 +73,7 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, kind: str, mode
                 continue
             actors[sink.worker] = actor_cls.remote(kind, str(model_dir), engine, int(executor.cpus_per_worker))
             pending[sink.worker] = deque(
-                actors[sink.worker].score.remote(chunk, list(label_ids))
+                actors[sink.worker].score.remote(chunk, None if label_ids is None else list(label_ids))
                 for chunk in _chunks(sink.remaining_groups(), min(TASK_ROWS, sinks[0].part_rows)))
         log.info("ray: %d workers, %d tasks", len(actors), sum(len(q) for q in pending.values()))
         by_worker = {s.worker: s for s in sinks}

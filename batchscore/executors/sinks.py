@@ -29,10 +29,9 @@ class PartSink:
     """
 
     def __init__(self, store: PartStore, manifest: Manifest, worker: int, groups: Sequence[PrefixGroup],
-                 first_row: int, num_labels: int, part_rows: int, part_seconds: float):
+                 first_row: int, part_rows: int, part_seconds: float):
         self.store, self.manifest, self.worker = store, manifest, worker
         self.groups = groups
-        self.num_labels = num_labels
         self.part_rows, self.part_seconds = part_rows, part_seconds
         self.group_ends = np.cumsum([len(g.members) for g in groups], dtype=np.int64)  # [G]
         self.total = int(self.group_ends[-1]) if len(groups) else 0
@@ -45,7 +44,8 @@ class PartSink:
 
     def _reset(self) -> None:
         self.row_ids: list[int] = []
-        self.log_probs: list[np.ndarray] = []
+        self.logp: list[np.ndarray] = []  # each row's raw total log-probability per option
+        self.option_tokens: list[np.ndarray | None] = []  # tokens per option (None: one each)
         self.mass: list[float] = []
         self.errors: dict[int, str] = {}
 
@@ -76,7 +76,8 @@ class PartSink:
             raise RuntimeError(f"worker {self.worker}: the engine returned row {result.row_id} where row "
                                f"{expected} was due; refusing to mix rows")
         self.row_ids.append(result.row_id)
-        self.log_probs.append(np.asarray(result.log_probs, dtype=np.float64))
+        self.logp.append(np.asarray(result.raw_logp(), dtype=np.float64))
+        self.option_tokens.append(result.option_tokens)
         self.mass.append(float(result.label_mass))
         if result.error:
             self.errors[result.row_id] = result.error
@@ -99,8 +100,7 @@ class PartSink:
         """Write the results buffered so far as one part (nothing if none)."""
         if self.position <= self.part_start:
             return
-        log_probs = np.stack(self.log_probs)
-        self.store.write_part(self.manifest, np.asarray(self.row_ids, dtype=np.int64), log_probs,
+        self.store.write_part(self.manifest, np.asarray(self.row_ids, dtype=np.int64), self.logp, self.option_tokens,
                               np.asarray(self.mass), self.errors, start=self.part_start, end=self.position,
                               worker=self.worker)
         self.part_start, self.last_flush = self.position, time.monotonic()

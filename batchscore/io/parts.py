@@ -6,7 +6,7 @@ Layout, for `output.path = out/scores.parquet`:
     out/scores.parquet.parts/
         run.manifest.json                # run identity + which rows each part covers
         run-input-errors.parquet         # row_id, error of rows refused before scoring
-        run-part-001-000000.parquet      # attempt 1, part 0: row_id, log-probs, label_mass, error
+        run-part-001-000000.parquet      # attempt 1, part 0: row_id, option log-probs and tokens, label_mass, error
         shard-1-of-3.manifest.json       # a static shard writes its own manifest and parts
         ...
     out/scores.parquet.complete.json     # written after the output: a rerun is a no-op
@@ -37,11 +37,12 @@ import pyarrow.parquet as pq
 from batchscore.errors import ResumeMismatch
 from batchscore.faults import fault_point
 from batchscore.io.atomic import atomic_write
+from batchscore.labels import RowScores
 from batchscore.io.identity import describe_changes
 
 log = logging.getLogger("batchscore")
 
-MANIFEST_VERSION = 3  # 3: parts cover row positions, carry checksums; identity by content
+MANIFEST_VERSION = 4  # 3: parts cover row positions, carry checksums; identity by content; 4: option totals
 
 
 @dataclass
@@ -192,19 +193,22 @@ class PartStore:
         self.write_manifest(manifest)
         return manifest
 
-    def write_part(self, manifest: Manifest, row_ids: np.ndarray, log_probs: np.ndarray,
-                   label_mass: np.ndarray, errors: dict[int, str], start: int, end: int,
-                   worker: int = 0) -> None:
+    def write_part(self, manifest: Manifest, row_ids: np.ndarray, logp: list[np.ndarray],
+                   option_tokens: list[np.ndarray | None], label_mass: np.ndarray, errors: dict[int, str],
+                   start: int, end: int, worker: int = 0) -> None:
         """Write one part (atomically), then record it in the manifest (atomically).
 
-        row_ids: [R]; log_probs: [R, L]; label_mass: [R]; errors: row_id -> engine error message;
+        row_ids: [R]; logp: R arrays of each option's raw total log-probability (NaN: not
+        scored); option_tokens: R arrays of tokens per option (None: one token each);
+        label_mass: [R]; errors: row_id -> engine error message;
         [start, end): the positions of the worker's member order the part covers (R = end - start).
         """
         name = f"{self.name}-part-{manifest.attempt:03d}-{len(manifest.parts):06d}.parquet"
         table = pa.table({
             "row_id": pa.array(row_ids, type=pa.int64()),
-            "log_probs": pa.FixedSizeListArray.from_arrays(
-                pa.array(np.asarray(log_probs, dtype=np.float64).reshape(-1)), log_probs.shape[1]),
+            "logp": pa.array([np.asarray(v, dtype=np.float64) for v in logp], type=pa.list_(pa.float64())),
+            "option_tokens": pa.array([None if t is None else np.asarray(t, dtype=np.int32) for t in option_tokens],
+                                      type=pa.list_(pa.int32())),
             "label_mass": pa.array(label_mass, type=pa.float64()),
             "error": pa.array([errors.get(int(r)) for r in row_ids], type=pa.string()),
         })
@@ -216,14 +220,14 @@ class PartStore:
     def write_manifest(self, manifest: Manifest) -> None:
         atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
 
-    def read_results(self, manifests: list[Manifest], num_rows: int,
-                     num_labels: int) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
-        """Gather every part, reading each once: ([num_rows, L] log-probs, [num_rows] mass, NaN
-        where unscored) and the rows that were not scored (refused before scoring, or by the
-        engine), with the reason. Raises RuntimeError when any row has two results (parts that
-        overlap, or a part that scored a row refused before scoring): exactly once, or not at all."""
-        log_probs = np.full((num_rows, num_labels), np.nan)
+    def read_results(self, manifests: list[Manifest], num_rows: int) -> tuple[RowScores, dict[int, str]]:
+        """Gather every part, reading each once: every row's option totals, tokens and mass (in row
+        order; null lists and NaN mass where unscored) and the rows that were not scored (refused
+        before scoring, or by the engine), with the reason. Raises RuntimeError when any row has
+        two results (parts that overlap, or a part that scored a row refused before scoring):
+        exactly once, or not at all."""
         mass = np.full(num_rows, np.nan)
+        row_chunks, logp_chunks, token_chunks = [], [], []
         errors: dict[int, str] = {}
         seen = np.zeros(num_rows, dtype=np.int64)
         for name in {m.input_errors_file for m in manifests if m.input_errors_file}:
@@ -237,7 +241,9 @@ class PartStore:
             if len(rows) != part.rows:
                 raise RuntimeError(f"{part.file} holds {len(rows)} rows, its manifest says {part.rows}")
             np.add.at(seen, rows, 1)
-            log_probs[rows] = np.asarray(table.column("log_probs").combine_chunks().flatten()).reshape(-1, num_labels)
+            row_chunks.append(rows)
+            logp_chunks.append(table.column("logp").combine_chunks())
+            token_chunks.append(table.column("option_tokens").combine_chunks())
             mass[rows] = table.column("label_mass").to_numpy()
             for row_id, message in zip(rows.tolist(), table.column("error").to_pylist()):
                 if message is not None:
@@ -246,7 +252,18 @@ class PartStore:
         if twice.size:
             raise RuntimeError(f"rows {twice[:5].tolist()} have more than one result in {self.folder}; "
                                "refusing to write an output that could mix them (rerun with --fresh)")
-        return log_probs, mass, errors
+        position = np.full(num_rows, -1, dtype=np.int64)  # row -> its place among the parts' rows
+        if row_chunks:
+            found = np.concatenate(row_chunks)
+            position[found] = np.arange(len(found))
+        take = pa.array(position, mask=position < 0)
+
+        def in_row_order(chunks, value_type):
+            values = pa.concat_arrays(chunks) if chunks else pa.array([], type=pa.list_(value_type))
+            return values.take(take)
+
+        scores = RowScores(in_row_order(logp_chunks, pa.float64()), in_row_order(token_chunks, pa.int32()), mass)
+        return scores, errors
 
     def sibling_manifests(self, names: list[str]) -> list[Manifest | None]:
         """The manifests of the writers `names` in the same folder (None where missing)."""
