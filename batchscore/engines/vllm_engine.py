@@ -3,7 +3,10 @@
 Every member of every group becomes one vLLM request: its full prompt as token ids
 (`TokensPrompt`), `max_tokens=1` and `logprob_token_ids=<label ids>`, which returns the exact
 log-probabilities of the label tokens under the full-vocabulary softmax of the last prompt
-position (raw logits, before any sampling processors). Requests are added in plan order, so
+position (raw logits, before any sampling processors). A member scored over its own options
+(multi-token labels, choices) becomes one such request per node of its options' trie, prompt +
+the node's path, all sharing the prompt's cached blocks (see `vllm_options.py`). Requests are
+added in plan order, so
 vLLM's FCFS scheduler and its automatic prefix cache see each group's prefix consecutively:
 the first member computes the prefix, the rest reuse its KV blocks. `prompt_logprobs` is never
 used (it bypasses the prefix cache).
@@ -31,9 +34,10 @@ import numpy as np
 from batchscore.engines import VLLM_INSTALL_HINT
 from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
 from batchscore.engines.shape import read_model_config
+from batchscore.engines.vllm_options import option_requests, option_totals
 from batchscore.engines.vllm_settings import VllmSettings, derive_settings
 from batchscore.errors import EngineUnavailable
-from batchscore.plan.types import PrefixGroup
+from batchscore.plan.types import GroupMember, PrefixGroup
 from batchscore.plan.validate import prompt_problem
 
 log = logging.getLogger("batchscore")
@@ -261,49 +265,67 @@ class VllmEngine:
         """None known ahead: vLLM sizes its own batches; prompts it refuses become error rows."""
         return []
 
-    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int]) -> Iterator[LabelScores]:
+    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int] | None) -> Iterator[LabelScores]:
         """Yield one LabelScores per member, in plan order (refused rows: NaN scores, `error` set).
 
+        `label_token_ids` None: every member is scored over its own `options`.
         Side effects: creates the LLM on the first call (sized for these groups); updates
         `metrics`, `errors` and `cache_stats`.
         """
-        labels = check_label_ids(label_token_ids, self.vocab_size)
+        labels = check_label_ids(label_token_ids, self.vocab_size) if label_token_ids is not None else None
         groups = list(groups)
         self.start(groups)
         yield from self._run(groups, labels)
 
-    def _run(self, groups: list[PrefixGroup], labels: list[int]) -> Iterator[LabelScores]:
-        """Add requests in plan order (a window ahead of the scheduler), step, yield in order."""
+    def _run(self, groups: list[PrefixGroup], labels: list[int] | None) -> Iterator[LabelScores]:
+        """Add requests in plan order (a window ahead of the scheduler), step, yield members in order.
+
+        A member is one request (shared labels) or one per node of its options' trie; it is
+        yielded when all of its requests have finished."""
         if self._llm is None:
             raise RuntimeError("engine is closed")
         engine = self._llm.llm_engine
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=labels, detokenize=False)
+        shared = None if labels is None else \
+            SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=labels, detokenize=False)
         window = max(2 * self.settings.max_num_seqs, 64)
         max_prompt = self.settings.max_model_len - 1
         self.cache_stats = PrefixCacheStats()
         self.order_inversions = 0
-        requests = _requests_in_order(groups)  # (seq, row_id, prompt)
-        lengths: dict[int, int] = {}
-        rows: dict[int, int] = {}
-        done: dict[int, LabelScores] = {}  # finished, waiting for earlier sequence numbers
-        next_seq = 0  # next sequence number to yield
+        members = _members_in_order(groups)  # (member seq, member, prompt)
+        lengths: dict[int, int] = {}  # request seq -> prompt length, for requests in vLLM
+        owner: dict[int, tuple[int, tuple[int, ...]]] = {}  # request seq -> (member seq, trie path)
+        running: dict[int, _Member] = {}  # member seq -> member with requests in vLLM
+        done: dict[int, LabelScores] = {}  # finished, waiting for earlier members
+        next_member = next_request = 0
         exhausted = False
         try:
             while True:
                 while not exhausted and len(lengths) < window:
-                    item = next(requests, None)
+                    item = next(members, None)
                     if item is None:
                         exhausted = True
                         break
-                    seq, row_id, prompt = item
-                    refusal = self._add(engine, seq, prompt, params, max_prompt)
-                    if refusal is None:
-                        lengths[seq], rows[seq] = len(prompt), row_id
+                    member_seq, member, prompt = item
+                    state = _Member(member, labels)
+                    work = [((), labels)] if labels is not None else option_requests(member.options)
+                    for path, targets in work:
+                        tokens = np.concatenate([prompt, np.asarray(path, dtype=np.int32)]) if path else prompt
+                        params = shared or SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=targets,
+                                                          detokenize=False)
+                        refusal = self._add(engine, next_request, tokens, params, max_prompt)
+                        if refusal is not None:
+                            state.error = state.error or refusal
+                            break
+                        lengths[next_request], owner[next_request] = len(tokens), (member_seq, path)
+                        state.pending += 1
+                        next_request += 1
+                    if state.pending:
+                        running[member_seq] = state
                     else:
-                        done[seq] = self._failed(row_id, refusal, len(labels))
-                while next_seq in done:
-                    yield done.pop(next_seq)
-                    next_seq += 1
+                        done[member_seq] = self._member_result(state)
+                while next_member in done:
+                    yield done.pop(next_member)
+                    next_member += 1
                 if not lengths:
                     if exhausted:
                         return
@@ -314,12 +336,16 @@ class VllmEngine:
                     if not out.finished:
                         continue
                     seq = int(out.request_id)
-                    length, row_id = lengths.pop(seq), rows.pop(seq)
+                    length = lengths.pop(seq)
+                    member_seq, path = owner.pop(seq)
                     # FCFS check: `lengths` keeps insertion (= plan) order, so its first key is
                     # the earliest request still running.
                     if lengths and next(iter(lengths)) < seq:
                         self.order_inversions += 1
-                    done[seq] = self._result(out, row_id, length, labels)
+                    state = running[member_seq]
+                    self._record(state, out, length, path)
+                    if state.pending == 0:
+                        done[member_seq] = self._member_result(running.pop(member_seq))
         finally:
             if lengths:  # the caller stopped early (or an error): do not leave requests in vLLM
                 engine.abort_request([str(seq) for seq in lengths])
@@ -342,28 +368,54 @@ class VllmEngine:
         self.errors[row_id] = message
         return LabelScores.failed(row_id, num_labels, message)
 
-    def _result(self, out, row_id: int, length: int, labels: list[int]) -> LabelScores:
-        """LabelScores from a finished RequestOutput (an error row if the log-probs are missing)."""
+    def _record(self, state: _Member, out, length: int, path: tuple[int, ...]) -> None:
+        """Take one finished request's log-probabilities into its member (counts the cache use)."""
         cached = int(out.num_cached_tokens or 0)
         self.cache_stats.queries += length
         self.cache_stats.hits += cached
         self.metrics.processed_tokens += length - cached
+        state.pending -= 1
         try:
             token_logprobs = out.outputs[0].logprobs[0]  # {token_id: Logprob} of the one output token
-            values = np.array([[token_logprobs[t].logprob for t in labels]], dtype=np.float64)  # [1, L]
+            state.found.update({(path, int(t)): float(v.logprob) for t, v in token_logprobs.items()})
         except (IndexError, KeyError, TypeError) as exc:
-            return self._failed(row_id, f"vLLM returned no log-probabilities for the labels ({exc!r})",
-                                len(labels))
-        log_probs, mass = normalize_label_logprobs(values)
-        return LabelScores(row_id=row_id, log_probs=log_probs[0], label_mass=float(mass[0]))
+            state.error = state.error or f"vLLM returned no log-probabilities for the labels ({exc!r})"
+
+    def _member_result(self, state: _Member) -> LabelScores:
+        """The member's LabelScores once all its requests are in (an error row if any failed)."""
+        member, labels = state.member, state.labels
+        count = len(labels) if labels is not None else member.options.count
+        if state.error is None:
+            try:
+                if labels is not None:
+                    values = np.array([[state.found[((), t)] for t in labels]], dtype=np.float64)  # [1, L]
+                    log_probs, mass = normalize_label_logprobs(values)
+                    return LabelScores(row_id=member.row_id, log_probs=log_probs[0], label_mass=float(mass[0]))
+                return LabelScores.from_totals(member.row_id, option_totals(member.options, state.found),
+                                               member.options)
+            except KeyError as exc:
+                state.error = f"vLLM returned no log-probabilities for the labels ({exc!r})"
+        return self._failed(member.row_id, state.error, count)
 
 
-def _requests_in_order(groups: list[PrefixGroup]) -> Iterator[tuple[int, int, np.ndarray]]:
-    """(sequence number, row_id, full prompt) for every member, in plan order."""
+class _Member:
+    """A member being scored: its requests still in vLLM and the log-probabilities found so far."""
+
+    __slots__ = ("member", "labels", "pending", "found", "error")
+
+    def __init__(self, member: GroupMember, labels: list[int] | None) -> None:
+        self.member, self.labels = member, labels
+        self.pending = 0
+        self.found: dict[tuple[tuple[int, ...], int], float] = {}  # (trie path, token) -> log P
+        self.error: str | None = None
+
+
+def _members_in_order(groups: list[PrefixGroup]) -> Iterator[tuple[int, GroupMember, np.ndarray]]:
+    """(sequence number, member, full prompt) for every member, in plan order."""
     seq = 0
     for group in groups:
         for member in group.members:
-            yield seq, member.row_id, group.full_prompt(member)
+            yield seq, member, group.full_prompt(member)
             seq += 1
 
 

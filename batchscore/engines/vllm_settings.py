@@ -101,6 +101,11 @@ def plan_request_cap(
     suffix_blocks = [
         math.ceil(len(m.suffix) / block_size) + 1 for g in groups for m in g.members
     ]
+    # scored over options: one more request per trie node, each with its own tail block(s)
+    suffix_blocks += [
+        math.ceil(path / block_size) + 1 for g in groups for m in g.members if m.options is not None
+        for path in range(1, m.options.longest) for _ in range(int((m.options.lengths > path).sum()))
+    ]
     if not suffix_blocks:
         return 1
     prefix_blocks = max((math.ceil(g.prefix_len / block_size) for g in groups), default=0)
@@ -121,7 +126,7 @@ def plan_kv_cache_bytes(groups: Sequence[PrefixGroup], model_config: dict[str, A
     blocks = lambda tokens: math.ceil(tokens / block_size)  # noqa: E731
     need = 0
     for group in groups:
-        suffixes = sorted((len(m.suffix) + 1 for m in group.members), reverse=True)
+        suffixes = sorted((m.work_tokens + 1 for m in group.members), reverse=True)  # with option rows
         step, taken = 0, 0
         for length in suffixes:
             if taken and step + length > token_budget:
@@ -154,7 +159,8 @@ def derive_settings(
     context = context_length(model_config)
     block_size = int(args.pop("block_size", default_block_size()))
     chunked = bool(args.pop("enable_chunked_prefill", not one_pass_prefill))
-    longest = max((g.prefix_len + len(m.suffix) for g in groups for m in g.members), default=1)
+    longest = max((g.prefix_len + len(m.suffix) + (m.options.longest - 1 if m.options is not None else 0)
+                   for g in groups for m in g.members), default=1)
     if not gpu_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and not args.get("kv_cache_memory_bytes"):
         # vLLM on CPU would reserve gpu_memory_utilization of the whole NUMA node and fail to
         # start on a machine with less free: size the cache for this plan instead.
