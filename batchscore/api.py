@@ -12,11 +12,14 @@ from batchscore.models import DEFAULT_MODEL
 SCORE_COLUMNS = ("label", "label_mass", "status", "error")
 
 
-def score_dataframe(df, *, template: str, labels: Sequence[str], model: str = DEFAULT_MODEL,
-                    system: str | None = None, chat: bool = False, progress: bool = False,
-                    **sections: Any):
-    """Score every row of `df`; returns a new DataFrame: `p_<label>` columns, label, label_mass,
-    status and error, with `df`'s index.
+def score_dataframe(df, *, template: str, labels: Sequence[str] | None = None, choices_column: str | None = None,
+                    model: str = DEFAULT_MODEL, system: str | None = None, chat: bool = False,
+                    normalize: str = "sum", logprobs: bool = False, progress: bool = False, **sections: Any):
+    """Score every row of `df`; returns a new DataFrame with `df`'s index: with `labels`, the
+    `p_<label>` columns, label and label_mass; with `choices_column` (a column of lists of
+    strings: each row's own options), choice, choice_index, p_choices and label_mass; then status
+    and error. `normalize` (sum | token | byte) and `logprobs` (add the raw log-probabilities) are
+    the job's `score.normalize` and `output.logprobs`.
 
     Extra keyword arguments are job sections, e.g. `engine={"dtype": "bfloat16"}`.
     The rows go through the same pipeline as `batchscore run` (via a temporary Parquet file).
@@ -29,12 +32,14 @@ def score_dataframe(df, *, template: str, labels: Sequence[str], model: str = DE
         source = Path(tmp) / "input.parquet"
         df.reset_index(drop=True).to_parquet(source, index=False)
         raw = {
-            "input": {"path": str(source)},
-            "prompt": {"template": template, "system": system, "chat": chat},
-            "labels": list(labels),
-            "model": model,
-            "output": {"path": str(Path(tmp) / "scores.parquet"), "max_error_rate": 1.0},
             **sections,
+            "input": {**sections.get("input", {}), "path": str(source), "choices_column": choices_column},
+            "prompt": {"template": template, "system": system, "chat": chat},
+            "labels": list(labels or []),
+            "score": {**sections.get("score", {}), "normalize": normalize},
+            "model": model,
+            "output": {"max_error_rate": 1.0, **sections.get("output", {}), "logprobs": logprobs,
+                       "path": str(Path(tmp) / "scores.parquet")},
         }
         config = config_from_dict(raw)
         run_job(config, progress=progress)
