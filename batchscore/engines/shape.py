@@ -4,7 +4,9 @@ Pure Python (no torch): the planner-side code, the vLLM sizing, the torch engine
 estimates and the benchmarks all read the model's sizes from here.
 
 The FLOP count of scoring a plan (with or without prefix sharing) counts the linear layers per
-processed token, attention per query-key pair, and the LM head once per request. The token ideal
+processed token, attention per query-key pair, and the LM head once per request — or, for a
+member scored over multi-token options, once per option token: shared, each option's tokens but
+the last are computed once on top of the member's prompt; plain, every option is its own prompt. The token ideal
 (logical / processed tokens, BatchLLM Eq. 1) treats every token as equal work; a suffix token
 attends to its whole prefix, so when attention is a large share of the work (small models, long
 prefixes) the FLOP ideal is lower.
@@ -85,14 +87,23 @@ class ModelShape:
 
     def flops(self, tokens: int, attended_pairs: int, requests: int) -> float:
         """Forward FLOPs: linear layers over `tokens`, attention over `attended_pairs` query-key
-        pairs, and the LM head on one position of each of `requests`."""
+        pairs, and the LM head on `requests` positions (one per request, plus option rows)."""
         linear = 2.0 * self.num_layers * self.layer_params * tokens
         attention = 4.0 * self.num_layers * self.heads * self.head_dim * attended_pairs
         return linear + attention + 2.0 * self.hidden * self.vocab * requests
 
 
+def _option_rows(member) -> list[int]:
+    """Positions each multi-token option adds after the prompt (n - 1 for n tokens); [] when the
+    member has no options or only one-token ones (read at the prompt's last position)."""
+    if member.options is None or member.options.single_token:
+        return []
+    return [int(n) - 1 for n in member.options.lengths]
+
+
 def attended_pairs_shared(groups: Sequence[PrefixGroup]) -> int:
-    """Query-key pairs with sharing: each prefix causally once, each suffix to its prefix and itself."""
+    """Query-key pairs with sharing: each prefix causally once, each suffix to its prefix and itself,
+    each option's rows to the prompt and causally to themselves."""
     pairs = 0
     for group in groups:
         prefix = group.prefix_len
@@ -100,12 +111,30 @@ def attended_pairs_shared(groups: Sequence[PrefixGroup]) -> int:
         for member in group.members:
             s = len(member.suffix)
             pairs += s * prefix + s * (s + 1) // 2
+            pairs += sum(r * (prefix + s) + r * (r + 1) // 2 for r in _option_rows(member))
     return pairs
 
 
 def attended_pairs_plain(groups: Sequence[PrefixGroup]) -> int:
-    """Query-key pairs without sharing: every full prompt causally."""
-    return sum((t := g.prefix_len + len(m.suffix)) * (t + 1) // 2 for g in groups for m in g.members)
+    """Query-key pairs without sharing: every full prompt causally (with multi-token options, every
+    prompt + option but its last token)."""
+    pairs = 0
+    for group in groups:
+        for member in group.members:
+            t = group.prefix_len + len(member.suffix)
+            rows = _option_rows(member)
+            pairs += sum((t + r) * (t + r + 1) // 2 for r in rows) if rows else t * (t + 1) // 2
+    return pairs
+
+
+def lm_head_rows(groups: Sequence[PrefixGroup], shared: bool) -> int:
+    """Positions that go through the LM head: one per request, plus one per option row."""
+    rows = 0
+    for group in groups:
+        for member in group.members:
+            option_rows = _option_rows(member)
+            rows += sum(option_rows) + (1 if shared or not option_rows else len(option_rows))
+    return rows
 
 
 def forward_flops(config, groups: Sequence[PrefixGroup], shared: bool) -> float:
@@ -113,12 +142,12 @@ def forward_flops(config, groups: Sequence[PrefixGroup], shared: bool) -> float:
 
     `config`: a `config.json` dict, a transformers config or a ModelShape."""
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
-    requests = sum(len(g.members) for g in groups)
+    heads = lm_head_rows(groups, shared)
     if shared:
         tokens = sum(g.processed_tokens for g in groups)
-        return shape.flops(tokens, attended_pairs_shared(groups), requests)
+        return shape.flops(tokens, attended_pairs_shared(groups), heads)
     tokens = sum(g.logical_tokens for g in groups)
-    return shape.flops(tokens, attended_pairs_plain(groups), requests)
+    return shape.flops(tokens, attended_pairs_plain(groups), heads)
 
 
 def flop_ideal_speedup(config, groups: Sequence[PrefixGroup]) -> float:
