@@ -134,4 +134,4 @@ def test_option_longer_than_the_model_len_is_an_error_row(engine, label_requests
     results = list(engine.score([group], None))
     assert [r.row_id for r in results] == [1, 2]
     assert results[0].error is None
-    assert "longer than" in results[1].error and np.isnan(results[1].logp).all()
+    assert "longer than" in results[1].error and np.isnan(results[1].raw_logp()).all()
