@@ -229,12 +229,12 @@ def _share_out(lens: list[int], parts: int) -> list[tuple[int, ...]]:
     (plan order kept inside each part), ordered by their first member.
     """
     parts = max(1, min(parts, len(lens)))
-    heap = [(0, p) for p in range(parts)]
+    heap = [(0, 0, p) for p in range(parts)]  # (load, members, part): equal loads go to the emptier part
     chosen: list[list[int]] = [[] for _ in range(parts)]
     for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
-        load, p = heapq.heappop(heap)
+        load, count, p = heapq.heappop(heap)
         chosen[p].append(i)
-        heapq.heappush(heap, (load + lens[i], p))
+        heapq.heappush(heap, (load + lens[i], count + 1, p))
     return sorted(tuple(sorted(c)) for c in chosen)
 
 
