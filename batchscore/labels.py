@@ -153,23 +153,36 @@ class OptionEncoder:
     def after_prompts(self, texts: Sequence[str], prompt_tokens: Sequence[Sequence[int]],
                       options: Sequence[Sequence[str]], row_labels: Sequence[str],
                       name=lambda index, text: f"option {index} {_short(text)}", chat: Sequence[bool] | None = None,
+                      pieces: Sequence[tuple[str, bool] | None] | None = None,
                       ) -> list[tuple[list[list[int]] | None, str | None]]:
         """For each row, (the token ids of each option after its prompt, None) or (None, why not).
 
         texts[i] / prompt_tokens[i]: row i's prompt text and its tokens; options[i]: its options;
         row_labels[i]: how to name the row in messages; name(index, text): how to name an option;
         chat[i]: the prompt text holds a chat template's special tokens (then no BOS and the like
-        are added when tokenizing, as for the prompt; default: every row).
+        are added when tokenizing, as for the prompt; default: every row); pieces[i]: for a prompt
+        tokenized piece by piece (data holding special-token text), its last piece and whether
+        that piece is data: options then follow that piece, tokenized the way the piece was.
         """
-        chat = [True] * len(texts) if chat is None else chat
-        joined = [(text + option, row_chat) for text, opts, row_chat in zip(texts, options, chat) for option in opts]
+        contexts = []  # (text the options follow, its tokens or None (the prompt's), add_special, split_special)
+        for i, text in enumerate(texts):
+            piece = pieces[i] if pieces is not None else None
+            if piece is None:
+                contexts.append((text, None, not (chat[i] if chat is not None else True), False))
+            else:
+                contexts.append((piece[0], self.tokenizer(piece[0], add_special_tokens=False,
+                                                          split_special_tokens=piece[1])["input_ids"], False, piece[1]))
+        joined = [(context[0] + option, context[2], context[3]) for context, opts in zip(contexts, options)
+                  for option in opts]
         encoded: list = [None] * len(joined)
-        for flag in (True, False):
-            at = [i for i, (_, row_chat) in enumerate(joined) if row_chat == flag]
-            if at:
-                ids = self.tokenizer([joined[i][0] for i in at], add_special_tokens=not flag)["input_ids"]
-                for i, tokens in zip(at, ids):
-                    encoded[i] = tokens
+        for flags in {(add, split) for _, add, split in joined}:
+            at = [i for i, (_, add, split) in enumerate(joined) if (add, split) == flags]
+            ids = self.tokenizer([joined[i][0] for i in at], add_special_tokens=flags[0],
+                                 split_special_tokens=flags[1])["input_ids"]
+            for i, tokens in zip(at, ids):
+                encoded[i] = tokens
+        prompt_tokens = [tokens if context[1] is None else context[1]
+                         for tokens, context in zip(prompt_tokens, contexts)]
         results = []
         position = 0
         for row_label, tokens, opts in zip(row_labels, prompt_tokens, options):
@@ -370,11 +383,13 @@ class RowOptionSource:
         self.limit_name = limit_name
 
     def batch(self, prompt_tokens: Sequence, texts: Sequence[str | None] | None, choices: Sequence | None,
-              where: Sequence[str], chat: Sequence[bool] | None = None) -> list[tuple[OptionTokens | None, str | None]]:
+              where: Sequence[str], chat: Sequence[bool] | None = None,
+              pieces: Sequence[tuple[str, bool] | None] | None = None) -> list[tuple[OptionTokens | None, str | None]]:
         """For every row of a batch with prompt tokens (None: the row has an error already),
         (its options, None) or (None, the row's error message, starting with `where[i]`).
-        texts / chat: the rows' prompt texts and whether each holds a chat template's tokens
-        (texts None: pre-tokenized prompts, options are tokenized alone)."""
+        texts / chat / pieces: the rows' prompt texts, whether each holds a chat template's tokens
+        and, for prompts tokenized piece by piece, the last piece (see `OptionEncoder.after_prompts`);
+        texts None: pre-tokenized prompts, options are tokenized alone."""
         results: list[tuple[OptionTokens | None, str | None]] = [(None, None)] * len(prompt_tokens)
         todo, option_texts = [], []
         for i, tokens in enumerate(prompt_tokens):
@@ -392,7 +407,8 @@ class RowOptionSource:
         if texts is not None:
             encoded = self.encoder.after_prompts([texts[i] for i in todo], [prompt_tokens[i] for i in todo],
                                                  option_texts, [where[i] for i in todo], self._name,
-                                                 [chat[i] for i in todo] if chat is not None else None)
+                                                 [chat[i] for i in todo] if chat is not None else None,
+                                                 [pieces[i] for i in todo] if pieces is not None else None)
         else:
             encoded = [self._alone(opts) for opts in option_texts]
         for i, opts, (token_lists, problem) in zip(todo, option_texts, encoded):

@@ -311,13 +311,14 @@ def _row_options(options: RowOptionSource | None, batch: InputBatch, rows_tokens
     if choices_column:
         choices = batch.table.column(choices_column).to_pylist() if choices_column in batch.table.column_names \
             else [None] * batch.table.num_rows
-    texts = chat = None
+    texts = chat = pieces = None
     if prompts is not None:
         texts = [p.text if p is not None else None for p in prompts]
         chat = [renderer.chat if p is None or p.chat is None else p.chat for p in prompts]
+        pieces = [renderer.last_piece(p) if p is not None and renderer.in_pieces(p) else None for p in prompts]
     where = [f"{batch.file}:{batch.first_line + offset}" for offset in range(len(rows_tokens))]
     result = []
-    for offset, (row_options, problem) in enumerate(options.batch(rows_tokens, texts, choices, where, chat)):
+    for offset, (row_options, problem) in enumerate(options.batch(rows_tokens, texts, choices, where, chat, pieces)):
         if problem:
             errors[first_row_id + offset] = problem
         result.append(row_options)

@@ -164,9 +164,23 @@ class PromptRenderer:
                 for i, tokens in zip(at, encoded):
                     result[i] = tokens
         for i, prompt in enumerate(prompts):
-            if self._special is not None and any(self._special.search(prompt.text, a, b) for a, b in prompt.spans):
+            if self.in_pieces(prompt):
                 result[i] = self._encode_pieces(prompt)
         return result
+
+    def in_pieces(self, prompt: RenderedPrompt) -> bool:
+        """True when `encode` tokenizes this prompt piece by piece (its data holds special-token text)."""
+        return self._special is not None and any(self._special.search(prompt.text, a, b) for a, b in prompt.spans)
+
+    @staticmethod
+    def last_piece(prompt: RenderedPrompt) -> tuple[str, bool]:
+        """The text `_encode_pieces` tokenizes last, and whether it is data (special tokens split)."""
+        at, last = 0, (0, 0)
+        for start, end in sorted(prompt.spans):
+            at, last = max(at, end), (start, end) if end >= at else last
+        if at < len(prompt.text):
+            return prompt.text[at:], False
+        return prompt.text[last[0] : last[1]], True
 
     def _encode_pieces(self, prompt: RenderedPrompt) -> list[int]:
         chat = self.chat if prompt.chat is None else prompt.chat

@@ -120,10 +120,15 @@ def test_prompt_longer_than_the_context_is_a_row_error(job_factory, tmp_path):
     assert out[1]["status"] == "ok"
 
 
-def test_multi_token_labels_are_a_clear_error(job_factory, small_input):
+def test_multi_token_labels_are_scored(job_factory, small_input, tmp_path):
+    """Labels of any length: 'Definitely relevant' is three tokens after the chat prompt (it used to
+    be refused); the output keeps the label columns."""
     result = invoke("run", job_factory(small_input, labels=["Definitely relevant", "No"]), "-q")
-    assert result.exit_code == EXIT_CONFIG
-    assert "'Definitely relevant'" in result.output and "not one" in result.output
+    assert result.exit_code == 0, result.output
+    out = pq.read_table(tmp_path / "out.parquet").to_pandas()
+    assert list(out.columns) == ["pair_id", "product_id", "p_Definitely relevant", "p_No", "label", "label_mass",
+                                 "status", "error"]
+    assert (out["status"] == "ok").all() and ((out["p_Definitely relevant"] + out["p_No"] - 1).abs() < 1e-9).all()
 
 
 def test_unknown_model_lists_what_is_available(job_factory, small_input):
