@@ -45,6 +45,9 @@ def load_output(path: str | os.PathLike, id_column: str | None = None) -> Scored
         raise ReportError(f"output not found: {path}")
     table = _read_table(path)
     names = table.column_names
+    if "p_choices" in names and "label" not in names:
+        raise ReportError(f"{path}: an output of per-row choices (input.choices_column); the report covers "
+                          "fixed labels only")
     missing = [c for c in RESULT_COLUMNS if c not in names]
     if missing:
         raise ReportError(f"{path}: not a batchscore output, it has no column(s) {missing} "
