@@ -110,6 +110,9 @@ def main(verbose: bool) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not verbose:  # vLLM logs every start-up and shutdown step at INFO; keep the terminal readable
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from batchscore.engines.cpu_features import configure_openmp_wait
+
+    configure_openmp_wait()  # before torch loads: idle threads spin briefly, then yield the core
 
 
 @main.command()

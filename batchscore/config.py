@@ -134,6 +134,7 @@ class EngineConfig:
     token_budget: int = 4096  # tokens per forward batch
     max_length: int | None = None  # longest prompt scored; default: the model's context
     threads: int | None = None  # torch CPU threads; default: torch's (all cores)
+    compile: bool | None = None  # torch: torch.compile the decoder layers; null: on for bfloat16 on a CPU with native bf16
     hybrid_chunk: int | None = None  # run norms/projections/MLP (vllm: MLP) this many tokens at a time
     memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch
     speculative: SpeculativeConfig | None = None  # torch: drop unimportant prompt tokens (approximate)

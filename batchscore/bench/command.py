@@ -24,8 +24,11 @@ from batchscore.engines.shape import DTYPE_BYTES
 @click.option("--degree", type=click.IntRange(1, 256), multiple=True, default=(16,), show_default=True,
               help="Sharing degree of the microbenchmarks (repeatable: --degree 1 --degree 32).")
 @click.option("--model", default=None, help="Built-in model name or local HF folder (default: the built-in model).")
-@click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="float32", show_default=True,
-              help="float32 is faster on CPUs without AVX512-BF16.")
+@click.option("--dtype", "dtypes", type=click.Choice(sorted(DTYPE_BYTES)), multiple=True, default=("float32",),
+              show_default=True, help="Repeatable: --dtype float32 --dtype bfloat16 runs plain and torch in both, "
+                                      "interleaved (vLLM in the first). bfloat16 pays on CPUs with AVX512-BF16/AMX.")
+@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="torch.compile the torch engine's layers: auto = bfloat16 on a CPU with native bf16.")
 @click.option("--token-budget", type=click.IntRange(min=16), default=4096, show_default=True,
               help="Tokens per torch-engine forward batch.")
 @click.option("--device", type=click.Choice(["cpu"]), default="cpu", show_default=True,
@@ -36,11 +39,13 @@ from batchscore.engines.shape import DTYPE_BYTES
 @click.option("--write-parquet", "parquet", type=click.Path(), default=None,
               help="Write the workload's prompts as Parquet input (row_id, token_ids list<int32>) and exit; "
                    "with several workloads PATH is a folder of <workload>.parquet files.")
-def workloads(names, engines, scale, degree, model, dtype, token_budget, device, seed, out, parquet) -> None:
+def workloads(names, engines, scale, degree, model, dtypes, compile_mode, token_budget, device, seed, out,
+              parquet) -> None:
     """Benchmark batchscore against plain forward and vLLM on the papers' workloads.
 
-    WORKLOAD is one or more of: micro-2000-200, micro-2000-1000, micro-1000-1000, industry,
-    table3-a, table3-b, postrec, or a set: micro (the three shapes), ci (micro + industry), all.
+    WORKLOAD is one or more of: micro-2000-200, micro-2000-1000, micro-1000-1000, micro-1000-100,
+    industry, table3-a, table3-b, postrec, or a set: micro (the paper's three shapes), ci (micro +
+    industry), all.
     Every engine runs in this one process on the same prompts; vLLM rows are skipped with a
     note when vLLM is not installed.
 
@@ -51,6 +56,8 @@ def workloads(names, engines, scale, degree, model, dtype, token_budget, device,
         batchscore bench micro-2000-200 --degree 1 --degree 32 --engines plain,torch
 
         batchscore bench industry --write-parquet industry.parquet
+
+        batchscore bench micro-1000-100 industry --engines plain,torch --dtype float32 --dtype bfloat16
     """
     from batchscore.bench.suite import BenchOptions, expand_names, make_workload, run_suite, write_parquet
 
@@ -82,8 +89,9 @@ def workloads(names, engines, scale, degree, model, dtype, token_budget, device,
         runs[0] = (runs[0][0], runs[0][1] + others)
     results = []
     for d, batch in runs:
-        options = BenchOptions(model=model, scale=scale, engines=chosen, degree=d, dtype=dtype,
-                               token_budget=token_budget, seed=seed)
+        options = BenchOptions(model=model, scale=scale, engines=chosen, degree=d, dtype=dtypes[0],
+                               token_budget=token_budget, seed=seed, dtypes=tuple(dict.fromkeys(dtypes)),
+                               compile={"auto": None, "on": True, "off": False}[compile_mode])
         results.append(run_suite(options, batch, progress=lambda line: click.echo(line, err=True)))
     result = results[0]
     for extra in results[1:]:  # several degrees: one report

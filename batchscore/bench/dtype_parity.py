@@ -47,7 +47,9 @@ def compare(results: dict[str, np.ndarray]) -> list[str]:
 @click.option("--rows", type=click.IntRange(min=1), default=200, show_default=True,
               help="Score the job's first ROWS scorable rows.")
 @click.option("--no-vllm", is_flag=True, help="Skip the vLLM engine.")
-def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool) -> None:
+@click.option("--compile", "compile_mode", type=click.Choice(["job", "auto", "on", "off"]), default="job",
+              show_default=True, help="The torch engine's engine.compile: the job's, or auto / on / off.")
+def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool, compile_mode: str) -> None:
     """Plain forwards (float32 and --dtype) vs the torch and vLLM engines on JOB's rows: same label, max and mean |dP|.
 
     Example:
@@ -76,7 +78,8 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool) -> None:
         model = load_model(model_dir, name, device)
         results[f"hf-{name}"] = as_matrix(plain_probs(model, [plain_group(requests)], labels, 1), row_ids)
         del model
-    engines = {"torch": replace(config.engine, kind="torch", dtype=dtype)}
+    compile_layers = {"job": config.engine.compile, "auto": None, "on": True, "off": False}[compile_mode]
+    engines = {"torch": replace(config.engine, kind="torch", dtype=dtype, compile=compile_layers)}
     if not no_vllm:
         engines["vllm"] = replace(config.engine, kind="vllm", dtype=dtype, token_budget=2048,
                                   vllm_args={"kv_cache_memory_bytes": 256 << 20, **config.engine.vllm_args})
@@ -90,7 +93,8 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool) -> None:
             results[f"{kind}-{dtype}"] = as_matrix(engine_probs(engine, groups, labels), row_ids)
         finally:
             engine.close()
-    click.echo(f"{len(requests)} rows of {job}, labels normalized over {len(labels)} label tokens")
+    click.echo(f"{len(requests)} rows of {job}, labels normalized over {len(labels)} label tokens; torch engine "
+               f"engine.compile: {compile_mode if compile_mode != 'job' else config.engine.compile}")
     for line in compare(results):
         click.echo(line)
 

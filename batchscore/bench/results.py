@@ -27,6 +27,7 @@ class Throughput:
     """What one side of a benchmark served, and in how long."""
 
     name: str
+    dtype: str = ""  # the engine dtype it ran in, where a bench compares dtypes
     requests: int = 0
     seconds: float = 0.0  # wall clock
     cpu_seconds: float = 0.0  # this process's CPU time (steadier on a machine shared with other jobs)
@@ -50,8 +51,16 @@ class Throughput:
         return _rate(self.logical_tokens, self.seconds)
 
     @property
+    def processed_tokens_per_s(self) -> float:
+        return _rate(self.processed_tokens, self.seconds)
+
+    @property
+    def flops_per_s(self) -> float:
+        return _rate(self.flops, self.seconds)
+
+    @property
     def tflops_per_s(self) -> float:
-        return _rate(self.flops, self.seconds) / 1e12
+        return self.flops_per_s / 1e12
 
     @property
     def saving_ratio(self) -> float:

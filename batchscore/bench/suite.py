@@ -1,6 +1,6 @@
 """The `batchscore bench` suite: paper workloads at a chosen scale, every engine in one process.
 
-Engines (one run each per workload, same prompts, same labels, same dtype):
+Engines (one run each per workload and dtype, same prompts, same labels):
 
 - `plain`: a plain batched forward of every full prompt, no sharing (scoring.plain_probs,
   one prompt per forward: prompts have Poisson-perturbed lengths). It runs on a slice of the
@@ -8,6 +8,9 @@ Engines (one run each per workload, same prompts, same labels, same dtype):
   the full batch would take hours on a CPU.
 - `torch`: batchscore's plan executed by the torch engine (prefix computed once per group).
   `plain` and `torch` alternate group by group, so load on a shared machine hits both alike.
+  With several dtypes (`--dtype float32 --dtype bfloat16`) each dtype has its own plain model
+  and torch engine, all interleaved group by group; the report adds, per engine and dtype, the
+  ratio to the first dtype, FLOP/s and the fraction of the measured GEMM peak (bench/efficiency.py).
 - `vllm-shuffled`: vLLM with automatic prefix caching, the requests in random order (BatchLLM's
   baseline); `vllm-plan`: the same vLLM engine driven in batchscore's plan order. Both use one
   engine whose KV cache holds only `Scale.vllm_cache_prompts` of the longest prompts (a bounded
@@ -32,6 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from batchscore.bench.gemm_peak import GemmPeak, gemm_peak
 from batchscore.bench.postrec import postrec
 from batchscore.bench.results import Throughput
 from batchscore.engines.shape import flop_ideal_speedup, read_model_config
@@ -41,7 +45,9 @@ from batchscore.synthetic import industry, microbench, table3
 log = logging.getLogger("batchscore")
 
 ENGINES = ("plain", "torch", "vllm-shuffled", "vllm-plan")
-MICRO_SHAPES = {"micro-2000-200": (2000, 200), "micro-2000-1000": (2000, 1000), "micro-1000-1000": (1000, 1000)}
+MICRO_SHAPES = {"micro-2000-200": (2000, 200), "micro-2000-1000": (2000, 1000), "micro-1000-1000": (1000, 1000),
+                "micro-1000-100": (1000, 100)}  # the last: `bench engine`'s shape, not in the paper's sets
+PAPER_MICRO = ["micro-2000-200", "micro-2000-1000", "micro-1000-1000"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,7 @@ def workload_names() -> list[str]:
     return [*MICRO_SHAPES, "industry", "table3-a", "table3-b", "postrec"]
 
 
-WORKLOAD_SETS = {"micro": list(MICRO_SHAPES), "ci": [*MICRO_SHAPES, "industry"], "all": workload_names()}
+WORKLOAD_SETS = {"micro": PAPER_MICRO, "ci": [*PAPER_MICRO, "industry"], "all": workload_names()}
 
 
 def expand_names(names: Sequence[str]) -> list[str]:
@@ -164,17 +170,20 @@ class WorkloadResult:
     def ideal_speedup(self) -> float:
         return self.logical_tokens / self.processed_tokens
 
-    def run(self, engine: str) -> Throughput | None:
-        return next((r for r in self.runs if r.name == engine), None)
+    def run(self, engine: str, dtype: str | None = None) -> Throughput | None:
+        """The run of `engine` (in `dtype`; None: its first run)."""
+        return next((r for r in self.runs if r.name == engine and dtype in (None, r.dtype)), None)
 
-    def speedup(self, engine: str, baseline: str) -> float | None:
-        """Logical tokens/s of `engine` over `baseline`'s (None when either did not run)."""
-        a, b = self.run(engine), self.run(baseline)
+    def speedup(self, engine: str, baseline: str, dtype: str | None = None) -> float | None:
+        """Logical tokens/s of `engine` over `baseline`'s, both in `dtype` (None: each one's first
+        run; None when either did not run)."""
+        a, b = self.run(engine, dtype), self.run(baseline, dtype)
         return a.speedup_over(b) if a and b else None
 
-    def max_dp_vs_plain(self, engine: str) -> float | None:
-        """The largest |ΔP(label)| of `engine` on the rows the plain baseline scored (None: no such rows)."""
-        a, plain = self.run(engine), self.run("plain")
+    def max_dp_vs_plain(self, engine: str, dtype: str | None = None) -> float | None:
+        """The largest |ΔP(label)| of `engine` on the rows the plain baseline (same dtype) scored
+        (None: no such rows)."""
+        a, plain = self.run(engine, dtype), self.run("plain", dtype)
         return a.max_abs_dp(plain) if a and plain and engine != "plain" else None
 
 
@@ -188,6 +197,12 @@ class SuiteResult:
     machine: dict
     workloads: list[WorkloadResult]
     seconds: float = 0.0
+    dtypes: tuple[str, ...] = ()  # the plain and torch engines' dtypes (empty: `dtype` only)
+    gemm_peak: GemmPeak | None = None  # measured in the same process (bench/gemm_peak.py)
+
+    @property
+    def engine_dtypes(self) -> tuple[str, ...]:
+        return self.dtypes or (self.dtype,)
 
 
 def machine_info() -> dict:
@@ -227,27 +242,37 @@ class BenchOptions:
     scale: str = "ci"
     engines: tuple[str, ...] = ENGINES
     degree: int = 16
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # vLLM's dtype, and the plain/torch dtype when `dtypes` is empty
     token_budget: int = 4096
     seed: int = 0
     labels: tuple[int, ...] = (1, 2)
+    dtypes: tuple[str, ...] = ()  # plain and torch run in each of these, interleaved
+    compile: bool | None = None  # torch engine `compile_layers` (None: compiled_layers.should_compile's auto)
+
+    @property
+    def engine_dtypes(self) -> tuple[str, ...]:
+        return self.dtypes or (self.dtype,)
 
 
 class Engines:
     """The engines of one suite run, created once and reused by every workload.
 
-    Side effects: loads the model twice (the torch engine switches its copy's attention) and,
-    when asked for, starts one vLLM engine process; `close` frees them.
+    Side effects: loads the model twice per dtype (the torch engine switches its copy's
+    attention) and, when asked for, starts one vLLM engine process; `close` frees them.
+    `plain` / `torch` map each of `options.engine_dtypes` to its model / engine.
     """
 
     def __init__(self, model_dir: Path, options: BenchOptions, sizing_groups: list[PrefixGroup], kv_tokens: int):
         from batchscore.bench.scoring import load_model
+        from batchscore.engines.compiled_layers import should_compile
         from batchscore.engines.torch_engine import TorchEngine
 
         self.options = options
-        self.plain = load_model(model_dir, options.dtype) if "plain" in options.engines else None
-        self.torch = (TorchEngine(load_model(model_dir, options.dtype), token_budget=options.token_budget)
-                      if "torch" in options.engines else None)
+        dtypes = options.engine_dtypes
+        self.plain = {d: load_model(model_dir, d) for d in dtypes} if "plain" in options.engines else {}
+        self.torch = ({d: TorchEngine(load_model(model_dir, d), token_budget=options.token_budget,
+                                      compile_layers=should_compile(options.compile, d, "cpu")[0]) for d in dtypes}
+                      if "torch" in options.engines else {})
         self.vllm = None
         self.vllm_skip = ""
         if {"vllm-shuffled", "vllm-plan"} & set(options.engines):
@@ -260,17 +285,17 @@ class Engines:
 
         warm = make_groups(2, 64, 16, 2, 1000, self.options.seed + 7)
         labels = list(self.options.labels)
-        if self.plain is not None:
-            plain_probs(self.plain, warm, labels, 2)
-        if self.torch is not None:
-            engine_probs(self.torch, warm, labels)
-            self.torch.metrics = EngineMetrics(batch_token_counts=[])
+        for model in self.plain.values():
+            plain_probs(model, warm, labels, 2)
+        for engine in self.torch.values():
+            engine_probs(engine, warm, labels)
+            engine.metrics = EngineMetrics(batch_token_counts=[])
         if self.vllm is not None:
             engine_probs(self.vllm, [PrefixGroup(np.zeros(0, np.int32), g.members) for g in warm], labels)
 
     def close(self) -> None:
-        if self.torch is not None:
-            self.torch.close()
+        for engine in self.torch.values():
+            engine.close()
         if self.vllm is not None:
             self.vllm.close()
 
@@ -312,8 +337,11 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
     plans = [plan_groups(w.prompts) for w in workloads]
     longest = max(len(p) for w in workloads for p in w.prompts)
     sizing = [g for _, plan in plans for g in plan.groups]
+    peak = gemm_peak(tuple(dict.fromkeys(("float32", *options.engine_dtypes))))
+    progress(peak.describe())
     engines = Engines(model_dir, options, sizing, kv_tokens=int(scale.vllm_cache_prompts * longest) + 64)
     info = machine_info()
+    info["compiled_layers"] = {d: e.compiled for d, e in engines.torch.items()}
     model_config = read_model_config(model_dir)
     results = []
     try:
@@ -325,7 +353,7 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
             vllm_first = index % 2 == 1  # alternate which side runs first, workload by workload
             if vllm_first:
                 _run_vllm(engines, options, requests, result, progress)
-            _run_plain_and_torch(engines, options, plan.groups, scale, result, progress)
+            _run_plain_and_torch(engines, options, plan.groups, scale, result, progress, model_config)
             if not vllm_first:
                 _run_vllm(engines, options, requests, result, progress)
             results.append(result)
@@ -336,7 +364,7 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
     if engines.vllm is not None and engines.vllm.kv_capacity_tokens:
         info["vllm_kv_cache_tokens"] = engines.vllm.kv_capacity_tokens
     return SuiteResult(options.scale, options.dtype, str(options.model or "smollm2-135m-instruct"), info,
-                       results, time.perf_counter() - started)
+                       results, time.perf_counter() - started, options.engine_dtypes, peak)
 
 
 def plain_slices(groups: list[PrefixGroup], token_limit: int) -> list[list[PrefixGroup]]:
@@ -357,43 +385,53 @@ def plain_slices(groups: list[PrefixGroup], token_limit: int) -> list[list[Prefi
 
 
 def _run_plain_and_torch(engines: Engines, options: BenchOptions, groups: list[PrefixGroup], scale: Scale,
-                         result: WorkloadResult, progress) -> None:
-    """Alternate plain-forward requests and torch-engine groups; appends their Throughputs."""
+                         result: WorkloadResult, progress, model_config: dict) -> None:
+    """Alternate plain-forward requests and torch-engine groups, in every dtype; appends their
+    Throughputs (tokens and forward FLOPs counted). The order of the sides rotates group by group."""
     from batchscore.bench.scoring import engine_probs, plain_probs
     from batchscore.engines.base import EngineMetrics
+    from batchscore.engines.shape import forward_flops
 
     labels = list(options.labels)
-    plain = Throughput("plain", batch_token_counts=[]) if engines.plain is not None else None
-    torch_run = Throughput("torch") if engines.torch is not None else None
-    if torch_run is not None:
-        engines.torch.metrics = EngineMetrics(batch_token_counts=[])
-    slices = plain_slices(groups, scale.plain_tokens) if plain is not None else [[] for _ in groups]
+    dtypes = options.engine_dtypes
+    plains = {d: Throughput("plain", d, batch_token_counts=[]) for d in engines.plain}
+    torches = {d: Throughput("torch", d) for d in engines.torch}
+    for engine in engines.torch.values():
+        engine.metrics = EngineMetrics(batch_token_counts=[])
+    slices = plain_slices(groups, scale.plain_tokens) if plains else [[] for _ in groups]
     for index, (group, plain_part) in enumerate(zip(groups, slices)):
         steps = []
-        if plain is not None:
-            steps.append((plain, [lambda g=g: plain_probs(engines.plain, [g], labels, 1) for g in plain_part]))
-        if torch_run is not None:
-            steps.append((torch_run, [lambda g=group: engine_probs(engines.torch, [g], labels)]))
-        for run, calls in steps if index % 2 == 0 else steps[::-1]:
+        for d in dtypes:
+            if d in plains:
+                steps.append((plains[d], [lambda g=g, m=engines.plain[d]: plain_probs(m, [g], labels, 1)
+                                          for g in plain_part]))
+            if d in torches:
+                steps.append((torches[d], [lambda g=group, e=engines.torch[d]: engine_probs(e, [g], labels)]))
+        shift = index % len(steps) if steps else 0
+        for run, calls in steps[shift:] + steps[:shift]:
             for call in calls:
                 run.time(call)
-        if plain is not None:
+        for plain in plains.values():
             for g in plain_part:
                 plain.logical_tokens += g.logical_tokens
                 plain.processed_tokens += g.logical_tokens
                 plain.batch_token_counts.append(g.logical_tokens)
-    if plain is not None:
+            plain.flops += forward_flops(model_config, plain_part, shared=False) if plain_part else 0.0
+    suffix = len(dtypes) > 1
+    for d, plain in plains.items():
         plain.note = f"{plain.requests} of {result.requests} requests, one prompt per forward"
         result.runs.append(plain)
-        progress(f"    plain          {plain.logical_tokens_per_s:9.1f} logical tokens/s")
-    if torch_run is not None:
-        metrics = engines.torch.metrics
+        progress(f"    plain {d if suffix else '':<9}{plain.logical_tokens_per_s:9.1f} logical tokens/s")
+    for d, torch_run in torches.items():
+        metrics = engines.torch[d].metrics
         torch_run.logical_tokens = sum(g.logical_tokens for g in groups)
         torch_run.processed_tokens = metrics.processed_tokens
         torch_run.batch_token_counts = list(metrics.batch_token_counts)
-        torch_run.note = f"{metrics.batches} forward batches, token budget {options.token_budget}"
+        torch_run.flops = forward_flops(model_config, groups, shared=True)
+        compiled = ", compiled layers" if engines.torch[d].compiled else ""
+        torch_run.note = f"{metrics.batches} forward batches, token budget {options.token_budget}{compiled}"
         result.runs.append(torch_run)
-        progress(f"    torch          {torch_run.logical_tokens_per_s:9.1f} logical tokens/s")
+        progress(f"    torch {d if suffix else '':<9}{torch_run.logical_tokens_per_s:9.1f} logical tokens/s")
     for engine in ("plain", "torch"):
         if engine in options.engines and result.run(engine) is None:
             result.skipped[engine] = "engine not loaded"
@@ -416,6 +454,7 @@ def _run_vllm(engines: Engines, options: BenchOptions, requests, result: Workloa
               "vllm-plan": lambda: planned(requests, block)}
     for name in wanted:
         run = run_once(engine, name, orders[name](), list(options.labels))
+        run.dtype = options.dtype
         hit = f", vLLM hit rate {run.vllm_hit_rate:.0%}" if run.vllm_hit_rate is not None else ""
         predicted = f", cache_sim predicted {run.predicted_tokens:,} processed" if run.predicted_tokens is not None else ""
         run.note = f"KV cache {engine.kv_capacity_tokens:,} tokens{hit}{predicted}"

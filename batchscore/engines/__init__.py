@@ -57,7 +57,8 @@ def resolve_device(name: str) -> str:
 
 def resolve_dtype(name: str, device: str) -> str:
     """`auto` -> bfloat16 on a GPU, float32 on a CPU (exact first: bfloat16 only pays on CPUs with
-    AVX512-BF16 / AMX, and rounds); a named dtype is kept."""
+    AVX512-BF16 / AMX, and rounds; `batchscore run -v` logs whether this CPU has them and how much
+    faster bfloat16 measured, see cpu_features.py); a named dtype is kept."""
     if name != "auto":
         return name
     return "bfloat16" if device == "cuda" else "float32"
@@ -74,8 +75,12 @@ def create_engine(kind: str, model_dir, engine) -> Engine:
     if kind == "torch":
         import torch
 
+        from batchscore.engines.compiled_layers import should_compile
+        from batchscore.engines.cpu_features import log_cpu_dtype_advice
         from batchscore.engines.torch_engine import TorchEngine
 
+        compile_layers, why = should_compile(engine.compile, dtype, device, engine.hybrid_chunk is not None)
+        log.info("torch engine: %s layers (%s)", "compiled" if compile_layers else "eager", why)
         if engine.threads:
             torch.set_num_threads(engine.threads)  # process-wide: torch has no per-model setting
         speculative = None
@@ -84,9 +89,11 @@ def create_engine(kind: str, model_dir, engine) -> Engine:
 
             speculative = SpecPrefillOptions.from_config(engine.speculative)
         log.info("torch engine on %s, %s%s", device, dtype, f", speculative prefill {speculative}" if speculative else "")
+        log_cpu_dtype_advice(device, dtype, engine.dtype)
         return TorchEngine.from_pretrained(model_dir, dtype=dtype, token_budget=engine.token_budget,
-                                           device=device, hybrid_chunk=engine.hybrid_chunk,
-                                           memory_budget=engine.memory_budget, speculative=speculative)
+                                           device=device, compile_layers=compile_layers,
+                                           hybrid_chunk=engine.hybrid_chunk, memory_budget=engine.memory_budget,
+                                           speculative=speculative)
     if kind == "vllm":
         try:
             from batchscore.engines.vllm_engine import VllmEngine

@@ -26,6 +26,8 @@ Options:
   hybrid_chunk: run the projections, norms and MLPs `hybrid_chunk` rows at a time while attention
     sees the whole sequence (PrefillOnly's hybrid prefilling, see `hybrid.py`); a suffix's KV
     then lives for its own layer only, also for suffixes longer than the token budget.
+  compile_layers: the decoder layers run through torch.compile (fused norms, RoPE, SiLU, residual
+    adds; the attention stays eager), see `compiled_layers.py`; not with hybrid prefilling.
   memory_budget: bytes beyond the weights a pass may use (estimated by `memory.py`: prefix KV,
     recorded KV, activation peak, LM head); suffix batches close at the token budget or at the
     memory budget, whichever comes first (no cap on the number of requests). A request that does
@@ -55,6 +57,7 @@ from batchscore.engines.cascade_attention import (
     register_cascade_attention,
 )
 from batchscore.engines.cascade_attention import OptionLayout
+from batchscore.engines.compiled_layers import compile_decoder_layers
 from batchscore.engines.hybrid import HybridDecoder
 from batchscore.engines.kept_tokens import PrunedGroup, SpecPrefillOptions
 from batchscore.engines.memory import MemoryEstimator
@@ -134,6 +137,7 @@ class TorchEngine:
         *,
         token_budget: int = 4096,
         device: str = "cpu",
+        compile_layers: bool = False,
         hybrid_chunk: int | None = None,
         memory_budget: int | None = None,
         speculative: SpecPrefillOptions | None = None,
@@ -158,6 +162,7 @@ class TorchEngine:
         self.hybrid_chunk = hybrid_chunk
         self.memory_budget = memory_budget
         self._hybrid = HybridDecoder(self._decoder, hybrid_chunk) if hybrid_chunk is not None else None
+        self.compiled = compile_layers and self._hybrid is None and compile_decoder_layers(self.model)
         element_bytes = next(model.parameters()).element_size()
         self.memory = MemoryEstimator(ModelShape.from_config(model.config, element_bytes), hybrid_chunk)
         self.speculator = None
@@ -178,6 +183,7 @@ class TorchEngine:
         dtype: str = "float32",
         token_budget: int = 4096,
         device: str = "cpu",
+        compile_layers: bool = False,
         hybrid_chunk: int | None = None,
         memory_budget: int | None = None,
         speculative: SpecPrefillOptions | None = None,
@@ -192,8 +198,9 @@ class TorchEngine:
             from batchscore.engines.kept_tokens import special_token_ids
 
             special = special_token_ids(path)
-        return cls(model, token_budget=token_budget, device=device, hybrid_chunk=hybrid_chunk,
-                   memory_budget=memory_budget, speculative=speculative, special_token_ids=special)
+        return cls(model, token_budget=token_budget, device=device, compile_layers=compile_layers,
+                   hybrid_chunk=hybrid_chunk, memory_budget=memory_budget, speculative=speculative,
+                   special_token_ids=special)
 
     @property
     def max_context(self) -> int:

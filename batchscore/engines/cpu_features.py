@@ -1,0 +1,174 @@
+"""What this CPU does natively for bfloat16, and how fast a GEMM runs in each engine dtype.
+
+`engine.dtype: auto` stays float32 on a CPU (exact first). On a CPU with native bfloat16
+(AVX512-BF16 and/or AMX-BF16, e.g. Intel Sapphire Rapids and later, AMD Zen 4 for AVX512-BF16)
+bfloat16 runs the engine several times faster; `describe_cpu_dtypes` says so, with a quick GEMM
+measurement of both dtypes, and `batchscore run -v` logs it (`log_cpu_dtype_advice`).
+
+Measurements are cached per process and thread count: `gemm_flops` times a square matmul for
+about `seconds`, and is meant for a one-line estimate, not a benchmark (`batchscore bench`
+measures a longer GEMM peak, bench/gemm_peak.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("batchscore")
+
+# OpenMP threads that finish an operation spin this many times for the next one, then sleep
+# (libgomp's default: 300,000). See `configure_openmp_wait`.
+GOMP_SPINCOUNT = 10_000
+_OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+@dataclass(frozen=True)
+class CpuBf16:
+    """The CPU's bfloat16 support: AVX512-BF16 (dot products) and AMX-BF16 (tile matmuls)."""
+
+    avx512_bf16: bool
+    amx_bf16: bool
+
+    @property
+    def native(self) -> bool:
+        """True when bfloat16 matmuls run on bfloat16 instructions (not emulated in float32)."""
+        return self.avx512_bf16 or self.amx_bf16
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, has in (("AVX512-BF16", self.avx512_bf16), ("AMX-BF16", self.amx_bf16)) if has]
+
+
+def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16() -> CpuBf16:
+    """This CPU's native bfloat16 support. torch's own checks when it has them (they also see
+    whether the OS lets this process use AMX tiles), else the flags of /proc/cpuinfo."""
+    flags = _cpuinfo_flags()
+    avx512 = "avx512_bf16" in flags
+    amx = "amx_bf16" in flags
+    try:
+        import torch
+
+        probe_avx512 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        probe_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        if probe_avx512 is not None:
+            avx512 = bool(probe_avx512())
+        if probe_amx is not None:
+            amx = amx and bool(probe_amx())
+    except ImportError:
+        pass
+    return CpuBf16(avx512_bf16=avx512, amx_bf16=amx)
+
+
+def gemm_flops(dtype: str, size: int = 1024, seconds: float = 0.15) -> float:
+    """FLOP/s of a [size, size] x [size, size] matmul in `dtype` on the CPU with torch's current
+    thread count (best of repeated timings over about `seconds`). Cached per process, dtype,
+    size, budget and thread count."""
+    import torch
+
+    return _gemm_flops(dtype, size, seconds, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=32)
+def _gemm_flops(dtype: str, size: int, seconds: float, threads: int) -> float:
+    import torch
+
+    a = torch.randn(size, size).to(getattr(torch, dtype))
+    b = torch.randn(size, size).to(getattr(torch, dtype))
+    with torch.inference_mode():
+        torch.mm(a, b)  # first call: kernel selection, packing buffers
+        best = float("inf")
+        deadline = time.perf_counter() + seconds
+        while True:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            elapsed = time.perf_counter() - start
+            best = min(best, elapsed)
+            if time.perf_counter() > deadline:
+                break
+    return 2.0 * size**3 / best
+
+
+@dataclass(frozen=True)
+class DtypeSpeed:
+    """One quick GEMM measurement per engine dtype on this CPU."""
+
+    support: CpuBf16
+    float32_flops: float
+    bfloat16_flops: float
+    threads: int
+
+    @property
+    def bf16_speedup(self) -> float:
+        return self.bfloat16_flops / self.float32_flops
+
+    def describe(self) -> str:
+        """One line: native bf16 or not, both GEMM rates and their ratio."""
+        kind = (f"native bfloat16 ({', '.join(self.support.names)})" if self.support.native
+                else "no native bfloat16 (no AVX512-BF16 or AMX)")
+        return (f"CPU has {kind}; GEMM measured on {self.threads} thread(s): float32 "
+                f"{self.float32_flops / 1e9:,.0f} GFLOP/s, bfloat16 {self.bfloat16_flops / 1e9:,.0f} GFLOP/s "
+                f"(bfloat16 {self.bf16_speedup:.1f}x)")
+
+
+def measure_dtype_speed(size: int = 1024, seconds: float = 0.15) -> DtypeSpeed:
+    """Quick GEMM rates of both engine dtypes on this CPU (cached, see `gemm_flops`)."""
+    import torch
+
+    return DtypeSpeed(cpu_bf16(), gemm_flops("float32", size, seconds), gemm_flops("bfloat16", size, seconds),
+                      torch.get_num_threads())
+
+
+def configure_openmp_wait(environ=None) -> bool:
+    """Shorten how long torch's idle OpenMP threads spin before they sleep, unless the user chose
+    (OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME set) or torch is already loaded (libgomp
+    reads the variable once, when torch loads it). Returns True when it set GOMP_SPINCOUNT.
+
+    Why: after every operation a thread that finished early spins (libgomp: 300,000 rounds) waiting
+    for the others. When other processes keep the cores busy, a spinning thread burns the time
+    slice the thread it waits for needs. Measured on 2 cores at load average ~8, SmolLM2-135M,
+    micro 1000/100 degree 16, 2 threads, same process and load: default spin 88 / 129 processed
+    tokens/s (float32 / bfloat16), GOMP_SPINCOUNT=10000 193 / 555, OMP_WAIT_POLICY=PASSIVE
+    167 / 565 (README, "CPU: bfloat16 and compiled layers"). A short spin keeps the quick hand-off
+    on an idle machine.
+    """
+    import os
+    import sys
+
+    environ = os.environ if environ is None else environ
+    if "torch" in sys.modules or any(name in environ for name in _OPENMP_WAIT_VARIABLES):
+        return False
+    environ["GOMP_SPINCOUNT"] = str(GOMP_SPINCOUNT)
+    return True
+
+
+def log_cpu_dtype_advice(device: str, dtype: str, requested: str) -> None:
+    """At INFO (`batchscore run -v`), on a CPU: whether it has native bfloat16 and how much faster
+    a bfloat16 GEMM measured here; when `engine.dtype: auto` chose float32 on such a CPU, how to
+    ask for bfloat16. Measures only when INFO is enabled (about half a second, once per process)."""
+    if device != "cpu" or not log.isEnabledFor(logging.INFO):
+        return
+    speed = measure_dtype_speed()
+    advice = ""
+    if speed.support.native and dtype == "float32":
+        advice = ("; engine.dtype: auto keeps float32 (exact); set engine.dtype: bfloat16 for speed "
+                  "(scores move within the bound in the README)") if requested == "auto" else ""
+    log.info("%s%s", speed.describe(), advice)
+
+
+__all__ = ["CpuBf16", "DtypeSpeed", "GOMP_SPINCOUNT", "cpu_bf16", "gemm_flops", "measure_dtype_speed",
+           "configure_openmp_wait", "log_cpu_dtype_advice"]

@@ -1,0 +1,151 @@
+"""CPU bfloat16: native-bf16 detection, the quick GEMM measurement and its log line, compiled
+decoder layers (float32 stays exact, bfloat16 stays within its bound, a broken compiler falls back
+to eager), the `engine.compile` key and the OpenMP wait default of the CLI."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from batchscore.engines import compiled_layers, cpu_features
+from batchscore.engines.compiled_layers import should_compile
+from batchscore.engines.cpu_features import CpuBf16, DtypeSpeed, cpu_bf16, gemm_flops, log_cpu_dtype_advice
+from tests.test_torch_engine import (
+    BFLOAT16_TOLERANCE,
+    BUDGET,
+    LABELS,
+    make_groups,
+    reference_log_probs,
+    tiny_model,
+)
+
+
+def test_cpuinfo_flags_name_the_bf16_extensions(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile amx_bf16\n")
+    flags = cpu_features._cpuinfo_flags(str(info))
+    assert {"avx512_bf16", "amx_bf16"} <= flags
+    assert cpu_features._cpuinfo_flags(str(tmp_path / "missing")) == set()
+    assert CpuBf16(True, True).names == ["AVX512-BF16", "AMX-BF16"] and CpuBf16(True, False).native
+    assert not CpuBf16(False, False).native and CpuBf16(False, False).names == []
+
+
+def test_detection_agrees_with_proc_cpuinfo():
+    support = cpu_bf16()
+    flags = cpu_features._cpuinfo_flags()
+    assert support.avx512_bf16 == ("avx512_bf16" in flags)
+    assert support.amx_bf16 <= ("amx_bf16" in flags)  # AMX also needs the OS's permission (torch checks)
+
+
+def test_gemm_measurement_is_cached_per_process():
+    first = gemm_flops("float32", size=128, seconds=0.01)
+    assert first > 1e6
+    assert gemm_flops("float32", size=128, seconds=0.01) == first  # the same measurement, not a new one
+    line = DtypeSpeed(CpuBf16(True, True), 1e11, 8e11, 2).describe()
+    assert "native bfloat16 (AVX512-BF16, AMX-BF16)" in line and "bfloat16 8.0x" in line and "2 thread" in line
+    assert "no native bfloat16" in DtypeSpeed(CpuBf16(False, False), 1e11, 2e10, 2).describe()
+
+
+def test_run_verbose_logs_bf16_support_and_speed(caplog, monkeypatch):
+    monkeypatch.setattr(cpu_features, "measure_dtype_speed",
+                        lambda: DtypeSpeed(CpuBf16(True, True), 1.5e11, 1.2e12, 2))
+    with caplog.at_level(logging.WARNING, logger="batchscore"):
+        log_cpu_dtype_advice("cpu", "float32", "auto")
+    assert not caplog.records  # nothing measured or logged without -v
+    with caplog.at_level(logging.INFO, logger="batchscore"):
+        log_cpu_dtype_advice("cpu", "float32", "auto")
+        log_cpu_dtype_advice("cuda", "bfloat16", "auto")
+    (record,) = caplog.records
+    assert "native bfloat16" in record.message and "bfloat16 8.0x" in record.message
+    assert "engine.dtype: auto keeps float32" in record.message
+
+
+def test_compile_policy():
+    native = cpu_bf16().native
+    assert should_compile(None, "bfloat16", "cpu") == (native, "auto: bfloat16 on a CPU with native bfloat16"
+                                                       if native else "auto: bfloat16 on cpu runs eager")
+    assert should_compile(None, "float32", "cpu")[0] is False  # exact first: float32 runs eager unless asked
+    assert should_compile(True, "float32", "cpu")[0] is True
+    assert should_compile(False, "bfloat16", "cpu")[0] is False
+    assert should_compile(True, "bfloat16", "cpu", hybrid=True)[0] is False
+
+
+def _max_error(engine, model_reference, groups) -> float:
+    from batchscore.engines.base import normalize_label_logprobs
+
+    worst = 0.0
+    for result in engine.score(groups, LABELS):
+        ref, ref_mass = normalize_label_logprobs(model_reference[result.row_id][None])
+        worst = max(worst, np.abs(np.exp(result.log_probs) - np.exp(ref[0])).max(), abs(result.label_mass - ref_mass[0]))
+    return worst
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_float32_engine_matches_plain_forward(arch):
+    """Every engine path (chunked prefixes, long suffixes, empty suffixes, ride-along prefixes)
+    through compiled layers, against a plain forward: the float32 exactness bound of 1e-5."""
+    from batchscore.engines.torch_engine import TorchEngine
+
+    model = tiny_model(arch)
+    groups = make_groups(seed=3)
+    reference = reference_log_probs(model, groups, LABELS)
+    engine = TorchEngine(model, token_budget=BUDGET, compile_layers=True)
+    if compiled_layers.compile_problem() is not None:
+        pytest.skip(f"torch.compile does not work here: {compiled_layers.compile_problem()}")
+    assert engine.compiled
+    assert _max_error(engine, reference, groups) <= 1e-5
+    assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)
+
+
+def test_compiled_bfloat16_engine_within_the_bf16_bound():
+    from batchscore.engines.torch_engine import TorchEngine
+
+    model = tiny_model("llama", torch.bfloat16)
+    groups = make_groups(seed=1)
+    reference = reference_log_probs(model, groups, LABELS)
+    engine = TorchEngine(model, token_budget=BUDGET, compile_layers=True)
+    assert engine.compiled == (compiled_layers.compile_problem() is None)
+    assert _max_error(engine, reference, groups) <= BFLOAT16_TOLERANCE
+
+
+def test_compile_falls_back_to_eager_when_inductor_fails(monkeypatch, caplog):
+    from batchscore.engines.torch_engine import TorchEngine
+
+    monkeypatch.setattr(compiled_layers, "compile_problem", lambda: "CppCompileError: no C++ compiler")
+    model = tiny_model("llama")
+    groups = make_groups(seed=4)[:2]
+    reference = reference_log_probs(model, groups, LABELS)
+    with caplog.at_level(logging.WARNING, logger="batchscore"):
+        engine = TorchEngine(model, token_budget=BUDGET, compile_layers=True)
+    assert not engine.compiled and "no C++ compiler" in caplog.text and "running eager" in caplog.text
+    assert _max_error(engine, reference, groups) <= 1e-5
+
+
+def test_engine_compile_key(tmp_path):
+    from batchscore.config import load_job, parse_set_options
+    from batchscore.errors import JobConfigError
+    from tests.conftest import write_job
+
+    job = write_job(tmp_path, tmp_path / "in.parquet")
+    assert load_job(job).engine.compile is None
+    assert load_job(job, parse_set_options(["engine.compile=false"])).engine.compile is False
+    assert load_job(job, parse_set_options(["engine.compile=true"])).engine.compile is True
+    with pytest.raises(JobConfigError, match="engine.compile"):
+        load_job(job, parse_set_options(["engine.compile=sometimes"]))
+
+
+def test_cli_sets_a_short_openmp_spin_before_torch_loads():
+    code = ("import os, sys; from click.testing import CliRunner; from batchscore.cli import main; "
+            "CliRunner().invoke(main, ['models']); assert 'torch' not in sys.modules, 'torch loaded early'; "
+            "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == [str(cpu_features.GOMP_SPINCOUNT), "None"]
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's own choice is kept
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["None", "ACTIVE"]
