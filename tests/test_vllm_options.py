@@ -45,8 +45,9 @@ def _requests(tokenizer, prompts, options_per_row):
     from batchscore.labels import OptionEncoder
 
     texts, tokens = prompts
-    encoder = OptionEncoder(tokenizer, add_special_tokens=False)
-    encoded = encoder.after_prompts(texts, tokens, options_per_row, [str(i) for i in range(len(texts))])
+    encoder = OptionEncoder(tokenizer)
+    encoded = encoder.after_prompts(texts, tokens, options_per_row, [str(i) for i in range(len(texts))],
+                                    chat=[True] * len(texts))  # the sample job's prompts use the chat template
     return [Request(i, t, OptionTokens.from_lists(lists)) for i, (t, (lists, _)) in enumerate(zip(tokens, encoded))]
 
 
