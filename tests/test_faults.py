@@ -68,8 +68,8 @@ def assert_same_output(got_path, want_path):
     got, want = table(got_path), table(want_path)
     assert list(got["pair_id"]) == list(want["pair_id"])  # none lost, none doubled, input order
     assert (got["status"] == want["status"]).all()
-    # float32; batch shapes may differ after a resume
-    assert (got[["p_Yes", "p_No", "label_mass"]] - want[["p_Yes", "p_No", "label_mass"]]).abs().max().max() < 1e-5
+    # the float32 bound: batch shapes differ after a resume (a mixed row is off by >1e-2)
+    assert (got[["p_Yes", "p_No", "label_mass"]] - want[["p_Yes", "p_No", "label_mass"]]).abs().max().max() < 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def test_sigkill_at_random_points_then_resume(job_factory, multi_group_input, tm
     want = pq.read_table(reference).to_pandas()
     assert list(got["pair_id"]) == list(want["pair_id"])  # none lost, none doubled, input order
     assert (got["status"] == "ok").all()
-    assert (got[["p_Yes", "p_No", "label_mass"]] - want[["p_Yes", "p_No", "label_mass"]]).abs().max().max() < 1e-5  # float32; batch shapes may differ after a resume
+    assert (got[["p_Yes", "p_No", "label_mass"]] - want[["p_Yes", "p_No", "label_mass"]]).abs().max().max() < 1e-4  # the float32 bound; batch shapes differ after a resume (a mixed row is off by >1e-2)
     assert not staging_dir(output).exists()
 
 
