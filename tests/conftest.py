@@ -40,6 +40,26 @@ def write_sample_subset(path: Path, queries: int, products: int | None = None,
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, model_dir) -> Path:
+    """A 2-layer random-weight Llama with the built-in model's vocabulary and tokenizer: fast
+    end-to-end runs of the benches on a loaded 2-core machine."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, folder / name)
+    return folder
+
+
 @pytest.fixture
 def small_input(tmp_path) -> Path:
     """3 products × 4 queries from the sample data, as Parquet."""

@@ -22,20 +22,6 @@ from batchscore.bench.suite import SCALES, expand_names, make_workload, plain_sl
 from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True)
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 def test_postrec_shape_fits_context():
     prompts = postrec(num_users=3, posts_per_user=5, history_scale=0.5, max_context=8192, seed=1)
     assert len(prompts) == 15

@@ -16,20 +16,6 @@ from batchscore.bench.results import Throughput
 from batchscore.engines.cpu_features import CpuBf16
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True)
-    folder = tmp_path_factory.mktemp("tiny_llama_dtypes")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 def test_gemm_peak_is_measured_once_per_process():
     peak = gemm_peak(("float32",), rounds=1, seconds=0.02)
     assert peak.flops["float32"] > 1e8 and peak.device == "cpu" and peak.threads >= 1

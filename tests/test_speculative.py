@@ -369,24 +369,15 @@ def test_docqa_workloads_are_real_text_with_known_answers(tokenizer):
     assert all(item.text.startswith(body) for item in shared[:3])
 
 
-def test_specprefill_bench_writes_table_and_plot(tmp_path, model_dir):
+def test_specprefill_bench_writes_table_and_plot(tmp_path, tiny_llama):
     import json
-    import shutil
 
     from click.testing import CliRunner
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from batchscore.bench.specprefill import specprefill
 
-    torch.manual_seed(0)
-    folder = tmp_path / "tiny"
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                 tie_word_embeddings=True)).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the built-in model's tokenizer
-        shutil.copy(model_dir / name, folder / name)
     out = tmp_path / "out"
-    result = CliRunner().invoke(specprefill, ["--model", str(folder), "--docs", "3", "--shared-docs", "1",
+    result = CliRunner().invoke(specprefill, ["--model", str(tiny_llama), "--docs", "3", "--shared-docs", "1",
                                               "--questions", "2", "--min-tokens", "200", "--max-tokens", "260",
                                               "--keeps", "0.3,1", "--speculator", "layers:1", "--chunk", "8",
                                               "--token-budget", "512", "--out", str(out)])

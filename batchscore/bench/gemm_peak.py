@@ -14,10 +14,9 @@ states the thread count and load average next to them.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
-from batchscore.engines.cpu_features import CpuBf16, cpu_bf16
+from batchscore.engines.cpu_features import CpuBf16, best_matmul_flops, cpu_bf16
 
 CPU_SIZES = (1024, 2048)
 GPU_SIZES = (4096, 8192)
@@ -79,16 +78,7 @@ def _gemm_peak(dtypes: tuple[str, ...], device: str, rounds: int, seconds: float
             keys = list(matrices) if round_index % 2 == 0 else list(matrices)[::-1]
             for dtype, n in keys:
                 a, b = matrices[(dtype, n)]
-                deadline = time.perf_counter() + seconds / len(sizes)
-                while True:
-                    sync()
-                    start = time.perf_counter()
-                    torch.mm(a, b)
-                    sync()
-                    elapsed = time.perf_counter() - start
-                    best[dtype] = max(best[dtype], 2.0 * n**3 / elapsed)
-                    if time.perf_counter() > deadline:
-                        break
+                best[dtype] = max(best[dtype], best_matmul_flops(a, b, seconds / len(sizes), sync))
     return GemmPeak(device, threads, best, cpu_bf16() if device == "cpu" else None)
 
 

@@ -91,16 +91,25 @@ def _gemm_flops(dtype: str, size: int, seconds: float, threads: int) -> float:
     b = torch.randn(size, size).to(getattr(torch, dtype))
     with torch.inference_mode():
         torch.mm(a, b)  # first call: kernel selection, packing buffers
-        best = float("inf")
-        deadline = time.perf_counter() + seconds
-        while True:
-            start = time.perf_counter()
-            torch.mm(a, b)
-            elapsed = time.perf_counter() - start
-            best = min(best, elapsed)
-            if time.perf_counter() > deadline:
-                break
-    return 2.0 * size**3 / best
+        return best_matmul_flops(a, b, seconds)
+
+
+def best_matmul_flops(a, b, seconds: float, sync=None) -> float:
+    """The best FLOP/s of `a @ b` (square, [n, n]) over repeated timings for about `seconds`;
+    `sync` waits for an accelerator before each clock read. The one GEMM timer (also the
+    bench's GEMM peak)."""
+    sync = sync or (lambda: None)
+    n = a.shape[0]
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while True:
+        sync()
+        start = time.perf_counter()
+        a.mm(b)
+        sync()
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            return 2.0 * n**3 / best
 
 
 @dataclass(frozen=True)
@@ -170,5 +179,5 @@ def log_cpu_dtype_advice(device: str, dtype: str, requested: str) -> None:
     log.info("%s%s", speed.describe(), advice)
 
 
-__all__ = ["CpuBf16", "DtypeSpeed", "GOMP_SPINCOUNT", "cpu_bf16", "gemm_flops", "measure_dtype_speed",
+__all__ = ["CpuBf16", "DtypeSpeed", "GOMP_SPINCOUNT", "best_matmul_flops", "cpu_bf16", "gemm_flops", "measure_dtype_speed",
            "configure_openmp_wait", "log_cpu_dtype_advice"]
