@@ -426,7 +426,9 @@ def labels(model, names, engines, micro_shape, micro_groups, text_rows, plain_ro
         if "torch" in sides:
             plain, shared = torch_compare(model_dir, workload, plain_rows=plain_rows, batch_size=plain_batch,
                                           token_budget=token_budget, seed=seed)
-            comparisons.append(Comparison(workload.name, f"torch ({torch.get_num_threads()} threads)", plain, shared,
+            threads_now = torch.get_num_threads()
+            comparisons.append(Comparison(workload.name, f"torch ({threads_now} thread{'s' * (threads_now != 1)})",
+                                          plain, shared,
                                           token_ideal, flop_ideal))
             torch_side = shared
             click.echo(comparisons[-1].row(), err=True)
