@@ -239,3 +239,9 @@ def test_option_requests_decode_each_multi_token_option():
 def test_option_requests_split_more_than_128_next_tokens():
     options = OptionTokens.from_lists([[t] for t in range(300)])
     assert [len(r.targets) for r in option_requests(options)] == [128, 128, 44]
+
+
+def test_speculative_prefill_needs_shared_one_token_labels(tmp_path):
+    with pytest.raises(JobConfigError, match="engine.speculative: speculative prefill scores one-token labels"):
+        config_from_dict({**VALID, "labels": [], "input": {"path": "x", "choices_column": "c"},
+                          "engine": {"speculative": {"keep": 0.5}}})
