@@ -410,6 +410,9 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     from batchscore.labels import label_problems
 
     problems.extend(label_problems(config.labels, inp.choices_column, config.score.normalize))
+    if config.engine.speculative is not None and inp.choices_column:
+        problems.append("engine.speculative: speculative prefill scores one-token labels shared by every row, "
+                        "not input.choices_column")
     if config.output_format == "openai_batch" and (inp.choices_column or config.score.normalize != "sum"):
         problems.append("output.format openai_batch: writes fixed labels' probabilities normalized by their sum; "
                         "write parquet or jsonl for input.choices_column or score.normalize token | byte")

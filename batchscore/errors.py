@@ -54,7 +54,7 @@ class NullFieldError(RowRenderError, KeyError):
 
 
 class LabelError(BatchscoreError, ValueError):
-    """Labels that cannot be scored (not single, distinct tokens)."""
+    """Labels that cannot be scored as the job asks (e.g. per-row options with speculative prefill)."""
 
     exit_code = EXIT_CONFIG
 

@@ -22,7 +22,7 @@ import pyarrow as pa
 from batchscore.config import JobConfig
 from batchscore.engines import kv_block_size, resolve_engine_kind
 from batchscore.engines.shape import context_length, read_model_config
-from batchscore.errors import InputError, OutputError, RowRenderError
+from batchscore.errors import InputError, LabelError, OutputError, RowRenderError
 from batchscore.io.identity import input_identity, model_identity, software_versions
 from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
 from batchscore.labels import OptionEncoder, RowOptionSource
@@ -160,6 +160,10 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
         if label_ids is not None:  # one-token labels everywhere: today's one-position path
             for request in prepared.requests:
                 request.options = None
+        elif config.engine.speculative is not None and prepared.requests:
+            raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
+                             "these labels are scored per row (a multi-token label, or one whose tokens depend on "
+                             "the prompt's end) — drop engine.speculative or use one-token labels")
     log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
     return PreparedJob(source, label_ids, prepared)
 

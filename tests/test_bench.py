@@ -98,6 +98,24 @@ def test_bench_tiny_end_to_end(tmp_path, tiny_llama):
         assert runs["torch"]["max_dp_vs_plain"] < 1e-3  # same scores as the plain forward (float32)
 
 
+def test_labels_bench_tiny_end_to_end(tmp_path, tiny_llama):
+    """Options of 2-6 tokens on a tiny microbenchmark: the torch engine and the plain forward
+    agree, and the speedup, token and FLOP ideals are reported."""
+    from batchscore.bench.labels_bench import labels
+
+    result = CliRunner().invoke(labels, ["--model", str(tiny_llama), "--workloads", "micro", "--engines", "torch",
+                                         "--micro-shape", "64/16/4", "--micro-groups", "2", "--plain-rows", "3",
+                                         "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads((tmp_path / "labels.json").read_text())
+    assert row["workload"] == "micro" and row["baseline"]["rows"] == 3 and row["shared"]["rows"] == 8
+    assert row["max_abs_dlogp"] < 1e-4  # the same option totals as every option's own plain forward
+    # per row: 64/4 + 16 + 15 option rows processed; 5 prompts of 80 + 1..5 option tokens logical
+    assert row["token_ideal"] == pytest.approx((5 * 80 + 15) / (16 + 16 + 15))
+    assert 1 < row["flop_ideal"] and row["speedup"] > 0
+    assert "| micro | torch" in (tmp_path / "labels.md").read_text()
+
+
 def test_gpu_bench_runs_on_cpu_and_counts_flops():
     """The GPU benchmark's throughput part on a tiny random model (CPU, float32): the engine agrees
     with the plain forward, and the FLOP accounting matches the shapes."""
@@ -163,7 +181,7 @@ def test_bench_commands_are_registered_and_production_does_not_import_them():
 
     names = {c.name for c in COMMANDS}
     assert names == {"workloads", "plan", "engine", "vllm", "gpu", "mil", "scale", "placement", "dtype-parity",
-                     "specprefill"}
+                     "specprefill", "labels"}
     for name in sorted(names):
         result = CliRunner().invoke(main, ["bench", name, "--help"])
         assert result.exit_code == 0, result.output

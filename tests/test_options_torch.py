@@ -289,3 +289,12 @@ def test_score_dataframe_with_a_choices_column():
     assert (scores["status"] == "ok").all()
     assert all(abs(sum(p) - 1) < 1e-9 for p in scores["p_choices"])
     assert scores.loc[10, "choice"] in df.loc[10, "options"]
+
+
+def test_speculative_prefill_refuses_multi_token_labels(job_factory, small_input):
+    from batchscore.errors import EXIT_CONFIG
+
+    job = job_factory(small_input, labels=SAMPLE_LABELS, engine={"speculative": {"keep": 0.5}})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == EXIT_CONFIG
+    assert "speculative prefill scores one-token labels shared by every row" in result.output

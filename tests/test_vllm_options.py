@@ -109,18 +109,25 @@ def _check_exact(results, expected):
     assert worst_logp <= TOLERANCE and worst_p <= TOLERANCE, f"max |Δ log p| {worst_logp:.2e}, |ΔP| {worst_p:.2e}"
 
 
-def test_multi_token_labels_are_exact_and_share_the_prompt_cache(engine, label_requests, reference):
-    results, groups = _score(engine, label_requests)
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_multi_token_labels_are_exact_and_share_the_prompt_cache(engine, label_requests, reference, mode):
+    """decode: one request per option (Rele|vant, Not| relevant, Some|what| relevant), its tokens
+    forced; prefill: one per node of the option trie (the prompt, + 'Rele', + 'Not', + 'Some',
+    + 'Some' 'what'). Both exact, both reading the prompt's blocks from vLLM's prefix cache."""
+    engine.option_mode = mode
+    try:
+        results, groups = _score(engine, label_requests)
+    finally:
+        engine.option_mode = "decode"
     _check_exact(results, reference["labels"])
+    requests = sum(len(option_requests(m.options, mode)) for g in groups for m in g.members)
+    assert requests == len(label_requests) * {"decode": 3, "prefill": 5}[mode]
     stats = engine.cache_stats
-    requests = sum(len(option_requests(m.options)) for g in groups for m in g.members)
-    # per row: the prompt, + 'Rele', + 'Not', + 'Some', + 'Some' 'what' (Rele|vant, Not| relevant, Some|what| relevant)
-    assert requests == len(label_requests) * 5
-    # every option-prefix request reuses its row's cached prompt blocks: most prompt tokens are hits
     assert stats.hits > 0.7 * stats.queries, f"hit rate {stats.hit_rate:.2f}"
 
 
 def test_per_row_choices_are_exact(engine, choice_requests, reference):
+    """One-token choices ('Yes', 'No', 'Maybe') read together, the others decoded, per row."""
     results, _ = _score(engine, choice_requests)
     _check_exact(results, reference["choices"])
     assert {len(r.logp) for r in results.values()} == {2, 3, 4, 5}

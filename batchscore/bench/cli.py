@@ -10,6 +10,7 @@ from batchscore.bench.command import workloads
 from batchscore.bench.dtype_parity import dtype_parity
 from batchscore.bench.engine_bench import engine
 from batchscore.bench.gpu_bench import gpu
+from batchscore.bench.labels_bench import labels
 from batchscore.bench.mil_bench import mil
 from batchscore.bench.placement_bench import placement
 from batchscore.bench.plan_bench import plan
@@ -17,6 +18,6 @@ from batchscore.bench.scale_bench import scale
 from batchscore.bench.specprefill import specprefill
 from batchscore.bench.vllm_bench import vllm
 
-COMMANDS = [workloads, plan, engine, vllm, gpu, mil, scale, placement, dtype_parity, specprefill]
+COMMANDS = [workloads, plan, engine, vllm, gpu, mil, scale, placement, dtype_parity, specprefill, labels]
 
 __all__ = ["COMMANDS"]

@@ -4,9 +4,10 @@ Every member of every group becomes one vLLM request: its full prompt as token i
 (`TokensPrompt`), `max_tokens=1` and `logprob_token_ids=<label ids>`, which returns the exact
 log-probabilities of the label tokens under the full-vocabulary softmax of the last prompt
 position (raw logits, before any sampling processors). A member scored over its own options
-(multi-token labels, choices) becomes one such request per node of its options' trie, prompt +
-the node's path, all sharing the prompt's cached blocks (see `vllm_options.py`). Requests are
-added in plan order, so
+(multi-token labels, choices) becomes one request per multi-token option, decoding the option's
+tokens (forced by a logits processor) and reading their log-probabilities, plus one request for
+its one-token options, all sharing the prompt's cached blocks (see `vllm_options.py`; the option
+trie of prefill-only requests is the other, slower way). Requests are added in plan order, so
 vLLM's FCFS scheduler and its automatic prefix cache see each group's prefix consecutively:
 the first member computes the prefix, the rest reuse its KV blocks. `prompt_logprobs` is never
 used (it bypasses the prefix cache).
@@ -34,7 +35,7 @@ import numpy as np
 from batchscore.engines import VLLM_INSTALL_HINT
 from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
 from batchscore.engines.shape import read_model_config
-from batchscore.engines.vllm_options import option_requests, option_totals
+from batchscore.engines.vllm_options import OPTION_MODES, OptionRequest, option_requests, option_totals
 from batchscore.engines.vllm_settings import VllmSettings, derive_settings
 from batchscore.errors import EngineUnavailable
 from batchscore.plan.types import GroupMember, PrefixGroup
@@ -111,10 +112,14 @@ class VllmEngine:
         max_length: int | None = None,
         vllm_args: dict[str, Any] | None = None,
         hybrid_chunk: int | None = None,
+        option_mode: str = "decode",
     ) -> None:
         import_vllm()
         if hybrid_chunk is not None and hybrid_chunk < 1:
             raise ValueError(f"hybrid_chunk must be at least 1 (or None: off), got {hybrid_chunk}")
+        if option_mode not in OPTION_MODES:
+            raise ValueError(f"option_mode must be one of {OPTION_MODES}, got {option_mode!r}")
+        self.option_mode = option_mode  # how multi-token options are requested (vllm_options.py)
         self.model_dir = Path(model_dir)
         self.model_config = read_model_config(self.model_dir)
         self.vocab_size = int(self.model_config["vocab_size"])
@@ -162,8 +167,14 @@ class VllmEngine:
                                     "engine.vllm_args): a compiled model would not run the chunked MLPs")
         if self.hybrid_chunk is not None:
             self._allow_serialization()
+        kwargs = s.llm_kwargs()
+        if self.option_mode == "decode" and any(m.options is not None and not m.options.single_token
+                                                for g in groups for m in g.members):
+            from batchscore.engines.vllm_forcing import ForceTokens  # loaded by vLLM's engine process too
+
+            kwargs["logits_processors"] = [*kwargs.get("logits_processors", []), ForceTokens]
         try:
-            self._llm = vllm.LLM(model=str(self.model_dir), **s.llm_kwargs())
+            self._llm = vllm.LLM(model=str(self.model_dir), **kwargs)
         except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; the job needs one clear line
             self._restore_serialization()
             raise EngineUnavailable(f"vLLM failed to start: {_root_cause(exc)} (settings: max_model_len="
@@ -280,7 +291,7 @@ class VllmEngine:
     def _run(self, groups: list[PrefixGroup], labels: list[int] | None) -> Iterator[LabelScores]:
         """Add requests in plan order (a window ahead of the scheduler), step, yield members in order.
 
-        A member is one request (shared labels) or one per node of its options' trie; it is
+        A member is one request (shared labels) or several (its options, `vllm_options.py`); it is
         yielded when all of its requests have finished."""
         if self._llm is None:
             raise RuntimeError("engine is closed")
@@ -288,12 +299,12 @@ class VllmEngine:
         shared = None if labels is None else \
             SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=labels, detokenize=False)
         window = max(2 * self.settings.max_num_seqs, 64)
-        max_prompt = self.settings.max_model_len - 1
+        max_len = self.settings.max_model_len
         self.cache_stats = PrefixCacheStats()
         self.order_inversions = 0
         members = _members_in_order(groups)  # (member seq, member, prompt)
         lengths: dict[int, int] = {}  # request seq -> prompt length, for requests in vLLM
-        owner: dict[int, tuple[int, tuple[int, ...]]] = {}  # request seq -> (member seq, trie path)
+        owner: dict[int, tuple[int, OptionRequest]] = {}  # request seq -> (member seq, what it reads)
         running: dict[int, _Member] = {}  # member seq -> member with requests in vLLM
         done: dict[int, LabelScores] = {}  # finished, waiting for earlier members
         next_member = next_request = 0
@@ -307,16 +318,17 @@ class VllmEngine:
                         break
                     member_seq, member, prompt = item
                     state = _Member(member, labels)
-                    work = [((), labels)] if labels is not None else option_requests(member.options)
-                    for path, targets in work:
-                        tokens = np.concatenate([prompt, np.asarray(path, dtype=np.int32)]) if path else prompt
-                        params = shared or SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=targets,
-                                                          detokenize=False)
-                        refusal = self._add(engine, next_request, tokens, params, max_prompt)
+                    work = [OptionRequest(targets=tuple(labels))] if labels is not None else \
+                        option_requests(member.options, self.option_mode)
+                    for request in work:
+                        tokens = np.concatenate([prompt, np.asarray(request.path, dtype=np.int32)]) \
+                            if request.path else prompt
+                        params = shared or _params(request)
+                        refusal = self._add(engine, next_request, tokens, params, max_len, request.max_tokens)
                         if refusal is not None:
                             state.error = state.error or refusal
                             break
-                        lengths[next_request], owner[next_request] = len(tokens), (member_seq, path)
+                        lengths[next_request], owner[next_request] = len(tokens), (member_seq, request)
                         state.pending += 1
                         next_request += 1
                     if state.pending:
@@ -337,13 +349,13 @@ class VllmEngine:
                         continue
                     seq = int(out.request_id)
                     length = lengths.pop(seq)
-                    member_seq, path = owner.pop(seq)
+                    member_seq, request = owner.pop(seq)
                     # FCFS check: `lengths` keeps insertion (= plan) order, so its first key is
                     # the earliest request still running.
                     if lengths and next(iter(lengths)) < seq:
                         self.order_inversions += 1
                     state = running[member_seq]
-                    self._record(state, out, length, path)
+                    self._record(state, out, length, request)
                     if state.pending == 0:
                         done[member_seq] = self._member_result(running.pop(member_seq))
         finally:
@@ -351,10 +363,11 @@ class VllmEngine:
                 engine.abort_request([str(seq) for seq in lengths])
 
     @staticmethod
-    def _add(engine, seq: int, prompt: np.ndarray, params, max_prompt: int) -> str | None:
-        """Add one request to vLLM (request id = `seq`); returns why it was refused, or None."""
-        problem = prompt_problem(len(prompt), max_prompt,
-                                 limit_name=f"vLLM's max_model_len {max_prompt + 1} minus the output token")
+    def _add(engine, seq: int, prompt: np.ndarray, params, max_len: int, outputs: int = 1) -> str | None:
+        """Add one request to vLLM (request id = `seq`) with `outputs` output tokens; returns why it
+        was refused, or None."""
+        what = "the output token" if outputs == 1 else f"{outputs} output tokens (the option's)"
+        problem = prompt_problem(len(prompt), max_len - outputs, limit_name=f"vLLM's max_model_len {max_len} minus {what}")
         if problem:
             return problem
         try:
@@ -368,17 +381,24 @@ class VllmEngine:
         self.errors[row_id] = message
         return LabelScores.failed(row_id, num_labels, message)
 
-    def _record(self, state: _Member, out, length: int, path: tuple[int, ...]) -> None:
+    def _record(self, state: _Member, out, length: int, request: OptionRequest) -> None:
         """Take one finished request's log-probabilities into its member (counts the cache use)."""
         cached = int(out.num_cached_tokens or 0)
         self.cache_stats.queries += length
         self.cache_stats.hits += cached
-        self.metrics.processed_tokens += length - cached
+        self.metrics.processed_tokens += length - cached + request.max_tokens - 1  # and the decoded tokens
         state.pending -= 1
         try:
-            token_logprobs = out.outputs[0].logprobs[0]  # {token_id: Logprob} of the one output token
-            state.found.update({(path, int(t)): float(v.logprob) for t, v in token_logprobs.items()})
-        except (IndexError, KeyError, TypeError) as exc:
+            completion = out.outputs[0]
+            if request.force:  # step k produced the option's token k (forced): its log-probability
+                if tuple(completion.token_ids) != request.force:
+                    raise ValueError(f"vLLM decoded {list(completion.token_ids)}, not the option {list(request.force)}")
+                state.found[("force", request.option)] = sum(
+                    float(completion.logprobs[k][token].logprob) for k, token in enumerate(request.force))
+            else:
+                token_logprobs = completion.logprobs[0]  # {token_id: Logprob} of the one output token
+                state.found.update({(request.path, int(t)): float(v.logprob) for t, v in token_logprobs.items()})
+        except (IndexError, KeyError, TypeError, ValueError) as exc:
             state.error = state.error or f"vLLM returned no log-probabilities for the labels ({exc!r})"
 
     def _member_result(self, state: _Member) -> LabelScores:
@@ -406,8 +426,18 @@ class _Member:
     def __init__(self, member: GroupMember, labels: list[int] | None) -> None:
         self.member, self.labels = member, labels
         self.pending = 0
-        self.found: dict[tuple[tuple[int, ...], int], float] = {}  # (trie path, token) -> log P
+        self.found: dict = {}  # (trie path, token) -> log P; ("force", option) -> its total
         self.error: str | None = None
+
+
+def _params(request: OptionRequest):
+    """SamplingParams of one option request: read `targets` at the last position, or decode `force`."""
+    if request.force:
+        from batchscore.engines.vllm_forcing import FORCE_KEY
+
+        return SamplingParams(max_tokens=len(request.force), temperature=0.0, logprobs=0, detokenize=False,
+                              extra_args={FORCE_KEY: list(request.force)})
+    return SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=list(request.targets), detokenize=False)
 
 
 def _members_in_order(groups: list[PrefixGroup]) -> Iterator[tuple[int, GroupMember, np.ndarray]]:
