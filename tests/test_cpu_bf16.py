@@ -168,3 +168,21 @@ def test_cli_sets_a_short_openmp_spin_before_torch_loads():
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's own choice is kept
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.split() == ["None", "ACTIVE"]
+
+
+def test_compiled_layers_score_options_exactly():
+    """Multi-token options (option rows with masked attention, long members prefilled in chunks)
+    through compiled layers: the same exactness as eager against a plain forward of prompt + option."""
+    from batchscore.engines.torch_engine import TorchEngine
+    from tests.option_reference import reference_option_logps
+    from tests.test_options_torch import TOLERANCE, groups_with_options
+
+    if compiled_layers.compile_problem() is not None:
+        pytest.skip(f"torch.compile does not work here: {compiled_layers.compile_problem()}")
+    model = tiny_model("qwen2")
+    groups = groups_with_options(seed=2)
+    expected = {m.row_id: reference_option_logps(model, g.full_prompt(m), m.options) for g in groups for m in g.members}
+    engine = TorchEngine(model, token_budget=BUDGET, compile_layers=True)
+    assert engine.compiled
+    results = list(engine.score(groups, None))
+    assert max(float(np.abs(r.logp - expected[r.row_id]).max()) for r in results) <= TOLERANCE

@@ -6,8 +6,9 @@ concatenation and products; SiLU, the gate product, the residual adds). Inductor
 a few C++ loops that read and write each activation once. The matmuls stay oneDNN/MKL calls (AMX
 in bfloat16) and the cascade attention stays eager: it is Python over parts and prefix segments,
 so it is a graph break (registered for the compiled model under its own name, wrapped in
-`torch.compiler.disable`). Measured on SmolLM2-135M, micro 1000/100 degree 16, one thread, CPU
-seconds: bfloat16 ~1.1-1.3x faster, float32 ~1.1x (README, "CPU: bfloat16 and compiled layers").
+`torch.compiler.disable`). Measured on SmolLM2-135M, micro 1000/100 degree 16: bfloat16
+1.08-1.31x faster with one thread (CPU seconds), 1.25-1.42x with two; float32 ~1.1x (README,
+"CPUs with native bfloat16").
 
 Shapes: `dynamic=True`, so a pass of any length reuses the same compiled code (dynamo
 specializes lengths 0 and 1 once). transformers' decoder layers are one class whose weights are
