@@ -67,8 +67,10 @@ def test_run_verbose_logs_bf16_support_and_speed(caplog, monkeypatch):
 
 def test_compile_policy():
     native = cpu_bf16().native
-    assert should_compile(None, "bfloat16", "cpu") == (native, "auto: bfloat16 on a CPU with native bfloat16"
-                                                       if native else "auto: bfloat16 on cpu runs eager")
+    when, why = should_compile(None, "bfloat16", "cpu")
+    assert when == (compiled_layers.LAZY_COMPILE_TOKENS if native else False)  # auto: short jobs stay eager
+    assert ("tokens ran eagerly" in why) == native
+    assert should_compile(None, "bfloat16", "cpu", lazy=False)[0] is native  # benchmarks: compiled before timing
     assert should_compile(None, "float32", "cpu")[0] is False  # exact first: float32 runs eager unless asked
     assert should_compile(True, "float32", "cpu")[0] is True
     assert should_compile(False, "bfloat16", "cpu")[0] is False
@@ -102,6 +104,23 @@ def test_compiled_float32_engine_matches_plain_forward(arch):
     assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)
 
 
+def test_lazy_compile_starts_after_the_token_count():
+    """compile_layers=N: the first passes run eager; the pass that crosses N tokens compiles first."""
+    from batchscore.engines.torch_engine import TorchEngine
+
+    if compiled_layers.compile_problem() is not None:
+        pytest.skip(f"torch.compile does not work here: {compiled_layers.compile_problem()}")
+    model = tiny_model("llama")
+    groups = make_groups(seed=5)
+    reference = reference_log_probs(model, groups, LABELS)
+    engine = TorchEngine(model, token_budget=BUDGET, compile_layers=100)
+    assert not engine.compiled
+    assert _max_error(engine, reference, groups[:1]) <= 1e-5
+    assert not engine.compiled and 0 < engine.compiled.tokens < 100
+    assert _max_error(engine, reference, groups) <= 1e-5
+    assert engine.compiled and engine.compiled.tokens >= 100
+
+
 def test_compiled_bfloat16_engine_within_the_bf16_bound():
     from batchscore.engines.torch_engine import TorchEngine
 
@@ -109,7 +128,7 @@ def test_compiled_bfloat16_engine_within_the_bf16_bound():
     groups = make_groups(seed=1)
     reference = reference_log_probs(model, groups, LABELS)
     engine = TorchEngine(model, token_budget=BUDGET, compile_layers=True)
-    assert engine.compiled == (compiled_layers.compile_problem() is None)
+    assert bool(engine.compiled) == (compiled_layers.compile_problem() is None)
     assert _max_error(engine, reference, groups) <= BFLOAT16_TOLERANCE
 
 
@@ -149,3 +168,21 @@ def test_cli_sets_a_short_openmp_spin_before_torch_loads():
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's own choice is kept
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.split() == ["None", "ACTIVE"]
+
+
+def test_compiled_layers_score_options_exactly():
+    """Multi-token options (option rows with masked attention, long members prefilled in chunks)
+    through compiled layers: the same exactness as eager against a plain forward of prompt + option."""
+    from batchscore.engines.torch_engine import TorchEngine
+    from tests.option_reference import reference_option_logps
+    from tests.test_options_torch import TOLERANCE, groups_with_options
+
+    if compiled_layers.compile_problem() is not None:
+        pytest.skip(f"torch.compile does not work here: {compiled_layers.compile_problem()}")
+    model = tiny_model("qwen2")
+    groups = groups_with_options(seed=2)
+    expected = {m.row_id: reference_option_logps(model, g.full_prompt(m), m.options) for g in groups for m in g.members}
+    engine = TorchEngine(model, token_budget=BUDGET, compile_layers=True)
+    assert engine.compiled
+    results = list(engine.score(groups, None))
+    assert max(float(np.abs(r.logp - expected[r.row_id]).max()) for r in results) <= TOLERANCE

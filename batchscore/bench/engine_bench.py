@@ -106,9 +106,9 @@ def engine(model, dtypes, requests, prefix, distinct, degree, token_budget, base
             plain_model = load_model(path, dtype)
             plain_probs(plain_model, warmup, labels, baseline_batch)
             sides.append(("plain", dtype, plain_model))
-        compile_layers, _ = should_compile(COMPILE_CHOICES[compile_mode], dtype, "cpu")
+        compile_layers, _ = should_compile(COMPILE_CHOICES[compile_mode], dtype, "cpu", lazy=False)
         scorer = TorchEngine(load_model(path, dtype), token_budget=token_budget, compile_layers=compile_layers)
-        compiled[dtype] = scorer.compiled
+        compiled[dtype] = bool(scorer.compiled)
         engine_probs(scorer, warmup, labels)
         scorer.metrics = EngineMetrics(batch_token_counts=[])
         sides.append(("torch", dtype, scorer))

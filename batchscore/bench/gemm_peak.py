@@ -53,8 +53,8 @@ class GemmPeak:
                 "native_bf16": self.support.names if self.support is not None else None}
 
 
-def gemm_peak(dtypes: tuple[str, ...] = ("float32", "bfloat16"), device: str = "cpu", rounds: int = 3,
-              seconds: float = 0.25) -> GemmPeak:
+def gemm_peak(dtypes: tuple[str, ...] = ("float32", "bfloat16"), device: str = "cpu", rounds: int = 6,
+              seconds: float = 0.3) -> GemmPeak:
     """Best matmul FLOP/s per dtype in `dtypes` on `device` (cached; see the module docstring)."""
     import torch
 

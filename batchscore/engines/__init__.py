@@ -80,7 +80,7 @@ def create_engine(kind: str, model_dir, engine) -> Engine:
         from batchscore.engines.torch_engine import TorchEngine
 
         compile_layers, why = should_compile(engine.compile, dtype, device, engine.hybrid_chunk is not None)
-        log.info("torch engine: %s layers (%s)", "compiled" if compile_layers else "eager", why)
+        log.info("torch engine: %s", why)
         if engine.threads:
             torch.set_num_threads(engine.threads)  # process-wide: torch has no per-model setting
         speculative = None

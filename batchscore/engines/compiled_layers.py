@@ -6,8 +6,9 @@ concatenation and products; SiLU, the gate product, the residual adds). Inductor
 a few C++ loops that read and write each activation once. The matmuls stay oneDNN/MKL calls (AMX
 in bfloat16) and the cascade attention stays eager: it is Python over parts and prefix segments,
 so it is a graph break (registered for the compiled model under its own name, wrapped in
-`torch.compiler.disable`). Measured on SmolLM2-135M, micro 1000/100 degree 16, one thread, CPU
-seconds: bfloat16 ~1.1-1.3x faster, float32 ~1.1x (README, "CPU: bfloat16 and compiled layers").
+`torch.compiler.disable`). Measured on SmolLM2-135M, micro 1000/100 degree 16: bfloat16
+1.08-1.31x faster with one thread (CPU seconds), 1.25-1.42x with two; float32 ~1.1x (README,
+"CPUs with native bfloat16").
 
 Shapes: `dynamic=True`, so a pass of any length reuses the same compiled code (dynamo
 specializes lengths 0 and 1 once). transformers' decoder layers are one class whose weights are
@@ -16,15 +17,18 @@ Compiling takes ~10-30 s on 2 cores the first time; inductor caches the result o
 (`TORCHINDUCTOR_CACHE_DIR`, default under /tmp), later processes load it in seconds.
 
 `engine.compile: null` (auto) compiles where it pays: bfloat16 on a CPU with native bfloat16,
-where the fused elementwise work is a large share once the matmuls run on AMX. float32 stays
-eager unless asked for (`engine.compile: true`; within 1e-6 of eager on the sample model).
-Hybrid prefilling drives the layers itself and is never compiled.
+where the fused elementwise work is a large share once the matmuls run on AMX, and only once the
+engine has run `LAZY_COMPILE_TOKENS` tokens eagerly, so a short job never waits for a compiler
+(the compile costs about as much as ~100k eager tokens save). `engine.compile: true` compiles at
+engine start, `false` never. float32 stays eager unless asked for (within 1e-6 of eager on the
+sample model). Hybrid prefilling drives the layers itself and is never compiled.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 
@@ -41,26 +45,32 @@ log = logging.getLogger("batchscore")
 
 COMPILED_ATTN_IMPLEMENTATION = "batchscore_cascade_compiled"
 WARMUP_TOKENS = 37  # the first compiled pass: a length no model dimension has (no size specialization)
+LAZY_COMPILE_TOKENS = 100_000  # auto: compile once the engine ran this many tokens eagerly
 
 
-@torch.compiler.disable
 def _eager_cascade_attention(module, query, key, value, attention_mask, **kwargs):
-    """`cascade_attention_forward`, never traced, its output [1, T, H, D] copied into fresh dense
-    strides (transformers copies it next anyway): one stride pattern for every pass, however many
-    parts, so the code after it compiles once."""
+    """`cascade_attention_forward` (never traced: registered behind `torch.compiler.disable`), its
+    output [1, T, H, D] copied into fresh dense strides (transformers copies it next anyway): one
+    stride pattern for every pass, however many parts, so the code after it compiles once."""
     out, weights = cascade_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return out.clone(memory_format=torch.contiguous_format), weights
 
 
-def should_compile(requested: bool | None, dtype: str, device: str, hybrid: bool = False) -> tuple[bool, str]:
-    """(compile the layers?, why) for `engine.compile` = `requested` (None: auto)."""
+def should_compile(requested: bool | None, dtype: str, device: str, hybrid: bool = False,
+                   lazy: bool = True) -> tuple[bool | int, str]:
+    """(when to compile the layers, a line saying so) for `engine.compile` = `requested` (None:
+    auto): False (never), True (at engine start) or a token count (once that many ran eagerly;
+    auto with `lazy`). Benchmarks pass `lazy=False`: compiling inside a timed run would count."""
     if hybrid:
-        return False, "hybrid prefilling runs the layers itself"
+        return False, "eager layers (hybrid prefilling runs the layers itself)"
     if requested is not None:
-        return requested, f"engine.compile: {str(requested).lower()}"
+        return requested, f"{'compiled' if requested else 'eager'} layers (engine.compile: {str(requested).lower()})"
     if device == "cpu" and dtype == "bfloat16" and cpu_bf16().native:
-        return True, "auto: bfloat16 on a CPU with native bfloat16"
-    return False, f"auto: {dtype} on {device} runs eager"
+        if lazy:
+            return LAZY_COMPILE_TOKENS, (f"layers compiled once {LAZY_COMPILE_TOKENS:,} tokens ran eagerly "
+                                         "(auto: bfloat16 on a CPU with native bfloat16)")
+        return True, "compiled layers (auto: bfloat16 on a CPU with native bfloat16)"
+    return False, f"eager layers (auto: {dtype} on {device})"
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,29 +87,71 @@ def compile_problem() -> str | None:
     return None
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> bool:
-    """Compile every decoder layer of `model` (a transformers causal LM already switched to the
-    cascade attention) in place. Returns False, leaving the model eager, when torch.compile does
-    not work here (the reason is logged as a warning).
+class LayerCompilation:
+    """The compilation state of one model's decoder layers: truthy once they are compiled.
 
-    Side effects: registers the dynamo-disabled cascade attention under
-    `COMPILED_ATTN_IMPLEMENTATION` and switches the model to it; wraps each layer's call with
-    `nn.Module.compile`; runs one warm-up pass, which compiles (seconds, less with inductor's
-    disk cache).
+    `after_tokens` > 0: a forward pre-hook on the decoder counts the tokens of every pass and
+    compiles before the pass that crosses the count (then removes itself).
     """
-    problem = compile_problem()
-    if problem is not None:
-        log.warning("engine.compile: torch.compile does not work here (%s); running eager", problem)
-        return False
-    from transformers import AttentionInterface
 
-    AttentionInterface.register(COMPILED_ATTN_IMPLEMENTATION, _eager_cascade_attention)
-    model.set_attn_implementation(COMPILED_ATTN_IMPLEMENTATION)
-    decoder = model.get_decoder()
-    for layer in decoder.layers:
-        layer.compile(dynamic=True)
-    _warm_up(decoder)
-    return True
+    def __init__(self, model: torch.nn.Module, after_tokens: int = 0) -> None:
+        self._model = weakref.ref(model)  # the engine's close() must be able to free the model
+        self.after_tokens = after_tokens
+        self.tokens = 0
+        self.state = "pending"  # pending | compiled | eager (torch.compile does not work here)
+        self._hook = None
+        if after_tokens > 0:
+            self._hook = model.get_decoder().register_forward_pre_hook(self._count, with_kwargs=True)
+        else:
+            self.compile_now()
+
+    def __bool__(self) -> bool:
+        return self.state == "compiled"
+
+    def _count(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.tokens += int(ids.shape[-1]) if ids is not None else 0
+        if self.tokens >= self.after_tokens:
+            self._hook.remove()
+            self._hook = None
+            log.info("engine.compile: %d tokens ran eagerly, compiling the decoder layers", self.tokens)
+            self.compile_now()
+
+    def compile_now(self) -> None:
+        """Compile every decoder layer in place and run one warm-up pass; stays eager (logged as
+        a warning) when torch.compile does not work here.
+
+        Side effects: registers the dynamo-disabled cascade attention under
+        `COMPILED_ATTN_IMPLEMENTATION` and switches the model to it; wraps each layer's call with
+        `nn.Module.compile`; the warm-up pass compiles (seconds, less with inductor's disk cache).
+        """
+        model = self._model()
+        problem = compile_problem() if model is not None else "the model was freed"
+        if problem is not None:
+            log.warning("engine.compile: torch.compile does not work here (%s); running eager", problem)
+            self.state = "eager"
+            return
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(COMPILED_ATTN_IMPLEMENTATION, _disabled_attention())
+        model.set_attn_implementation(COMPILED_ATTN_IMPLEMENTATION)
+        decoder = model.get_decoder()
+        for layer in decoder.layers:
+            layer.compile(dynamic=True)
+        _warm_up(decoder)
+        self.state = "compiled"
+
+
+def compile_decoder_layers(model: torch.nn.Module, when: bool | int = True) -> LayerCompilation:
+    """Compile the decoder layers of `model` (a transformers causal LM already switched to the
+    cascade attention) now (`when` True) or once `when` tokens ran eagerly. The result is truthy
+    once the layers are compiled (see `LayerCompilation`)."""
+    return LayerCompilation(model, 0 if when is True else int(when))
+
+
+@functools.lru_cache(maxsize=1)
+def _disabled_attention():
+    return torch.compiler.disable(_eager_cascade_attention)
 
 
 @torch.inference_mode()
@@ -115,4 +167,5 @@ def _warm_up(decoder: torch.nn.Module) -> None:
             cascade=CascadeBatch([part]))
 
 
-__all__ = ["COMPILED_ATTN_IMPLEMENTATION", "should_compile", "compile_problem", "compile_decoder_layers"]
+__all__ = ["COMPILED_ATTN_IMPLEMENTATION", "LAZY_COMPILE_TOKENS", "LayerCompilation", "should_compile",
+           "compile_problem", "compile_decoder_layers"]

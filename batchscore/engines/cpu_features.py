@@ -152,8 +152,8 @@ def configure_openmp_wait(environ=None) -> bool:
     slice the thread it waits for needs. Measured on 2 cores at load average ~8, SmolLM2-135M,
     micro 1000/100 degree 16, 2 threads, same process and load: default spin 88 / 129 processed
     tokens/s (float32 / bfloat16), GOMP_SPINCOUNT=10000 193 / 555, OMP_WAIT_POLICY=PASSIVE
-    167 / 565 (README, "CPU: bfloat16 and compiled layers"). A short spin keeps the quick hand-off
-    on an idle machine.
+    167 / 565 (README, "CPUs with native bfloat16"). A short spin keeps the quick hand-off on an
+    idle machine.
     """
     import os
     import sys

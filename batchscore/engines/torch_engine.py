@@ -27,7 +27,8 @@ Options:
     sees the whole sequence (PrefillOnly's hybrid prefilling, see `hybrid.py`); a suffix's KV
     then lives for its own layer only, also for suffixes longer than the token budget.
   compile_layers: the decoder layers run through torch.compile (fused norms, RoPE, SiLU, residual
-    adds; the attention stays eager), see `compiled_layers.py`; not with hybrid prefilling.
+    adds; the attention stays eager), from the start (True) or once that many tokens ran eagerly
+    (an int), see `compiled_layers.py`; not with hybrid prefilling.
   memory_budget: bytes beyond the weights a pass may use (estimated by `memory.py`: prefix KV,
     recorded KV, activation peak, LM head); suffix batches close at the token budget or at the
     memory budget, whichever comes first (no cap on the number of requests). A request that does
@@ -137,7 +138,7 @@ class TorchEngine:
         *,
         token_budget: int = 4096,
         device: str = "cpu",
-        compile_layers: bool = False,
+        compile_layers: bool | int = False,
         hybrid_chunk: int | None = None,
         memory_budget: int | None = None,
         speculative: SpecPrefillOptions | None = None,
@@ -162,7 +163,7 @@ class TorchEngine:
         self.hybrid_chunk = hybrid_chunk
         self.memory_budget = memory_budget
         self._hybrid = HybridDecoder(self._decoder, hybrid_chunk) if hybrid_chunk is not None else None
-        self.compiled = compile_layers and self._hybrid is None and compile_decoder_layers(self.model)
+        self.compiled = compile_layers and self._hybrid is None and compile_decoder_layers(self.model, compile_layers)
         element_bytes = next(model.parameters()).element_size()
         self.memory = MemoryEstimator(ModelShape.from_config(model.config, element_bytes), hybrid_chunk)
         self.speculator = None
@@ -183,7 +184,7 @@ class TorchEngine:
         dtype: str = "float32",
         token_budget: int = 4096,
         device: str = "cpu",
-        compile_layers: bool = False,
+        compile_layers: bool | int = False,
         hybrid_chunk: int | None = None,
         memory_budget: int | None = None,
         speculative: SpecPrefillOptions | None = None,
