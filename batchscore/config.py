@@ -18,6 +18,7 @@ import yaml
 
 from batchscore.engines.shape import DTYPE_BYTES
 from batchscore.errors import JobConfigError
+from batchscore.io.storage import is_url
 from batchscore.models import DEFAULT_MODEL
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
 
@@ -106,6 +107,7 @@ class InputConfig:
     batch_rows: int = 8192  # rows per Arrow record batch while reading
     synthetic: SyntheticInput | None = None
     filter: dict[str, Any] = field(default_factory=dict)  # hive partition column -> value or [values]
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options of an object-store path
 
 
 @dataclass
@@ -164,6 +166,7 @@ class OutputConfig:
     part_rows: int = 20000  # rows per durable part file (a part always holds whole prefix groups)
     part_seconds: float = 120.0  # ...or fewer, when this many seconds passed since the last part
     logprobs: bool = False  # add each option's raw total log-probability (logp_<label> / logp_choices)
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options of an object-store path
 
 
 @dataclass
@@ -212,9 +215,11 @@ class JobConfig:
             return None
         if self.output.error_path:
             return self.output.error_path
-        path = Path(str(self.output.path))
-        stem = path.name[: -len(path.suffix)] if path.suffix.lower() in (".jsonl", ".ndjson") else path.name
-        return str(path.with_name(stem + ".errors.jsonl"))
+        path = str(self.output.path)
+        name = path.rsplit("/", 1)[-1]
+        suffix = Path(name).suffix
+        stem = name[: -len(suffix)] if suffix.lower() in (".jsonl", ".ndjson") else name
+        return path[: len(path) - len(name)] + stem + ".errors.jsonl"
 
 
 def load_job(path: str | os.PathLike, overrides: dict[str, str] | None = None,
@@ -546,9 +551,11 @@ def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
         speculator = os.path.expanduser(spec.speculator)
         if not os.path.isabs(speculator) and (base / speculator).exists():  # a speculator model folder
             spec.speculator = os.path.normpath(base / speculator)
-    if config.input.path and not os.path.isabs(os.path.expanduser(config.input.path)):
-        config.input.path = os.path.normpath(base / config.input.path)
-    if config.output.path and not os.path.isabs(os.path.expanduser(config.output.path)):
-        config.output.path = os.path.normpath(base / config.output.path)
-    if config.output.error_path and not os.path.isabs(os.path.expanduser(config.output.error_path)):
-        config.output.error_path = os.path.normpath(base / config.output.error_path)
+    def relative(path: str | None) -> str | None:  # an object-store URL stays as it is
+        if not path or is_url(path) or os.path.isabs(os.path.expanduser(path)):
+            return path
+        return os.path.normpath(base / path)
+
+    config.input.path = relative(config.input.path)
+    config.output.path = relative(config.output.path)
+    config.output.error_path = relative(config.output.error_path)

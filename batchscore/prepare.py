@@ -25,6 +25,7 @@ from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import InputError, LabelError, OutputError, RowRenderError
 from batchscore.io.identity import input_identity, model_identity, software_versions
 from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
+from batchscore.io.storage import as_path, is_url, register_storage_options
 from batchscore.labels import OptionEncoder, RowOptionSource
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
@@ -94,6 +95,8 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
     """Check the output path, find the input files, resolve engine and model, fingerprint what the
     output depends on (cheap: no rows are read). With `for_output` False (planning only) the
     output is neither checked nor fingerprinted for. Raises InputError / OutputError / ModelError."""
+    register_storage_options(config.input.path, config.input.storage_options)
+    register_storage_options(config.output.path, config.output.storage_options)
     if for_output:
         if not config.output.path:
             raise InputError("output.path is not set (set it in the job file or pass --output)")
@@ -125,6 +128,7 @@ def scoring_config(config: JobConfig) -> dict:
     if config.output_format != "parquet":  # parquet: the identity outputs had before the key existed
         data["output"].update(format=config.output_format, error_path=config.output_error_path)
     data.pop("executor")
+    data["input"].pop("storage_options")  # where the bytes come from (and credentials), not what they are
     data.pop("model")  # by content, in the identity's model part
     data.pop("model_download")  # how the weights were found, not which
     if not data["input"]["filter"]:
@@ -170,7 +174,11 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
 
 def check_output_path(output_path: str) -> None:
     """Refuse an output path that cannot be written, before any work: a folder, a file in a
-    read-only folder. Raises OutputError."""
+    read-only folder. Raises OutputError. An object-store output is checked by its first write
+    (the lock's lease)."""
+    if is_url(output_path):
+        as_path(output_path)  # its store's package is installed
+        return
     out = Path(output_path).expanduser()
     if out.is_dir():
         raise OutputError(f"output.path {output_path} is a folder; give a file path, e.g. {out / 'scores.parquet'}")
@@ -220,6 +228,14 @@ def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
 
 def _check_output_outside_input(config: JobConfig, files: list[Path]) -> None:
     """Refuse an output that is an input file or would be read as input by the next run."""
+    if is_url(config.output.path) or is_url(config.input.path):
+        out, source = str(config.output.path), str(config.input.path or "")
+        if out in {str(f) for f in files}:
+            raise InputError(f"output.path {out} is one of the input files; choose another path")
+        if any(ch in source for ch in "*?[") and fnmatch.fnmatch(out, source) or out.startswith(source.rstrip("/") + "/"):
+            raise InputError(f"output.path {out} is inside the input {source}; the next run would read it as "
+                             "input — write it elsewhere")
+        return
     out = Path(config.output.path).expanduser().resolve()
     if any(path.resolve() == out for path in files):
         raise InputError(f"output.path {config.output.path} is one of the input files; choose another path")

@@ -29,6 +29,7 @@ from batchscore.executors.sinks import PartSink, RowProgress
 from batchscore.faults import fault_point
 from batchscore.io.identity import identity_hash
 from batchscore.io.lock import OutputLock
+from batchscore.io.storage import file_size, is_url
 from batchscore.io.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.io.formats import write_output
 from batchscore.io.writer import ok_rows, scores_table
@@ -220,7 +221,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     """
     started = time.perf_counter()
     store = PartStore(config.output.path, Shard(0, count).name)
-    if not store.folder.exists() and Path(config.output.path).exists():
+    if not store.folder.exists() and file_size(config.output.path) is not None:
         return None  # the shard that finished last already wrote the output
     source = locate_job(config)
     job = prepare_job(config, tokenize=False, source=source)
@@ -270,6 +271,9 @@ def _output_errors(output_path: str):
     except OSError as exc:
         if isinstance(exc, BatchscoreError):
             raise
+        if is_url(output_path):  # the store refused or failed a request (permission, a missing bucket, network)
+            raise OutputError(f"cannot write the output {output_path}: {exc}; the rows scored so far are saved — "
+                              "fix the cause and rerun the same command to resume") from None
         where = Path(output_path).expanduser().resolve().parent
         ours = exc.filename is not None and Path(exc.filename).expanduser().resolve().is_relative_to(where)
         if exc.errno in _STORAGE_FULL or (ours and exc.errno in _PATH_PROBLEMS):

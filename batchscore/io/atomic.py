@@ -1,4 +1,8 @@
-"""Atomic file writes: a file appears at its final path complete and on disk, or not at all."""
+"""Atomic file writes: a file appears at its final path complete and on disk, or not at all.
+
+Locally: a temporary file in the same folder, fsynced, renamed. In an object store (io/storage.py)
+there is no rename, and none is needed: the finished file is uploaded in one put, and the object
+appears whole when the upload completes, or not at all."""
 
 from __future__ import annotations
 
@@ -8,18 +12,22 @@ from pathlib import Path
 from typing import Callable
 
 from batchscore.faults import fault_point
+from batchscore.io.storage import as_path, is_remote
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)  # read once: the process's umask, restored at once
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[str], object]):
     """Call `write(tmp_path)`, fsync the file, rename it to `path`, fsync the folder.
 
     The temporary file lives in the same folder (so the rename is atomic) and is removed if
-    anything fails. Creates the folder if needed. Returns `path`.
+    anything fails. Creates the folder if needed. Returns `path` (as io/storage.as_path gives it;
+    an object-store URL is written by one upload of the finished temporary file).
     """
-    path = Path(path)
+    path = as_path(path)
+    if is_remote(path):
+        return _upload(path, write)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -34,6 +42,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_folder(path.parent)
+    return path
+
+
+def _upload(path, write: Callable[[str], object]):
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        fault_point("atomic")
+        path.fs.put_file(tmp, path.path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return path
 
 

@@ -19,13 +19,15 @@ import os
 from importlib import metadata
 from pathlib import Path
 
+from batchscore.io.storage import as_path, file_size, is_remote
+
 FULL_HASH_BYTES = 64 * 2**20
 SAMPLE_BYTES = 2**20
 
 
 def _sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with path.open("rb") as handle:
         for block in iter(lambda: handle.read(4 * 2**20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -34,7 +36,7 @@ def _sha256_file(path: Path) -> str:
 def _sampled_digest(path: Path, size: int) -> str:
     """Size plus three samples of a large file."""
     digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as handle:
+    with path.open("rb") as handle:
         for offset in (0, max(size // 2 - SAMPLE_BYTES // 2, 0), max(size - SAMPLE_BYTES, 0)):
             handle.seek(offset)
             digest.update(handle.read(SAMPLE_BYTES))
@@ -43,7 +45,7 @@ def _sampled_digest(path: Path, size: int) -> str:
 
 def _parquet_footer_digest(path: Path, size: int) -> str:
     """Size plus the Parquet footer (metadata: row groups, row counts, statistics, offsets)."""
-    with open(path, "rb") as handle:
+    with path.open("rb") as handle:
         handle.seek(size - 8)
         tail = handle.read(8)
         if tail[4:] != b"PAR1":
@@ -56,8 +58,8 @@ def _parquet_footer_digest(path: Path, size: int) -> str:
 
 def file_digest(path: str | os.PathLike, fmt: str | None = None) -> str:
     """A content fingerprint of one file (see the module docstring for what is read)."""
-    path = Path(path)
-    size = path.stat().st_size
+    path = as_path(path)
+    size = file_size(path)
     if size <= FULL_HASH_BYTES or fmt == "jsonl":
         return _sha256_file(path)
     if fmt == "parquet":
@@ -67,7 +69,8 @@ def file_digest(path: str | os.PathLike, fmt: str | None = None) -> str:
 
 def input_identity(files: list[tuple[Path, str]]) -> list[dict]:
     """One entry per input file: its resolved path, size and content fingerprint."""
-    return [{"file": str(Path(f).resolve()), "size": Path(f).stat().st_size, "digest": file_digest(f, fmt)}
+    return [{"file": str(f) if is_remote(f) else str(Path(f).resolve()), "size": file_size(f),
+             "digest": file_digest(f, fmt)}
             for f, fmt in files]
 
 

@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from batchscore.faults import fault_point
 from batchscore.io.atomic import atomic_write
 from batchscore.labels import RowScores
 from batchscore.io.identity import describe_changes
+from batchscore.io.storage import as_path, file_size, list_files, remove_file, remove_tree, sibling
 
 log = logging.getLogger("batchscore")
 
@@ -89,19 +89,17 @@ class Manifest:
         return cls(**data)
 
 
-def staging_dir(output_path: str | os.PathLike) -> Path:
-    output_path = Path(output_path)
-    return output_path.with_name(output_path.name + ".parts")
+def staging_dir(output_path: str | os.PathLike):
+    return sibling(output_path, ".parts")
 
 
-def marker_path(output_path: str | os.PathLike) -> Path:
-    output_path = Path(output_path)
-    return output_path.with_name(output_path.name + ".complete.json")
+def marker_path(output_path: str | os.PathLike):
+    return sibling(output_path, ".complete.json")
 
 
 def write_completion_marker(output_path: str | os.PathLike, output_hash: str, summary: dict) -> None:
     """Record that `output_path` is the complete output of the job `output_hash` identifies."""
-    size = Path(output_path).stat().st_size
+    size = file_size(output_path)
     text = json.dumps({"output_hash": output_hash, "output_size": size, "summary": summary}, indent=2)
     atomic_write(marker_path(output_path), lambda tmp: Path(tmp).write_text(text))
 
@@ -122,15 +120,20 @@ def recorded_summary(output_path: str | os.PathLike) -> dict | None:
 def _read_marker(output_path: str | os.PathLike) -> dict | None:
     try:
         marker = json.loads(marker_path(output_path).read_text())
-        if Path(output_path).stat().st_size == marker["output_size"] and isinstance(marker["summary"], dict):
+        if file_size(output_path) == marker["output_size"] and isinstance(marker["summary"], dict):
             return marker
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
 
 
-def _digest(path: Path) -> str:
+def _digest(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _read_parquet(path):
+    with path.open("rb") as handle:  # a local file or an object (io/storage.py)
+        return pq.read_table(handle)
 
 
 class PartStore:
@@ -141,17 +144,17 @@ class PartStore:
     """
 
     def __init__(self, output_path: str | os.PathLike, name: str = "run"):
-        self.output_path = Path(output_path)
+        self.output_path = as_path(output_path)
         self.name = name
         self.folder = staging_dir(output_path)
         self.manifest_path = self.folder / f"{name}.manifest.json"
 
     def load_manifest(self) -> Manifest | None:
         """The existing manifest, or None when there is nothing to resume."""
-        if not self.manifest_path.exists():
-            return None
         try:
             manifest = Manifest.from_json(self.manifest_path.read_text())
+        except FileNotFoundError:
+            return None
         except (ValueError, TypeError, KeyError):
             return None  # unreadable manifest: start over rather than trust it
         if manifest.version != MANIFEST_VERSION:
@@ -184,7 +187,6 @@ class PartStore:
             self.write_manifest(existing)
             return existing
         self._remove_own_files()  # leftovers without a usable manifest
-        self.folder.mkdir(parents=True, exist_ok=True)
         errors = input_errors or {}
         manifest.input_errors_file = f"{self.name}-input-errors.parquet"
         table = pa.table({"row_id": pa.array(list(errors), type=pa.int64()),
@@ -214,7 +216,7 @@ class PartStore:
         })
         path = atomic_write(self.folder / name, lambda tmp: pq.write_table(table, tmp))
         fault_point("part")
-        manifest.parts.append(PartRecord(name, start, end, worker, _digest(path), path.stat().st_size))
+        manifest.parts.append(PartRecord(name, start, end, worker, _digest(path), file_size(path)))
         self.write_manifest(manifest)
 
     def write_manifest(self, manifest: Manifest) -> None:
@@ -231,12 +233,12 @@ class PartStore:
         errors: dict[int, str] = {}
         seen = np.zeros(num_rows, dtype=np.int64)
         for name in {m.input_errors_file for m in manifests if m.input_errors_file}:
-            table = pq.read_table(self.folder / name)
+            table = _read_parquet(self.folder / name)
             rows = table.column("row_id").to_numpy()
             np.add.at(seen, rows, 1)
             errors.update(zip(rows.tolist(), table.column("error").to_pylist()))
         for part in (p for m in manifests for p in m.parts):
-            table = pq.read_table(self.folder / part.file)
+            table = _read_parquet(self.folder / part.file)
             rows = table.column("row_id").to_numpy()
             if len(rows) != part.rows:
                 raise RuntimeError(f"{part.file} holds {len(rows)} rows, its manifest says {part.rows}")
@@ -271,23 +273,21 @@ class PartStore:
 
     def finish(self) -> None:
         """Remove the staging folder once the final output is in place."""
-        shutil.rmtree(self.folder, ignore_errors=True)
+        remove_tree(self.folder)
 
     def _own_files(self):
-        if not self.folder.exists():
-            return []
-        return [p for p in self.folder.iterdir()
+        return [p for p in list_files(self.folder)
                 if p.name.startswith(f"{self.name}-part-") or p.name.startswith(f".{self.name}")
                 or p.name == f"{self.name}-input-errors.parquet"
                 or p.name == self.manifest_path.name]
 
     def _remove_own_files(self) -> None:
         for path in self._own_files():
-            path.unlink(missing_ok=True)
+            remove_file(path)
 
     def _input_errors_readable(self, manifest: Manifest) -> bool:
         try:
-            pq.read_table(self.folder / manifest.input_errors_file)
+            _read_parquet(self.folder / manifest.input_errors_file)
             return True
         except (OSError, TypeError, pa.ArrowException):
             log.warning("%s: the input-errors file is damaged or missing; starting this output over", self.folder)
@@ -299,8 +299,7 @@ class PartStore:
         kept, broken = [], set()
         for part in manifest.parts:
             path = self.folder / part.file
-            ok = part.worker not in broken and path.is_file() and path.stat().st_size == part.size \
-                and _digest(path) == part.sha256
+            ok = part.worker not in broken and file_size(path) == part.size and _digest(path) == part.sha256
             if ok:
                 kept.append(part)
             else:
@@ -315,5 +314,5 @@ class PartStore:
         known = {p.file for p in manifest.parts} | {self.manifest_path.name, manifest.input_errors_file}
         for path in self._own_files():
             if path.name not in known:
-                path.unlink()
+                remove_file(path)
 

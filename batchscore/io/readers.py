@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob as globlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +21,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchscore.errors import InputError
+from batchscore.io.storage import arrow_location, as_path, is_url, relative_folder
 
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
 
@@ -39,7 +39,48 @@ class InputBatch:
 
 def discover_files(path: str, fmt: str = "auto", filter: dict | None = None) -> list[tuple[Path, str]]:
     """Resolve `path` (file, folder or glob) to sorted (file, format) pairs, keeping only the
-    files whose hive partitions match `filter` ({column: value or [values]}); raises InputError."""
+    files whose hive partitions match `filter` ({column: value or [values]}); raises InputError.
+    An object-store URL (io/storage.py) gives UPaths, a local path Paths."""
+    if is_url(path):
+        candidates = _discover_remote(path)
+    else:
+        candidates = _discover_local(path)
+    files = []
+    for candidate in candidates:
+        detected = fmt if fmt != "auto" else SUFFIX_FORMATS.get(candidate.suffix.lower())
+        if detected is None:
+            raise InputError(f"{candidate}: unknown file type {candidate.suffix!r}; "
+                             "use .parquet or .jsonl, or set input.format")
+        files.append((candidate, detected))
+    if filter:
+        files = _filter_partitions(files, input_base(path), filter, path)
+    return files
+
+
+def _discover_remote(path: str) -> list:
+    root = as_path(path)
+    try:
+        if any(ch in path for ch in "*?["):
+            found = sorted(root.fs.glob(root.path))
+            files = [f for f in found if root.fs.isfile(f)]
+            if not files:
+                raise InputError(f"input.path: no files match the glob {path!r}")
+        elif root.fs.isdir(root.path):
+            files = sorted(f for f in root.fs.find(root.path)
+                           if Path(f).suffix.lower() in SUFFIX_FORMATS)
+            if not files:
+                raise InputError(f"input.path: folder {path} holds no .parquet or .jsonl files")
+        elif root.fs.isfile(root.path):
+            files = [root.path]
+        else:
+            raise InputError(f"input.path: file not found: {path}")
+    except (OSError, ValueError) as exc:
+        raise InputError(f"input.path: cannot list {path}: {exc}") from None
+    protocol = path.split("://", 1)[0]
+    return [as_path(f"{protocol}://{f}") for f in files]
+
+
+def _discover_local(path: str) -> list[Path]:
     p = Path(path).expanduser()
     if any(ch in path for ch in "*?["):
         candidates = [Path(x) for x in sorted(globlib.glob(str(p), recursive=True))]
@@ -53,23 +94,17 @@ def discover_files(path: str, fmt: str = "auto", filter: dict | None = None) -> 
         candidates = [p]
     else:
         raise InputError(f"input.path: file not found: {path}")
-    files = []
-    for candidate in candidates:
-        if candidate.is_dir():
-            continue
-        detected = fmt if fmt != "auto" else SUFFIX_FORMATS.get(candidate.suffix.lower())
-        if detected is None:
-            raise InputError(f"{candidate}: unknown file type {candidate.suffix!r}; "
-                             "use .parquet or .jsonl, or set input.format")
-        files.append((candidate, detected))
-    if filter:
-        files = _filter_partitions(files, input_base(path), filter, path)
-    return files
+    return [c for c in candidates if not c.is_dir()]
 
 
 def input_base(path: str) -> Path | None:
     """The folder hive partitions are found below: the input folder, or a glob's leading folders
     without wildcards; None for a single file."""
+    if is_url(path):
+        root = as_path(path)
+        if any(ch in path for ch in "*?["):
+            return as_path(path[: max(path.rfind("/", 0, min(path.find(ch) for ch in "*?[" if ch in path)), 0)])
+        return root if root.fs.isdir(root.path) else None
     p = Path(path).expanduser()
     if any(ch in path for ch in "*?["):
         fixed = []
@@ -86,7 +121,7 @@ def partition_values(files: list[Path], base: Path | None) -> list[dict[str, str
     pyarrow.dataset.HivePartitioning (URL-decoded; `__HIVE_DEFAULT_PARTITION__` is null)."""
     if base is None:
         return [{} for _ in files]
-    folders = [Path(os.path.relpath(f.parent, base)).as_posix() for f in files]
+    folders = [relative_folder(f, base) for f in files]
     names = list(dict.fromkeys(seg.split("=", 1)[0] for folder in folders for seg in folder.split("/") if "=" in seg))
     if not names:
         return [{} for _ in files]
@@ -149,7 +184,7 @@ class _ParquetScan:
         schemas = []
         for path, _ in files:
             try:
-                schemas.append(pq.read_schema(path))
+                schemas.append(pq.read_schema(path) if isinstance(path, Path) else _remote_schema(path))
             except _ARROW_READ_ERRORS as exc:
                 raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
         schema = _unify(schemas)
@@ -157,10 +192,12 @@ class _ParquetScan:
         extra = [pa.field(name, pa.string()) for name in names if name not in schema.names]  # a data column wins
         self.schema = pa.schema(list(schema) + extra)
         hive = ds.HivePartitioning(pa.schema(extra)) if extra else None
-        dataset = ds.dataset([str(Path(p).resolve()) for p, _ in files], format="parquet", schema=self.schema,
-                             partitioning=hive, partition_base_dir=str(base.resolve()) if hive else None)
+        filesystem = arrow_location(files[0][0])[0]
+        dataset = ds.dataset([arrow_location(p)[1] for p, _ in files], format="parquet", schema=self.schema,
+                             filesystem=filesystem, partitioning=hive,
+                             partition_base_dir=arrow_location(base)[1] if hive else None)
         by_path = {fragment.path: fragment for fragment in dataset.get_fragments()}
-        self.fragments = {p: by_path[str(Path(p).resolve())] for p, _ in files}
+        self.fragments = {p: by_path[arrow_location(p)[1]] for p, _ in files}
         self.columns = self.schema.names if columns is None else [c for c in columns if c in self.schema.names]
 
     def batches(self, path: Path, batch_rows: int) -> Iterator[InputBatch]:
@@ -178,6 +215,11 @@ class _ParquetScan:
             table = pa.Table.from_batches([batch])
             yield InputBatch(path, line, table, [None] * table.num_rows, self.schema.names)
             line += table.num_rows
+
+
+def _remote_schema(path) -> pa.Schema:
+    with path.open("rb") as handle:
+        return pq.read_schema(handle)
 
 
 def _unify(schemas: list[pa.Schema]) -> pa.Schema:

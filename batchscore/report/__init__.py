@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from batchscore.errors import ReportError, ReportUnavailable
+from batchscore.io.storage import as_path, sibling
 from batchscore.report.data import ScoredOutput, find_metrics, load_metrics, load_output, metrics_candidates
 
 __all__ = ["write_report", "default_report_path", "require_matplotlib", "ReportError", "ReportUnavailable",
@@ -29,8 +30,7 @@ def require_matplotlib() -> None:
 
 def default_report_path(output: str | os.PathLike) -> Path:
     """`<output>.report.html`, next to the output (like its `<output>.parts/` folder)."""
-    output = Path(output)
-    return output.with_name(output.name + ".report.html")
+    return sibling(output, ".report.html")
 
 
 def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | None = None,
@@ -59,5 +59,5 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
         note = str(found) if found else ("no completion marker and no metrics JSON naming this output "
                                          "next to it (looked for " + ", ".join(
                                              p.name for p in metrics_candidates(output)) + ")")
-    target = Path(html_path) if html_path is not None else default_report_path(output)
+    target = as_path(html_path) if html_path is not None else default_report_path(output)
     return write_html(render(current, before, metrics_data, note), target)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from batchscore.errors import ReportError
+from batchscore.io.storage import as_path, file_size
 
 RESULT_COLUMNS = ("label", "label_mass", "status", "error")
 
@@ -40,8 +41,8 @@ def load_output(path: str | os.PathLike, id_column: str | None = None) -> Scored
     columns just before `label` (the writer's layout); the id column is `id_column` or the first
     column; the other columns are keep columns. Raises ReportError for a missing file or one that
     is not a batchscore output."""
-    path = Path(path)
-    if not path.is_file():
+    path = as_path(path)
+    if file_size(path) is None:
         raise ReportError(f"output not found: {path}")
     table = _read_table(path)
     names = table.column_names
@@ -94,7 +95,8 @@ def _read_table(path: Path):
         parquet = handle.read(4) == b"PAR1"
     try:
         if parquet:
-            return pq.read_table(path)
+            with path.open("rb") as handle:
+                return pq.read_table(handle)
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ReportError(f"{path}: not a readable Parquet or JSON Lines file ({exc})") from None
@@ -113,7 +115,7 @@ def _openai_batch_table(path: Path, rows: list[dict]):
     stem = path.name[: -len(path.suffix)] if path.suffix.lower() in (".jsonl", ".ndjson") else path.name
     errors_file = path.with_name(stem + ".errors.jsonl")
     failed = [json.loads(line) for line in errors_file.read_text(encoding="utf-8").splitlines()
-              if line.strip()] if errors_file.is_file() else []
+              if line.strip()] if file_size(errors_file) is not None else []
     labels = list(next((r["response"]["body"].get("scores", {}) for r in rows), {}))
     if not labels:
         raise ReportError(f"{path}: an OpenAI Batch output without batchscore's scores (not written by batchscore)")
@@ -137,7 +139,7 @@ def _openai_batch_table(path: Path, rows: list[dict]):
 def metrics_candidates(output: str | os.PathLike) -> list[Path]:
     """Where a run's `--metrics` JSON is looked for next to its output: `<stem>.json`,
     `<output>.metrics.json`, `<stem>.metrics.json` and `metrics.json` (the Airflow DAG's name)."""
-    output = Path(output)
+    output = as_path(output)
     stem = output.with_suffix("")
     return [stem.with_name(stem.name + ".json"), output.with_name(output.name + ".metrics.json"),
             stem.with_name(stem.name + ".metrics.json"), output.with_name("metrics.json")]
@@ -151,7 +153,7 @@ def find_metrics(output: str | os.PathLike) -> tuple[dict | None, Path | None]:
     recorded = recorded_summary(output)
     if recorded is not None:
         return recorded, marker_path(output)
-    name = Path(output).name
+    name = as_path(output).name
     for candidate in metrics_candidates(output):
         try:
             data = json.loads(candidate.read_text())

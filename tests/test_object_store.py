@@ -1,0 +1,210 @@
+"""Object stores: a job reads hive-partitioned Parquet from S3 and writes its output there — parts,
+manifest, lease, output and completion marker — killed and resumed to the local run's result.
+
+The S3 server is moto's threaded server started here: a real S3 API over HTTP on localhost,
+reached through s3fs exactly as a bucket in the cloud would be (no patched client).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from batchscore.errors import EXIT_INPUT, EXIT_LOCKED, EXIT_OUTPUT
+from tests.conftest import SAMPLE, write_job
+
+pytest.importorskip("s3fs")
+pytest.importorskip("upath")
+moto_server = pytest.importorskip("moto.server")
+
+BUCKET = "nightly"
+DAYS = {"2026-11-23": ("P001",), "2026-11-24": ("P002", "P003"), "2026-11-25": ("P004", "P005", "P006")}
+KEPT_DAYS = ["2026-11-24", "2026-11-25"]  # input.filter: the last two nights
+LEASE = 4  # seconds: BATCHSCORE_LEASE_SECONDS for the kill-and-resume runs
+TOLERANCE = 1e-4  # the stated float32 bound; batch shapes differ after a resume
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A local S3 endpoint with a bucket; yields an s3fs filesystem on it and the environment a
+    process needs to reach it (the AWS standard variables)."""
+    import s3fs
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    try:
+        yield fs, env
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def hive_input(s3, tmp_path_factory):
+    """The sample's first 3 queries of 6 products in three nightly partitions (date=…/), locally
+    and uploaded to s3://nightly/relevance/."""
+    fs, _ = s3
+    folder = tmp_path_factory.mktemp("hive") / "relevance"
+    rows = [r for r in pq.read_table(SAMPLE).to_pylist() if int(r["pair_id"][-2:]) < 3]
+    for day, products in DAYS.items():
+        (folder / f"date={day}").mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist([r for r in rows if r["product_id"] in products]),
+                       folder / f"date={day}" / "part-0.parquet")
+    fs.put(str(folder), f"{BUCKET}/relevance", recursive=True)
+    return folder
+
+
+def _job(folder, input_path, output_path, **overrides):
+    return write_job(folder, input_path, input={"path": input_path, "id_column": "pair_id",
+                                                "filter": {"date": KEPT_DAYS}},
+                     engine={"token_budget": 256}, output={"path": output_path, "keep_columns": ["product_id", "date"],
+                                                          "part_rows": 1}, **overrides)
+
+
+def _run(job, env, wait=True):
+    cmd = [sys.executable, "-m", "batchscore.cli", "run", str(job), "-q"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **env, "BATCHSCORE_LEASE_SECONDS": str(LEASE)})
+    if wait:
+        out, _ = proc.communicate(timeout=600)
+        return proc.returncode, out
+    return proc
+
+
+def _parts_written(fs, manifest):
+    try:
+        fs.invalidate_cache()
+        return len(json.loads(fs.cat(manifest))["parts"])
+    except (OSError, ValueError):
+        return 0
+
+
+def _read(fs, path):
+    with fs.open(path, "rb") as handle:
+        return pq.read_table(handle).to_pandas()
+
+
+def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run(s3, hive_input, tmp_path):
+    fs, env = s3
+    local = tmp_path / "local"
+    local.mkdir()
+    code, out = _run(_job(local, str(hive_input), str(local / "scores.parquet")), env)
+    assert code == 0, out
+    want = pq.read_table(local / "scores.parquet").to_pandas()
+    assert len(want) == 15 and set(want["date"]) == set(KEPT_DAYS)  # the filter kept two nights of rows
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    output = f"s3://{BUCKET}/scores/2026-11-25.parquet"
+    job = _job(remote, f"s3://{BUCKET}/relevance/", output)
+    proc = _run(job, env, wait=False)
+    manifest = f"{BUCKET}/scores/2026-11-25.parquet.parts/run.manifest.json"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and _parts_written(fs, manifest) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[0]  # still running: killed mid-way
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/scores/2026-11-25.parquet")  # no output before every row is scored
+    assert fs.exists(f"{BUCKET}/scores/2026-11-25.parquet.lock")  # the dead run's lease
+
+    code, out = _run(job, env)  # at once: the lease has not ended, nothing is touched
+    assert code == EXIT_LOCKED, out
+    assert "lease" in out and "2026-11-25.parquet.lock" in out
+    assert _parts_written(fs, manifest) >= 3
+
+    time.sleep(LEASE + 0.5)
+    code, out = _run(job, env)
+    assert code == 0, out
+    got = _read(fs, output[len("s3://"):])
+    assert list(got["pair_id"]) == list(want["pair_id"])  # none lost, none doubled, input order
+    assert list(got["date"]) == list(want["date"]) and (got["status"] == "ok").all()
+    assert (got[["p_Yes", "p_No", "label_mass"]] - want[["p_Yes", "p_No", "label_mass"]]).abs().max().max() < TOLERANCE
+
+    fs.invalidate_cache()
+    left = sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{BUCKET}/scores"))
+    assert left == ["2026-11-25.parquet", "2026-11-25.parquet.complete.json"]  # parts and lease removed
+    written = fs.info(output)["LastModified"]
+    code, out = _run(job, env)  # the marker says the output is complete: nothing to do
+    assert code == 0 and "already the complete output" in out, out
+    fs.invalidate_cache()
+    assert fs.info(output)["LastModified"] == written
+
+
+def test_storage_options_reach_the_store_without_environment(s3, hive_input, tmp_path, monkeypatch):
+    """`input.storage_options` / `output.storage_options` (fsspec options) instead of AWS_* variables."""
+    from click.testing import CliRunner
+
+    from batchscore.cli import main
+
+    fs, env = s3
+    for name in env:
+        monkeypatch.delenv(name)
+    options = {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": "testing", "secret": "testing",
+               "client_kwargs": {"region_name": "us-east-1"}}
+    job = write_job(tmp_path, f"s3://{BUCKET}/relevance/date=2026-11-24/part-0.parquet",
+                    input={"path": f"s3://{BUCKET}/relevance/date=2026-11-24/part-0.parquet", "id_column": "pair_id",
+                           "storage_options": options},
+                    output={"path": f"s3://{BUCKET}/options/out.parquet", "storage_options": options})
+    result = CliRunner().invoke(main, ["run", str(job), "-q"])
+    assert result.exit_code == 0, result.output
+    out = _read(fs, f"{BUCKET}/options/out.parquet")
+    assert len(out) == 6 and (out["status"] == "ok").all()
+    manifest_like = [p for p in fs.find(f"{BUCKET}/options") if p.endswith(".json")]
+    assert all("testing" not in fs.cat(p).decode() for p in manifest_like)  # credentials never written
+
+    # `batchscore report s3://…` reads the output and writes the HTML beside it
+    result = CliRunner().invoke(main, ["report", f"s3://{BUCKET}/options/out.parquet"])
+    assert result.exit_code == 0, result.output
+    fs.invalidate_cache()
+    html = fs.cat(f"{BUCKET}/options/out.parquet.report.html").decode()
+    assert html.lower().startswith("<!doctype html") and "label_mass" in html
+
+
+def test_missing_input_and_missing_bucket_are_clear_errors(s3, hive_input, tmp_path):
+    from click.testing import CliRunner
+
+    from batchscore.cli import main
+
+    job = write_job(tmp_path, f"s3://{BUCKET}/no-such-folder/")
+    result = CliRunner().invoke(main, ["run", str(job), "-q", "-o", str(tmp_path / "out.parquet")])
+    assert result.exit_code == EXIT_INPUT, result.output
+    assert f"s3://{BUCKET}/no-such-folder/" in result.output and "not found" in result.output
+
+    job = write_job(tmp_path, str(hive_input / "date=2026-11-24" / "part-0.parquet"))
+    result = CliRunner().invoke(main, ["run", str(job), "-q", "-o", "s3://no-such-bucket/out.parquet"])
+    assert result.exit_code == EXIT_OUTPUT, result.output
+    assert "s3://no-such-bucket/out.parquet" in result.output and "Traceback" not in result.output
+
+
+def test_job_file_paths_stay_urls(tmp_path):
+    from batchscore.config import load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"input": {"path": "s3://bucket/in/"}, "prompt": {"template": "{text}"},
+                                   "labels": ["Yes", "No"], "output": {"path": "gs://bucket/out.jsonl",
+                                                                       "format": "openai_batch"}}))
+    config = load_job(job)
+    assert config.input.path == "s3://bucket/in/" and config.output.path == "gs://bucket/out.jsonl"
+    assert config.output_error_path == "gs://bucket/out.errors.jsonl"
