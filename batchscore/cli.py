@@ -310,5 +310,24 @@ def models() -> None:
         click.echo(f"{model.name}\t{model.description}")
 
 
+@main.command()
+@click.option("--out", "-o", type=click.Path(dir_okay=False), help="Write it to this file instead of stdout.")
+def schema(out: str | None) -> None:
+    """Print the job file's JSON Schema (for editor completion and CI checks of job files).
+
+    Example:
+
+        batchscore schema -o job.schema.json
+    """
+    from batchscore.schema import job_schema
+
+    text = json.dumps(job_schema(), indent=2) + "\n"
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        Path(out).write_text(text, encoding="utf-8")
+        click.echo(f"wrote {out}")
+
+
 if __name__ == "__main__":
     main()

@@ -93,19 +93,19 @@ def _check_expanded_size(root: yaml.Node) -> None:
 class SyntheticInput:
     """A generated workload (benchmarks): `workload` names a generator in batchscore.synthetic."""
 
-    workload: str = ""
-    params: dict[str, Any] = field(default_factory=dict)
+    workload: str = ""  # a generator in batchscore.synthetic, e.g. table3_a
+    params: dict[str, Any] = field(default_factory=dict)  # the generator's keyword arguments
 
 
 @dataclass
 class InputConfig:
-    path: str | None = None  # a file, a folder or a glob of .parquet / .jsonl files
+    path: str | None = None  # a file, a folder or a glob of .parquet / .jsonl files; local, file://, s3://, gs://, az://
     format: str = "auto"  # auto (by suffix) | parquet | jsonl | openai_batch (OpenAI Batch API requests)
-    id_column: str | None = None
+    id_column: str | None = None  # a unique row id carried to the output; default: the row number
     token_ids_column: str | None = None  # pre-tokenized prompts: no template or tokenizer needed
     choices_column: str | None = None  # a list<string> column: each row scored over its own options
     batch_rows: int = 8192  # rows per Arrow record batch while reading
-    synthetic: SyntheticInput | None = None
+    synthetic: SyntheticInput | None = None  # benchmarks: generated token ids instead of files
     filter: dict[str, Any] = field(default_factory=dict)  # hive partition column -> value or [values]
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options of an object-store path
 
@@ -113,8 +113,8 @@ class InputConfig:
 @dataclass
 class PromptConfig:
     template: str | None = None  # "{column}" fields only (engine format), or a jinja template
-    system: str | None = None
-    chat: bool = False
+    system: str | None = None  # a system message (chat) or text put before the template
+    chat: bool = False  # render through the model's chat template (a user turn, then the assistant's)
     engine: str = "format"  # format ({column}) | jinja (sandboxed jinja2)
 
 
@@ -130,7 +130,7 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
-    kind: str = "torch"
+    kind: str = "torch"  # torch (exact PyTorch engine) | vllm | auto (vLLM when a GPU and vLLM are present)
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     device: str = "auto"  # torch engine: cpu | cuda | auto (cuda when a GPU is visible)
     token_budget: int = 4096  # tokens per forward batch
@@ -140,14 +140,14 @@ class EngineConfig:
     hybrid_chunk: int | None = None  # run norms/projections/MLP (vllm: MLP) this many tokens at a time
     memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch
     speculative: SpeculativeConfig | None = None  # torch: drop unimportant prompt tokens (approximate)
-    vllm_args: dict[str, Any] = field(default_factory=dict)
+    vllm_args: dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM arguments (an allow-list)
 
 
 @dataclass
 class PlanConfig:
-    order: str = "r_group"
-    enlarge: bool = True
-    min_prefix_tokens: int = 16
+    order: str = "r_group"  # r_group (BatchLLM) | input | srjf (PrefillOnly)
+    enlarge: bool = True  # BatchLLM first-level prefix enlargement
+    min_prefix_tokens: int = 16  # shorter shared prefixes are not worth a group
     block_size: int | None = None  # None: the engine's KV block size (1 for torch, 16 for vLLM)
 
 
@@ -158,11 +158,11 @@ class ScoreConfig:
 
 @dataclass
 class OutputConfig:
-    path: str | None = None
+    path: str | None = None  # the output file: local, file://, s3://, gs:// or az://
     format: str = "auto"  # auto | parquet | jsonl | openai_batch: see JobConfig.output_format
     error_path: str | None = None  # openai_batch: the failed rows' file (default <output>.errors.jsonl)
-    keep_columns: list[str] = field(default_factory=list)
-    max_error_rate: float = 0.01
+    keep_columns: list[str] = field(default_factory=list)  # input columns copied to the output
+    max_error_rate: float = 0.01  # more failed rows than this fails the run (after writing everything)
     part_rows: int = 20000  # rows per durable part file (a part always holds whole prefix groups)
     part_seconds: float = 120.0  # ...or fewer, when this many seconds passed since the last part
     logprobs: bool = False  # add each option's raw total log-probability (logp_<label> / logp_choices)
@@ -172,24 +172,24 @@ class OutputConfig:
 @dataclass
 class ExecutorConfig:
     kind: str = "local"  # local (this process) | ray (one engine per Ray actor)
-    num_workers: int = 1
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
+    num_workers: int = 1  # engines (Ray actors), each scoring its share of the prefix groups
+    gpus_per_worker: float = 0.0  # Ray resources per worker
+    cpus_per_worker: float = 1.0  # Ray resources per worker
     address: str | None = None  # a Ray cluster address; None starts a local Ray
 
 
 @dataclass
 class JobConfig:
-    input: InputConfig = field(default_factory=InputConfig)
-    prompt: PromptConfig = field(default_factory=PromptConfig)
-    labels: list[str] = field(default_factory=list)
-    score: ScoreConfig = field(default_factory=ScoreConfig)
-    model: str = DEFAULT_MODEL
+    input: InputConfig = field(default_factory=InputConfig)  # where the rows come from
+    prompt: PromptConfig = field(default_factory=PromptConfig)  # how a row becomes a prompt
+    labels: list[str] = field(default_factory=list)  # the answers scored for every row (or input.choices_column)
+    score: ScoreConfig = field(default_factory=ScoreConfig)  # how option probabilities are normalized
+    model: str = DEFAULT_MODEL  # a built-in name, a local HF folder, a .gguf file or a Hub id in the local cache
     model_download: bool = False  # a Hub id missing from the local cache may be downloaded (once)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # what runs the model
+    plan: PlanConfig = field(default_factory=PlanConfig)  # prefix grouping and order
+    output: OutputConfig = field(default_factory=OutputConfig)  # where the scores go
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)  # one process, or Ray workers
     source: str | None = None  # the job file this came from (for messages and relative paths)
 
     def to_dict(self) -> dict[str, Any]:

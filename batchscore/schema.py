@@ -1,0 +1,90 @@
+"""`batchscore schema`: the job file's JSON Schema, for editor completion and for checking job
+files in CI (e.g. the YAML language server: `# yaml-language-server: $schema=job.schema.json`).
+
+pydantic builds it from the JobConfig dataclasses — the one definition of the keys, their types
+and defaults — and this module adds what the dataclasses say in words: each key's description
+(its comment in config.py), the allowed values of the keys that have a fixed set (the same
+constants `load_job` checks against), and unknown keys refused, as `load_job` refuses them.
+
+The validation itself stays in config.py: pydantic's messages for unknown keys carry no
+did-you-mean, and its coercions differ from the job file's (a single label given as a string,
+numbers written where text is meant), so a replacement would have made the messages worse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+from batchscore import config as job_config
+from batchscore.labels import NORMALIZE
+from batchscore.prompts import PROMPT_ENGINES
+
+SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+# (dataclass, key) -> the allowed values, as config.py checks them
+ALLOWED_VALUES = {
+    ("InputConfig", "format"): job_config.INPUT_FORMATS,
+    ("PromptConfig", "engine"): PROMPT_ENGINES,
+    ("ScoreConfig", "normalize"): NORMALIZE,
+    ("EngineConfig", "kind"): job_config.ENGINE_KINDS,
+    ("EngineConfig", "dtype"): job_config.DTYPES,
+    ("EngineConfig", "device"): job_config.DEVICES,
+    ("PlanConfig", "order"): job_config.ORDERS,
+    ("OutputConfig", "format"): job_config.OUTPUT_FORMATS,
+    ("ExecutorConfig", "kind"): job_config.EXECUTOR_KINDS,
+}
+INTERNAL_KEYS = {("JobConfig", "source")}  # set by load_job, not written in a job file
+
+_FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
+
+
+def job_schema() -> dict:
+    """The JSON Schema of a job file (a dict, ready for json.dumps)."""
+    from pydantic import TypeAdapter
+
+    schema = TypeAdapter(job_config.JobConfig).json_schema()
+    schema["$defs"]["JobConfig"] = {k: v for k, v in schema.items() if k not in ("$defs",)}
+    for name, definition in schema["$defs"].items():
+        cls = getattr(job_config, name)
+        _describe(name, cls, definition)
+    top = schema["$defs"].pop("JobConfig")
+    return {"$schema": SCHEMA_DIALECT, "$id": "https://batchscore.dev/job.schema.json",
+            "title": "batchscore job file", **{k: v for k, v in top.items() if k != "title"},
+            "$defs": schema["$defs"]}
+
+
+def _describe(name: str, cls: type, definition: dict) -> None:
+    """Add descriptions, allowed values and `additionalProperties: false` to one dataclass's definition."""
+    comments = _field_comments(cls)
+    properties = definition.get("properties", {})
+    for key in [k for k in properties if (name, k) in INTERNAL_KEYS]:
+        del properties[key]
+    for key, prop in properties.items():
+        prop.pop("title", None)
+        if key in comments:
+            prop["description"] = comments[key]
+        if (name, key) in ALLOWED_VALUES:
+            prop["enum"] = list(ALLOWED_VALUES[(name, key)])
+        if prop.get("type") == "array" and prop.get("items", {}).get("type") == "string":
+            properties[key] = {**{k: v for k, v in prop.items() if k not in ("type", "items")},
+                               "anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]}
+    if cls.__doc__ and not cls.__doc__.startswith(f"{name}("):  # not the dataclass's generated signature
+        definition["description"] = inspect.cleandoc(cls.__doc__)
+    definition.pop("title", None)
+    definition["additionalProperties"] = False
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Each field's trailing comment in its dataclass's source."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = _FIELD_COMMENT.match(line)
+        if match and match[1] in names:
+            comments[match[1]] = match[2].strip()
+    return comments
+
+
+__all__ = ["job_schema"]
