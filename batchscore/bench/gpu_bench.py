@@ -123,6 +123,7 @@ class ModelThroughput:
     degree: int
     plain: Throughput
     engine: Throughput
+    compiled: Throughput | None = None  # the engine with torch.compile'd decoder layers (--compile)
 
     @property
     def speedup(self) -> float:
@@ -138,12 +139,17 @@ class ModelThroughput:
             "logical_tokens": self.engine.logical_tokens, "processed_tokens": self.engine.processed_tokens,
             "engine_tflops": self.engine.tflops_per_s, "plain_tflops": self.plain.tflops_per_s,
             "max_abs_dp": self.engine.max_abs_dp(self.plain),
+            **({} if self.compiled is None else {
+                "compiled_req_s": self.compiled.requests_per_s, "compiled_speedup": self.compiled.speedup_over(self.plain),
+                "compiled_fraction_of_ideal": self.compiled.speedup_over(self.plain) / self.compiled.ideal_speedup,
+                "compiled_tflops": self.compiled.tflops_per_s, "compiled_max_abs_dp": self.compiled.max_abs_dp(self.plain)}),
         }
 
 
 def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: int, distinct: int, degree: int,
-               token_budget: int, plain_batch: int) -> ModelThroughput:
-    """Plain forward of every full prompt vs the engine, same weights (attention switched per side)."""
+               token_budget: int, plain_batch: int, compile_layers: bool = False) -> ModelThroughput:
+    """Plain forward of every full prompt vs the engine, same weights (attention switched per side);
+    with `compile_layers`, then the engine again with its decoder layers compiled (in place, so last)."""
     from batchscore.bench.scoring import engine_probs, make_groups, plain_probs
     from batchscore.engines.cascade_attention import register_cascade_attention
     from batchscore.engines.torch_engine import TorchEngine, torch_dtype
@@ -170,12 +176,27 @@ def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: i
                               flops=forward_flops(model.config, groups, shared=True)),
                    lambda batch: engine_probs(engine, batch, labels)),
     }
+    if compile_layers:
+        def compiled_side(batch):
+            nonlocal compiled_engine
+            if compiled_engine is None:  # compiles the model's layers in place: after the eager sides
+                engine.close()
+                compiled_engine = TorchEngine(model, token_budget=token_budget, device=device, compile_layers=True)
+            return engine_probs(compiled_engine, batch, labels)
+
+        compiled_engine = None
+        sides["compiled"] = (Throughput("engine+compile", logical_tokens=logical,
+                                        processed_tokens=sides["engine"][0].processed_tokens,
+                                        flops=sides["engine"][0].flops), compiled_side)
     for side, (result, run) in sides.items():
+        started = time.perf_counter()
         run(warmup)
+        click.echo(f"  {name} {side}: warm-up {time.perf_counter() - started:.1f} s")
         result.time(lambda: run(groups), sync=partial(_sync, device))
         click.echo(f"  {name} {side}: {result.requests_per_s:.2f} req/s ({result.seconds:.2f} s)")
-    engine.close()
-    return ModelThroughput(name, prefix, distinct, degree, plain=sides["plain"][0], engine=sides["engine"][0])
+    (compiled_engine if compile_layers else engine).close()
+    return ModelThroughput(name, prefix, distinct, degree, plain=sides["plain"][0], engine=sides["engine"][0],
+                           compiled=sides["compiled"][0] if compile_layers else None)
 
 
 @dataclass
@@ -294,9 +315,11 @@ def gpu_name(device: str) -> str:
 @click.option("--hybrid-chunk", type=click.IntRange(min=16), default=2048, show_default=True)
 @click.option("--budget-gib", type=float, default=None, help="Activation budget for the MIL search.")
 @click.option("--resolution", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--compile", "compile_layers", is_flag=True,
+              help="Also time the engine with torch.compile'd decoder layers (engine.compile: true), same run.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, mil_lengths,
-        hybrid_chunk, budget_gib, resolution, json_out) -> None:
+        hybrid_chunk, budget_gib, resolution, compile_layers, json_out) -> None:
     """Torch engine vs plain forward on random-weight 7–8B models (MFU), and MIL with/without hybrid.
 
     Example (on a GPU machine):
@@ -312,7 +335,8 @@ def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget,
     click.echo(f"device {name_of_gpu}, torch {torch.__version__}, {dtype}; bf16 matmul measured "
                f"{measured or 0:.0f} TFLOP/s, datasheet {datasheet or 'unknown'}")
     click.echo(f"attention kernel vs float32 math (GQA, causal and not): max |diff| {check_attention(device, dtype):.1e}")
-    results = [throughput(n, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch) for n in names]
+    results = [throughput(n, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, compile_layers)
+               for n in names]
     click.echo("")
     click.echo("| model | plain req/s | engine req/s | speedup | ideal | fraction of ideal | engine TFLOP/s | "
                "MFU (datasheet) | MFU (measured matmul) | plain TFLOP/s | max abs dP |")
@@ -323,6 +347,13 @@ def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget,
         click.echo(f"| {r['model']} | {r['plain_req_s']:.2f} | {r['engine_req_s']:.2f} | {r['speedup']:.2f}x "
                    f"| {r['ideal_speedup']:.2f}x | {r['fraction_of_ideal']:.2f} | {r['engine_tflops']:.0f} | {mfu_d} "
                    f"| {mfu_m} | {r['plain_tflops']:.0f} | {r['max_abs_dp']:.1e} |")
+        if "compiled_req_s" in r:
+            mfu_d = f"{r['compiled_tflops'] / datasheet:.1%}" if datasheet else "-"
+            mfu_m = f"{r['compiled_tflops'] / measured:.1%}" if measured else "-"
+            click.echo(f"| {r['model']} + compile | {r['plain_req_s']:.2f} | {r['compiled_req_s']:.2f} "
+                       f"| {r['compiled_speedup']:.2f}x | {r['ideal_speedup']:.2f}x | {r['compiled_fraction_of_ideal']:.2f} "
+                       f"| {r['compiled_tflops']:.0f} | {mfu_d} | {mfu_m} | {r['plain_tflops']:.0f} "
+                       f"| {r['compiled_max_abs_dp']:.1e} |")
     mil = None
     if mil_lengths:
         mil = mil_points(names[0], device, dtype, mil_lengths, hybrid_chunk, budget_gib, resolution)
