@@ -68,13 +68,17 @@ def test_run_verbose_logs_bf16_support_and_speed(caplog, monkeypatch):
 def test_compile_policy():
     native = cpu_bf16().native
     when, why = should_compile(None, "bfloat16", "cpu")
-    assert when == (compiled_layers.LAZY_COMPILE_TOKENS if native else False)  # auto: short jobs stay eager
+    assert when == (compiled_layers.LAZY_COMPILE_TOKENS["cpu"] if native else False)  # auto: short jobs stay eager
     assert ("tokens ran eagerly" in why) == native
     assert should_compile(None, "bfloat16", "cpu", lazy=False)[0] is native  # benchmarks: compiled before timing
     assert should_compile(None, "float32", "cpu")[0] is False  # exact first: float32 runs eager unless asked
     assert should_compile(True, "float32", "cpu")[0] is True
     assert should_compile(False, "bfloat16", "cpu")[0] is False
     assert should_compile(True, "bfloat16", "cpu", hybrid=True)[0] is False
+    # a GPU: bfloat16 compiles after a long eager stretch (a nightly job), float32 stays eager
+    assert should_compile(None, "bfloat16", "cuda:0")[0] == compiled_layers.LAZY_COMPILE_TOKENS["cuda"]
+    assert should_compile(None, "bfloat16", "cuda", lazy=False)[0] is True
+    assert should_compile(None, "float32", "cuda")[0] is False
 
 
 def _max_error(engine, model_reference, groups) -> float:
