@@ -214,9 +214,15 @@ class PartStore:
             "label_mass": pa.array(label_mass, type=pa.float64()),
             "error": pa.array([errors.get(int(r)) for r in row_ids], type=pa.string()),
         })
-        path = atomic_write(self.folder / name, lambda tmp: pq.write_table(table, tmp))
+        written = {}
+
+        def write(tmp: str) -> None:  # checksum the finished file before it moves (no read-back from a store)
+            pq.write_table(table, tmp)
+            written.update(sha256=_digest(Path(tmp)), size=Path(tmp).stat().st_size)
+
+        atomic_write(self.folder / name, write)
         fault_point("part")
-        manifest.parts.append(PartRecord(name, start, end, worker, _digest(path), file_size(path)))
+        manifest.parts.append(PartRecord(name, start, end, worker, written["sha256"], written["size"]))
         self.write_manifest(manifest)
 
     def write_manifest(self, manifest: Manifest) -> None:
