@@ -208,3 +208,32 @@ def test_job_file_paths_stay_urls(tmp_path):
     config = load_job(job)
     assert config.input.path == "s3://bucket/in/" and config.output.path == "gs://bucket/out.jsonl"
     assert config.output_error_path == "gs://bucket/out.errors.jsonl"
+
+
+def test_a_wide_parquet_object_is_read_by_its_needed_columns_only(s3, tmp_path, monkeypatch):
+    """Projection over the store: the identity (ETag + footer), the schema and 4 of 200 columns
+    fetch a few percent of the object; a changed object changes the identity."""
+    import s3fs
+
+    from batchscore.io.identity import input_identity
+    from batchscore.io.readers import discover_files, iter_batches
+
+    fs, _ = s3
+    table = pa.table({f"c{i:03d}": [f"value {i} of row {r} " * 3 for r in range(2000)] for i in range(200)})
+    local = tmp_path / "wide.parquet"
+    pq.write_table(table, local)
+    fs.put(str(local), f"{BUCKET}/wide/wide.parquet")
+    fetched = []
+    fetch_range = s3fs.core.S3File._fetch_range
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range",
+                        lambda self, start, end: fetched.append(fetch_range(self, start, end)) or fetched[-1])
+    files = discover_files(f"s3://{BUCKET}/wide/")
+    before = input_identity(files)
+    rows = sum(b.table.num_rows for b in iter_batches(files, 500, columns=["c000", "c001", "c002", "c003"]))
+    assert rows == 2000
+    read = sum(map(len, fetched))
+    assert read < 0.1 * local.stat().st_size, (read, local.stat().st_size)  # 4 of 200 columns, footer, schema
+
+    pq.write_table(table.slice(0, 1999), local)  # the object replaced by one row fewer
+    fs.put(str(local), f"{BUCKET}/wide/wide.parquet")
+    assert input_identity(discover_files(f"s3://{BUCKET}/wide/")) != before

@@ -59,6 +59,7 @@ def discover_files(path: str, fmt: str = "auto", filter: dict | None = None) -> 
 
 def _discover_remote(path: str) -> list:
     root = as_path(path)
+    root.fs.invalidate_cache()  # listings cached by an earlier job of this process may be stale
     try:
         if any(ch in path for ch in "*?["):
             found = sorted(root.fs.glob(root.path))
@@ -218,8 +219,8 @@ class _ParquetScan:
 
 
 def _remote_schema(path) -> pa.Schema:
-    with path.open("rb") as handle:
-        return pq.read_schema(handle)
+    filesystem, inside = arrow_location(path)
+    return pq.read_schema(inside, filesystem=filesystem)
 
 
 def _unify(schemas: list[pa.Schema]) -> pa.Schema:
