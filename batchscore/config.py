@@ -265,6 +265,7 @@ def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code:
         raise JobConfigError(problems, source)
     config.input.path = local_path(config.input.path)
     config.output.path = local_path(config.output.path)
+    config.output.error_path = local_path(config.output.error_path)
     # partition values are text (a YAML date such as 2026-11-25 included)
     config.input.filter = {str(k): [str(v) for v in want] if isinstance(want, list) else str(want)
                            for k, want in config.input.filter.items()}
@@ -363,7 +364,8 @@ def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
         return [str(v) for v in value]
     if base == "dict[str, Any]":
         if not isinstance(value, dict):
-            problems.append(f"{name}: expected a mapping, got {value!r}")
+            shown = type(value).__name__ if name.endswith("storage_options") else repr(value)  # may hold a secret
+            problems.append(f"{name}: expected a mapping, got {shown}")
             return _INVALID
         return value
     expected = {"int": int, "float": float, "bool": bool, "str": str}[base]

@@ -25,7 +25,7 @@ from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import InputError, LabelError, OutputError, RowRenderError
 from batchscore.io.identity import input_identity, model_identity, software_versions
 from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
-from batchscore.io.storage import as_path, is_url, register_storage_options
+from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.labels import OptionEncoder, RowOptionSource
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
@@ -95,8 +95,7 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
     """Check the output path, find the input files, resolve engine and model, fingerprint what the
     output depends on (cheap: no rows are read). With `for_output` False (planning only) the
     output is neither checked nor fingerprinted for. Raises InputError / OutputError / ModelError."""
-    register_storage_options(config.input.path, config.input.storage_options)
-    register_storage_options(config.output.path, config.output.storage_options)
+    use_job_storage(config)
     if for_output:
         if not config.output.path:
             raise InputError("output.path is not set (set it in the job file or pass --output)")
@@ -118,6 +117,12 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
         "engine": kind,
     }
     return JobSource(config, kind, files, model_dir, identity)
+
+
+def use_job_storage(config: JobConfig) -> None:
+    """The job's input/output.storage_options, for the paths below its input and output."""
+    use_storage_options((config.input.path, config.input.storage_options),
+                        (config.output.path, config.output.storage_options))
 
 
 def scoring_config(config: JobConfig) -> dict:

@@ -35,7 +35,7 @@ from batchscore.io.formats import write_output
 from batchscore.io.writer import ok_rows, scores_table
 from batchscore.labels import choices_for_output, score_columns
 from batchscore.plan.placement import place_groups
-from batchscore.prepare import JobSource, PreparedJob, locate_job, prepare_job
+from batchscore.prepare import JobSource, PreparedJob, locate_job, prepare_job, use_job_storage
 
 log = logging.getLogger("batchscore")
 
@@ -128,8 +128,9 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
             PartStore(config.output.path).finish()  # parts left by a run killed after its marker
             summary = RunSummary(**{**done, "seconds": time.perf_counter() - started, "skipped": True})
         else:
-            summary = _run(source, progress, fresh, shard, engine_factory, started)
+            summary = _run(source, progress, fresh, shard, engine_factory, started, lock.check)
             if summary.complete:
+                lock.check()
                 write_completion_marker(config.output.path, output_hash, summary.to_dict(stored=True))
                 fault_point("marker")
                 PartStore(config.output.path).finish()
@@ -140,7 +141,7 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
 
 
 def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
-         engine_factory: EngineFactory, started: float) -> RunSummary:
+         engine_factory: EngineFactory, started: float, guard: Callable[[], None]) -> RunSummary:
     config = source.config
     job = prepare_job(config, source=source)
     plan = job.plan()
@@ -152,7 +153,7 @@ def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
     num_workers = shard.count if shard else config.executor.num_workers if use_ray else 1
     placement = place_groups(plan.groups, num_workers)
     my_workers = [shard.index] if shard else list(range(num_workers))
-    store = PartStore(config.output.path, shard.name if shard else "run")
+    store = PartStore(config.output.path, shard.name if shard else "run", guard=guard)
     fault_point("start")
     manifest = store.start(Manifest(
         job_hash=_job_hash(source, num_workers), identity=source.identity, num_groups=len(plan.groups),
@@ -189,6 +190,8 @@ def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
     writers = [Shard(i, shard.count).name for i in range(shard.count)] if shard else ["run"]
     manifests = store.sibling_manifests(writers)
     complete = all(m is not None and m.complete and m.job_hash == manifest.job_hash for m in manifests)
+    if complete:
+        guard()  # the output is written only by the holder of the lock
     errors = assemble_output(job, store, manifests) if complete else dict(job.input.errors)
     processed = plan.stats.processed_tokens + placement.split_extra_tokens
     return RunSummary(
@@ -220,6 +223,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     Raises ResumeMismatch naming the shards that are missing or unfinished.
     """
     started = time.perf_counter()
+    use_job_storage(config)
     store = PartStore(config.output.path, Shard(0, count).name)
     if not store.folder.exists() and file_size(config.output.path) is not None:
         return None  # the shard that finished last already wrote the output

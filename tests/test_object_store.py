@@ -237,3 +237,71 @@ def test_a_wide_parquet_object_is_read_by_its_needed_columns_only(s3, tmp_path, 
     pq.write_table(table.slice(0, 1999), local)  # the object replaced by one row fewer
     fs.put(str(local), f"{BUCKET}/wide/wide.parquet")
     assert input_identity(discover_files(f"s3://{BUCKET}/wide/")) != before
+
+
+def test_lease_two_runs_starting_together_exactly_one_holds_it(s3):
+    import threading
+
+    from batchscore.errors import OutputLocked
+    from batchscore.io.lease import LeaseLock
+    from batchscore.io.storage import as_path
+
+    path = as_path(f"s3://{BUCKET}/leases/together.parquet.lock")
+    locks = [LeaseLock(path, lease_seconds=30) for _ in range(4)]
+    outcomes = [None] * len(locks)
+
+    def take(i):
+        try:
+            locks[i].acquire()
+            outcomes[i] = "held"
+        except OutputLocked:
+            outcomes[i] = "locked"
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(len(locks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["held", "locked", "locked", "locked"]  # an exclusive create: one winner
+    holder = locks[outcomes.index("held")]
+    holder.release()
+    fs, _ = s3
+    fs.invalidate_cache()
+    assert not fs.exists(path.path)
+
+
+def test_lease_of_a_dead_holder_is_taken_over_once_it_ends(s3):
+    from batchscore.errors import OutputLocked
+    from batchscore.io.lease import LeaseLock
+    from batchscore.io.storage import as_path
+
+    fs, _ = s3
+    path = as_path(f"s3://{BUCKET}/leases/dead.parquet.lock")
+    record = {"pid": 1, "host": "gone", "token": "dead", "started": "2026-11-25T02:00:00+0000"}
+    fs.pipe(path.path, json.dumps({**record, "expires": time.time() + 60}).encode())
+    with pytest.raises(OutputLocked, match="pid 1 on gone"):
+        LeaseLock(path, lease_seconds=30).acquire()
+    fs.pipe(path.path, json.dumps({**record, "expires": time.time() - 1}).encode())  # its lease ended
+    with LeaseLock(path, lease_seconds=30) as lock:
+        assert json.loads(fs.cat(path.path))["token"] == lock._token
+
+
+def test_a_run_that_lost_its_lease_stops_writing(s3):
+    from batchscore.errors import OutputLocked
+    from batchscore.io.lease import LeaseLock
+    from batchscore.io.storage import as_path
+
+    fs, _ = s3
+    path = as_path(f"s3://{BUCKET}/leases/lost.parquet.lock")
+    lock = LeaseLock(path, lease_seconds=1.5)
+    lock.acquire()
+    lock.check()  # held
+    taker = {"pid": 2, "host": "other", "token": "other", "started": "now", "expires": time.time() + 60}
+    fs.pipe(path.path, json.dumps(taker).encode())  # another run took it (after this one's renewals failed)
+    deadline = time.monotonic() + 10
+    while lock.lost is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(OutputLocked, match="lost its lease"):
+        lock.check()
+    lock.release()
+    assert json.loads(fs.cat(path.path))["token"] == "other"  # release leaves the new holder's lease alone

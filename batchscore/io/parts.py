@@ -28,6 +28,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -143,9 +144,10 @@ class PartStore:
     "shard-I-of-N" for a static shard; each writer owns its own manifest file.
     """
 
-    def __init__(self, output_path: str | os.PathLike, name: str = "run"):
+    def __init__(self, output_path: str | os.PathLike, name: str = "run", guard: Callable[[], None] | None = None):
         self.output_path = as_path(output_path)
         self.name = name
+        self.guard = guard or (lambda: None)  # raises when this writer may no longer write (a lost lease)
         self.folder = staging_dir(output_path)
         self.manifest_path = self.folder / f"{name}.manifest.json"
 
@@ -205,6 +207,7 @@ class PartStore:
         label_mass: [R]; errors: row_id -> engine error message;
         [start, end): the positions of the worker's member order the part covers (R = end - start).
         """
+        self.guard()
         name = f"{self.name}-part-{manifest.attempt:03d}-{len(manifest.parts):06d}.parquet"
         table = pa.table({
             "row_id": pa.array(row_ids, type=pa.int64()),
@@ -226,6 +229,7 @@ class PartStore:
         self.write_manifest(manifest)
 
     def write_manifest(self, manifest: Manifest) -> None:
+        self.guard()
         atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
 
     def read_results(self, manifests: list[Manifest], num_rows: int) -> tuple[RowScores, dict[int, str]]:

@@ -21,7 +21,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchscore.errors import InputError
-from batchscore.io.storage import arrow_location, as_path, is_url, relative_folder
+from batchscore.io.storage import arrow_location, as_path, is_remote, is_url, relative_folder
 
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
 
@@ -77,8 +77,9 @@ def _discover_remote(path: str) -> list:
             raise InputError(f"input.path: file not found: {path}")
     except (OSError, ValueError) as exc:
         raise InputError(f"input.path: cannot list {path}: {exc}") from None
-    protocol = path.split("://", 1)[0]
-    return [as_path(f"{protocol}://{f}") for f in files]
+    from upath import UPath
+
+    return [UPath(f, protocol=root.protocol, **root.storage_options) for f in files]  # the root's account and options
 
 
 def _discover_local(path: str) -> list[Path]:
@@ -185,7 +186,7 @@ class _ParquetScan:
         schemas = []
         for path, _ in files:
             try:
-                schemas.append(pq.read_schema(path) if isinstance(path, Path) else _remote_schema(path))
+                schemas.append(_remote_schema(path) if is_remote(path) else pq.read_schema(path))
             except _ARROW_READ_ERRORS as exc:
                 raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
         schema = _unify(schemas)

@@ -26,7 +26,7 @@ from batchscore.errors import InputError
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 STORE_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
                   "abfss": "adlfs"}
-_OPTIONS: dict[str, dict[str, Any]] = {}  # URL prefix -> fsspec storage options
+_OPTIONS: dict[str, dict[str, Any]] = {}  # URL prefix -> fsspec storage options (the current job's)
 
 
 def is_url(path: str | os.PathLike | None) -> bool:
@@ -40,11 +40,15 @@ def is_remote(path: str | os.PathLike) -> bool:
     return is_url(path) or (not isinstance(path, Path) and hasattr(path, "fs"))
 
 
-def register_storage_options(url: str | None, options: dict[str, Any] | None) -> None:
-    """Use `options` (fsspec keyword arguments: key, secret, endpoint_url, client_kwargs, …) for
-    every path under `url`'s bucket."""
-    if url and options and is_url(url):
-        _OPTIONS[_bucket(url)] = dict(options)
+def use_storage_options(*pairs: tuple[str | None, dict[str, Any] | None]) -> None:
+    """For one job: use each (url, options) pair's fsspec keyword arguments (key, secret,
+    endpoint_url, client_kwargs, …) for the paths below `url` (a file's: its folder; a glob's:
+    the part before the first wildcard); the longest matching prefix wins. Replaces the options of
+    the job before, so a later job in the same process never reuses them."""
+    _OPTIONS.clear()
+    for url, options in pairs:
+        if url and options and is_url(url):
+            _OPTIONS[_prefix(url)] = dict(options)
 
 
 def as_path(path: str | os.PathLike):
@@ -62,7 +66,7 @@ def as_path(path: str | os.PathLike):
     try:
         from upath import UPath
 
-        return UPath(text, **_OPTIONS.get(_bucket(text), {}))
+        return UPath(text, **_options_for(text))
     except ImportError as exc:
         package = STORE_PACKAGES.get(scheme, "the fsspec package for it")
         raise InputError(f"{text}: reading or writing {scheme}:// needs {package} and universal_pathlib "
@@ -164,10 +168,16 @@ def list_files(folder) -> list:
     return [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
 
 
-def _bucket(url: str) -> str:
-    scheme, rest = url.split("://", 1)
-    return f"{scheme.lower()}://{rest.split('/', 1)[0]}"
+def _prefix(url: str) -> str:
+    wildcard = min((url.find(ch) for ch in "*?[" if ch in url), default=len(url))
+    head = url[:wildcard]
+    return head if head.endswith("/") else head.rsplit("/", 1)[0] + "/"
+
+
+def _options_for(url: str) -> dict[str, Any]:
+    matches = [prefix for prefix in _OPTIONS if url.startswith(prefix) or url + "/" == prefix]
+    return _OPTIONS[max(matches, key=len)] if matches else {}
 
 
 __all__ = ["STORE_PACKAGES", "arrow_location", "as_path", "file_size", "is_remote", "is_url", "join",
-           "list_files", "register_storage_options", "relative_folder", "remove_file", "remove_tree", "sibling"]
+           "list_files", "use_storage_options", "relative_folder", "remove_file", "remove_tree", "sibling"]

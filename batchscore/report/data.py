@@ -167,7 +167,7 @@ def find_metrics(output: str | os.PathLike) -> tuple[dict | None, Path | None]:
 
 def load_metrics(path: str | os.PathLike) -> dict:
     """Read a `--metrics` JSON given explicitly; raises ReportError when it is not one."""
-    path = Path(path)
+    path = as_path(path)
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
