@@ -19,7 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from batchscore.errors import EXIT_INPUT, EXIT_LOCKED, EXIT_OUTPUT
+from batchscore.errors import EXIT_INPUT, EXIT_LOCKED, EXIT_OUTPUT, OutputLocked
+from batchscore.io.lease import LeaseLock
+from batchscore.io.storage import as_path
 from tests.conftest import SAMPLE, write_job
 
 pytest.importorskip("s3fs")
@@ -120,7 +122,7 @@ def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run
     proc = _run(job, env, wait=False)
     manifest = f"{BUCKET}/scores/2026-11-25.parquet.parts/run.manifest.json"
     deadline = time.monotonic() + 300
-    while proc.poll() is None and _parts_written(fs, manifest) < 3 and time.monotonic() < deadline:
+    while proc.poll() is None and _parts_written(fs, manifest) < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert proc.poll() is None, proc.communicate()[0]  # still running: killed mid-way
     proc.send_signal(signal.SIGKILL)
@@ -129,12 +131,11 @@ def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run
     assert not fs.exists(f"{BUCKET}/scores/2026-11-25.parquet")  # no output before every row is scored
     assert fs.exists(f"{BUCKET}/scores/2026-11-25.parquet.lock")  # the dead run's lease
 
-    code, out = _run(job, env)  # at once: the lease has not ended, nothing is touched
-    assert code == EXIT_LOCKED, out
-    assert "lease" in out and "2026-11-25.parquet.lock" in out
-    assert _parts_written(fs, manifest) >= 3
+    with pytest.raises(OutputLocked, match="2026-11-25.parquet.lock"):  # at once: the dead run's lease is live
+        LeaseLock(as_path(output + ".lock")).acquire()
+    assert _parts_written(fs, manifest) >= 1
 
-    time.sleep(LEASE + 0.5)
+    time.sleep(LEASE + 0.5)  # the dead run renewed at most LEASE seconds before it was killed
     code, out = _run(job, env)
     assert code == 0, out
     got = _read(fs, output[len("s3://"):])
@@ -150,6 +151,18 @@ def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run
     assert code == 0 and "already the complete output" in out, out
     fs.invalidate_cache()
     assert fs.info(output)["LastModified"] == written
+
+
+def test_a_run_while_another_holds_the_lease_exits_75_touching_nothing(s3, hive_input, tmp_path):
+    fs, env = s3
+    output = f"s3://{BUCKET}/held/out.parquet"
+    job = _job(tmp_path, f"s3://{BUCKET}/relevance/", output)
+    with LeaseLock(as_path(output + ".lock"), lease_seconds=120):
+        code, out = _run(job, env)
+    assert code == EXIT_LOCKED, out
+    assert "another batchscore run is writing this output" in out and "out.parquet.lock" in out
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/held/out.parquet.parts") and not fs.exists(f"{BUCKET}/held/out.parquet")
 
 
 def test_storage_options_reach_the_store_without_environment(s3, hive_input, tmp_path, monkeypatch):
@@ -242,10 +255,6 @@ def test_a_wide_parquet_object_is_read_by_its_needed_columns_only(s3, tmp_path, 
 def test_lease_two_runs_starting_together_exactly_one_holds_it(s3):
     import threading
 
-    from batchscore.errors import OutputLocked
-    from batchscore.io.lease import LeaseLock
-    from batchscore.io.storage import as_path
-
     path = as_path(f"s3://{BUCKET}/leases/together.parquet.lock")
     locks = [LeaseLock(path, lease_seconds=30) for _ in range(4)]
     outcomes = [None] * len(locks)
@@ -271,9 +280,6 @@ def test_lease_two_runs_starting_together_exactly_one_holds_it(s3):
 
 
 def test_lease_of_a_dead_holder_is_taken_over_once_it_ends(s3):
-    from batchscore.errors import OutputLocked
-    from batchscore.io.lease import LeaseLock
-    from batchscore.io.storage import as_path
 
     fs, _ = s3
     path = as_path(f"s3://{BUCKET}/leases/dead.parquet.lock")
@@ -287,9 +293,6 @@ def test_lease_of_a_dead_holder_is_taken_over_once_it_ends(s3):
 
 
 def test_a_run_that_lost_its_lease_stops_writing(s3):
-    from batchscore.errors import OutputLocked
-    from batchscore.io.lease import LeaseLock
-    from batchscore.io.storage import as_path
 
     fs, _ = s3
     path = as_path(f"s3://{BUCKET}/leases/lost.parquet.lock")
