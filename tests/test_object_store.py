@@ -83,8 +83,8 @@ def _job(folder, input_path, output_path, **overrides):
                                                           "part_rows": 1}, **overrides)
 
 
-def _run(job, env, wait=True):
-    cmd = [sys.executable, "-m", "batchscore.cli", "run", str(job), "-q"]
+def _run(job, env, *extra, wait=True):
+    cmd = [sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **env, "BATCHSCORE_LEASE_SECONDS": str(LEASE)})
     if wait:
@@ -136,8 +136,10 @@ def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run
     assert _parts_written(fs, manifest) >= 1
 
     time.sleep(LEASE + 0.5)  # the dead run renewed at most LEASE seconds before it was killed
-    code, out = _run(job, env)
+    metrics = tmp_path / "metrics.json"
+    code, out = _run(job, env, "--metrics", str(metrics))
     assert code == 0, out
+    assert json.loads(metrics.read_text())["resumed_rows"] >= 1  # continued from the dead run's parts
     got = _read(fs, output[len("s3://"):])
     assert list(got["pair_id"]) == list(want["pair_id"])  # none lost, none doubled, input order
     assert list(got["date"]) == list(want["date"]) and (got["status"] == "ok").all()
