@@ -15,10 +15,13 @@ Two parts, one process, one GPU:
    pass minus the memory allocated before it (weights). Then the longest prompt whose activation
    peak fits a budget (default: hybrid's peak at the longest length), per mode, by bisection.
 
+With `--compile`, the engine runs a third time with its decoder layers compiled (torch.compile,
+as `engine.compile: true`), in the same run after the eager sides (compilation is in place).
+
 Weights are random (`from_config`), so scores are meaningless but shapes, FLOPs and memory are
 the real model's. Example (on a GPU machine):
 
-    batchscore bench gpu --models llama-3.1-8b,qwen-2.5-7b --requests 128 \\
+    batchscore bench gpu --models llama-3.1-8b,qwen-2.5-7b --requests 256 --compile \\
         --mil-lengths 8192,32768,131072 --json-out gpu.json
 """
 
