@@ -122,7 +122,8 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
 def use_job_storage(config: JobConfig) -> None:
     """The job's input/output.storage_options, for the paths below its input and output."""
     use_storage_options((config.input.path, config.input.storage_options),
-                        (config.output.path, config.output.storage_options))
+                        (config.output.path, config.output.storage_options),
+                        (config.output_error_path, config.output.storage_options))
 
 
 def scoring_config(config: JobConfig) -> dict:

@@ -224,25 +224,29 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     """
     started = time.perf_counter()
     use_job_storage(config)
-    store = PartStore(config.output.path, Shard(0, count).name)
-    if not store.folder.exists() and file_size(config.output.path) is not None:
+    if not PartStore(config.output.path).folder.exists() and file_size(config.output.path) is not None:
         return None  # the shard that finished last already wrote the output
     source = locate_job(config)
     job = prepare_job(config, tokenize=False, source=source)
     names = [Shard(i, count).name for i in range(count)]
-    manifests = store.sibling_manifests(names)
-    expected = _job_hash(source, count)
-    missing = [n for n, m in zip(names, manifests) if m is None or not m.complete or m.job_hash != expected]
-    if missing:
-        raise ResumeMismatch(f"cannot merge: shard(s) {', '.join(missing)} of this job are missing or "
-                             f"unfinished in {store.folder}; run them with --shard I/{count}")
-    with OutputLock(config.output.path, "merge"), _output_errors(config.output.path):
+    with OutputLock(config.output.path, "merge") as lock, _output_errors(config.output.path):
+        store = PartStore(config.output.path, Shard(0, count).name, guard=lock.check)
+        if not store.folder.exists() and file_size(config.output.path) is not None:
+            return None  # another merge finished while this one started
+        manifests = store.sibling_manifests(names)
+        expected = _job_hash(source, count)
+        missing = [n for n, m in zip(names, manifests) if m is None or not m.complete or m.job_hash != expected]
+        if missing:
+            raise ResumeMismatch(f"cannot merge: shard(s) {', '.join(missing)} of this job are missing or "
+                                 f"unfinished in {store.folder}; run them with --shard I/{count}")
+        lock.check()
         errors = assemble_output(job, store, manifests)
         summary = RunSummary(output_path=str(config.output.path), rows=job.input.num_rows,
                              rows_ok=job.input.num_rows - len(errors), rows_error=len(errors),
                              logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
                              seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
                              workers=count)
+        lock.check()
         write_completion_marker(config.output.path, identity_hash(source.identity), summary.to_dict(stored=True))
         store.finish()
     _check_error_rate(summary, config)

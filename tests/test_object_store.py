@@ -31,7 +31,7 @@ moto_server = pytest.importorskip("moto.server")
 BUCKET = "nightly"
 DAYS = {"2026-11-23": ("P001",), "2026-11-24": ("P002", "P003"), "2026-11-25": ("P004", "P005", "P006")}
 KEPT_DAYS = ["2026-11-24", "2026-11-25"]  # input.filter: the last two nights
-LEASE = 4  # seconds: BATCHSCORE_LEASE_SECONDS for the kill-and-resume runs
+LEASE = 8  # seconds: BATCHSCORE_LEASE_SECONDS for the kill-and-resume runs (renewed every 2.7 s)
 TOLERANCE = 1e-4  # the stated float32 bound; batch shapes differ after a resume
 
 
@@ -298,7 +298,7 @@ def test_a_run_that_lost_its_lease_stops_writing(s3):
 
     fs, _ = s3
     path = as_path(f"s3://{BUCKET}/leases/lost.parquet.lock")
-    lock = LeaseLock(path, lease_seconds=1.5)
+    lock = LeaseLock(path, lease_seconds=5)
     lock.acquire()
     lock.check()  # held
     taker = {"pid": 2, "host": "other", "token": "other", "started": "now", "expires": time.time() + 60}
@@ -310,3 +310,15 @@ def test_a_run_that_lost_its_lease_stops_writing(s3):
         lock.check()
     lock.release()
     assert json.loads(fs.cat(path.path))["token"] == "other"  # release leaves the new holder's lease alone
+
+
+def test_a_write_conflicting_with_its_own_earlier_attempt_is_not_a_loss(s3):
+    """A retried request (the store got the first attempt, its reply was lost) conflicts with
+    itself: the lease is read back, and it is ours."""
+    path = as_path(f"s3://{BUCKET}/leases/retried.parquet.lock")
+    with LeaseLock(path, lease_seconds=30) as lock:
+        assert lock._create() is True  # an exclusive create of an object that is already ours
+        lock._etag = '"an-older-tag"'  # a renewal whose If-Match carries a stale tag
+        lock._renew()
+        assert lock.lost is None
+        lock.check()

@@ -11,9 +11,11 @@ takeover race on stores without conditional replace.
 A background thread renews the lease every third of its length, replacing only its own object
 (S3: `If-Match`; elsewhere: read, compare, write). If the lease was taken by another run (after
 this one failed to renew for a whole lease, say the store was unreachable), or renewing failed
-for longer than the lease, the lease is *lost*: `check()` then raises OutputLocked, and the run
-calls it before every manifest write and before the output, so a run that lost its lease stops
-writing (its saved parts stay valid; the holder resumes from them).
+for longer than FENCE (0.6) of the lease — before anyone else may take it over —, the lease is
+*lost*: `check()` then raises OutputLocked, and the run calls it before every part and manifest
+write and before the output, so a run that lost its lease stops writing (its saved parts stay
+valid; the holder resumes from them). A write that the store reports as conflicting is read back
+first: a retried request that conflicts with its own earlier attempt is not a loss.
 
 A run killed without releasing its lease blocks the next run until the lease ends (90 s,
 `BATCHSCORE_LEASE_SECONDS`): that run exits 75, which a scheduler retries.
@@ -21,6 +23,7 @@ A run killed without releasing its lease blocks the next run until the lease end
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -35,7 +38,9 @@ log = logging.getLogger("batchscore")
 
 LEASE_SECONDS = 90.0  # a lease not renewed for this long has ended (env BATCHSCORE_LEASE_SECONDS)
 SETTLE_SECONDS = 1.0  # wait before reading a new lease back
-_CONDITIONAL_REPLACE = ("s3", "s3a")  # stores whose fsspec put takes If-Match (replace exactly this object)
+MIN_LEASE_SECONDS = 5.0  # the first renewal (settle + a third of the lease) must come before the fence
+FENCE = 0.6  # a holder stops writing once this share of the lease passed since its last renewal
+_CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict"}  # S3's answers to a lost condition
 
 
 class LeaseLock:
@@ -43,7 +48,8 @@ class LeaseLock:
 
     def __init__(self, path, lease_seconds: float | None = None):
         self.path = path
-        self.lease_seconds = lease_seconds or float(os.environ.get("BATCHSCORE_LEASE_SECONDS", LEASE_SECONDS))
+        seconds = lease_seconds or float(os.environ.get("BATCHSCORE_LEASE_SECONDS", LEASE_SECONDS))
+        self.lease_seconds = max(seconds, MIN_LEASE_SECONDS)
         self.lost: str | None = None  # why the lease was lost, once it was
         self._token: str | None = None
         self._etag: str | None = None  # of our lease object, as last written
@@ -68,7 +74,10 @@ class LeaseLock:
             raise OutputError(f"cannot take the lease {self.path}: {exc}") from None
 
     def check(self) -> None:
-        """Raise OutputLocked when the lease was lost (see the module docstring)."""
+        """Raise OutputLocked when the lease was lost, or not renewed for FENCE of its length
+        (see the module docstring)."""
+        if self.lost is None and self._token is not None and self._stale():
+            self.lost = f"not renewed for {time.monotonic() - self._renewed:.0f} s"
         if self.lost is not None:
             raise OutputLocked(f"this run lost its lease {self.path} ({self.lost}); it stopped writing — the rows "
                                "scored so far are saved, and a rerun resumes from them")
@@ -82,9 +91,9 @@ class LeaseLock:
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join()
-        try:
+        try:  # ours while renewed recently: nobody may take it over before it ends
             held, _ = self._read()
-            if held is not None and held.get("token") == self._token:
+            if self.lost is None and not self._stale() and held is not None and held.get("token") == self._token:
                 self.path.fs.rm_file(self.path.path)
         except Exception as exc:  # noqa: BLE001 - releasing must not hide the run's own outcome
             log.warning("could not remove the lease %s (%s); it ends by itself in %.0f s",
@@ -100,6 +109,7 @@ class LeaseLock:
                                f"{self.path} ends {_when(held['expires'])}. Nothing was changed — wait for it, "
                                "or stop it first")
         self._token = uuid.uuid4().hex
+        self._renewed = time.monotonic()
         if held is None:
             taken = self._create()
         else:
@@ -112,7 +122,6 @@ class LeaseLock:
             self._token = None
             raise OutputLocked(f"another batchscore run took this output's lease at the same time "
                                f"({_describe(now or {})}); lease {self.path}. Nothing was changed")
-        self._renewed = time.monotonic()
         self._stop.clear()
         self._renewer = threading.Thread(target=self._renew_loop, name="batchscore-lease", daemon=True)
         self._renewer.start()
@@ -120,24 +129,24 @@ class LeaseLock:
     def _create(self) -> bool:
         """Write our lease only if no object is there; False when another run's is."""
         try:
-            self.path.fs.pipe_file(self.path.path, self._record(), mode="create")
-        except FileExistsError:
-            return False
+            self._put(mode="create")
         except (TypeError, ValueError, NotImplementedError):  # a store without exclusive create: the read-back decides
-            self.path.fs.pipe_file(self.path.path, self._record())
-        self._etag = self._current_etag()
+            self._put()
+        except OSError as exc:
+            if not _conflict(exc):
+                raise
+            return self._ours_after_conflict()
         return True
 
     def _replace(self, etag: str | None) -> bool:
         """Replace the ended lease we read (tag `etag`) with ours; False when it changed since."""
-        if self.path.protocol in _CONDITIONAL_REPLACE and etag:
+        if _conditional_replace(self.path) and etag:
             try:
-                self.path.fs.pipe_file(self.path.path, self._record(), IfMatch=etag)
+                self._put(IfMatch=etag)
             except OSError as exc:
-                if _precondition_failed(exc):
-                    return False
-                raise
-            self._etag = self._current_etag()
+                if not _conflict(exc):
+                    raise
+                return self._ours_after_conflict()
             return True
         _, now = self._read()
         if now != etag:
@@ -153,32 +162,51 @@ class LeaseLock:
                 self._renew()
             except Exception as exc:  # noqa: BLE001 - the store may be unreachable for a while: retry
                 log.warning("could not renew the lease %s: %s", self.path, exc)
-            if self.lost is None and time.monotonic() - self._renewed > self.lease_seconds:
-                self.lost = f"not renewed for {self.lease_seconds:.0f} s"
+            if self.lost is None and self._stale():
+                self.lost = f"not renewed for {time.monotonic() - self._renewed:.0f} s"
             if self.lost is not None:
                 log.error("lost the lease %s: %s", self.path, self.lost)
                 return
 
     def _renew(self) -> None:
-        if self.path.protocol in _CONDITIONAL_REPLACE and self._etag:
+        started = time.monotonic()  # the record's end time is computed from about now
+        if _conditional_replace(self.path) and self._etag:
             try:
-                self.path.fs.pipe_file(self.path.path, self._record(), IfMatch=self._etag)
+                self._put(IfMatch=self._etag)
             except OSError as exc:
-                if not _precondition_failed(exc):
+                if not _conflict(exc):
                     raise
-                held, _ = self._read()
-                self.lost = f"taken by {_describe(held or {})}"
-                return
+                if not self._ours_after_conflict():
+                    held, _ = self._read()
+                    self.lost = f"taken by {_describe(held or {})}" if held else "its object was removed"
+                    return
         else:
             held, _ = self._read()
             if held is None or held.get("token") != self._token:
                 self.lost = f"taken by {_describe(held or {})}" if held else "its object was removed"
                 return
-            self.path.fs.pipe_file(self.path.path, self._record())
-        self._etag = self._current_etag()
-        self._renewed = time.monotonic()
+            self._put()
+        self._renewed = started
+
+    def _stale(self) -> bool:
+        return time.monotonic() - self._renewed > FENCE * self.lease_seconds
 
     # -- the object
+
+    def _put(self, **conditions) -> None:
+        """Write our record; remember the tag the store gave it (from the reply where there is one)."""
+        reply = self.path.fs.pipe_file(self.path.path, self._record(), **conditions)
+        tag = reply.get("ETag") if isinstance(reply, dict) else None
+        self._etag = tag or self._current_etag()
+
+    def _ours_after_conflict(self) -> bool:
+        """After a write the store refused as conflicting: True when the object is ours anyway (a
+        retried request that conflicted with its own first attempt), keeping its tag."""
+        held, tag = self._read()
+        if held is not None and held.get("token") == self._token:
+            self._etag = tag
+            return True
+        return False
 
     def _record(self) -> bytes:
         return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": self._token,
@@ -205,8 +233,27 @@ class LeaseLock:
         return next((str(info[k]) for k in ("ETag", "etag", "generation", "md5Hash") if info.get(k)), None)
 
 
-def _precondition_failed(exc: OSError) -> bool:
-    return isinstance(exc, FileExistsError) or "pre-condition" in str(exc).lower() or "412" in str(exc)
+def _conflict(exc: OSError) -> bool:
+    """True when the store refused a conditional write because its condition did not hold."""
+    code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
+    return isinstance(exc, FileExistsError) or code in _CONFLICT_CODES or "pre-condition" in str(exc).lower()
+
+
+def _conditional_replace(path) -> bool:
+    """True when `path`'s store replaces an object only if its ETag matches (S3's If-Match, which
+    s3fs passes on only when the installed botocore knows it; otherwise s3fs drops it silently)."""
+    return path.protocol in ("s3", "s3a") and _botocore_knows_if_match()
+
+
+@functools.lru_cache(maxsize=1)
+def _botocore_knows_if_match() -> bool:
+    try:
+        import botocore.session
+
+        model = botocore.session.get_session().get_service_model("s3").operation_model("PutObject")
+        return "IfMatch" in model.input_shape.members
+    except Exception:  # noqa: BLE001 - no botocore: not S3 through s3fs
+        return False
 
 
 def _describe(held: dict) -> str:

@@ -42,9 +42,10 @@ def is_remote(path: str | os.PathLike) -> bool:
 
 def use_storage_options(*pairs: tuple[str | None, dict[str, Any] | None]) -> None:
     """For one job: use each (url, options) pair's fsspec keyword arguments (key, secret,
-    endpoint_url, client_kwargs, …) for the paths below `url` (a file's: its folder; a glob's:
-    the part before the first wildcard); the longest matching prefix wins. Replaces the options of
-    the job before, so a later job in the same process never reuses them."""
+    endpoint_url, client_kwargs, …) for the paths that begin with `url` — a file and its siblings
+    `<file>.parts/`, `.lock`, `.complete.json`, …; a folder (no suffix in its last name) and what
+    is below it; a glob's text before its first wildcard; the longest match wins. Replaces the
+    options of the job before, so a later job in the same process never reuses them."""
     _OPTIONS.clear()
     for url, options in pairs:
         if url and options and is_url(url):
@@ -169,9 +170,11 @@ def list_files(folder) -> list:
 
 
 def _prefix(url: str) -> str:
-    wildcard = min((url.find(ch) for ch in "*?[" if ch in url), default=len(url))
-    head = url[:wildcard]
-    return head if head.endswith("/") else head.rsplit("/", 1)[0] + "/"
+    wildcard = min((url.find(ch) for ch in "*?[" if ch in url), default=-1)
+    if wildcard >= 0:
+        return url[:wildcard]
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return url if "." in name and not url.endswith("/") else url.rstrip("/") + "/"  # a file, or a folder
 
 
 def _options_for(url: str) -> dict[str, Any]:
