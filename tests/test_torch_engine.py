@@ -122,6 +122,18 @@ def test_large_budget_packs_each_group_into_one_pass():
     assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)
 
 
+def test_no_pass_builds_an_autograd_graph():
+    """Every decoder pass (prefixes, suffixes, chunks) runs without autograd: a prefix pass that
+    recorded a graph kept its activations alive with its KV, and made compiled layers recompile."""
+    model = tiny_model("llama")
+    modes = []
+    model.get_decoder().register_forward_pre_hook(lambda module, args: modes.append(torch.is_grad_enabled()))
+    engine = TorchEngine(model, token_budget=BUDGET)
+    results = list(engine.score(make_groups(seed=6), LABELS))
+    assert results and modes and not any(modes)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
 def test_plan_suffix_batches_respects_budget_and_order():
     batches = plan_suffix_batches([5, 0, 10, 7, 30, 3], token_budget=20)
     assert [(b.member_indices, b.chunked) for b in batches] == [

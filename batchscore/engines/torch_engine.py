@@ -152,7 +152,7 @@ class TorchEngine:
         if memory_budget is not None and memory_budget < 1:
             raise ValueError(f"memory_budget must be a positive number of bytes (or None: off), got {memory_budget}")
         _check_full_attention(model.config)
-        self.model = model.to(device).eval()
+        self.model = model.to(device).eval().requires_grad_(False)  # no autograd graph, whatever the caller's mode
         self.model.set_attn_implementation(register_cascade_attention())
         self.token_budget = token_budget
         self.device = torch.device(device)
@@ -412,6 +412,7 @@ class TorchEngine:
             out[lo:hi] = (logits[rows, targets] - lse[rows]).double().cpu().numpy()
         return out
 
+    @torch.inference_mode()
     def prefill_prefix(self, tokens: np.ndarray, base: PrefixKV | None = None, *,
                        positions: np.ndarray | None = None) -> PrefilledPrefix:
         """Compute the KV of `tokens` (continuing after `base`), in chunks of at most the budget.
@@ -540,6 +541,7 @@ class TorchEngine:
             return None
         return group.prefix
 
+    @torch.inference_mode()
     def _run_decoder(self, parts: list[PackedPart]) -> torch.Tensor:
         """Run the base model (no LM head) on the parts packed into one row. Returns [T, hidden].
 
