@@ -18,10 +18,11 @@ from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchscore.errors import InputError
-from batchscore.io.storage import arrow_location, as_path, is_remote, is_url, relative_folder
+from batchscore.io.storage import as_path, is_remote, is_url, relative_folder
 
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
 
@@ -62,8 +63,8 @@ def _discover_remote(path: str) -> list:
     root.fs.invalidate_cache()  # listings cached by an earlier job of this process may be stale
     try:
         if any(ch in path for ch in "*?["):
-            found = sorted(root.fs.glob(root.path))
-            files = [f for f in found if root.fs.isfile(f)]
+            found = root.fs.glob(root.path, detail=True)  # one listing, with each entry's type
+            files = sorted(name for name, info in found.items() if info.get("type") == "file")
             if not files:
                 raise InputError(f"input.path: no files match the glob {path!r}")
         elif root.fs.isdir(root.path):
@@ -186,7 +187,8 @@ class _ParquetScan:
         schemas = []
         for path, _ in files:
             try:
-                schemas.append(_remote_schema(path) if is_remote(path) else pq.read_schema(path))
+                filesystem, inside = _arrow_location(path)
+                schemas.append(pq.read_schema(inside, filesystem=filesystem))
             except _ARROW_READ_ERRORS as exc:
                 raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
         schema = _unify(schemas)
@@ -194,12 +196,13 @@ class _ParquetScan:
         extra = [pa.field(name, pa.string()) for name in names if name not in schema.names]  # a data column wins
         self.schema = pa.schema(list(schema) + extra)
         hive = ds.HivePartitioning(pa.schema(extra)) if extra else None
-        filesystem = arrow_location(files[0][0])[0]
-        dataset = ds.dataset([arrow_location(p)[1] for p, _ in files], format="parquet", schema=self.schema,
+        filesystem = _arrow_location(files[0][0])[0]
+        inside = {p: _arrow_location(p)[1] for p, _ in files}
+        dataset = ds.dataset(list(inside.values()), format="parquet", schema=self.schema,
                              filesystem=filesystem, partitioning=hive,
-                             partition_base_dir=arrow_location(base)[1] if hive else None)
+                             partition_base_dir=_arrow_location(base)[1] if hive else None)
         by_path = {fragment.path: fragment for fragment in dataset.get_fragments()}
-        self.fragments = {p: by_path[arrow_location(p)[1]] for p, _ in files}
+        self.fragments = {p: by_path[inside[p]] for p, _ in files}
         self.columns = self.schema.names if columns is None else [c for c in columns if c in self.schema.names]
 
     def batches(self, path: Path, batch_rows: int) -> Iterator[InputBatch]:
@@ -219,9 +222,22 @@ class _ParquetScan:
             line += table.num_rows
 
 
-def _remote_schema(path) -> pa.Schema:
-    filesystem, inside = arrow_location(path)
-    return pq.read_schema(inside, filesystem=filesystem)
+class _ExactRanges(pafs.FSSpecHandler):
+    """An object-store filesystem for pyarrow whose files read exactly the byte ranges pyarrow asks
+    for: fsspec's default read-ahead fetches whole blocks (s3fs: 50 MiB), so a projection of 4 of
+    200 columns would download the whole file."""
+
+    def open_input_file(self, path):
+        return pa.PythonFile(self.fs.open(path, mode="rb", cache_type="none"), mode="r")
+
+
+def _arrow_location(path) -> tuple[pafs.FileSystem | None, str]:
+    """(pyarrow filesystem, path inside it): None and the resolved local path, or the store's
+    fsspec filesystem wrapped for pyarrow and the bucket-relative path."""
+    if not is_remote(path):
+        return None, str(Path(path).resolve())
+    upath = as_path(path)
+    return pafs.PyFileSystem(_ExactRanges(upath.fs)), upath.path
 
 
 def _unify(schemas: list[pa.Schema]) -> pa.Schema:

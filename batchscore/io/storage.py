@@ -76,11 +76,6 @@ def as_path(path: str | os.PathLike):
         raise InputError(f"{text}: {exc}") from None
 
 
-def join(folder, name: str):
-    """`folder / name` for a local or an object-store folder."""
-    return as_path(folder) / name
-
-
 def sibling(path, suffix: str):
     """The path beside `path` with `suffix` added to its name (`out.parquet` → `out.parquet.lock`)."""
     path = as_path(path)
@@ -92,36 +87,6 @@ def relative_folder(file, base) -> str:
     if is_remote(file):
         return posixpath.relpath(as_path(file).parent.path, as_path(base).path)
     return Path(os.path.relpath(Path(file).parent, base)).as_posix()
-
-
-def arrow_location(path) -> tuple[Any, str]:
-    """(pyarrow filesystem, path inside it) for pyarrow.dataset: None and the resolved local path,
-    or the store's fsspec filesystem wrapped for pyarrow and the bucket-relative path."""
-    if not is_remote(path):
-        return None, str(Path(path).resolve())
-    import pyarrow.fs as pafs
-
-    upath = as_path(path)
-    return pafs.PyFileSystem(_ExactRanges(upath.fs)), upath.path
-
-
-def _exact_ranges_handler():
-    import pyarrow as pa
-    import pyarrow.fs as pafs
-
-    class ExactRanges(pafs.FSSpecHandler):
-        """Files opened for pyarrow read exactly the byte ranges it asks for: fsspec's default
-        read-ahead fetches whole blocks (s3fs: 50 MiB), so a projection of 4 of 200 columns would
-        download the whole file."""
-
-        def open_input_file(self, path):
-            return pa.PythonFile(self.fs.open(path, mode="rb", cache_type="none"), mode="r")
-
-    return ExactRanges
-
-
-def _ExactRanges(fs):
-    return _exact_ranges_handler()(fs)
 
 
 def remove_tree(folder) -> None:
@@ -182,5 +147,5 @@ def _options_for(url: str) -> dict[str, Any]:
     return _OPTIONS[max(matches, key=len)] if matches else {}
 
 
-__all__ = ["STORE_PACKAGES", "arrow_location", "as_path", "file_size", "is_remote", "is_url", "join",
+__all__ = ["STORE_PACKAGES", "as_path", "file_size", "is_remote", "is_url",
            "list_files", "use_storage_options", "relative_folder", "remove_file", "remove_tree", "sibling"]
