@@ -57,11 +57,12 @@ def _parquet_footer_digest(path: Path, size: int) -> str:
     return "footer:" + hashlib.sha256(str(size).encode() + footer).hexdigest()
 
 
-def _store_digest(path, size: int, fmt: str | None) -> str:
+def _store_digest(path, fmt: str | None) -> str:
     """An object's fingerprint from what the store says of it (its ETag / MD5 / CRC: content
     hashes on S3 and GCS, a version tag on Azure) and size, plus a Parquet file's footer: no
     download of the object."""
     info = path.fs.info(path.path)
+    size = int(info["size"])
     tag = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c", "content_md5") if info.get(k)), "")
     footer = _parquet_footer_digest(path, size) if fmt == "parquet" else ""
     return "store:" + hashlib.sha256(f"{size}|{tag}|{footer}".encode()).hexdigest()
@@ -70,9 +71,9 @@ def _store_digest(path, size: int, fmt: str | None) -> str:
 def file_digest(path: str | os.PathLike, fmt: str | None = None) -> str:
     """A content fingerprint of one file (see the module docstring for what is read)."""
     path = as_path(path)
-    size = file_size(path)
     if is_remote(path) and fmt != "jsonl":
-        return _store_digest(path, size, fmt)
+        return _store_digest(path, fmt)
+    size = file_size(path)
     if size <= FULL_HASH_BYTES or fmt == "jsonl":
         return _sha256_file(path)
     if fmt == "parquet":
