@@ -45,14 +45,11 @@ def job_schema() -> dict:
     from pydantic import TypeAdapter
 
     schema = TypeAdapter(job_config.JobConfig).json_schema()
-    schema["$defs"]["JobConfig"] = {k: v for k, v in schema.items() if k not in ("$defs",)}
+    _describe("JobConfig", job_config.JobConfig, schema)  # the top level is JobConfig's definition
     for name, definition in schema["$defs"].items():
-        cls = getattr(job_config, name)
-        _describe(name, cls, definition)
-    top = schema["$defs"].pop("JobConfig")
+        _describe(name, getattr(job_config, name), definition)
     return {"$schema": SCHEMA_DIALECT, "$id": "https://batchscore.dev/job.schema.json",
-            "title": "batchscore job file", **{k: v for k, v in top.items() if k != "title"},
-            "$defs": schema["$defs"]}
+            "title": "batchscore job file", **schema}
 
 
 def _describe(name: str, cls: type, definition: dict) -> None:
