@@ -171,35 +171,32 @@ def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: i
         finally:
             model.set_attn_implementation(register_cascade_attention())
 
-    logical = sum(g.logical_tokens for g in groups)
-    sides = {
-        "plain": (Throughput("plain", logical_tokens=logical, processed_tokens=logical,
-                             flops=forward_flops(model.config, groups, shared=False)), plain_side),
-        "engine": (Throughput("engine", logical_tokens=logical, processed_tokens=sum(g.processed_tokens for g in groups),
-                              flops=forward_flops(model.config, groups, shared=True)),
-                   lambda batch: engine_probs(engine, batch, labels)),
-    }
-    if compile_layers:
-        def compiled_side(batch):
-            nonlocal compiled_engine
-            if compiled_engine is None:  # compiles the model's layers in place: after the eager sides
-                engine.close()
-                compiled_engine = TorchEngine(model, token_budget=token_budget, device=device, compile_layers=True)
-            return engine_probs(compiled_engine, batch, labels)
-
-        compiled_engine = None
-        sides["compiled"] = (Throughput("engine+compile", logical_tokens=logical,
-                                        processed_tokens=sides["engine"][0].processed_tokens,
-                                        flops=sides["engine"][0].flops), compiled_side)
-    for side, (result, run) in sides.items():
+    def measure(side: str, result: Throughput, run) -> Throughput:
         started = time.perf_counter()
         run(warmup)
         click.echo(f"  {name} {side}: warm-up {time.perf_counter() - started:.1f} s")
         result.time(lambda: run(groups), sync=partial(_sync, device))
         click.echo(f"  {name} {side}: {result.requests_per_s:.2f} req/s ({result.seconds:.2f} s)")
-    (compiled_engine if compile_layers else engine).close()
-    return ModelThroughput(name, prefix, distinct, degree, plain=sides["plain"][0], engine=sides["engine"][0],
-                           compiled=sides["compiled"][0] if compile_layers else None)
+        return result
+
+    logical = sum(g.logical_tokens for g in groups)
+    plain = measure("plain", Throughput("plain", logical_tokens=logical, processed_tokens=logical,
+                                        flops=forward_flops(model.config, groups, shared=False)), plain_side)
+    eager = measure("engine", Throughput("engine", logical_tokens=logical,
+                                         processed_tokens=sum(g.processed_tokens for g in groups),
+                                         flops=forward_flops(model.config, groups, shared=True)),
+                    lambda batch: engine_probs(engine, batch, labels))
+    engine.close()
+    compiled = None
+    if compile_layers:  # compiles the model's layers in place: after the eager sides
+        started = time.perf_counter()
+        compiled_engine = TorchEngine(model, token_budget=token_budget, device=device, compile_layers=True)
+        click.echo(f"  {name} compiled: compiling {time.perf_counter() - started:.1f} s")
+        compiled = measure("compiled", Throughput("engine+compile", logical_tokens=logical,
+                                                  processed_tokens=eager.processed_tokens, flops=eager.flops),
+                           lambda batch: engine_probs(compiled_engine, batch, labels))
+        compiled_engine.close()
+    return ModelThroughput(name, prefix, distinct, degree, plain=plain, engine=eager, compiled=compiled)
 
 
 @dataclass
