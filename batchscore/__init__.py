@@ -19,7 +19,7 @@ __all__ = ["run_job", "load_job", "score_dataframe", "JobConfig", "RunSummary"]
 def __getattr__(name):
     # Lazy: `import batchscore.plan` must not pull in the runner's heavier dependencies.
     if name in ("run_job", "RunSummary"):
-        from batchscore import runner
+        from batchscore.run import runner
 
         return getattr(runner, name)
     if name in ("load_job", "JobConfig"):

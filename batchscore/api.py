@@ -26,7 +26,7 @@ def score_dataframe(df, *, template: str, labels: Sequence[str] | None = None, c
     """
     import pandas as pd
 
-    from batchscore.runner import run_job
+    from batchscore.run.runner import run_job
 
     with tempfile.TemporaryDirectory(prefix="batchscore-") as tmp:
         source = Path(tmp) / "input.parquet"

@@ -39,7 +39,7 @@ def _run_files_on_every_exit(metrics: str | None, metrics_prom: str | None, repo
         if metrics:
             atomic_write(metrics, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2)))
         if metrics_prom:
-            from batchscore.metrics_prom import write_prometheus
+            from batchscore.output.prometheus import write_prometheus
 
             write_prometheus(data, metrics_prom, job=job)
 
@@ -142,7 +142,7 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
 
         batchscore run jobs/sample.yaml --set engine.dtype=bfloat16 -o scores.parquet
     """
-    from batchscore.runner import Shard, run_job
+    from batchscore.run.runner import Shard, run_job
 
     try:
         parsed_shard = Shard.parse(shard) if shard else None
@@ -188,13 +188,13 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
 
         batchscore plan jobs/table3_a.yaml --json
     """
-    from batchscore.prepare import plan_job
+    from batchscore.prepare.job import plan_job
 
     config = _load(job, sets)
     plan = plan_job(config)
     stats = plan.stats.to_dict()
     if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping
-        from batchscore.engines.kept_tokens import plan_drop_stats
+        from batchscore.engines.speculative.kept_tokens import plan_drop_stats
         from batchscore.models import resolve_model
 
         stats.update(plan_drop_stats(plan.groups, config.engine.speculative, resolve_model(config.model),
@@ -222,7 +222,7 @@ def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> N
         batchscore run job.yaml --shard 0/2 && batchscore run job.yaml --shard 1/2
         batchscore merge job.yaml --shards 2
     """
-    from batchscore.runner import merge_shards
+    from batchscore.run.runner import merge_shards
 
     summary = merge_shards(_load(job, sets, output), shards)
     if summary is None:

@@ -91,9 +91,9 @@ def _check_expanded_size(root: yaml.Node) -> None:
 
 @dataclass
 class SyntheticInput:
-    """A generated workload (benchmarks): `workload` names a generator in batchscore.synthetic."""
+    """A generated workload (benchmarks): `workload` names a generator in batchscore.prepare.synthetic."""
 
-    workload: str = ""  # a generator in batchscore.synthetic, e.g. table3_a
+    workload: str = ""  # a generator in batchscore.prepare.synthetic, e.g. table3_a
     params: dict[str, Any] = field(default_factory=dict)  # the generator's keyword arguments
 
 
@@ -394,7 +394,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         if not values or any(isinstance(v, (dict, list)) or v is None for v in values):
             problems.append(f"input.filter.{key}: a partition value or a list of them, got {want!r}")
     if inp.synthetic is not None:
-        from batchscore.synthetic import WORKLOADS
+        from batchscore.prepare.synthetic import WORKLOADS
 
         if inp.synthetic.workload not in WORKLOADS:
             problems.append(f"input.synthetic.workload: unknown {inp.synthetic.workload!r}; "
@@ -405,7 +405,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     elif not has_tokens and not config.prompt.template:
         problems.append("prompt.template: required unless input.token_ids_column is given "
                         "(e.g. 'Query: {query}\\nAnswer Yes or No.')")
-    from batchscore.prompts import PROMPT_ENGINES, PromptTemplateError, template_fields
+    from batchscore.prepare.prompts import PROMPT_ENGINES, PromptTemplateError, template_fields
 
     if config.prompt.engine not in PROMPT_ENGINES:
         problems.append(f"prompt.engine: must be one of {', '.join(PROMPT_ENGINES)}, got {config.prompt.engine!r}")
@@ -414,7 +414,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
             template_fields(config.prompt.template, config.prompt.engine)
         except PromptTemplateError as exc:
             problems.append(f"prompt.template: {exc}")
-    from batchscore.labels import label_problems
+    from batchscore.prepare.options import label_problems
 
     problems.extend(label_problems(config.labels, inp.choices_column, config.score.normalize))
     if config.engine.speculative is not None and inp.choices_column:
@@ -437,7 +437,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     if config.engine.memory_budget is not None and config.engine.memory_budget < 2**20:
         problems.append(f"engine.memory_budget: bytes, must be ≥ 1 MiB (1048576), got {config.engine.memory_budget}")
     if config.engine.speculative is not None:
-        from batchscore.engines.kept_tokens import options_problems
+        from batchscore.engines.speculative.kept_tokens import options_problems
 
         spec = config.engine.speculative
         problems.extend(options_problems(spec.keep, spec.speculator, spec.chunk, spec.pool))
@@ -519,8 +519,8 @@ def _openai_batch_problems(config: JobConfig) -> list[str]:
 def _output_column_problems(config: JobConfig) -> list[str]:
     """Two labels that would share one `p_<label>` column, or a kept input column that the scores
     would overwrite: refused up front rather than losing a column silently."""
-    from batchscore.io.writer import output_columns
-    from batchscore.prompts import label_column
+    from batchscore.output.table import output_columns
+    from batchscore.prepare.prompts import label_column
 
     problems = []
     by_column: dict[str, list[str]] = {}

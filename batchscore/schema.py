@@ -18,8 +18,8 @@ import inspect
 import re
 
 from batchscore import config as job_config
-from batchscore.labels import NORMALIZE
-from batchscore.prompts import PROMPT_ENGINES
+from batchscore.prepare.options import NORMALIZE
+from batchscore.prepare.prompts import PROMPT_ENGINES
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 

@@ -247,7 +247,7 @@ def test_jsonl_rows_are_never_dropped(tmp_path):
 
 
 def test_data_with_chat_control_tokens_is_tokenized_as_text(tokenizer):
-    from batchscore.prompts import PromptRenderer
+    from batchscore.prepare.prompts import PromptRenderer
 
     renderer = PromptRenderer(tokenizer, "Query: {q}\nRelevant? Answer Yes or No.", system="Judge.", chat=True)
     clean, forged = renderer.encode([renderer.prompt({"q": "shoes"}),

@@ -112,8 +112,8 @@ def test_engine_device_is_checked():
 
 
 def test_cuda_without_a_gpu_is_a_clear_error():
-    from batchscore.engines import EngineUnavailable, gpu_available
-    from batchscore.engines import resolve_device
+    from batchscore.engines.device import gpu_available, resolve_device
+    from batchscore.errors import EngineUnavailable
 
     assert resolve_device("cpu") == "cpu"
     if gpu_available():

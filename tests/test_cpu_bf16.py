@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from batchscore.engines import compiled_layers, cpu_features
-from batchscore.engines.compiled_layers import should_compile
+from batchscore.engines import cpu_features
+from batchscore.engines.torch import compiled_layers
+from batchscore.engines.torch.compiled_layers import should_compile
 from batchscore.engines.cpu_features import CpuBf16, DtypeSpeed, cpu_bf16, gemm_flops, log_cpu_dtype_advice
 from tests.test_torch_engine import (
     BFLOAT16_TOLERANCE,
@@ -95,7 +96,7 @@ def _max_error(engine, model_reference, groups) -> float:
 def test_compiled_float32_engine_matches_plain_forward(arch):
     """Every engine path (chunked prefixes, long suffixes, empty suffixes, ride-along prefixes)
     through compiled layers, against a plain forward: the float32 exactness bound of 1e-5."""
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
 
     model = tiny_model(arch)
     groups = make_groups(seed=3)
@@ -110,7 +111,7 @@ def test_compiled_float32_engine_matches_plain_forward(arch):
 
 def test_lazy_compile_starts_after_the_token_count():
     """compile_layers=N: the first passes run eager; the pass that crosses N tokens compiles first."""
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
 
     if compiled_layers.compile_problem() is not None:
         pytest.skip(f"torch.compile does not work here: {compiled_layers.compile_problem()}")
@@ -126,7 +127,7 @@ def test_lazy_compile_starts_after_the_token_count():
 
 
 def test_compiled_bfloat16_engine_within_the_bf16_bound():
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
 
     model = tiny_model("llama", torch.bfloat16)
     groups = make_groups(seed=1)
@@ -137,7 +138,7 @@ def test_compiled_bfloat16_engine_within_the_bf16_bound():
 
 
 def test_compile_falls_back_to_eager_when_inductor_fails(monkeypatch, caplog):
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
 
     monkeypatch.setattr(compiled_layers, "compile_problem", lambda: "CppCompileError: no C++ compiler")
     model = tiny_model("llama")
@@ -177,7 +178,7 @@ def test_cli_sets_a_short_openmp_spin_before_torch_loads():
 def test_compiled_layers_score_options_exactly():
     """Multi-token options (option rows with masked attention, long members prefilled in chunks)
     through compiled layers: the same exactness as eager against a plain forward of prompt + option."""
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
     from tests.option_reference import reference_option_logps
     from tests.test_options_torch import TOLERANCE, groups_with_options
 

@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchscore.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_OUTPUT
-from batchscore.io.lock import lock_path
-from batchscore.io.parts import marker_path, staging_dir
+from batchscore.output.lock import lock_path
+from batchscore.output.parts import marker_path, staging_dir
 from tests.conftest import REPO, write_job, write_sample_subset
 
 ALL = os.environ.get("BATCHSCORE_FAULTS") == "all"

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from batchscore.engines import cascade_attention
-from batchscore.engines.cascade_attention import PrefixKV
-from batchscore.engines.hybrid import HybridDecoder
+from batchscore.engines.torch import cascade_attention
+from batchscore.engines.torch.cascade_attention import PrefixKV
+from batchscore.engines.torch.hybrid import HybridDecoder
 from batchscore.errors import HybridUnsupported
-from batchscore.engines.torch_engine import TorchEngine
+from batchscore.engines.torch.engine import TorchEngine
 from batchscore.plan.types import GroupMember, PrefixGroup
 from tests.test_torch_engine import BUDGET, FLOAT32_TOLERANCE, LABELS, make_groups, max_probability_error, tiny_model
 
@@ -176,7 +176,7 @@ def test_vllm_mlp_chunking_is_row_wise_and_reversible():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from batchscore.engines.vllm_hybrid import chunk_mlps
+    from batchscore.engines.vllm.hybrid import chunk_mlps
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=3,

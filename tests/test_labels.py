@@ -13,9 +13,9 @@ import pytest
 from batchscore.config import config_from_dict
 from batchscore.engines.base import LabelScores
 from batchscore.engines.shape import ModelShape, forward_flops
-from batchscore.engines.vllm_options import option_requests, option_totals
+from batchscore.engines.vllm.options import option_requests, option_totals
 from batchscore.errors import JobConfigError
-from batchscore.labels import OptionEncoder, RowOptionSource, RowScores, choices_problem, label_problems, score_columns
+from batchscore.prepare.options import OptionEncoder, RowOptionSource, RowScores, choices_problem, label_problems, score_columns
 from batchscore.plan import PlanOptions, build_plan
 from batchscore.plan.options import OptionTokens
 from batchscore.plan.types import GroupMember, PrefixGroup, Request
@@ -201,7 +201,7 @@ def test_label_scores_from_totals():
 
 
 def test_parts_hold_options_of_any_count(tmp_path):
-    from batchscore.io.parts import Manifest, PartStore
+    from batchscore.output.parts import Manifest, PartStore
 
     store = PartStore(tmp_path / "out.parquet")
     manifest = store.start(Manifest("h", {}, 2, 4, {"0": 4}), fresh=True, input_errors={1: "bad"})

@@ -76,8 +76,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_imports():
     graph = import_graph()
-    assert "batchscore.prepare" in graph["batchscore.runner"]
-    assert "batchscore.engines.torch_engine" in graph["batchscore.engines"]  # a lazy import counts
+    assert "batchscore.prepare.job" in graph["batchscore.run.runner"]
+    assert "batchscore.engines.torch.engine" in graph["batchscore.engines.factory"]  # a lazy import counts
 
 
 def test_no_import_circle():
@@ -110,3 +110,68 @@ def test_every_error_has_one_base():
                     for b in node.bases):
                 defined_elsewhere.append(f"{name}.{node.name}")
     assert not defined_elsewhere, f"define errors in batchscore/errors.py: {defined_elsewhere}"
+
+
+def face_imports() -> list[tuple[str, str]]:
+    """(module, package) for every import of a name from a package's `__init__` (its face) by a
+    module inside that package: `from batchscore.engines import gpu_available` in
+    batchscore/engines/vllm/settings.py. Such an import closes a circle as soon as the face
+    imports the module back, lazily or not."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            face = node.module
+            if modules.get(face, Path()).name != "__init__.py" or not name.startswith(face + "."):
+                continue
+            if face == "batchscore" and all(alias.name == "__version__" for alias in node.names):
+                continue  # the version string: the top face imports nothing eagerly
+            if any(f"{face}.{alias.name}" not in modules for alias in node.names):
+                found.append((name, face))
+    return found
+
+
+def test_no_module_imports_its_own_package_face():
+    assert face_imports() == []
+
+
+def test_faces_import_only_their_own_modules():
+    """A package face re-exports; it never reaches out lazily to build things."""
+    graph = import_graph()
+    modules = _modules()
+    for name, path in modules.items():
+        if path.name != "__init__.py":
+            continue
+        lazy = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.FunctionDef,))
+                and any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(node))]
+        if name in ("batchscore", "batchscore.report"):
+            continue  # the top face loads run_job lazily; report's face is its entry point (write_report)
+        assert not lazy, f"{name} imports inside a function: make it a plain face"
+
+
+def test_config_stays_on_the_ground_floor():
+    """config.py holds dataclasses and YAML only: it imports errors, models, yaml and the
+    standard library, so every floor above may name its dataclasses."""
+    path = PACKAGE / "config.py"
+    allowed = {"batchscore.errors", "batchscore.models", "batchscore"}
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    third_party = {m for m in imported if not m.startswith("batchscore")} - {"yaml"}
+    import sys
+    assert not {m.split(".")[0] for m in third_party} - set(sys.stdlib_module_names) - {"__future__"}, third_party
+    assert {m for m in imported if m.startswith("batchscore")} <= allowed, imported
+
+
+def test_engines_layout():
+    """engines/ is a face, device.py, factory.py, base.py, shape.py, cpu_features.py and three
+    sub-packages; nothing flat is told apart by a prefix."""
+    flat = sorted(p.name for p in (PACKAGE / "engines").glob("*.py"))
+    assert flat == ["__init__.py", "base.py", "cpu_features.py", "device.py", "factory.py", "shape.py"], flat
+    assert sorted(p.name for p in (PACKAGE / "engines").iterdir() if p.is_dir() and p.name != "__pycache__") == [
+        "speculative", "torch", "vllm"]

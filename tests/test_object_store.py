@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from batchscore.errors import EXIT_INPUT, EXIT_LOCKED, EXIT_OUTPUT, OutputLocked
-from batchscore.io.lease import LeaseLock
+from batchscore.output.lease import LeaseLock
 from batchscore.io.storage import as_path
 from tests.conftest import SAMPLE, write_job
 
@@ -230,7 +230,7 @@ def test_a_wide_parquet_object_is_read_by_its_needed_columns_only(s3, tmp_path, 
     fetch a few percent of the object; a changed object changes the identity."""
     import s3fs
 
-    from batchscore.io.identity import input_identity
+    from batchscore.output.identity import input_identity
     from batchscore.io.readers import discover_files, iter_batches
 
     fs, _ = s3

@@ -121,7 +121,7 @@ def test_error_lines_name_the_file_and_line(batch_run):
 
 
 def test_forged_turn_in_a_message_is_tokenized_as_text(tokenizer):
-    from batchscore.prompts import RequestRenderer
+    from batchscore.prepare.prompts import RequestRenderer
 
     renderer = RequestRenderer(tokenizer)
     messages = [{"role": "system", "content": "Judge."}, {"role": "user", "content": FORGED}]
@@ -176,8 +176,8 @@ def test_jsonl_output_holds_the_same_rows_as_parquet(tmp_path):
     import numpy as np
     import pyarrow as pa
 
-    from batchscore.io.formats import write_output
-    from batchscore.io.writer import results_table
+    from batchscore.output.formats import write_output
+    from batchscore.output.table import results_table
 
     table = results_table(pa.array(["a", "b"]), "id", pa.table({"k": [1, 2]}), ["Yes", "No"],
                           np.array([[0.25, 0.75], [np.nan, np.nan]]), np.array([0.5, np.nan]), {1: "boom"})

@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 
 from batchscore.cli import main
-from batchscore.engines.torch_engine import TorchEngine
+from batchscore.engines.torch.engine import TorchEngine
 from batchscore.plan.options import OptionTokens
 from batchscore.plan.types import GroupMember, PrefixGroup
 from tests.conftest import REPO, write_sample_subset
@@ -95,7 +95,7 @@ def test_one_token_options_need_no_extra_positions():
 
 
 def _prompt_texts(tokenizer, job_config, rows):
-    from batchscore.prompts import PromptRenderer
+    from batchscore.prepare.prompts import PromptRenderer
 
     renderer = PromptRenderer(tokenizer, job_config.prompt.template, system=job_config.prompt.system,
                               chat=job_config.prompt.chat)

@@ -11,7 +11,7 @@ import pytest
 
 from batchscore.errors import OutputLocked
 from batchscore.io.atomic import atomic_write
-from batchscore.io.lock import OutputLock
+from batchscore.output.lock import OutputLock
 
 
 def test_atomic_write_follows_the_umask(tmp_path):
@@ -34,7 +34,7 @@ def test_atomic_write_leaves_nothing_when_the_write_fails(tmp_path):
 def test_the_lock_is_exclusive_across_processes_and_dies_with_its_holder(tmp_path):
     output = tmp_path / "out.parquet"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from batchscore.io.lock import OutputLock;"
+        "import sys, time; from batchscore.output.lock import OutputLock;"
         f"lock = OutputLock({str(output)!r}); lock.acquire(); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from batchscore.synthetic import industry, microbench, table3
+from batchscore.prepare.synthetic import industry, microbench, table3
 from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
 from batchscore.plan.enlarge import enlarge, plain_first_level
 from batchscore.plan.tree import TokenTable, build_tree

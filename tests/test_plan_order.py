@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from batchscore.synthetic import microbench
+from batchscore.prepare.synthetic import microbench
 from batchscore.plan import (
     PlanOptions,
     build_plan,

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchscore.synthetic import microbench
+from batchscore.prepare.synthetic import microbench
 from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
 from batchscore.plan import Placement, place_groups, round_robin_requests
 from batchscore.plan.types import GroupMember, PrefixGroup

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from batchscore.synthetic import DEFAULT_VOCAB, WORKLOADS, industry, microbench, table3
+from batchscore.prepare.synthetic import DEFAULT_VOCAB, WORKLOADS, industry, microbench, table3
 from batchscore.plan import (
     PlanInputError,
     PlanOptions,
@@ -92,7 +92,7 @@ def test_empty_batch_and_bad_options():
 
 def test_plan_and_workloads_never_import_torch():
     code = (
-        "import sys, batchscore.plan, batchscore.synthetic;"
+        "import sys, batchscore.plan, batchscore.prepare.synthetic;"
         "from batchscore.plan import build_plan, requests_from_token_lists;"
         "build_plan(requests_from_token_lists([[1, 2, 3], [1, 2, 4]]));"
         "bad = [m for m in ('torch', 'vllm') if m in sys.modules];"

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from batchscore.cli import main
 from batchscore.errors import EXIT_INPUT, RowRenderError
 from batchscore.config import JobConfigError, config_from_dict, load_job
-from batchscore.prompts import PromptRenderer, compile_template
+from batchscore.prepare.prompts import PromptRenderer, compile_template
 
 FEW_SHOT = """{% for ex in examples %}Query: {{ ex.q }}
 Relevant? {{ ex.a }}
@@ -102,7 +102,7 @@ def few_shot_job(job_factory, small_input):
 
 
 def test_prompts_of_a_real_input_hold_the_examples(few_shot_job, tokenizer):
-    from batchscore.prepare import locate_job, prepare_job
+    from batchscore.prepare.job import locate_job, prepare_job
 
     config = load_job(few_shot_job)
     prepared = prepare_job(config, source=locate_job(config, for_output=False)).input

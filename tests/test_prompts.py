@@ -3,7 +3,7 @@
 import pytest
 
 from batchscore.errors import LabelError, PromptTemplateError
-from batchscore.prompts import (PromptRenderer, label_token_ids,
+from batchscore.prepare.prompts import (PromptRenderer, label_token_ids,
                                 parse_template)
 
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from batchscore.cli import main
 from batchscore.errors import EXIT_CONFIG, EXIT_INTERRUPTED
-from batchscore.io.parts import staging_dir
+from batchscore.output.parts import staging_dir
 from tests.conftest import write_sample_subset
 
 

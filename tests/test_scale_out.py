@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from batchscore.cli import main
 from batchscore.errors import EXIT_CONFIG
-from batchscore.io.parts import staging_dir
+from batchscore.output.parts import staging_dir
 from tests.conftest import write_sample_subset
 
 SCORES = ["p_Yes", "p_No", "label_mass"]

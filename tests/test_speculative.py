@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchscore.engines.kept_tokens import (
+from batchscore.engines.speculative.kept_tokens import (
     DISTINCT,
     EXACT,
     SHARED,
@@ -24,7 +24,7 @@ from batchscore.engines.kept_tokens import (
     speculator_shape,
 )
 from batchscore.engines.shape import ModelShape
-from batchscore.engines.torch_engine import TorchEngine
+from batchscore.engines.torch.engine import TorchEngine
 from batchscore.plan.types import GroupMember, PrefixGroup
 from tests.test_hybrid_prefill import max_dp
 from tests.test_torch_engine import LABELS, VOCAB, make_groups, tiny_model
@@ -302,8 +302,8 @@ def test_run_marks_rows_approximate_and_keep_one_is_exact(job_factory, small_inp
 
     import pyarrow.parquet as pq
 
-    from batchscore.engines.kept_tokens import plan_drop_stats
-    from batchscore.prepare import plan_job
+    from batchscore.engines.speculative.kept_tokens import plan_drop_stats
+    from batchscore.prepare.job import plan_job
     from tests.test_cli import invoke
 
     assert invoke("run", job_factory(small_input), "-q", "-o", tmp_path / "exact.parquet").exit_code == 0
@@ -326,8 +326,8 @@ def test_run_marks_rows_approximate_and_keep_one_is_exact(job_factory, small_inp
     from transformers import AutoTokenizer
 
     from batchscore.config import load_job
-    from batchscore.engines.kept_tokens import special_token_ids
-    from batchscore.prompts import label_token_ids
+    from batchscore.engines.speculative.kept_tokens import special_token_ids
+    from batchscore.prepare.prompts import label_token_ids
 
     config = load_job(job)
     groups = plan_job(config).groups
@@ -350,7 +350,7 @@ def test_run_marks_rows_approximate_and_keep_one_is_exact(job_factory, small_inp
 def test_docqa_workloads_are_real_text_with_known_answers(tokenizer):
     from batchscore.bench.docqa import COLORS, distinct_documents, label_words, shared_documents
     from batchscore.bench.haystack import SENTENCES
-    from batchscore.prompts import label_token_ids
+    from batchscore.prepare.prompts import label_token_ids
 
     assert len(label_token_ids(tokenizer, label_words())) == len(COLORS)  # one token each
     items = distinct_documents(tokenizer, 4, min_tokens=300, max_tokens=400, seed=3)
@@ -399,7 +399,7 @@ def test_flop_ideal_of_keep_03_with_eight_layers_on_long_documents(tokenizer, mo
     """The arithmetic behind the CPU acceptance point: main-model FLOPs at keep 0.3 plus the
     speculator's (7 layers and the 8th layer's keys over every token, plus the probes)."""
     from batchscore.bench.docqa import distinct_documents
-    from batchscore.engines.kept_tokens import special_token_ids
+    from batchscore.engines.speculative.kept_tokens import special_token_ids
     from batchscore.engines.shape import read_model_config
     from batchscore.plan import build_plan, requests_from_token_lists
 

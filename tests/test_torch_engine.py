@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from batchscore.engines.base import normalize_label_logprobs  # noqa: E402
-from batchscore.engines.torch_engine import TorchEngine, plan_suffix_batches  # noqa: E402
+from batchscore.engines.torch.engine import TorchEngine, plan_suffix_batches  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup  # noqa: E402
 
 VOCAB = 1000
@@ -190,7 +190,7 @@ def test_builtin_model_float32_matches_plain_forward(model_dir):
 
 
 def test_merge_partial_attention_equals_attention_over_all_keys():
-    from batchscore.engines.cascade_attention import merge_partial_attention
+    from batchscore.engines.torch.cascade_attention import merge_partial_attention
 
     torch.manual_seed(0)
     q = torch.randn(2, 4, 5, 8)  # [B, H, T, D]
@@ -208,7 +208,7 @@ def test_merge_partial_attention_equals_attention_over_all_keys():
 def test_attention_kernel_matches_float32_math(causal, rows, keys):
     """The kernel path (grouped-query: 6 query heads on 2 K/V heads) returns the same output and
     log-sum-exp as plain float32 math; the log-sum-exp is what the exact merges rely on."""
-    from batchscore.engines.cascade_attention import attention_with_lse, attention_with_lse_math
+    from batchscore.engines.torch.cascade_attention import attention_with_lse, attention_with_lse_math
 
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, rows, 16, generator=generator)

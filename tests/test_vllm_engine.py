@@ -19,9 +19,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from batchscore.engines import VLLM_INSTALL_HINT as INSTALL_HINT  # noqa
-from batchscore.engines.vllm_engine import VllmEngine, import_vllm  # noqa: E402
-from batchscore.engines.vllm_settings import derive_settings, kv_bytes_per_token, plan_request_cap  # noqa: E402
+from batchscore.engines.device import VLLM_INSTALL_HINT as INSTALL_HINT  # noqa
+from batchscore.engines.vllm.engine import VllmEngine, import_vllm  # noqa: E402
+from batchscore.engines.vllm.settings import derive_settings, kv_bytes_per_token, plan_request_cap  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup, Request  # noqa: E402
 
 DTYPE = os.environ.get("BATCHSCORE_VLLM_TEST_DTYPE", "float32")
@@ -41,7 +41,7 @@ def sample(model_dir, tokenizer):
     import pyarrow.parquet as pq
 
     from batchscore.config import load_job
-    from batchscore.prompts import PromptRenderer, label_token_ids
+    from batchscore.prepare.prompts import PromptRenderer, label_token_ids
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     job = load_job(os.path.join(repo, "jobs", "sample.yaml"))
@@ -143,7 +143,7 @@ def test_label_logprobs_are_exact_full_softmax(engine, sample, model_dir):
 
 def test_parity_with_torch_engine(sample_scores, sample, model_dir):
     """Same predicted label on ≥ 99% of rows and max |ΔP| ≤ 0.02 against the torch engine."""
-    torch_engine = pytest.importorskip("batchscore.engines.torch_engine")
+    torch_engine = pytest.importorskip("batchscore.engines.torch.engine")
     _, labels, groups = sample
     reference = torch_engine.TorchEngine.from_pretrained(model_dir, dtype=DTYPE, token_budget=4096)
     try:

@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from batchscore.engines.vllm_engine import VllmEngine  # noqa: E402
-from batchscore.engines.vllm_options import option_requests  # noqa: E402
+from batchscore.engines.vllm.engine import VllmEngine  # noqa: E402
+from batchscore.engines.vllm.options import option_requests  # noqa: E402
 from batchscore.plan import PlanOptions, build_plan  # noqa: E402
 from batchscore.plan.options import OptionTokens  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup, Request  # noqa: E402
@@ -32,7 +32,7 @@ def prompts(model_dir, tokenizer):
     import pyarrow.parquet as pq
 
     from batchscore.config import load_job
-    from batchscore.prompts import PromptRenderer
+    from batchscore.prepare.prompts import PromptRenderer
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     job = load_job(os.path.join(repo, "jobs", "sample.yaml"))
@@ -42,7 +42,7 @@ def prompts(model_dir, tokenizer):
 
 
 def _requests(tokenizer, prompts, options_per_row):
-    from batchscore.labels import OptionEncoder
+    from batchscore.prepare.options import OptionEncoder
 
     texts, tokens = prompts
     encoder = OptionEncoder(tokenizer)

@@ -58,9 +58,10 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool, compile_mode: s
     """
     from batchscore.bench.scoring import engine_probs, load_model, plain_group, plain_probs
     from batchscore.config import load_job
-    from batchscore.engines import create_engine, resolve_device
+    from batchscore.engines.device import resolve_device
+    from batchscore.engines.factory import build_engine
     from batchscore.errors import BatchscoreError, EngineUnavailable
-    from batchscore.prepare import locate_job, prepare_job
+    from batchscore.prepare.job import locate_job, prepare_job
 
     try:
         config = load_job(job)
@@ -85,7 +86,7 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool, compile_mode: s
                                   vllm_args={"kv_cache_memory_bytes": 256 << 20, **config.engine.vllm_args})
     for kind, section in engines.items():
         try:
-            engine = create_engine(kind, model_dir, section)
+            engine = build_engine(kind, model_dir, section)
         except EngineUnavailable as exc:
             click.echo(f"{kind} skipped: {exc}")
             continue

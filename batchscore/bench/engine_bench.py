@@ -86,9 +86,9 @@ def engine(model, dtypes, requests, prefix, distinct, degree, token_budget, base
     from batchscore.bench.gemm_peak import gemm_peak
     from batchscore.bench.scoring import engine_probs, load_model, make_groups, plain_probs
     from batchscore.engines.base import EngineMetrics
-    from batchscore.engines.compiled_layers import should_compile
+    from batchscore.engines.torch.compiled_layers import should_compile
     from batchscore.engines.shape import flop_ideal_speedup, read_model_config
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
     from batchscore.models import resolve_model
 
     dtypes = tuple(dict.fromkeys(dtypes))

@@ -154,8 +154,8 @@ def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: i
     """Plain forward of every full prompt vs the engine, same weights (attention switched per side);
     with `compile_layers`, then the engine again with its decoder layers compiled (in place, so last)."""
     from batchscore.bench.scoring import engine_probs, make_groups, plain_probs
-    from batchscore.engines.cascade_attention import register_cascade_attention
-    from batchscore.engines.torch_engine import TorchEngine, torch_dtype
+    from batchscore.engines.torch.cascade_attention import register_cascade_attention
+    from batchscore.engines.torch.engine import TorchEngine, torch_dtype
 
     model = build_model(name, torch_dtype(dtype_name), device)
     vocab = model.config.vocab_size
@@ -214,7 +214,7 @@ def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybr
 
     from batchscore.bench.mil_bench import longest_fitting
     from batchscore.bench.scoring import plain_group
-    from batchscore.engines.torch_engine import TorchEngine, torch_dtype
+    from batchscore.engines.torch.engine import TorchEngine, torch_dtype
     from batchscore.plan.types import Request
 
     model = build_model(name, torch_dtype(dtype_name), device)
@@ -276,8 +276,8 @@ def check_attention(device: str, dtype_name: str) -> float:
     causal and not; raises when it is off by more than the dtype allows."""
     import torch
 
-    from batchscore.engines.cascade_attention import attention_with_lse, attention_with_lse_math
-    from batchscore.engines.torch_engine import torch_dtype
+    from batchscore.engines.torch.cascade_attention import attention_with_lse, attention_with_lse_math
+    from batchscore.engines.torch.engine import torch_dtype
 
     generator = torch.Generator(device="cpu").manual_seed(0)
     worst = 0.0

@@ -115,10 +115,10 @@ def text_workload(model_dir, rows: int) -> Workload:
     import pyarrow.parquet as pq
 
     from batchscore.config import load_job
-    from batchscore.labels import OptionEncoder
+    from batchscore.prepare.options import OptionEncoder
     from batchscore.plan import PlanOptions, build_plan
     from batchscore.plan.types import Request
-    from batchscore.prepare import load_tokenizer, make_renderer
+    from batchscore.prepare.job import load_tokenizer, make_renderer
 
     job = load_job(REPO / "jobs" / "sample.yaml")
     tokenizer = load_tokenizer(model_dir)
@@ -194,7 +194,7 @@ def torch_compare(model_dir, workload: Workload, *, plain_rows: int, batch_size:
                   seed: int) -> list[Side]:
     """The plain forward (on a sample of rows) and the torch engine (all rows), alternating by group."""
     from batchscore.bench.scoring import load_model
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
 
     plain_model = load_model(model_dir, "float32")
     engine = TorchEngine(load_model(model_dir, "float32"), token_budget=token_budget)  # own copy of the weights
@@ -258,8 +258,8 @@ def vllm_compare(model_dir, workload: Workload, *, groups: int, plain_rows: int,
     """vLLM's prompt_logprobs path (on a sample of rows) and batchscore's two vLLM paths (every row
     of the first `groups` groups): options decoded (the engine's default) and the option trie of
     prefill-only requests. One engine; the order of the sides rotates group by group."""
-    from batchscore.engines.vllm_engine import VllmEngine
-    from batchscore.engines.vllm_settings import default_block_size
+    from batchscore.engines.vllm.engine import VllmEngine
+    from batchscore.engines.vllm.settings import default_block_size
     from batchscore.plan import PlanOptions, build_plan
     from batchscore.plan.types import Request
 

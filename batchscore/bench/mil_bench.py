@@ -45,7 +45,7 @@ def measure_here(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: i
     import numpy as np
 
     from batchscore.bench.scoring import plain_group
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
     from batchscore.models import resolve_model
     from batchscore.plan.types import PrefixGroup, Request
 
@@ -99,7 +99,7 @@ def throughput(
     steadier on a machine shared with other jobs).
     """
     from batchscore.bench.scoring import engine_probs, load_model, make_groups
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
     from batchscore.models import resolve_model
 
     weights = load_model(resolve_model(model), dtype)

@@ -19,7 +19,7 @@ import click
 from batchscore.bench.common import nonempty_int_list
 from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
 from batchscore.plan.placement import place_groups, round_robin_requests
-from batchscore.synthetic import WORKLOADS
+from batchscore.prepare.synthetic import WORKLOADS
 
 MAX_IMBALANCE = 1.05
 MAX_EXTRA = 0.02

@@ -21,7 +21,7 @@ import click
 
 from batchscore.bench.common import in_fresh_process
 from batchscore.plan import PlanOptions, build_plan, requests_from_token_lists
-from batchscore.synthetic import WORKLOADS, industry
+from batchscore.prepare.synthetic import WORKLOADS, industry
 
 
 @dataclass

@@ -7,14 +7,14 @@ so the longest prompt fits `max_context` (SmolLM2-135M: 8192) and CPU time; leng
 from a normal distribution and clipped to [1, max_context - post_len].
 
 Pure numpy, seeded; returns list[np.ndarray] of int32 token ids, like the generators in
-`batchscore.synthetic`.
+`batchscore.prepare.synthetic`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from batchscore.synthetic import DEFAULT_VOCAB, grouped_prompts, shuffled
+from batchscore.prepare.synthetic import DEFAULT_VOCAB, grouped_prompts, shuffled
 
 
 def postrec(

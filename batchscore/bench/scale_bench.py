@@ -71,7 +71,7 @@ class FixedScores:
                 yield LabelScores(member.row_id, self.log_probs, 0.5)
 
     def close(self) -> None:
-        from batchscore.io.parts import PartStore
+        from batchscore.output.parts import PartStore
 
         self.closed = time.perf_counter()
         manifest = PartStore(self.output).load_manifest()
@@ -94,7 +94,7 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int) -> None:
     import pyarrow.parquet as pq
 
     from batchscore.config import config_from_dict
-    from batchscore.runner import run_job
+    from batchscore.run.runner import run_job
 
     with tempfile.TemporaryDirectory(prefix="batchscore-scale-") as tmp:
         source, output = Path(tmp) / "input.parquet", Path(tmp) / "scores.parquet"
@@ -105,7 +105,7 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int) -> None:
                                    "output": {"path": str(output), "part_seconds": 1e9}})  # parts by rows only
         engines: list[FixedScores] = []
 
-        def stand_in(kind, model_dir, engine_section) -> FixedScores:
+        def stand_in(resolved, model_dir, engine_section) -> FixedScores:
             engines.append(FixedScores((0.25, 0.75), output))
             return engines[-1]
 

@@ -43,7 +43,7 @@ def load_model(path: str | Path, dtype: str, device: str = "cpu"):
     """A local Hugging Face causal LM (never downloaded) in engine dtype `dtype`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    from batchscore.engines.torch_engine import torch_dtype
+    from batchscore.engines.torch.engine import torch_dtype
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), local_files_only=True)
     return model.to(device).eval()

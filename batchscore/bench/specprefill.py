@@ -111,11 +111,11 @@ def run_workload(name: str, description: str, model, model_dir: Path, items, tok
     """Score one workload with the exact engine and every keep rate, interleaved unit by unit."""
     from batchscore.bench.scoring import engine_probs
     from batchscore.engines.base import EngineMetrics
-    from batchscore.engines.speculative import SpeculatorMetrics
+    from batchscore.engines.speculative.speculator import SpeculatorMetrics
     from batchscore.plan.types import GroupMember, PrefixGroup
-    from batchscore.engines.kept_tokens import SpecPrefillOptions, drop_stats, special_token_ids, speculator_shape
+    from batchscore.engines.speculative.kept_tokens import SpecPrefillOptions, drop_stats, special_token_ids, speculator_shape
     from batchscore.engines.shape import ModelShape
-    from batchscore.engines.torch_engine import TorchEngine
+    from batchscore.engines.torch.engine import TorchEngine
     from batchscore.plan import build_plan, requests_from_token_lists
 
     token_lists = [tokenizer(item.text, add_special_tokens=False)["input_ids"] for item in items]
@@ -268,9 +268,9 @@ def random_weight_points(main_name: str, speculator_name: str, lengths: list[int
 
     from batchscore.bench.gpu_bench import _sync, build_model
     from batchscore.bench.scoring import engine_probs, make_groups
-    from batchscore.engines.kept_tokens import SpecPrefillOptions, drop_stats
+    from batchscore.engines.speculative.kept_tokens import SpecPrefillOptions, drop_stats
     from batchscore.engines.shape import ModelShape
-    from batchscore.engines.torch_engine import TorchEngine, torch_dtype
+    from batchscore.engines.torch.engine import TorchEngine, torch_dtype
 
     dtype = torch_dtype(dtype_name)
     main, speculator = build_model(main_name, dtype, device), build_model(speculator_name, dtype, device)
@@ -380,7 +380,7 @@ def specprefill(model, dtype, docs, shared_docs, questions, min_tokens, max_toke
     from batchscore.bench.scoring import load_model
     from batchscore.bench.suite import machine_info
     from batchscore.models import resolve_model
-    from batchscore.prompts import label_token_ids
+    from batchscore.prepare.prompts import label_token_ids
 
     if min_tokens > max_tokens:
         raise click.BadParameter("--min-tokens must not exceed --max-tokens")

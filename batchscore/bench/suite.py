@@ -40,7 +40,7 @@ from batchscore.bench.postrec import postrec
 from batchscore.bench.results import Throughput
 from batchscore.engines.shape import flop_ideal_speedup, read_model_config
 from batchscore.plan import PlanOptions, PrefixGroup, build_plan, requests_from_token_lists
-from batchscore.synthetic import industry, microbench, table3
+from batchscore.prepare.synthetic import industry, microbench, table3
 
 log = logging.getLogger("batchscore")
 
@@ -264,8 +264,8 @@ class Engines:
 
     def __init__(self, model_dir: Path, options: BenchOptions, sizing_groups: list[PrefixGroup], kv_tokens: int):
         from batchscore.bench.scoring import load_model
-        from batchscore.engines.compiled_layers import should_compile
-        from batchscore.engines.torch_engine import TorchEngine
+        from batchscore.engines.torch.compiled_layers import should_compile
+        from batchscore.engines.torch.engine import TorchEngine
 
         self.options = options
         dtypes = options.engine_dtypes
@@ -305,12 +305,12 @@ class Engines:
 def _start_vllm(model_dir: Path, options: BenchOptions, sizing_groups: list[PrefixGroup], kv_tokens: int):
     """(VllmEngine started with a KV cache of about `kv_tokens`, "") or (None, why it is skipped)."""
     if not vllm_available():
-        from batchscore.engines import VLLM_INSTALL_HINT
+        from batchscore.engines.device import VLLM_INSTALL_HINT
 
         return None, f"vLLM not importable in this environment ({VLLM_INSTALL_HINT})"
     try:
-        from batchscore.engines.vllm_engine import VllmEngine
-        from batchscore.engines.vllm_settings import kv_bytes_per_token
+        from batchscore.engines.vllm.engine import VllmEngine
+        from batchscore.engines.vllm.settings import kv_bytes_per_token
 
         kv_bytes = kv_tokens * kv_bytes_per_token(read_model_config(model_dir), options.dtype)
         engine = VllmEngine(model_dir, dtype=options.dtype, token_budget=min(options.token_budget, 2048),

@@ -92,8 +92,8 @@ def compare(model_dir, requests: list[Request], labels: list[int], *, dtype: str
             repeats: int, seed: int, title: str) -> list[VllmRun]:
     """One engine: warm-up, then the shuffled baseline and the plan order (`repeats` each)."""
     from batchscore.bench.scoring import plain_group
-    from batchscore.engines.vllm_engine import VllmEngine
-    from batchscore.engines.vllm_settings import default_block_size
+    from batchscore.engines.vllm.engine import VllmEngine
+    from batchscore.engines.vllm.settings import default_block_size
 
     vllm_args = {"kv_cache_memory_bytes": kv_bytes, "disable_log_stats": False}
     engine = VllmEngine(model_dir, dtype=dtype, token_budget=token_budget, vllm_args=vllm_args)

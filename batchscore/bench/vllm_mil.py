@@ -28,7 +28,7 @@ class VllmMemoryProbe:
 
     def __init__(self, model_dir, dtype: str, longest: int, hybrid_chunk: int, kv_space_gib: int) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
-        from batchscore.engines.vllm_engine import VllmEngine
+        from batchscore.engines.vllm.engine import VllmEngine
 
         self._rng = np.random.default_rng(0)
         self._row = 0

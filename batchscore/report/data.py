@@ -148,7 +148,7 @@ def metrics_candidates(output: str | os.PathLike) -> list[Path]:
 def find_metrics(output: str | os.PathLike) -> tuple[dict | None, Path | None]:
     """The summary of `output`'s run: the one its completion marker recorded (when the output is
     unchanged since), else the first metrics JSON candidate that names this output's file."""
-    from batchscore.io.parts import marker_path, recorded_summary
+    from batchscore.output.parts import marker_path, recorded_summary
 
     recorded = recorded_summary(output)
     if recorded is not None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from batchscore.report import drift as drift_mod
-from batchscore.report import stats
+import batchscore.report.drift as drift_mod
+import batchscore.report.stats as stats
 from batchscore.report.data import ScoredOutput
 
 SECTION_IDS = ("summary", "label-distribution", "probabilities", "label-mass", "errors", "throughput", "drift")

@@ -37,8 +37,8 @@ import pyarrow.parquet as pq
 from batchscore.errors import ResumeMismatch
 from batchscore.faults import fault_point
 from batchscore.io.atomic import atomic_write
-from batchscore.labels import RowScores
-from batchscore.io.identity import describe_changes
+from batchscore.prepare.options import RowScores
+from batchscore.output.identity import describe_changes
 from batchscore.io.storage import as_path, file_size, list_files, remove_file, remove_tree, sibling
 
 log = logging.getLogger("batchscore")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from batchscore.errors import OutputError, OutputLocked
-from batchscore.io.lease import LeaseLock
+from batchscore.output.lease import LeaseLock
 from batchscore.io.storage import is_remote, sibling
 
 

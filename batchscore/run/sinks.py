@@ -14,7 +14,7 @@ import numpy as np
 
 from batchscore.engines.base import LabelScores
 from batchscore.faults import fault_point
-from batchscore.io.parts import Manifest, PartStore
+from batchscore.output.parts import Manifest, PartStore
 from batchscore.plan.types import PrefixGroup
 
 

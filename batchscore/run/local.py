@@ -10,7 +10,7 @@ from typing import Sequence
 
 from batchscore.engines.base import Engine, LabelScores, num_options
 from batchscore.errors import RunInterrupted
-from batchscore.executors.sinks import PartSink, RowProgress, record
+from batchscore.run.sinks import PartSink, RowProgress, record
 from batchscore.plan.types import PrefixGroup
 
 log = logging.getLogger("batchscore")

@@ -21,8 +21,8 @@ import time
 import pyarrow as pa
 
 from batchscore.io.atomic import atomic_write
-from batchscore.io.writer import write_parquet_atomic
-from batchscore.prompts import label_column
+from batchscore.output.table import write_parquet_atomic
+from batchscore.prepare.prompts import label_column
 
 # The smallest log probability written (OpenAI writes -9999.0 for "practically never").
 MIN_LOGPROB = -9999.0

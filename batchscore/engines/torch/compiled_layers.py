@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from batchscore.engines.cascade_attention import (
+from batchscore.engines.torch.cascade_attention import (
     CascadeBatch,
     CascadePart,
     PrefixKV,

@@ -14,11 +14,11 @@ from collections import deque
 from typing import Sequence
 
 from batchscore.config import EngineConfig, ExecutorConfig
-from batchscore.engines import create_engine
+from batchscore.engines.factory import ResolvedEngine, create_engine
 from batchscore.engines.base import LabelScores
 from batchscore.errors import EngineUnavailable, RunInterrupted
-from batchscore.executors.local import score_with_row_errors, stop_signals
-from batchscore.executors.sinks import PartSink, RowProgress, record
+from batchscore.run.local import score_with_row_errors, stop_signals
+from batchscore.run.sinks import PartSink, RowProgress, record
 
 log = logging.getLogger("batchscore")
 
@@ -37,11 +37,11 @@ def _import_ray():
 class ScoringWorker:
     """A Ray actor holding one engine (created in the actor's own process)."""
 
-    def __init__(self, kind: str, model_dir: str, engine: EngineConfig, threads: int):
+    def __init__(self, resolved: ResolvedEngine, model_dir: str, engine: EngineConfig, threads: int):
         import torch
 
         torch.set_num_threads(max(1, threads))
-        self.engine = create_engine(kind, model_dir, engine)
+        self.engine = create_engine(resolved, model_dir, engine)
 
     def score(self, groups, label_ids) -> list[LabelScores]:
         return list(score_with_row_errors(self.engine, groups, label_ids))
@@ -50,7 +50,7 @@ class ScoringWorker:
         return os.getpid()
 
 
-def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, kind: str, model_dir, sinks: Sequence[PartSink],
+def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: ResolvedEngine, model_dir, sinks: Sequence[PartSink],
                  label_ids: Sequence[int] | None, progress: RowProgress) -> None:
     """Score every sink's remaining groups on its own Ray actor; results go through the sinks.
 
@@ -71,7 +71,7 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, kind: str, mode
         for sink in sinks:
             if sink.done:
                 continue
-            actors[sink.worker] = actor_cls.remote(kind, str(model_dir), engine, int(executor.cpus_per_worker))
+            actors[sink.worker] = actor_cls.remote(resolved, str(model_dir), engine, int(executor.cpus_per_worker))
             pending[sink.worker] = deque(
                 actors[sink.worker].score.remote(chunk, None if label_ids is None else list(label_ids))
                 for chunk in _chunks(sink.remaining_groups(), min(TASK_ROWS, sinks[0].part_rows)))

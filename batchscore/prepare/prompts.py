@@ -3,7 +3,7 @@
 Templates (`prompt.engine: format`, the default) use `{column}` fields only. They are parsed,
 not evaluated: a field cannot reach attributes (`{a.b}`), indexes (`{a[0]}`), conversions
 (`{a!r}`) or format specs, so a job file cannot run code or read anything but the row's own
-columns. `prompt.engine: jinja` renders with jinja2's sandbox instead (batchscore.prompt_jinja).
+columns. `prompt.engine: jinja` renders with jinja2's sandbox instead (batchscore.prepare.jinja).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def template_fields(template: str, engine: str = "format") -> list[str]:
 def compile_template(template: str, engine: str = "format"):
     """A PromptTemplate (`format`) or a JinjaTemplate (`jinja`): `.columns` and `.render(row)`."""
     if engine == "jinja":
-        from batchscore.prompt_jinja import parse_jinja_template
+        from batchscore.prepare.jinja import parse_jinja_template
 
         return parse_jinja_template(template)
     if engine != "format":

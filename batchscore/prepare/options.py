@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchscore.plan.options import OptionTokens
-from batchscore.prompts import label_column
+from batchscore.prepare.prompts import label_column
 
 log = logging.getLogger("batchscore")
 

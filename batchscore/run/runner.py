@@ -22,26 +22,27 @@ from contextlib import contextmanager
 from typing import Callable
 
 from batchscore.config import EngineConfig, JobConfig
-from batchscore.engines import Engine, create_engine
+from batchscore.engines.base import Engine
+from batchscore.engines.factory import ResolvedEngine, create_engine
 from batchscore.errors import BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
-from batchscore.executors.local import score_locally
-from batchscore.executors.sinks import PartSink, RowProgress
+from batchscore.run.local import score_locally
+from batchscore.run.sinks import PartSink, RowProgress
 from batchscore.faults import fault_point
-from batchscore.io.identity import identity_hash
-from batchscore.io.lock import OutputLock
+from batchscore.output.identity import identity_hash
+from batchscore.output.lock import OutputLock
 from batchscore.io.storage import file_size, is_url
-from batchscore.io.parts import Manifest, PartStore, completed_summary, write_completion_marker
-from batchscore.io.formats import write_output
-from batchscore.io.writer import ok_rows, scores_table
-from batchscore.labels import choices_for_output, score_columns
+from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
+from batchscore.output.formats import write_output
+from batchscore.output.table import ok_rows, scores_table
+from batchscore.prepare.options import choices_for_output, score_columns
 from batchscore.plan.placement import place_groups
-from batchscore.prepare import JobSource, PreparedJob, locate_job, prepare_job, use_job_storage
+from batchscore.prepare.job import JobSource, PreparedJob, locate_job, prepare_job, use_job_storage
 
 log = logging.getLogger("batchscore")
 
 __all__ = ["run_job", "merge_shards", "RunSummary", "Shard", "EngineFactory"]
 
-EngineFactory = Callable[[str, Path, EngineConfig], Engine]  # (kind, model folder, engine section)
+EngineFactory = Callable[[ResolvedEngine, Path, EngineConfig], Engine]  # (resolved engine, model folder, engine section)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class RunSummary:
     seconds: float
     engine: str
     model: str
+    resolved_engine: dict = field(default_factory=dict)  # kind, device, dtype, compile: what `auto` became
     complete: bool = True  # False: a shard finished but others have not (no output yet)
     plan_seconds: float = 0.0
     score_seconds: float = 0.0
@@ -172,12 +174,12 @@ def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
     try:
         if any(not s.done for s in sinks):
             if use_ray:
-                from batchscore.executors.ray import score_on_ray
+                from batchscore.run.ray import score_on_ray
 
-                score_on_ray(config.executor, config.engine, job.kind, job.model_dir, sinks, job.label_ids, bar)
+                score_on_ray(config.executor, config.engine, source.engine, job.model_dir, sinks, job.label_ids, bar)
             else:
                 fault_point("engine")
-                engine = engine_factory(job.kind, job.model_dir, config.engine)
+                engine = engine_factory(source.engine, job.model_dir, config.engine)
                 try:
                     score_locally(engine, sinks[0], job.label_ids, bar)
                     batch_tokens = list(engine.metrics.batch_token_counts or [])
@@ -205,6 +207,7 @@ def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
         seconds=time.perf_counter() - started,
         engine=job.kind,
         model=str(config.model),
+        resolved_engine=source.engine.to_dict(),
         complete=complete,
         plan_seconds=plan.stats.plan_seconds,
         score_seconds=score_seconds,

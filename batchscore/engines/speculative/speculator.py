@@ -24,9 +24,9 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from batchscore.engines.cascade_attention import CascadeBatch, CascadePart, PrefixKV, SequenceLayout
-from batchscore.engines.hybrid import HybridDecoder
-from batchscore.engines.kept_tokens import (
+from batchscore.engines.torch.cascade_attention import CascadeBatch, CascadePart, PrefixKV, SequenceLayout
+from batchscore.engines.torch.hybrid import HybridDecoder
+from batchscore.engines.speculative.kept_tokens import (
     EXACT,
     GroupDecision,
     SpecPrefillOptions,
@@ -36,7 +36,7 @@ from batchscore.engines.kept_tokens import (
     speculator_cost_ratio,
     speculator_shape,
 )
-from batchscore.engines.memory import MemoryEstimator
+from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape
 from batchscore.errors import EngineUnavailable
 from batchscore.plan.types import PrefixGroup

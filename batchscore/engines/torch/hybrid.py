@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-from batchscore.engines.cascade_attention import CascadeBatch, CascadePart, attend_query_rows
+from batchscore.engines.torch.cascade_attention import CascadeBatch, CascadePart, attend_query_rows
 from batchscore.errors import HybridUnsupported
 
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")

@@ -50,20 +50,20 @@ import numpy as np
 import torch
 
 from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
-from batchscore.engines.cascade_attention import (
+from batchscore.engines.torch.cascade_attention import (
     CascadeBatch,
     CascadePart,
     PrefixKV,
     SequenceLayout,
     register_cascade_attention,
 )
-from batchscore.engines.cascade_attention import OptionLayout
-from batchscore.engines.compiled_layers import compile_decoder_layers
-from batchscore.engines.hybrid import HybridDecoder
-from batchscore.engines.kept_tokens import PrunedGroup, SpecPrefillOptions
-from batchscore.engines.memory import MemoryEstimator
+from batchscore.engines.torch.cascade_attention import OptionLayout
+from batchscore.engines.torch.compiled_layers import compile_decoder_layers
+from batchscore.engines.torch.hybrid import HybridDecoder
+from batchscore.engines.speculative.kept_tokens import PrunedGroup, SpecPrefillOptions
+from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape, dtype_bytes
-from batchscore.engines.torch_options import LM_HEAD_ROWS, OptionBatch, pack_options, subset
+from batchscore.engines.torch.options import LM_HEAD_ROWS, OptionBatch, pack_options, subset
 from batchscore.errors import EngineUnavailable, MemoryBudgetError
 from batchscore.plan.types import GroupMember, PrefixGroup
 from batchscore.plan.validate import prompt_problem
@@ -168,7 +168,7 @@ class TorchEngine:
         self.memory = MemoryEstimator(ModelShape.from_config(model.config, element_bytes), hybrid_chunk)
         self.speculator = None
         if speculative is not None:
-            from batchscore.engines.speculative import Speculator, load_speculator_decoder
+            from batchscore.engines.speculative.speculator import Speculator, load_speculator_decoder
 
             decoder, layers, shape = speculator_decoder or load_speculator_decoder(
                 speculative, model, next(model.parameters()).dtype, device)
@@ -196,7 +196,7 @@ class TorchEngine:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
         special = ()
         if speculative is not None:
-            from batchscore.engines.kept_tokens import special_token_ids
+            from batchscore.engines.speculative.kept_tokens import special_token_ids
 
             special = special_token_ids(path)
         return cls(model, token_budget=token_budget, device=device, compile_layers=compile_layers,

@@ -32,11 +32,11 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from batchscore.engines import VLLM_INSTALL_HINT
+from batchscore.engines.device import VLLM_INSTALL_HINT
 from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
 from batchscore.engines.shape import read_model_config
-from batchscore.engines.vllm_options import OPTION_MODES, OptionRequest, option_requests, option_totals
-from batchscore.engines.vllm_settings import VllmSettings, derive_settings
+from batchscore.engines.vllm.options import OPTION_MODES, OptionRequest, option_requests, option_totals
+from batchscore.engines.vllm.settings import VllmSettings, derive_settings
 from batchscore.errors import EngineUnavailable
 from batchscore.plan.types import GroupMember, PrefixGroup
 from batchscore.plan.validate import prompt_problem
@@ -170,7 +170,7 @@ class VllmEngine:
         kwargs = s.llm_kwargs()
         if self.option_mode == "decode" and any(m.options is not None and not m.options.single_token
                                                 for g in groups for m in g.members):
-            from batchscore.engines.vllm_forcing import ForceTokens  # loaded by vLLM's engine process too
+            from batchscore.engines.vllm.forcing import ForceTokens  # loaded by vLLM's engine process too
 
             kwargs["logits_processors"] = [*kwargs.get("logits_processors", []), ForceTokens]
         try:
@@ -194,7 +194,7 @@ class VllmEngine:
         with a hybrid_chunk (vLLM only accepts the patch function then)."""
         from functools import partial
 
-        from batchscore.engines.vllm_hybrid import chunk_mlps
+        from batchscore.engines.vllm.hybrid import chunk_mlps
 
         if self._llm is None:
             raise RuntimeError("start the engine before changing its hybrid chunk")
@@ -433,7 +433,7 @@ class _Member:
 def _params(request: OptionRequest):
     """SamplingParams of one option request: read `targets` at the last position, or decode `force`."""
     if request.force:
-        from batchscore.engines.vllm_forcing import FORCE_KEY
+        from batchscore.engines.vllm.forcing import FORCE_KEY
 
         return SamplingParams(max_tokens=len(request.force), temperature=0.0, logprobs=0, detokenize=False,
                               extra_args={FORCE_KEY: list(request.force)})

@@ -137,6 +137,11 @@ def describe_changes(before: dict, now: dict) -> list[str]:
         old, new = before.get("software", {}).get(name), now.get("software", {}).get(name)
         if old != new:
             changes.append(f"{name} {old} → {new}")
-    if before.get("engine") != now.get("engine"):
-        changes.append(f"the engine ({before.get('engine')} → {now.get('engine')})")
+    old_engine, new_engine = before.get("engine"), now.get("engine")
+    if isinstance(old_engine, dict) and isinstance(new_engine, dict):
+        for key in sorted(set(old_engine) | set(new_engine)):
+            if old_engine.get(key) != new_engine.get(key):
+                changes.append(f"the resolved engine.{key} ({old_engine.get(key)} → {new_engine.get(key)})")
+    elif old_engine != new_engine:
+        changes.append(f"the engine ({old_engine} → {new_engine})")
     return changes or ["the number of workers or shards"]

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchscore.io.atomic import atomic_write
-from batchscore.labels import score_column_names
-from batchscore.prompts import label_column
+from batchscore.prepare.options import score_column_names
+from batchscore.prepare.prompts import label_column
 
 
 def output_columns(labels: list[str], choices: bool = False, logprobs: bool = False) -> list[str]:

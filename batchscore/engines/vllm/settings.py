@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from batchscore.engines import gpu_available
+from batchscore.engines.device import gpu_available
 from batchscore.engines.shape import ModelShape, context_length, dtype_bytes
 from batchscore.plan.types import PrefixGroup
 

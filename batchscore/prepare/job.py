@@ -20,18 +20,18 @@ import numpy as np
 import pyarrow as pa
 
 from batchscore.config import JobConfig
-from batchscore.engines import kv_block_size, resolve_engine_kind
+from batchscore.engines.factory import ResolvedEngine, kv_block_size, resolve_engine
 from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import InputError, LabelError, OutputError, RowRenderError
-from batchscore.io.identity import input_identity, model_identity, software_versions
+from batchscore.output.identity import input_identity, model_identity, software_versions
 from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
 from batchscore.io.storage import as_path, is_url, use_storage_options
-from batchscore.labels import OptionEncoder, RowOptionSource
+from batchscore.prepare.options import OptionEncoder, RowOptionSource
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
 from batchscore.plan.validate import token_ids_problem
 from batchscore.plan.types import Request
-from batchscore.prompts import PromptRenderer, RequestRenderer
+from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
 
 log = logging.getLogger("batchscore")
 
@@ -57,10 +57,14 @@ class JobSource:
     """Where a job's rows and model are, and what its output depends on (no rows read yet)."""
 
     config: JobConfig
-    kind: str  # the resolved engine kind: torch | vllm
+    engine: ResolvedEngine  # kind, device, dtype, compile: resolved once, here
     files: list[tuple[Path, str]]  # (input file, format), discovered once
     model_dir: Path | None  # None when not needed (merge)
-    identity: dict  # config, input, model, software, engine: see io/identity.py
+    identity: dict  # config, input, model, software, engine: see output/identity.py
+
+    @property
+    def kind(self) -> str:
+        return self.engine.kind
 
 
 @dataclass
@@ -104,19 +108,19 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
                                                              config.input.filter)
     if for_output:
         _check_output_outside_input(config, [f for f, _ in files])
-    kind = resolve_engine_kind(config.engine.kind)
+    engine = resolve_engine(config.engine, compile_decision=for_output)
     model_dir = Path(resolve_model(config.model, download=config.model_download)) if with_model else None
     if not for_output:
-        return JobSource(config, kind, files, model_dir, {})
+        return JobSource(config, engine, files, model_dir, {})
     identity = {
         "config": scoring_config(config),
         "input": input_identity(files),
         "model_path": str(model_dir.resolve()) if model_dir else None,
         "model": model_identity(model_dir),
-        "software": software_versions(kind),
-        "engine": kind,
+        "software": software_versions(engine.kind),
+        "engine": engine.identity(),
     }
-    return JobSource(config, kind, files, model_dir, identity)
+    return JobSource(config, engine, files, model_dir, identity)
 
 
 def use_job_storage(config: JobConfig) -> None:
@@ -352,7 +356,7 @@ def _row_options(options: RowOptionSource | None, batch: InputBatch, rows_tokens
 
 
 def _prepare_synthetic(config: JobConfig, options: RowOptionSource | None = None) -> PreparedInput:
-    from batchscore.synthetic import WORKLOADS
+    from batchscore.prepare.synthetic import WORKLOADS
 
     sequences = [np.asarray(s, dtype=np.int32) for s in
                  WORKLOADS[config.input.synthetic.workload](**config.input.synthetic.params)]
