@@ -22,10 +22,14 @@ def __getattr__(name):
         from batchscore.run import runner
 
         return getattr(runner, name)
-    if name in ("load_job", "JobConfig"):
-        from batchscore import config
+    if name == "load_job":
+        from batchscore.jobfile import load_job
 
-        return getattr(config, name)
+        return load_job
+    if name == "JobConfig":
+        from batchscore.config import JobConfig
+
+        return JobConfig
     if name == "score_dataframe":
         from batchscore.api import score_dataframe
 

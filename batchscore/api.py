@@ -6,10 +6,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from batchscore.config import config_from_dict
+from batchscore.jobfile import config_from_dict
 from batchscore.models import DEFAULT_MODEL
-
-SCORE_COLUMNS = ("label", "label_mass", "status", "error")
+from batchscore.output.layout import DEFAULT_ID
 
 
 def score_dataframe(df, *, template: str, labels: Sequence[str] | None = None, choices_column: str | None = None,
@@ -43,6 +42,6 @@ def score_dataframe(df, *, template: str, labels: Sequence[str] | None = None, c
         }
         config = config_from_dict(raw)
         run_job(config, progress=progress)
-        scores = pd.read_parquet(config.output.path).drop(columns=["row_id"])
+        scores = pd.read_parquet(config.output.path).drop(columns=[DEFAULT_ID])
     scores.index = df.index
     return scores

@@ -148,3 +148,25 @@ class RunInterrupted(BatchscoreError, RuntimeError):
     """SIGTERM/SIGINT: the current part was finished and recorded; rerun to resume."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+class DecisionRequestError(InputError):
+    """A System One / OpenAI Decisions request body that cannot be read as asked: the request's
+    answer is this message with `status` 400 (a bad request never gets a 5xx); `question` is the
+    question's id or index when one question is at fault, else None."""
+
+    status = 400
+
+    def __init__(self, message: str, question: str | int | None = None):
+        super().__init__(message)
+        self.question = question
+
+
+EXIT_INTERNAL = 1  # an unexpected error (a bug): one line, the traceback under `batchscore -v`
+
+
+class WritePathError(BatchscoreError, ValueError):
+    """A path batchscore was asked to write (--metrics, --metrics-prom, report --html,
+    output.error_path) is an input, the output, or a file the output owns: refused before any work."""
+
+    exit_code = EXIT_CONFIG

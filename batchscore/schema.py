@@ -3,10 +3,10 @@ files in CI (e.g. the YAML language server: `# yaml-language-server: $schema=job
 
 pydantic builds it from the JobConfig dataclasses — the one definition of the keys, their types
 and defaults — and this module adds what the dataclasses say in words: each key's description
-(its comment in config.py), the allowed values of the keys that have a fixed set (the same
-constants `load_job` checks against), and unknown keys refused, as `load_job` refuses them.
+(its comment in config.py), the allowed values of the keys that have a fixed set (jobfile.ALLOWED,
+the table `load_job` checks against), and unknown keys refused, as `load_job` refuses them.
 
-The validation itself stays in config.py: pydantic's messages for unknown keys carry no
+The validation itself stays in jobfile.py: pydantic's messages for unknown keys carry no
 did-you-mean, and its coercions differ from the job file's (a single label given as a string,
 numbers written where text is meant), so a replacement would have made the messages worse.
 """
@@ -18,23 +18,22 @@ import inspect
 import re
 
 from batchscore import config as job_config
-from batchscore.prepare.options import NORMALIZE
-from batchscore.prepare.prompts import PROMPT_ENGINES
+from batchscore.jobfile import ALLOWED
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
-# (dataclass, key) -> the allowed values, as config.py checks them
-ALLOWED_VALUES = {
-    ("InputConfig", "format"): job_config.INPUT_FORMATS,
-    ("PromptConfig", "engine"): PROMPT_ENGINES,
-    ("ScoreConfig", "normalize"): NORMALIZE,
-    ("EngineConfig", "kind"): job_config.ENGINE_KINDS,
-    ("EngineConfig", "dtype"): job_config.DTYPES,
-    ("EngineConfig", "device"): job_config.DEVICES,
-    ("PlanConfig", "order"): job_config.ORDERS,
-    ("OutputConfig", "format"): job_config.OUTPUT_FORMATS,
-    ("ExecutorConfig", "kind"): job_config.EXECUTOR_KINDS,
-}
+
+def _section_class(dotted: str) -> str:
+    """The dataclass holding a dotted job key's last part: `engine.kind` -> EngineConfig."""
+    cls = job_config.JobConfig
+    for part in dotted.split(".")[:-1]:
+        type_name = next(f.type for f in dataclasses.fields(cls) if f.name == part)
+        cls = getattr(job_config, type_name.replace(" | None", ""))
+    return cls.__name__
+
+
+# (dataclass, key) -> the allowed values, as jobfile.py checks them
+ALLOWED_VALUES = {(_section_class(dotted), dotted.rpartition(".")[2]): values for dotted, values in ALLOWED.items()}
 INTERNAL_KEYS = {("JobConfig", "source")}  # set by load_job, not written in a job file
 
 _FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")

@@ -242,6 +242,7 @@ def test_scale_bench_runs_the_production_data_path():
         assert stage in result.output
 
 
+@pytest.mark.slow  # the real model in two dtypes; make test keeps the tiny-model bench runs
 def test_dtype_parity_float32_engine_matches_plain_forward(model_dir):
     from batchscore.bench.dtype_parity import dtype_parity
 

@@ -49,6 +49,7 @@ def test_efficiency_rows():
     assert peak_fraction(float("nan"), peak, "float32") is None and peak_fraction(1e9, None, "float32") is None
 
 
+@pytest.mark.slow  # make test keeps test_bench's tiny end-to-end runs
 def test_suite_runs_both_dtypes_interleaved(tmp_path, tiny_llama):
     from batchscore.bench.command import workloads
 

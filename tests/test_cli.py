@@ -4,6 +4,7 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
 from batchscore.cli import main
@@ -43,6 +44,7 @@ def test_run_writes_one_row_per_input_row(job_factory, small_input, tmp_path):
     assert summary["processed_tokens"] < summary["logical_tokens"]
 
 
+@pytest.mark.slow  # a full run for one option
 def test_output_option_overrides_the_job(job_factory, small_input, tmp_path):
     target = tmp_path / "elsewhere" / "scores.parquet"
     result = invoke("run", job_factory(small_input), "-q", "--output", target,
@@ -120,6 +122,7 @@ def test_prompt_longer_than_the_context_is_a_row_error(job_factory, tmp_path):
     assert out[1]["status"] == "ok"
 
 
+@pytest.mark.slow  # make test keeps the options tests of test_options_torch
 def test_multi_token_labels_are_scored(job_factory, small_input, tmp_path):
     """Labels of any length: 'Definitely relevant' is three tokens after the chat prompt (it used to
     be refused); the output keeps the label columns."""
@@ -152,6 +155,7 @@ def test_rows_over_the_memory_budget_are_row_errors_naming_the_memory(job_factor
     assert "engine.memory_budget" in out[0]["error"] and "MiB" in out[0]["error"]
 
 
+@pytest.mark.slow  # two full runs
 def test_shuffling_the_input_rows_leaves_every_rows_scores_unchanged(job_factory, small_input, tmp_path):
     """Order invariance: the plan regroups rows, so a row's scores must not depend on its neighbours."""
     first = tmp_path / "in_order.parquet"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from batchscore.config import config_from_dict, load_job, parse_set_options
 from batchscore.errors import JobConfigError
+from batchscore.jobfile import config_from_dict, load_job, parse_set_options
 
 VALID = {
     "input": {"path": "in.parquet"},
@@ -147,3 +147,29 @@ def test_yaml_alias_bomb_is_refused_quickly():
         safe_load_yaml(text)
     assert time.perf_counter() - started < 1.0
     assert safe_load_yaml("a: &x [1, 2]\nb: *x\n") == {"a": [1, 2], "b": [1, 2]}  # ordinary aliases work
+
+
+def test_every_key_with_fixed_values_is_checked_against_the_one_table():
+    import copy
+
+    from batchscore.jobfile import ALLOWED
+    from batchscore.schema import job_schema
+
+    schema = job_schema()
+    for key, allowed in ALLOWED.items():
+        raw = copy.deepcopy(VALID)
+        *sections, name = key.split(".")
+        node = raw
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = "nonsense"
+        with pytest.raises(JobConfigError) as info:
+            config_from_dict(raw)
+        assert any(p.startswith(f"{key}: ") and ", ".join(allowed) in p for p in info.value.problems), key
+        # ...and `batchscore schema` lists the same values
+        definition = schema
+        for section in sections:
+            ref = definition["properties"][section]
+            ref = next((r for r in ref.get("anyOf", [ref]) if "$ref" in r), ref)
+            definition = schema["$defs"][ref["$ref"].rsplit("/", 1)[1]]
+        assert definition["properties"][name]["enum"] == list(allowed), key

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from batchscore.cli import main
-from batchscore.config import config_from_dict
 from batchscore.errors import InputError
 from batchscore.io.readers import discover_files, input_base, iter_batches
+from batchscore.jobfile import config_from_dict
 from tests.conftest import write_job
 
 WIDE_ROWS = 4000

@@ -26,8 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchscore.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_OUTPUT
-from batchscore.output.lock import lock_path
-from batchscore.output.parts import marker_path, staging_dir
+from batchscore.output.layout import OutputFiles
 from tests.conftest import REPO, write_job, write_sample_subset
 
 ALL = os.environ.get("BATCHSCORE_FAULTS") == "all"
@@ -55,7 +54,7 @@ def run(job, output, *extra, fault: str | None = None, wait=True, limit_fsize: i
 
 def parts_written(output) -> int:
     try:
-        return len(json.loads((staging_dir(output) / "run.manifest.json").read_text())["parts"])
+        return len(json.loads((OutputFiles(output).parts / "run.manifest.json").read_text())["parts"])
     except (OSError, ValueError, KeyError):
         return 0
 
@@ -98,6 +97,7 @@ def kill_points(rng: random.Random) -> list[str]:
     return points + ["assemble", "output", "marker"]
 
 
+@pytest.mark.slow  # 8+ subprocess runs; make test keeps a kill + damaged part + resume
 def test_sigkill_at_many_points_then_resume_gives_the_uninterrupted_output(job, reference, tmp_path):
     output = tmp_path / "out.parquet"
     points = kill_points(random.Random(13))
@@ -114,8 +114,9 @@ def test_sigkill_at_many_points_then_resume_gives_the_uninterrupted_output(job, 
     code, out = run(job, output)
     assert code == 0, out
     assert_same_output(output, reference)
-    assert not staging_dir(output).exists() and marker_path(output).exists()
-    assert not lock_path(output).exists()
+    files = OutputFiles(output)
+    assert not files.parts.exists() and files.marker.exists()
+    assert not files.lock().exists()
 
 
 @full_only
@@ -140,6 +141,7 @@ def test_sigkill_at_random_moments_including_model_load(job, reference, tmp_path
     assert_same_output(output, reference)
 
 
+@pytest.mark.slow  # two runs; make test keeps the lock tests of test_output_files
 def test_a_second_run_of_the_same_output_exits_locked_and_touches_nothing(job, reference, tmp_path):
     output = tmp_path / "out.parquet"
     first = run(job, output, wait=False)
@@ -148,11 +150,11 @@ def test_a_second_run_of_the_same_output_exits_locked_and_touches_nothing(job, r
         time.sleep(0.05)
     first.send_signal(signal.SIGSTOP)  # hold it mid-run, holding its lock
     try:
-        files_before = sorted(p.name for p in staging_dir(output).iterdir())
+        files_before = sorted(p.name for p in OutputFiles(output).parts.iterdir())
         code, out = run(job, output, "--fresh")  # even --fresh must not touch the first run's files
         assert code == EXIT_LOCKED, out
         assert "another batchscore run" in out and f"pid {first.pid}" in out
-        assert sorted(p.name for p in staging_dir(output).iterdir()) == files_before
+        assert sorted(p.name for p in OutputFiles(output).parts.iterdir()) == files_before
     finally:
         first.send_signal(signal.SIGCONT)
     out, _ = first.communicate(timeout=600)
@@ -160,6 +162,7 @@ def test_a_second_run_of_the_same_output_exits_locked_and_touches_nothing(job, r
     assert_same_output(output, reference)
 
 
+@pytest.mark.slow  # three subprocess runs
 def test_rerunning_a_finished_job_does_nothing(job, reference, tmp_path):
     output = tmp_path / "out.parquet"
     shutil.copy(reference, output)
@@ -180,8 +183,8 @@ def test_a_damaged_part_is_scored_again(job, reference, tmp_path, damage):
     output = tmp_path / "out.parquet"
     code, _ = run(job, output, fault="part:6")
     assert code == -signal.SIGKILL
-    manifest = json.loads((staging_dir(output) / "run.manifest.json").read_text())
-    victim = staging_dir(output) / manifest["parts"][2]["file"]
+    manifest = json.loads((OutputFiles(output).parts / "run.manifest.json").read_text())
+    victim = OutputFiles(output).parts / manifest["parts"][2]["file"]
     if damage == "truncate":
         victim.write_bytes(victim.read_bytes()[:100])
     else:
@@ -203,6 +206,7 @@ def _model_copy(model_dir: Path, folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow  # make test keeps the edited-input refusal
 def test_a_model_changed_between_crash_and_resume_is_refused(job, model_dir, tmp_path):
     model = _model_copy(model_dir, tmp_path / "model")
     output = tmp_path / "out.parquet"
@@ -236,6 +240,7 @@ def test_an_input_edited_in_place_is_refused(model_dir, tmp_path):
     assert "data.jsonl changed" in out
 
 
+@pytest.mark.slow  # a 240-row single-group run; make test keeps test_resume's SIGTERM
 @pytest.mark.parametrize("rows", [2000 if ALL else 240])
 def test_sigterm_inside_one_prefix_group_stops_within_a_batch_and_resumes_the_rest(tmp_path, rows):
     """One product page asked `rows` questions: a single prefix group."""
@@ -259,7 +264,7 @@ def test_sigterm_inside_one_prefix_group_stops_within_a_batch_and_resumes_the_re
     stopped_in = time.monotonic() - signalled
     assert proc.returncode == EXIT_INTERRUPTED, out
     assert stopped_in < 20, stopped_in  # one forward batch of 512 tokens, not the rest of the group
-    manifest = json.loads((staging_dir(output) / "run.manifest.json").read_text())
+    manifest = json.loads((OutputFiles(output).parts / "run.manifest.json").read_text())
     saved = max(p["end"] for p in manifest["parts"])
     assert 0 < saved < rows  # saved inside the group
     code, out = run(job, output, "--metrics", str(tmp_path / "m.json"))
@@ -269,6 +274,7 @@ def test_sigterm_inside_one_prefix_group_stops_within_a_batch_and_resumes_the_re
     assert pq.read_table(output).num_rows == rows
 
 
+@pytest.mark.slow  # two subprocess runs
 def test_a_full_disk_is_a_clean_error_and_the_run_resumes(job, reference, tmp_path):
     output = tmp_path / "out.parquet"
     code, out = run(job, output, limit_fsize=4096)  # the first parts fit; the growing manifest does not

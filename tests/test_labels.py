@@ -10,12 +10,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from batchscore.config import config_from_dict
-from batchscore.engines.base import LabelScores
+from batchscore.engines.base import RawScores
 from batchscore.engines.shape import ModelShape, forward_flops
 from batchscore.engines.vllm.options import option_requests, option_totals
 from batchscore.errors import JobConfigError
-from batchscore.prepare.options import OptionEncoder, RowOptionSource, RowScores, choices_problem, label_problems, score_columns
+from batchscore.jobfile import config_from_dict
+from batchscore.output.layout import label_column
+from batchscore.output.scores import RowScores, normalize_totals, score_columns
+from batchscore.prepare.options import OptionEncoder, RowOptionSource, choices_problem, label_problems
 from batchscore.plan import PlanOptions, build_plan
 from batchscore.plan.options import OptionTokens
 from batchscore.plan.types import GroupMember, PrefixGroup, Request
@@ -152,8 +154,7 @@ def test_boundary_dependence_is_logged_once(tokenizer, caplog):
 def _scores(rows: list[list[float] | None], tokens: list[list[int] | None] | None = None) -> RowScores:
     logp = pa.array(rows, type=pa.list_(pa.float64()))
     token_array = pa.array(tokens or [None] * len(rows), type=pa.list_(pa.int32()))
-    mass = np.array([np.nan if r is None else np.exp(r).sum() for r in rows])
-    return RowScores(logp, token_array, mass)
+    return RowScores(logp, token_array)
 
 
 def test_fixed_label_columns_and_normalizations():
@@ -169,7 +170,7 @@ def test_fixed_label_columns_and_normalizations():
         for i in (0, 2):
             scaled = np.array(rows[i]) / divisors
             want = np.exp(scaled - np.logaddexp.reduce(scaled))
-            got = [columns[f"p_{label}"][i].as_py() for label in labels]
+            got = [columns[label_column(label)][i].as_py() for label in labels]
             np.testing.assert_allclose(got, want, rtol=1e-12)
             assert columns["label"][i].as_py() == labels[int(np.argmax(want))]
             assert columns["label_mass"][i].as_py() == pytest.approx(np.exp(rows[i]).sum())
@@ -191,29 +192,38 @@ def test_choice_columns():
     assert columns["label_mass"].to_pylist()[:2] == pytest.approx([0.4, 0.5])
 
 
-def test_label_scores_from_totals():
+def test_engine_scores_are_raw_totals_normalized_once_by_the_output():
     options = OptionTokens.from_lists([[1, 2], [3]])
-    scores = LabelScores.from_totals(7, np.log([0.1, 0.3]), options)
-    np.testing.assert_allclose(np.exp(scores.log_probs), [0.25, 0.75])
-    assert scores.label_mass == pytest.approx(0.4) and scores.option_tokens.tolist() == [2, 1]
-    plain = LabelScores(7, np.log([0.25, 0.75]), 0.4)  # one-token labels: totals derived
-    np.testing.assert_allclose(plain.raw_logp(), np.log([0.1, 0.3]))
+    scores = RawScores.of_options(7, np.log([0.1, 0.3]), options)
+    np.testing.assert_array_equal(scores.logp, np.log([0.1, 0.3]))  # as the engine gave them
+    assert scores.option_tokens.tolist() == [2, 1]
+    log_p, mass = normalize_totals(scores.logp)
+    np.testing.assert_allclose(np.exp(log_p[0]), [0.25, 0.75]) and np.testing.assert_allclose(mass, [0.4])
+    failed = RawScores.failed(8, 3, "too long")
+    assert np.isnan(failed.logp).all() and failed.logp.shape == (3,) and failed.error == "too long"
+
+
+def test_rows_without_a_whole_result_are_unscored():
+    scores = _scores([np.log([0.5, 0.5]).tolist(), None, [np.nan, np.nan], [-np.inf, -np.inf]])
+    assert scores.unscored().tolist() == [1, 2]  # no part holds row 1; the engine failed row 2
 
 
 def test_parts_hold_options_of_any_count(tmp_path):
+    from batchscore.output.layout import OutputFiles
     from batchscore.output.parts import Manifest, PartStore
 
-    store = PartStore(tmp_path / "out.parquet")
+    store = PartStore(OutputFiles(str(tmp_path / "out.parquet")))
     manifest = store.start(Manifest("h", {}, 2, 4, {"0": 4}), fresh=True, input_errors={1: "bad"})
     store.write_part(manifest, np.array([3, 0]), [np.log([0.5, 0.25, 0.25]), np.array([np.nan, np.nan])],
-                     [np.array([1, 2, 3]), None], np.array([1.0, np.nan]), {0: "engine"}, start=0, end=2)
-    store.write_part(manifest, np.array([2]), [np.log([0.1, 0.2])], [None], np.array([0.3]), {}, start=2, end=3)
+                     [np.array([1, 2, 3]), None], {0: "engine"}, start=0, end=2)
+    store.write_part(manifest, np.array([2]), [np.log([0.1, 0.2])], [None], {}, start=2, end=3)
     scores, errors = store.read_results([manifest], 4)
     assert errors == {1: "bad", 0: "engine"}
     assert scores.logp.to_pylist()[1] is None and len(scores.logp.to_pylist()[0]) == 2
-    np.testing.assert_allclose(scores.logp.to_pylist()[3], np.log([0.5, 0.25, 0.25]))
+    np.testing.assert_array_equal(scores.logp.to_pylist()[3], np.log([0.5, 0.25, 0.25]))  # raw, bit for bit
+    np.testing.assert_array_equal(scores.logp.to_pylist()[2], np.log([0.1, 0.2]))
     assert scores.tokens.to_pylist() == [None, None, None, [1, 2, 3]]
-    np.testing.assert_allclose(scores.mass, [np.nan, np.nan, 0.3, 1.0])
+    assert scores.unscored().tolist() == [0, 1]
 
 
 # ---------------------------------------------------------------------------- vLLM option trie

@@ -175,3 +175,31 @@ def test_engines_layout():
     assert flat == ["__init__.py", "base.py", "cpu_features.py", "device.py", "factory.py", "shape.py"], flat
     assert sorted(p.name for p in (PACKAGE / "engines").iterdir() if p.is_dir() and p.name != "__pycache__") == [
         "speculative", "torch", "vllm"]
+
+
+def make_recipe(target: str) -> list[str]:
+    """The commands of a Makefile target (its tab-indented lines)."""
+    lines = (PACKAGE.parent / "Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{target}:"))
+    recipe = []
+    for line in lines[start + 1:]:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line.strip())
+    return recipe
+
+
+def test_make_test_is_the_quick_tier_and_test_all_runs_everything():
+    import tomllib
+
+    options = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert any(m.startswith("slow:") for m in options["markers"]) and "--strict-markers" in options["addopts"]
+    quick = [c for c in make_recipe("test") if "pytest" in c]
+    assert quick and all('-m "not slow"' in c for c in quick), quick
+    everything = [c for c in make_recipe("test-all") if "pytest" in c]
+    assert everything and all(" -m " not in c for c in everything), everything  # slow tests included
+    assert any("BATCHSCORE_FAULTS=all" in c and ("test_faults.py" in c or c.endswith("pytest -q"))
+               for c in everything), everything  # the whole fault suite
+    commands = [line.strip() for line in (PACKAGE.parent / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert "make test-all" in commands, commands

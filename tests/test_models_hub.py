@@ -7,8 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from batchscore.cli import main
-from batchscore.config import JobConfigError, config_from_dict
+from batchscore.errors import JobConfigError
 from batchscore.errors import EXIT_CONFIG, ModelError
+from batchscore.jobfile import config_from_dict
 from batchscore.models import resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -106,6 +106,7 @@ def _read(fs, path):
         return pq.read_table(handle).to_pandas()
 
 
+@pytest.mark.slow  # three subprocess runs and a lease wait; make test keeps the storage-options run
 def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run(s3, hive_input, tmp_path):
     fs, env = s3
     local = tmp_path / "local"
@@ -214,7 +215,8 @@ def test_missing_input_and_missing_bucket_are_clear_errors(s3, hive_input, tmp_p
 
 
 def test_job_file_paths_stay_urls(tmp_path):
-    from batchscore.config import load_job
+    from batchscore.jobfile import load_job
+    from batchscore.output.layout import OutputFiles
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"input": {"path": "s3://bucket/in/"}, "prompt": {"template": "{text}"},
@@ -222,7 +224,7 @@ def test_job_file_paths_stay_urls(tmp_path):
                                                                        "format": "openai_batch"}}))
     config = load_job(job)
     assert config.input.path == "s3://bucket/in/" and config.output.path == "gs://bucket/out.jsonl"
-    assert config.output_error_path == "gs://bucket/out.errors.jsonl"
+    assert OutputFiles.for_job(config).errors == "gs://bucket/out.errors.jsonl"
 
 
 def test_a_wide_parquet_object_is_read_by_its_needed_columns_only(s3, tmp_path, monkeypatch):

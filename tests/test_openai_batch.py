@@ -11,7 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from batchscore.cli import main
-from batchscore.config import JobConfigError, config_from_dict
+from batchscore.errors import JobConfigError
+from batchscore.jobfile import config_from_dict
+from batchscore.output.layout import OutputFiles
 from tests.conftest import write_job, write_sample_subset
 
 SYSTEM = "You judge whether a product matches a shopper's query."
@@ -139,7 +141,7 @@ def test_config_rules_for_openai_batch():
     config = config_from_dict(base)
     assert config.input.id_column == "custom_id" and config.output_format == "openai_batch"
     config.output.path = "/x/results.jsonl"
-    assert config.output_error_path == "/x/results.errors.jsonl"
+    assert OutputFiles.for_job(config).errors == "/x/results.errors.jsonl"
     with pytest.raises(JobConfigError, match="prompt.template / prompt.system: not used"):
         config_from_dict({**base, "prompt": {"template": "{q}"}})
     with pytest.raises(JobConfigError, match="keyed by custom_id"):
@@ -148,7 +150,7 @@ def test_config_rules_for_openai_batch():
         config_from_dict({**base, "output": {"format": "csv"}})
     parquet = config_from_dict({"input": {"path": "x.parquet"}, "prompt": {"template": "{q}"}, "labels": ["Yes", "No"],
                                 "output": {"path": "o.jsonl"}})
-    assert parquet.output_format == "jsonl" and parquet.output_error_path is None
+    assert parquet.output_format == "jsonl" and OutputFiles.for_job(parquet).errors is None
 
 
 def test_duplicate_custom_ids_refuse_the_file(tmp_path):
@@ -180,7 +182,7 @@ def test_jsonl_output_holds_the_same_rows_as_parquet(tmp_path):
     from batchscore.output.table import results_table
 
     table = results_table(pa.array(["a", "b"]), "id", pa.table({"k": [1, 2]}), ["Yes", "No"],
-                          np.array([[0.25, 0.75], [np.nan, np.nan]]), np.array([0.5, np.nan]), {1: "boom"})
+                          np.log([[0.125, 0.375], [np.nan, np.nan]]), {1: "boom"})
     write_output(table, tmp_path / "o.jsonl", "jsonl", id_name="id", labels=["Yes", "No"])
     assert read_lines(tmp_path / "o.jsonl") == table.to_pylist()
     assert read_lines(tmp_path / "o.jsonl")[1] == {"id": "b", "k": 2, "p_Yes": None, "p_No": None, "label": None,

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from batchscore.cli import main
 from batchscore.engines.torch.engine import TorchEngine
+from batchscore.output.layout import label_column, logp_column
 from batchscore.plan.options import OptionTokens
 from batchscore.plan.types import GroupMember, PrefixGroup
 from tests.conftest import REPO, write_sample_subset
@@ -70,7 +71,7 @@ def test_options_match_plain_forward_on_every_path(arch, hybrid):
     worst = max(float(np.abs(r.logp - expected[r.row_id]).max()) for r in results)
     assert worst <= TOLERANCE, f"max |Δ log p| = {worst:.2e}"
     for r in results:
-        np.testing.assert_allclose(np.exp(r.log_probs).sum(), 1.0, atol=1e-9)
+        assert r.logp.shape == (len(r.option_tokens),)
         assert list(r.option_tokens) == [len(o) for g in groups for m in g.members if m.row_id == r.row_id
                                          for o in m.options]
 
@@ -86,7 +87,7 @@ def test_one_token_options_need_no_extra_positions():
                                            for m in g.members]) for g in groups]
     per_row = TorchEngine(model, token_budget=48)
     for r in per_row.score(with_options, None):
-        np.testing.assert_allclose(r.logp, by_labels[r.row_id].raw_logp(), atol=1e-6)
+        np.testing.assert_allclose(r.logp, by_labels[r.row_id].logp, atol=1e-6)
     assert per_row.metrics.processed_tokens == shared.metrics.processed_tokens
     assert per_row.metrics.batches == shared.metrics.batches
 
@@ -128,9 +129,10 @@ def sample_labels_run(tmp_path_factory):
     return pq.read_table(out).to_pandas()
 
 
+@pytest.mark.slow  # 200 rows + 20 reference forwards
 def test_sample_job_with_three_multi_token_labels_is_exact(sample_labels_run, hf_model, tokenizer):
     """Every 10th row (one per product) against a plain forward of prompt + label."""
-    from batchscore.config import load_job
+    from batchscore.jobfile import load_job
 
     job = load_job(REPO / "jobs" / "sample.yaml")
     out = sample_labels_run
@@ -144,8 +146,8 @@ def test_sample_job_with_three_multi_token_labels_is_exact(sample_labels_run, hf
     for i, text in zip(checked, texts):
         want, lengths = _reference(hf_model, tokenizer, text, SAMPLE_LABELS)
         assert lengths == [2, 2, 3]
-        got = out.loc[i, [f"logp_{label}" for label in SAMPLE_LABELS]].to_numpy(dtype=float)
-        p = out.loc[i, [f"p_{label}" for label in SAMPLE_LABELS]].to_numpy(dtype=float)
+        got = out.loc[i, [logp_column(label) for label in SAMPLE_LABELS]].to_numpy(dtype=float)
+        p = out.loc[i, [label_column(label) for label in SAMPLE_LABELS]].to_numpy(dtype=float)
         worst_logp = max(worst_logp, float(np.abs(got - want).max()))
         worst_p = max(worst_p, float(np.abs(p - np.exp(want - np.logaddexp.reduce(want))).max()))
         assert out.loc[i, "label"] == SAMPLE_LABELS[int(np.argmax(want))]
@@ -179,7 +181,7 @@ def _choices_job(folder: Path, input_path: Path, **overrides) -> Path:
 @pytest.fixture(scope="module")
 def choices_reference(hf_model, tokenizer, choices_input, tmp_path_factory):
     """Per row of the choices input: (reference totals, option token counts, the choices)."""
-    from batchscore.config import load_job
+    from batchscore.jobfile import load_job
 
     job = load_job(_choices_job(tmp_path_factory.mktemp("reference"), choices_input))
     rows = pq.read_table(choices_input).to_pylist()
@@ -187,6 +189,7 @@ def choices_reference(hf_model, tokenizer, choices_input, tmp_path_factory):
             for text, row in zip(_prompt_texts(tokenizer, job, rows), rows)]
 
 
+@pytest.mark.slow  # a reference forward per choice; make test keeps the tiny-model exactness tests
 def test_per_row_choices_job_is_exact(tmp_path, choices_input, choices_reference):
     job = _choices_job(tmp_path, choices_input)
     result = invoke("run", job, "-q")
@@ -205,6 +208,7 @@ def test_per_row_choices_job_is_exact(tmp_path, choices_input, choices_reference
     assert worst_logp <= TOLERANCE and worst_p <= TOLERANCE, f"|Δ log p| {worst_logp:.2e}, |ΔP| {worst_p:.2e}"
 
 
+@pytest.mark.slow  # needs the choices reference forwards
 @pytest.mark.parametrize("normalize", ["token", "byte"])
 def test_normalize_per_token_and_per_byte(tmp_path, choices_input, choices_reference, normalize):
     job = _choices_job(tmp_path, choices_input, score={"normalize": normalize})

@@ -1,4 +1,5 @@
-"""Output files: atomic, following the umask, and the lock that keeps two runs apart."""
+"""Output files: their names (output/layout.py), atomic writes following the umask, and the lock
+that keeps two runs apart."""
 
 from __future__ import annotations
 
@@ -11,7 +12,27 @@ import pytest
 
 from batchscore.errors import OutputLocked
 from batchscore.io.atomic import atomic_write
+from batchscore.jobfile import config_from_dict
+from batchscore.output.layout import OutputFiles, default_error_path, output_columns
 from batchscore.output.lock import OutputLock
+
+
+def test_every_file_beside_an_output_is_named_once(tmp_path):
+    files = OutputFiles(str(tmp_path / "out.parquet"))
+    assert [p.name for p in files.all_siblings()] == [
+        "out.parquet.lock", "out.parquet.parts", "out.parquet.complete.json", "out.parquet.report.html"]
+    assert files.lock("shard-0-of-3").name == "out.parquet.shard-0-of-3.lock" and files.path == tmp_path / "out.parquet"
+    batch = OutputFiles.for_job(config_from_dict({"input": {"path": "in.jsonl", "format": "openai_batch"},
+                                                  "labels": ["Yes", "No"], "output": {"path": "/x/batch.jsonl"}}))
+    assert batch.errors == "/x/batch.errors.jsonl" and str(batch.all_siblings()[3]) == "/x/batch.errors.jsonl"
+    assert default_error_path("s3://b/o/scores.NDJSON") == "s3://b/o/scores.errors.jsonl"
+    assert default_error_path("out.parquet") == "out.parquet.errors.jsonl"
+
+
+def test_output_columns_in_order():
+    assert output_columns([" Yes", "No "], logprobs=True) == ["p_Yes", "p_No", "label", "label_mass", "logp_Yes",
+                                                               "logp_No", "status", "error"]
+    assert output_columns([], choices=True) == ["choice", "choice_index", "p_choices", "label_mass", "status", "error"]
 
 
 def test_atomic_write_follows_the_umask(tmp_path):
@@ -35,14 +56,15 @@ def test_the_lock_is_exclusive_across_processes_and_dies_with_its_holder(tmp_pat
     output = tmp_path / "out.parquet"
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from batchscore.output.lock import OutputLock;"
-        f"lock = OutputLock({str(output)!r}); lock.acquire(); print('held', flush=True); time.sleep(60)")],
+        "from batchscore.output.layout import OutputFiles;"
+        f"lock = OutputLock(OutputFiles({str(output)!r})); lock.acquire(); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(OutputLocked, match=f"pid {holder.pid}"):
-        OutputLock(output).acquire()
+        OutputLock(OutputFiles(output)).acquire()
     holder.kill()
     holder.wait()
-    with OutputLock(output):  # the kernel released the dead holder's lock
+    with OutputLock(OutputFiles(output)):  # the kernel released the dead holder's lock
         pass
 
 

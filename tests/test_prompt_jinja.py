@@ -8,7 +8,8 @@ from click.testing import CliRunner
 
 from batchscore.cli import main
 from batchscore.errors import EXIT_INPUT, RowRenderError
-from batchscore.config import JobConfigError, config_from_dict, load_job
+from batchscore.errors import JobConfigError
+from batchscore.jobfile import config_from_dict, load_job
 from batchscore.prepare.prompts import PromptRenderer, compile_template
 
 FEW_SHOT = """{% for ex in examples %}Query: {{ ex.q }}

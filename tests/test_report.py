@@ -160,10 +160,9 @@ def test_metrics_prom_is_written_when_the_run_fails_early(tmp_path, small_input)
 
 def _output(path, ids, p_yes, errors=()):
     """An output file in the writer's own layout; rows in `errors` get status error."""
-    probs = np.array([[np.nan, np.nan] if p is None else [p, 1 - p] for p in p_yes])
-    mass = np.array([np.nan if p is None else 0.6 for p in p_yes])
+    totals = np.log([[np.nan, np.nan] if p is None else [0.6 * p, 0.6 * (1 - p)] for p in p_yes])  # label mass 0.6
     table = results_table(pa.array(ids), "pair_id", pa.table({"query": [f"q-{i}" for i in ids]}),
-                          ["Yes", "No"], probs, mass, {i: "boom" for i in errors})
+                          ["Yes", "No"], totals, {i: "boom" for i in errors})
     pq.write_table(table, path)
     return path
 
@@ -223,12 +222,11 @@ def test_error_messages_group_by_kind(tmp_path):
     assert error_kind("prompt is 3000 tokens, longer than the maximum 2048 (the model's context)") == \
         "prompt is N tokens, longer than the maximum N (the model's context)"
     assert error_kind("cannot open /tmp/x/y.bin (gone)") == "cannot open <file> (gone)"
-    probs = np.full((4, 2), np.nan)
-    table = results_table(pa.array(["w", "x", "y", "z"]), "id", pa.table({}), ["Yes", "No"], probs,
-                          np.full(4, np.nan), {0: "a.jsonl:1: field 'q' is null or missing",
-                                               1: "b.jsonl:9: field 'q' is null or missing",
-                                               2: "a.jsonl:3: field 't' is null or missing",
-                                               3: "token id 70000 is outside the model's vocabulary (size 49152)"})
+    table = results_table(pa.array(["w", "x", "y", "z"]), "id", pa.table({}), ["Yes", "No"], np.full((4, 2), np.nan),
+                          {0: "a.jsonl:1: field 'q' is null or missing",
+                           1: "b.jsonl:9: field 'q' is null or missing",
+                           2: "a.jsonl:3: field 't' is null or missing",
+                           3: "token id 70000 is outside the model's vocabulary (size 49152)"})
     pq.write_table(table, tmp_path / "e.parquet")
     kinds = error_kinds(load_output(tmp_path / "e.parquet"))
     assert [(k.kind, k.count) for k in kinds] == [

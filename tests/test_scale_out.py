@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from batchscore.cli import main
 from batchscore.errors import EXIT_CONFIG
-from batchscore.output.parts import staging_dir
+from batchscore.output.layout import OutputFiles
 from tests.conftest import write_sample_subset
 
 SCORES = ["p_Yes", "p_No", "label_mass"]
@@ -39,6 +39,7 @@ def assert_same_scores(got_path, want_path):
     assert (got[SCORES] - want[SCORES]).abs().max().max() < 1e-4  # the float32 bound; shards batch differently
 
 
+@pytest.mark.slow  # four runs; make test keeps the merge and Ray tests
 def test_three_shards_then_merge_equal_the_unsharded_output(job_factory, grouped_input, tmp_path):
     job = job_factory(grouped_input, engine={"token_budget": 256})
     reference = tmp_path / "reference.parquet"
@@ -50,7 +51,7 @@ def test_three_shards_then_merge_equal_the_unsharded_output(job_factory, grouped
         if index < 2:
             assert "batchscore merge" in result.output and not sharded.exists()
     assert sharded.exists()  # the shard that completed the set wrote the output
-    assert not staging_dir(sharded).exists()
+    assert not OutputFiles(sharded).parts.exists()
     assert_same_scores(sharded, reference)
     result = invoke("merge", job, "--shards", "3", "-o", sharded)
     assert result.exit_code == 0 and "already" in result.output
@@ -89,7 +90,7 @@ def test_ray_two_workers_match_one_worker_even_when_a_worker_dies(job_factory, g
     cmd = [sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "-o", str(output),
            "--set", "executor.kind=ray", "--set", "executor.num_workers=2", "--set", "output.part_rows=1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    manifest = staging_dir(output) / "run.manifest.json"
+    manifest = OutputFiles(output).parts / "run.manifest.json"
     deadline = time.monotonic() + 400
     killed = False
     while proc.poll() is None and time.monotonic() < deadline and not killed:

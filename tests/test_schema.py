@@ -11,7 +11,9 @@ import yaml
 from click.testing import CliRunner
 
 from batchscore.cli import main
-from batchscore.config import ENGINE_KINDS, JobConfigError, load_job, safe_load_yaml
+from batchscore.config import safe_load_yaml
+from batchscore.errors import JobConfigError
+from batchscore.jobfile import ALLOWED, load_job
 
 jsonschema = pytest.importorskip("jsonschema")
 JOBS = sorted((Path(__file__).resolve().parent.parent / "jobs").glob("*.yaml"))
@@ -48,7 +50,7 @@ def test_refuses_what_load_job_refuses(schema, tmp_path):
 
 def test_keys_are_described_with_their_allowed_values(schema):
     engine = schema["$defs"]["EngineConfig"]["properties"]
-    assert engine["kind"]["enum"] == list(ENGINE_KINDS)
+    assert engine["kind"]["enum"] == list(ALLOWED["engine.kind"])
     assert "tokens per forward batch" in engine["token_budget"]["description"]
     assert "s3://" in schema["$defs"]["InputConfig"]["properties"]["path"]["description"]
     assert "source" not in schema["properties"]  # set by load_job, not a job key

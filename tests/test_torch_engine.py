@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from batchscore.engines.base import normalize_label_logprobs  # noqa: E402
 from batchscore.engines.torch.engine import TorchEngine, plan_suffix_batches  # noqa: E402
+from batchscore.output.scores import normalize_totals  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup  # noqa: E402
 
 VOCAB = 1000
@@ -82,9 +82,9 @@ def max_probability_error(model, groups, token_budget: int) -> tuple[float, list
     results = list(engine.score(groups, LABELS))
     worst = 0.0
     for result in results:
-        ref_log_probs, ref_mass = normalize_label_logprobs(reference[result.row_id][None])
-        worst = max(worst, np.abs(np.exp(result.log_probs) - np.exp(ref_log_probs[0])).max())
-        worst = max(worst, abs(result.label_mass - ref_mass[0]))
+        ref_log_probs, ref_mass = normalize_totals(reference[result.row_id])
+        log_probs, mass = normalize_totals(result.logp)  # as the output normalizes them
+        worst = max(worst, np.abs(np.exp(log_probs) - np.exp(ref_log_probs)).max(), abs(mass[0] - ref_mass[0]))
     return worst, results, engine
 
 
@@ -95,11 +95,11 @@ def test_float32_matches_plain_forward(arch):
     assert error <= FLOAT32_TOLERANCE
     # one result per member, group by group, members in order
     assert [r.row_id for r in results] == [m.row_id for g in groups for m in g.members]
-    for result in results:
-        assert result.log_probs.shape == (len(LABELS),)
-        assert np.isclose(np.exp(result.log_probs).sum(), 1.0)
+    for result in results:  # raw totals: the labels' share of the full vocabulary, not normalized
+        assert result.logp.shape == (len(LABELS),) and result.logp.dtype == np.float64
+        assert 0 < np.exp(result.logp).sum() < 0.5  # 4 of 1000 tokens of a random model
     # the test is sensitive: label probabilities vary a lot between prompts
-    assert np.ptp([np.exp(r.log_probs[0]) for r in results]) > 0.2
+    assert np.ptp([np.exp(normalize_totals(r.logp)[0][0, 0]) for r in results]) > 0.2
     # the prefix is processed once per group, no batch exceeds the budget
     assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)
     assert max(engine.metrics.batch_token_counts) <= BUDGET
@@ -184,9 +184,10 @@ def test_builtin_model_float32_matches_plain_forward(model_dir):
     reference = reference_log_probs(model, groups, labels)
     engine = TorchEngine(model, token_budget=16)  # prefix in two chunks
     for result in engine.score(groups, labels):
-        ref_log_probs, ref_mass = normalize_label_logprobs(reference[result.row_id][None])
-        assert np.abs(np.exp(result.log_probs) - np.exp(ref_log_probs[0])).max() <= FLOAT32_TOLERANCE
-        assert abs(result.label_mass - ref_mass[0]) <= FLOAT32_TOLERANCE
+        ref_log_probs, ref_mass = normalize_totals(reference[result.row_id])
+        log_probs, mass = normalize_totals(result.logp)
+        assert np.abs(np.exp(log_probs) - np.exp(ref_log_probs)).max() <= FLOAT32_TOLERANCE
+        assert abs(mass[0] - ref_mass[0]) <= FLOAT32_TOLERANCE
 
 
 def test_merge_partial_attention_equals_attention_over_all_keys():

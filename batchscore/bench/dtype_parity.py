@@ -57,10 +57,10 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool, compile_mode: s
         batchscore bench dtype-parity jobs/sample.yaml --dtype bfloat16 --rows 200
     """
     from batchscore.bench.scoring import engine_probs, load_model, plain_group, plain_probs
-    from batchscore.config import load_job
     from batchscore.engines.device import resolve_device
     from batchscore.engines.factory import build_engine
     from batchscore.errors import BatchscoreError, EngineUnavailable
+    from batchscore.jobfile import load_job
     from batchscore.prepare.job import locate_job, prepare_job
 
     try:

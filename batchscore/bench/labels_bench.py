@@ -114,7 +114,7 @@ def text_workload(model_dir, rows: int) -> Workload:
     """The sample job's first `rows` prompts (real text, chat template) with the 5 text labels."""
     import pyarrow.parquet as pq
 
-    from batchscore.config import load_job
+    from batchscore.jobfile import load_job
     from batchscore.prepare.options import OptionEncoder
     from batchscore.plan import PlanOptions, build_plan
     from batchscore.plan.types import Request

@@ -51,7 +51,7 @@ class FixedScores:
     def __init__(self, probs: tuple[float, ...], output: Path):
         from batchscore.engines.base import EngineMetrics
 
-        self.log_probs = np.log(np.asarray(probs, dtype=np.float64))
+        self.logp = np.log(np.asarray(probs, dtype=np.float64) * 0.5)  # raw totals: label mass 0.5
         self.metrics = EngineMetrics()
         self.output = output
         self.created = time.perf_counter()
@@ -63,18 +63,19 @@ class FixedScores:
         return []
 
     def score(self, groups, label_token_ids):
-        from batchscore.engines.base import LabelScores
+        from batchscore.engines.base import RawScores
 
         for group in groups:
             self.groups += 1
             for member in group.members:
-                yield LabelScores(member.row_id, self.log_probs, 0.5)
+                yield RawScores(member.row_id, self.logp)
 
     def close(self) -> None:
+        from batchscore.output.layout import OutputFiles
         from batchscore.output.parts import PartStore
 
         self.closed = time.perf_counter()
-        manifest = PartStore(self.output).load_manifest()
+        manifest = PartStore(OutputFiles(str(self.output))).load_manifest()
         self.parts = len(manifest.parts) if manifest is not None else 0
 
 
@@ -93,7 +94,7 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int) -> None:
     """
     import pyarrow.parquet as pq
 
-    from batchscore.config import config_from_dict
+    from batchscore.jobfile import config_from_dict
     from batchscore.run.runner import run_job
 
     with tempfile.TemporaryDirectory(prefix="batchscore-scale-") as tmp:

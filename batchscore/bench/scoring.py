@@ -66,7 +66,7 @@ def plain_probs(model, groups: Sequence[PrefixGroup], labels: Sequence[int], bat
     length per forward, last-position logits only."""
     import torch
 
-    from batchscore.engines.base import normalize_label_logprobs
+    from batchscore.output.scores import normalize_totals
 
     prompts = [(m.row_id, g.full_prompt(m)) for g in groups for m in g.members]
     label_index = torch.tensor(list(labels), device=model.device)
@@ -76,14 +76,16 @@ def plain_probs(model, groups: Sequence[PrefixGroup], labels: Sequence[int], bat
             ids = torch.from_numpy(np.stack([p for _, p in batch]).astype(np.int64)).to(model.device)  # [B, T]
             logits = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits[:, -1].float()  # [B, V]
             label_logprobs = torch.log_softmax(logits, dim=-1)[:, label_index].cpu().numpy()  # [B, L]
-            normalized, _ = normalize_label_logprobs(label_logprobs)
+            normalized, _ = normalize_totals(label_logprobs)
             probs.update((row, np.exp(p)) for (row, _), p in zip(batch, normalized))
     return probs
 
 
 def engine_probs(engine, groups: Sequence[PrefixGroup], labels: Sequence[int]) -> Probs:
     """Score `groups` with a batchscore engine; row_id -> label probabilities."""
-    return {s.row_id: np.exp(s.log_probs) for s in engine.score(list(groups), list(labels))}
+    from batchscore.output.scores import normalize_totals
+
+    return {s.row_id: np.exp(normalize_totals(s.logp)[0][0]) for s in engine.score(list(groups), list(labels))}
 
 
 __all__ = ["make_groups", "plain_group", "load_model", "plain_probs", "engine_probs"]

@@ -7,9 +7,9 @@ A face only: modules inside batchscore import from the defining module, never fr
 Importing this package imports neither torch nor vllm.
 """
 
-from batchscore.engines.base import Engine, EngineMetrics, LabelScores
+from batchscore.engines.base import Engine, EngineMetrics, RawScores
 from batchscore.engines.device import VLLM_INSTALL_HINT, gpu_available, resolve_device, resolve_dtype
 from batchscore.engines.factory import ResolvedEngine, create_engine, kv_block_size, resolve_engine
 
-__all__ = ["Engine", "EngineMetrics", "LabelScores", "ResolvedEngine", "resolve_engine", "create_engine",
+__all__ = ["Engine", "EngineMetrics", "RawScores", "ResolvedEngine", "resolve_engine", "create_engine",
            "kv_block_size", "gpu_available", "resolve_device", "resolve_dtype", "VLLM_INSTALL_HINT"]

@@ -11,15 +11,12 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from batchscore.config import EngineConfig
 from batchscore.engines.base import Engine
 from batchscore.engines.device import (VLLM_INSTALL_HINT, resolve_device, resolve_dtype,
                                        resolve_engine_kind)
 from batchscore.errors import EngineUnavailable
-
-if TYPE_CHECKING:  # config.py still imports engines/ (until it moves to the ground floor)
-    from batchscore.config import EngineConfig
 
 log = logging.getLogger("batchscore")
 

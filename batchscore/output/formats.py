@@ -21,8 +21,8 @@ import time
 import pyarrow as pa
 
 from batchscore.io.atomic import atomic_write
+from batchscore.output import layout
 from batchscore.output.table import write_parquet_atomic
-from batchscore.prepare.prompts import label_column
 
 # The smallest log probability written (OpenAI writes -9999.0 for "practically never").
 MIN_LOGPROB = -9999.0
@@ -30,7 +30,8 @@ MIN_LOGPROB = -9999.0
 
 def write_output(table: pa.Table, path: str | os.PathLike, fmt: str, *, id_name: str, labels: list[str],
                  model: str = "", error_path: str | os.PathLike | None = None) -> None:
-    """Write the results table (io/writer.results_table) as `fmt`: parquet | jsonl | openai_batch."""
+    """Write the results table (output/table.py) as `fmt`: parquet | jsonl | openai_batch
+    (`error_path`: its failed rows' file, `OutputFiles.errors`)."""
     if fmt == "parquet":
         write_parquet_atomic(table, path)
     elif fmt == "jsonl":
@@ -58,26 +59,27 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
     """(output lines, error lines) of the OpenAI Batch API for the results table."""
     created = int(time.time()) if created is None else created
     column = {name: table.column(name).to_pylist() for name in
-              [id_name, "label", "label_mass", "status", "error", *map(label_column, labels)]}
+              [id_name, layout.LABEL, layout.LABEL_MASS, layout.STATUS, layout.ERROR,
+               *map(layout.label_column, labels)]}
     urls = table.column("url").to_pylist() if "url" in table.column_names else [None] * table.num_rows
-    approx = table.column("approx_keep").to_pylist() if "approx_keep" in table.column_names else None
+    approx = table.column(layout.APPROX_KEEP).to_pylist() if layout.APPROX_KEEP in table.column_names else None
     ok, failed = [], []
     for i in range(table.num_rows):
         custom_id = column[id_name][i]
         custom_id = None if custom_id is None else str(custom_id)
         key = hashlib.sha256(f"{i}:{custom_id}".encode()).hexdigest()[:24]
-        if column["status"][i] == "ok":
-            probs = {label: column[label_column(label)][i] for label in labels}
-            body = _completion(key, created, model, column["label"][i], probs, column["label_mass"][i],
+        if column[layout.STATUS][i] == layout.STATUS_OK:
+            probs = {label: column[layout.label_column(label)][i] for label in labels}
+            body = _completion(key, created, model, column[layout.LABEL][i], probs, column[layout.LABEL_MASS][i],
                                completions=str(urls[i] or "").endswith("/v1/completions"))
             if approx is not None:
-                body["approx_keep"] = approx[i]  # speculative prefill: the scores are approximate
+                body[layout.APPROX_KEEP] = approx[i]  # speculative prefill: the scores are approximate
             response = {"status_code": 200, "request_id": key, "body": body}
             ok.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response,
                                   "error": None}, ensure_ascii=False))
         else:
             failed.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id,
-                                      "response": _error_response(key, column["error"][i] or "not scored"),
+                                      "response": _error_response(key, column[layout.ERROR][i] or "not scored"),
                                       "error": None}, ensure_ascii=False))
     return ok, failed
 
@@ -92,7 +94,7 @@ def _completion(key: str, created: int, model: str, label: str, probs: dict[str,
                 completions: bool) -> dict:
     logprobs = {name: _logprob(p, mass) for name, p in probs.items()}
     ranked = sorted(logprobs, key=logprobs.get, reverse=True)
-    extra = {"scores": probs, "label_mass": mass}
+    extra = {layout.BATCH_SCORES: probs, layout.LABEL_MASS: mass}
     if completions:  # /v1/completions
         choice = {"index": 0, "text": label, "finish_reason": "length",
                   "logprobs": {"tokens": [label], "token_logprobs": [logprobs[label]], "text_offset": [0],

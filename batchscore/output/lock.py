@@ -1,8 +1,9 @@
 """One run per output at a time: an exclusive lock held for the whole run.
 
-`flock` on `<output>.lock`: the kernel drops the lock when its process dies, even by SIGKILL,
-so a crash never leaves a stale lock; a second run (a cron retry while the first is still
-going, an Airflow zombie) fails at once with OutputLocked and touches nothing.
+`flock` on `<output>.lock` (named in output/layout.py): the kernel drops the lock when its
+process dies, even by SIGKILL, so a crash never leaves a stale lock; a second run (a cron retry
+while the first is still going, an Airflow zombie) fails at once with OutputLocked and touches
+nothing.
 
 An object store has no flock: there the lock is a lease (io/lease.py). `OutputLock` gives the
 one that fits the output; both have `check()` (a lease can be lost; a flock cannot).
@@ -18,25 +19,22 @@ import time
 from pathlib import Path
 
 from batchscore.errors import OutputError, OutputLocked
+from batchscore.output.layout import RUN_WRITER, OutputFiles
 from batchscore.output.lease import LeaseLock
-from batchscore.io.storage import is_remote, sibling
 
 
-def lock_path(output_path: str | os.PathLike, writer: str = "run"):
-    return sibling(output_path, ".lock" if writer == "run" else f".{writer}.lock")
-
-
-def OutputLock(output_path: str | os.PathLike, writer: str = "run"):
-    """The exclusive lock of one writer of an output (`run` or a shard): a flock on a local
-    disk, a lease in an object store. A context manager with `acquire` and `release(remove)`."""
-    return LeaseLock(lock_path(output_path, writer)) if is_remote(output_path) else FileLock(output_path, writer)
+def OutputLock(files: OutputFiles, writer: str = RUN_WRITER):
+    """The exclusive lock of one writer of an output (`run`, a shard, or `merge`) at
+    `files.lock(writer)`: a flock on a local disk, a lease in an object store. A context manager
+    with `acquire` and `release(remove)`."""
+    return LeaseLock(files.lock(writer)) if files.remote else FileLock(files.lock(writer))
 
 
 class FileLock:
-    """Context manager: holds the exclusive flock of one writer of a local output."""
+    """Context manager: holds the exclusive flock at `path` (a local output's lock file)."""
 
-    def __init__(self, output_path: str | os.PathLike, writer: str = "run"):
-        self.path = lock_path(output_path, writer)
+    def __init__(self, path: Path):
+        self.path = path
         self._fd: int | None = None
 
     def __enter__(self) -> FileLock:

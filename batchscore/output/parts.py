@@ -1,12 +1,13 @@
 """Durable, resumable results: part files plus a manifest in a staging folder beside the output.
 
-Layout, for `output.path = out/scores.parquet`:
+Layout, for `output.path = out/scores.parquet` (the files beside the output are named in
+output/layout.py):
 
-    out/scores.parquet.lock              # held for the whole run (io/lock.py)
+    out/scores.parquet.lock              # held for the whole run (output/lock.py)
     out/scores.parquet.parts/
         run.manifest.json                # run identity + which rows each part covers
         run-input-errors.parquet         # row_id, error of rows refused before scoring
-        run-part-001-000000.parquet      # attempt 1, part 0: row_id, option log-probs and tokens, label_mass, error
+        run-part-001-000000.parquet      # attempt 1, part 0: row_id, raw option totals and tokens, error
         shard-1-of-3.manifest.json       # a static shard writes its own manifest and parts
         ...
     out/scores.parquet.complete.json     # written after the output: a rerun is a no-op
@@ -17,7 +18,8 @@ folder. The placement gives every worker a list of groups in plan order; a worke
 that order, are its *positions*, and a part covers a contiguous run of them — whole groups or
 any rows inside one — so a stop never waits for a group to end. Resuming skips the positions its
 parts cover (the state is O(parts), never O(rows)); each part is checked against the size and
-checksum recorded when it was written, and a damaged or missing part is scored again.
+checksum recorded when it was written, and a damaged or missing part is scored again. Parts of
+another format version are never mixed in: they are dropped (the log names them) and scored again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,13 +38,16 @@ import pyarrow.parquet as pq
 from batchscore.errors import ResumeMismatch
 from batchscore.faults import fault_point
 from batchscore.io.atomic import atomic_write
-from batchscore.prepare.options import RowScores
+from batchscore.io.storage import file_size, list_files, remove_file, remove_tree
 from batchscore.output.identity import describe_changes
-from batchscore.io.storage import as_path, file_size, list_files, remove_file, remove_tree, sibling
+from batchscore.output.layout import RUN_WRITER, OutputFiles
+from batchscore.output.scores import RowScores
 
 log = logging.getLogger("batchscore")
 
-MANIFEST_VERSION = 4  # 3: parts cover row positions, carry checksums; identity by content; 4: option totals
+# 3: parts cover row positions, carry checksums; identity by content; 4: option totals;
+# 5: raw totals only (no label_mass: output/scores.py derives it at assembly)
+MANIFEST_VERSION = 5
 
 
 @dataclass
@@ -85,43 +89,37 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
-        data = json.loads(text)
-        data["parts"] = [PartRecord(**p) for p in data.get("parts", [])]
-        return cls(**data)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Manifest":
+        return cls(**{**data, "parts": [PartRecord(**p) for p in data.get("parts", [])]})
 
 
-def staging_dir(output_path: str | os.PathLike):
-    return sibling(output_path, ".parts")
-
-
-def marker_path(output_path: str | os.PathLike):
-    return sibling(output_path, ".complete.json")
-
-
-def write_completion_marker(output_path: str | os.PathLike, output_hash: str, summary: dict) -> None:
-    """Record that `output_path` is the complete output of the job `output_hash` identifies."""
-    size = file_size(output_path)
+def write_completion_marker(files: OutputFiles, output_hash: str, summary: dict) -> None:
+    """Record that the output is the complete output of the job `output_hash` identifies."""
+    size = file_size(files.path)
     text = json.dumps({"output_hash": output_hash, "output_size": size, "summary": summary}, indent=2)
-    atomic_write(marker_path(output_path), lambda tmp: Path(tmp).write_text(text))
+    atomic_write(files.marker, lambda tmp: Path(tmp).write_text(text))
 
 
-def completed_summary(output_path: str | os.PathLike, output_hash: str) -> dict | None:
-    """The recorded summary when `output_path` is already this job's complete output, else None."""
-    marker = _read_marker(output_path)
+def completed_summary(files: OutputFiles, output_hash: str) -> dict | None:
+    """The recorded summary when the output is already this job's complete output, else None."""
+    marker = _read_marker(files)
     return marker["summary"] if marker is not None and marker.get("output_hash") == output_hash else None
 
 
-def recorded_summary(output_path: str | os.PathLike) -> dict | None:
-    """The summary recorded by the run that wrote `output_path` (its completion marker), or None
+def recorded_summary(files: OutputFiles) -> dict | None:
+    """The summary recorded by the run that wrote the output (its completion marker), or None
     when there is no marker or the output changed since (`batchscore report` reads it)."""
-    marker = _read_marker(output_path)
+    marker = _read_marker(files)
     return marker["summary"] if marker is not None else None
 
 
-def _read_marker(output_path: str | os.PathLike) -> dict | None:
+def _read_marker(files: OutputFiles) -> dict | None:
     try:
-        marker = json.loads(marker_path(output_path).read_text())
-        if file_size(output_path) == marker["output_size"] and isinstance(marker["summary"], dict):
+        marker = json.loads(files.marker.read_text())
+        if file_size(files.path) == marker["output_size"] and isinstance(marker["summary"], dict):
             return marker
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -144,25 +142,32 @@ class PartStore:
     "shard-I-of-N" for a static shard; each writer owns its own manifest file.
     """
 
-    def __init__(self, output_path: str | os.PathLike, name: str = "run", guard: Callable[[], None] | None = None):
-        self.output_path = as_path(output_path)
+    def __init__(self, files: OutputFiles, name: str = RUN_WRITER, guard: Callable[[], None] | None = None):
+        self.files = files
         self.name = name
         self.guard = guard or (lambda: None)  # raises when this writer may no longer write (a lost lease)
-        self.folder = staging_dir(output_path)
+        self.folder = files.parts
         self.manifest_path = self.folder / f"{name}.manifest.json"
 
     def load_manifest(self) -> Manifest | None:
         """The existing manifest, or None when there is nothing to resume."""
+        return self._read_manifest()[0]
+
+    def _read_manifest(self) -> tuple[Manifest | None, str | None]:
+        """(the manifest, None); (None, why it cannot be continued); (None, None) when there is none."""
         try:
-            manifest = Manifest.from_json(self.manifest_path.read_text())
+            data = json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
-            return None
-        except (ValueError, TypeError, KeyError):
-            return None  # unreadable manifest: start over rather than trust it
-        if manifest.version != MANIFEST_VERSION:
-            log.warning("%s is from another batchscore version; starting over", self.manifest_path)
-            return None
-        return manifest
+            return None, None
+        except ValueError:
+            return None, "its manifest is unreadable"  # start over rather than trust it
+        version = data.get("version", MANIFEST_VERSION) if isinstance(data, dict) else None
+        if version != MANIFEST_VERSION:  # never mixed: its parts may hold other values
+            return None, f"its parts are format version {version}, this batchscore writes version {MANIFEST_VERSION}"
+        try:
+            return Manifest.from_dict(data), None
+        except (TypeError, KeyError, AttributeError):
+            return None, "its manifest is unreadable"
 
     def start(self, manifest: Manifest, fresh: bool, input_errors: dict[int, str] | None = None) -> Manifest:
         """Open the staging folder for `manifest`'s job; returns the manifest to continue.
@@ -170,11 +175,13 @@ class PartStore:
         Side effects: with `fresh`, deletes this writer's files first; otherwise keeps a matching
         manifest (parts checked: a damaged or missing one and the worker's later parts are dropped,
         to be scored again) and raises ResumeMismatch, naming what changed, for one that belongs
-        to another job. A new manifest records `input_errors` (rows refused before scoring) in a
-        file of its own, so assembling the output never needs to tokenize the input again.
+        to another job. The files of a manifest that cannot be continued (unreadable, or of
+        another parts format version) are deleted, the log naming them. A new manifest records
+        `input_errors` (rows refused before scoring) in a file of its own, so assembling the
+        output never needs to tokenize the input again.
         The caller holds the output's lock.
         """
-        existing = None if fresh else self.load_manifest()
+        existing, stale = (None, None) if fresh else self._read_manifest()
         if fresh:
             self._remove_own_files()
         if existing is not None and existing.job_hash != manifest.job_hash:
@@ -188,7 +195,7 @@ class PartStore:
             existing.attempt += 1
             self.write_manifest(existing)
             return existing
-        self._remove_own_files()  # leftovers without a usable manifest
+        self._remove_own_files(stale)  # leftovers without a usable manifest
         errors = input_errors or {}
         manifest.input_errors_file = f"{self.name}-input-errors.parquet"
         table = pa.table({"row_id": pa.array(list(errors), type=pa.int64()),
@@ -198,13 +205,13 @@ class PartStore:
         return manifest
 
     def write_part(self, manifest: Manifest, row_ids: np.ndarray, logp: list[np.ndarray],
-                   option_tokens: list[np.ndarray | None], label_mass: np.ndarray, errors: dict[int, str],
+                   option_tokens: list[np.ndarray | None], errors: dict[int, str],
                    start: int, end: int, worker: int = 0) -> None:
         """Write one part (atomically), then record it in the manifest (atomically).
 
-        row_ids: [R]; logp: R arrays of each option's raw total log-probability (NaN: not
-        scored); option_tokens: R arrays of tokens per option (None: one token each);
-        label_mass: [R]; errors: row_id -> engine error message;
+        row_ids: [R]; logp: R arrays of each option's raw total log-probability, as the engine
+        returned it (NaN: not scored); option_tokens: R arrays of tokens per option (None: one
+        token each); errors: row_id -> engine error message;
         [start, end): the positions of the worker's member order the part covers (R = end - start).
         """
         self.guard()
@@ -214,7 +221,6 @@ class PartStore:
             "logp": pa.array([np.asarray(v, dtype=np.float64) for v in logp], type=pa.list_(pa.float64())),
             "option_tokens": pa.array([None if t is None else np.asarray(t, dtype=np.int32) for t in option_tokens],
                                       type=pa.list_(pa.int32())),
-            "label_mass": pa.array(label_mass, type=pa.float64()),
             "error": pa.array([errors.get(int(r)) for r in row_ids], type=pa.string()),
         })
         written = {}
@@ -233,12 +239,11 @@ class PartStore:
         atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
 
     def read_results(self, manifests: list[Manifest], num_rows: int) -> tuple[RowScores, dict[int, str]]:
-        """Gather every part, reading each once: every row's option totals, tokens and mass (in row
-        order; null lists and NaN mass where unscored) and the rows that were not scored (refused
+        """Gather every part, reading each once: every row's raw option totals and tokens (in row
+        order; null lists where no part holds the row) and the rows that were not scored (refused
         before scoring, or by the engine), with the reason. Raises RuntimeError when any row has
         two results (parts that overlap, or a part that scored a row refused before scoring):
         exactly once, or not at all."""
-        mass = np.full(num_rows, np.nan)
         row_chunks, logp_chunks, token_chunks = [], [], []
         errors: dict[int, str] = {}
         seen = np.zeros(num_rows, dtype=np.int64)
@@ -256,7 +261,6 @@ class PartStore:
             row_chunks.append(rows)
             logp_chunks.append(table.column("logp").combine_chunks())
             token_chunks.append(table.column("option_tokens").combine_chunks())
-            mass[rows] = table.column("label_mass").to_numpy()
             for row_id, message in zip(rows.tolist(), table.column("error").to_pylist()):
                 if message is not None:
                     errors[row_id] = message
@@ -274,12 +278,12 @@ class PartStore:
             values = pa.concat_arrays(chunks) if chunks else pa.array([], type=pa.list_(value_type))
             return values.take(take)
 
-        scores = RowScores(in_row_order(logp_chunks, pa.float64()), in_row_order(token_chunks, pa.int32()), mass)
+        scores = RowScores(in_row_order(logp_chunks, pa.float64()), in_row_order(token_chunks, pa.int32()))
         return scores, errors
 
     def sibling_manifests(self, names: list[str]) -> list[Manifest | None]:
         """The manifests of the writers `names` in the same folder (None where missing)."""
-        return [PartStore(self.output_path, name).load_manifest() for name in names]
+        return [PartStore(self.files, name).load_manifest() for name in names]
 
     def finish(self) -> None:
         """Remove the staging folder once the final output is in place."""
@@ -291,8 +295,13 @@ class PartStore:
                 or p.name == f"{self.name}-input-errors.parquet"
                 or p.name == self.manifest_path.name]
 
-    def _remove_own_files(self) -> None:
-        for path in self._own_files():
+    def _remove_own_files(self, reason: str | None = None) -> None:
+        """Delete this writer's files; with `reason` (why they cannot be continued), log which."""
+        paths = self._own_files()
+        if reason and paths:
+            log.warning("%s: %s; dropping %s — their rows will be scored again", self.folder, reason,
+                        ", ".join(sorted(p.name for p in paths)))
+        for path in paths:
             remove_file(path)
 
     def _input_errors_readable(self, manifest: Manifest) -> bool:

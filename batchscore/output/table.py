@@ -14,14 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchscore.io.atomic import atomic_write
-from batchscore.prepare.options import score_column_names
-from batchscore.prepare.prompts import label_column
-
-
-def output_columns(labels: list[str], choices: bool = False, logprobs: bool = False) -> list[str]:
-    """The columns `scores_table` writes besides the id and the kept input columns (fixed
-    `labels`, or each row's `choices`; `logprobs`: the raw log-probability columns too)."""
-    return score_column_names(labels, choices, logprobs) + ["status", "error"]
+from batchscore.output import layout
+from batchscore.output.scores import RowScores, score_columns
 
 
 def ok_rows(num_rows: int, errors: dict[int, str]) -> np.ndarray:
@@ -32,27 +26,23 @@ def ok_rows(num_rows: int, errors: dict[int, str]) -> np.ndarray:
     return ok
 
 
-def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str],
-                  probs: np.ndarray, label_mass: np.ndarray, errors: dict[int, str],
-                  approx_keep: float | None = None) -> pa.Table:
-    """The output table of fixed labels from their probabilities.
+def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str], logp: np.ndarray,
+                  errors: dict[int, str], approx_keep: float | None = None) -> pa.Table:
+    """The output table of fixed labels from each row's raw label totals, as a run writes it.
 
-    probs: [N, L] probabilities normalized over the labels (NaN for error rows);
-    label_mass: [N]; errors and approx_keep: as in `scores_table`.
+    logp: [N, L] each label's total log-probability (ignored for error rows); errors and
+    approx_keep: as in `scores_table`.
     """
     ok = ok_rows(len(ids), errors)
-    columns: dict[str, pa.Array] = {}
-    for i, label in enumerate(labels):
-        columns[label_column(label)] = pa.array(probs[:, i], mask=~ok, type=pa.float64())
-    best = np.argmax(np.nan_to_num(probs, nan=-1.0), axis=1)
-    columns["label"] = pa.array([labels[b] if good else None for b, good in zip(best, ok)], type=pa.string())
-    columns["label_mass"] = pa.array(label_mass, mask=~ok, type=pa.float64())
+    totals = pa.array([list(row) if good else None for row, good in zip(np.asarray(logp, dtype=np.float64), ok)],
+                      type=pa.list_(pa.float64()))
+    columns = score_columns(labels=labels, choices=None, scores=RowScores(totals), ok=ok)
     return scores_table(ids, id_name, kept, columns, errors, approx_keep)
 
 
 def scores_table(ids: pa.Array, id_name: str, kept: pa.Table, scores: dict[str, pa.Array],
                  errors: dict[int, str], approx_keep: float | None = None) -> pa.Table:
-    """Assemble the output table: id, kept columns, the score columns (`labels.score_columns`),
+    """Assemble the output table: id, kept columns, the score columns (`scores.score_columns`),
     then status and error.
 
     errors: row_id -> message for rows that were not scored; approx_keep: the keep rate of
@@ -67,9 +57,9 @@ def scores_table(ids: pa.Array, id_name: str, kept: pa.Table, scores: dict[str, 
             columns[name] = kept.column(name)
     columns.update(scores)
     if approx_keep is not None:
-        columns["approx_keep"] = pa.array(np.full(n, approx_keep), mask=~ok, type=pa.float64())
-    columns["status"] = pa.array(np.where(ok, "ok", "error"), type=pa.string())
-    columns["error"] = pa.array([errors.get(i) for i in range(n)], type=pa.string())
+        columns[layout.APPROX_KEEP] = pa.array(np.full(n, approx_keep), mask=~ok, type=pa.float64())
+    columns[layout.STATUS] = pa.array(np.where(ok, layout.STATUS_OK, layout.STATUS_ERROR), type=pa.string())
+    columns[layout.ERROR] = pa.array([errors.get(i) for i in range(n)], type=pa.string())
     return pa.table(columns)
 
 

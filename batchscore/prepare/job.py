@@ -22,8 +22,10 @@ import pyarrow as pa
 from batchscore.config import JobConfig
 from batchscore.engines.factory import ResolvedEngine, kv_block_size, resolve_engine
 from batchscore.engines.shape import context_length, read_model_config
-from batchscore.errors import InputError, LabelError, OutputError, RowRenderError
+from batchscore.errors import BatchscoreError, InputError, LabelError, OutputError, RowRenderError
+from batchscore.output.write_paths import check_job_write_paths
 from batchscore.output.identity import input_identity, model_identity, software_versions
+from batchscore.output.layout import OutputFiles
 from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
 from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.prepare.options import OptionEncoder, RowOptionSource
@@ -108,6 +110,7 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
                                                              config.input.filter)
     if for_output:
         _check_output_outside_input(config, [f for f, _ in files])
+        check_job_write_paths(config, [f for f, _ in files])  # the job file, output.error_path
     engine = resolve_engine(config.engine, compile_decision=for_output)
     model_dir = Path(resolve_model(config.model, download=config.model_download)) if with_model else None
     if not for_output:
@@ -127,7 +130,7 @@ def use_job_storage(config: JobConfig) -> None:
     """The job's input/output.storage_options, for the paths below its input and output."""
     use_storage_options((config.input.path, config.input.storage_options),
                         (config.output.path, config.output.storage_options),
-                        (config.output_error_path, config.output.storage_options))
+                        (OutputFiles.for_job(config).errors, config.output.storage_options))
 
 
 def scoring_config(config: JobConfig) -> dict:
@@ -136,7 +139,7 @@ def scoring_config(config: JobConfig) -> dict:
     data = config.to_dict()
     data["output"] = {"keep_columns": data["output"]["keep_columns"]}
     if config.output_format != "parquet":  # parquet: the identity outputs had before the key existed
-        data["output"].update(format=config.output_format, error_path=config.output_error_path)
+        data["output"].update(format=config.output_format, error_path=OutputFiles.for_job(config).errors)
     data.pop("executor")
     data["input"].pop("storage_options")  # where the bytes come from (and credentials), not what they are
     data.pop("model")  # by content, in the identity's model part
@@ -412,6 +415,10 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
             errors[rid] = f"{batch.file}:{batch.first_line + offset}: field {exc.args[0]!r} is null or missing"
         except RowRenderError as exc:  # prompt.engine jinja: any other failure of this row's template
             errors[rid] = f"{batch.file}:{batch.first_line + offset}: {exc}"
+        except BatchscoreError:  # about the job, not this row (a model without a chat template)
+            raise
+        except Exception as exc:  # noqa: BLE001 — e.g. a chat template refusing this row's messages
+            errors[rid] = f"{batch.file}:{batch.first_line + offset}: cannot render the prompt ({type(exc).__name__}: {exc})"
     result: list = [None] * len(rows)
     rendered: list = [None] * len(rows)
     for offset, prompt, tokens in zip(positions, texts, renderer.encode(texts)):

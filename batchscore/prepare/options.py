@@ -1,4 +1,5 @@
-"""Labels and per-row choices: what is scored after each prompt, and how the scores become columns.
+"""Labels and per-row choices: what is scored after each prompt (the input half; the output half,
+scores to columns, is output/scores.py).
 
 A job scores either the same `labels` after every prompt, or each row's own options
 (`input.choices_column`, a list<string> column). Either way an option is any non-empty text:
@@ -9,38 +10,24 @@ A job scores either the same `labels` after every prompt, or each row's own opti
   tokenized alone, the job log says so once. Pre-tokenized prompts (`input.token_ids_column`) have
   no text: their options are tokenized alone.
 - Scores: each option's total log-probability (the sum over its tokens, from the model's
-  full-vocabulary softmax) is what the engines return; `score.normalize` turns totals into the
-  probabilities written: `sum` (the totals; lm-eval `acc`), `token` (per token) or `byte` (per
-  UTF-8 byte of the option text; lm-eval's `acc_norm` divides by characters, the same for ASCII),
-  then softmax over the row's options. `label_mass` is the sum of the options' probabilities
-  before normalizing.
-
-Output columns: with fixed labels `p_<label>`, `label`, `label_mass` (and `logp_<label>` with
-`output.logprobs`); with choices `choice`, `choice_index`, `p_choices` (list<double>, in the row's
-option order), `label_mass` (and `logp_choices`).
+  full-vocabulary softmax) is what the engines return; `score.normalize` (sum | token | byte) says
+  how output/scores.py turns totals into the probabilities written.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import pyarrow as pa
 
 from batchscore.plan.options import OptionTokens
-from batchscore.prepare.prompts import label_column
 
 log = logging.getLogger("batchscore")
 
 NORMALIZE = ("sum", "token", "byte")
-
-
-def logp_column(label: str) -> str:
-    """Output column name for a label's raw total log-probability, e.g. 'Yes' -> 'logp_Yes'."""
-    return f"logp_{label.strip()}"
 
 
 # ---------------------------------------------------------------------------- validation
@@ -224,145 +211,6 @@ def option_length_problem(options: OptionTokens, texts: Sequence[str], prompt_le
             f"prompt that is {int(needed[index])} tokens, longer than the maximum {max_length} ({limit_name})")
 
 
-# ---------------------------------------------------------------------------- output columns
-
-
-@dataclass
-class RowScores:
-    """Every row's option totals as Arrow lists (null: the row has no result), for the output.
-
-    logp: list<double> raw total log-probability of each option (NaN for rows the engine failed);
-    tokens: list<int32> tokens of each option (null lists: one token each).
-    """
-
-    logp: pa.ListArray
-    tokens: pa.ListArray | None = None
-    mass: np.ndarray = field(default_factory=lambda: np.zeros(0))
-
-
-def normalized_log_probs(logp: np.ndarray, row_of: np.ndarray, num_rows: int,
-                         divisors: np.ndarray | None) -> np.ndarray:
-    """log of the normalized probabilities: softmax over each row's options of logp / divisor.
-
-    logp, row_of, divisors: [M] flat over all options of all rows (row_of non-decreasing).
-    """
-    values = logp if divisors is None else logp / divisors
-    finite = np.where(np.isfinite(values), values, -np.inf)
-    top = np.full(num_rows, -np.inf)
-    np.maximum.at(top, row_of, finite)
-    top = np.where(np.isfinite(top), top, 0.0)
-    shifted = values - top[row_of]
-    sums = np.bincount(row_of, weights=np.exp(shifted), minlength=num_rows)
-    with np.errstate(divide="ignore"):
-        return shifted - np.log(sums)[row_of]
-
-
-def score_columns(*, labels: Sequence[str] | None, choices: Sequence[Sequence[str] | None] | None,
-                  scores: RowScores, ok: np.ndarray, normalize: str = "sum",
-                  logprobs: bool = False) -> dict[str, pa.Array]:
-    """The score columns of the output, in order (see the module docstring).
-
-    labels: the job's fixed labels, or None with `choices`: each row's options (None for rows
-    without a valid list; only ok rows are read). ok: [N] rows that were scored.
-    """
-    n = len(ok)
-    logp_list = scores.logp
-    lengths = np.asarray(logp_list.value_lengths().fill_null(0), dtype=np.int64)
-    lengths[~ok] = 0
-    flat, offsets = _flat_values(logp_list, lengths)
-    row_of = np.repeat(np.arange(n), lengths)
-    divisors = _divisors(normalize, labels, choices, scores.tokens, lengths, row_of, ok)
-    log_p = normalized_log_probs(flat, row_of, n, divisors)
-    probs = np.exp(log_p)
-    with np.errstate(over="ignore"):
-        mass = np.bincount(row_of, weights=np.exp(flat), minlength=n)
-    best = _first_argmax(probs, offsets, lengths)
-    columns: dict[str, pa.Array] = {}
-    mask = ~ok
-    if labels is not None:
-        count = len(labels)
-        if (lengths[ok] != count).any():
-            raise ValueError(f"expected {count} label scores per scored row")
-        matrix = np.full((n, count), np.nan)
-        matrix[ok] = probs.reshape(-1, count)
-        raw = np.full((n, count), np.nan)
-        raw[ok] = flat.reshape(-1, count)
-        for i, label in enumerate(labels):
-            columns[label_column(label)] = pa.array(matrix[:, i], mask=mask, type=pa.float64())
-        columns["label"] = pa.array([labels[b] if good else None for b, good in zip(best, ok)], type=pa.string())
-        columns["label_mass"] = pa.array(mass, mask=mask, type=pa.float64())
-        if logprobs:
-            for i, label in enumerate(labels):
-                columns[logp_column(label)] = pa.array(raw[:, i], mask=mask, type=pa.float64())
-        return columns
-    list_offsets = pa.array(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
-    validity = pa.array(ok)
-    columns["choice"] = pa.array([choices[i][b] if good else None for i, (b, good) in enumerate(zip(best, ok))],
-                                 type=pa.string())
-    columns["choice_index"] = pa.array(best, mask=mask, type=pa.int64())
-    columns["p_choices"] = _list_column(list_offsets, probs, validity)
-    columns["label_mass"] = pa.array(mass, mask=mask, type=pa.float64())
-    if logprobs:
-        columns["logp_choices"] = _list_column(list_offsets, flat, validity)
-    return columns
-
-
-def _list_column(offsets: pa.Array, values: np.ndarray, validity: pa.Array) -> pa.Array:
-    array = pa.ListArray.from_arrays(offsets, pa.array(values, type=pa.float64()))
-    return pa.compute.if_else(validity, array, pa.scalar(None, array.type))
-
-
-def _flat_values(array: pa.ListArray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The values of the rows with lengths > 0 (rows set to 0 are skipped), and their offsets."""
-    array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
-    starts = np.asarray(array.offsets, dtype=np.int64)[:-1]
-    values = np.asarray(array.values.to_numpy(zero_copy_only=False), dtype=np.float64)
-    index = np.repeat(starts, lengths) + _ranks(lengths)
-    return values[index], np.concatenate(([0], np.cumsum(lengths)))[:-1]
-
-
-def _ranks(lengths: np.ndarray) -> np.ndarray:
-    """0, 1, .., len-1 for every row, concatenated."""
-    total = int(lengths.sum())
-    return np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-
-
-def _first_argmax(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Per row, the index of its largest value (the first on ties; 0 for empty rows)."""
-    n = len(lengths)
-    best = np.zeros(n, dtype=np.int64)
-    if not len(values):
-        return best
-    row_of = np.repeat(np.arange(n), lengths)
-    clean = np.nan_to_num(values, nan=-np.inf)
-    order = np.lexsort((_ranks(lengths), -clean, row_of))  # by row, largest first, then position
-    nonempty = lengths > 0
-    best[nonempty] = _ranks(lengths)[order[offsets[nonempty]]]
-    return best
-
-
-def _divisors(normalize: str, labels, choices, tokens: pa.ListArray | None, lengths: np.ndarray,
-              row_of: np.ndarray, ok: np.ndarray) -> np.ndarray | None:
-    if normalize == "sum":
-        return None
-    if normalize == "token":
-        if tokens is None:
-            return np.ones(len(row_of))
-        token_lengths = np.asarray(tokens.value_lengths().fill_null(0), dtype=np.int64)
-        counts, _ = _flat_values(tokens.cast(pa.list_(pa.float64())), np.where(ok & (token_lengths > 0), lengths, 0))
-        out = np.ones(len(row_of))
-        has = np.repeat(ok & (token_lengths > 0), lengths)
-        out[has] = counts
-        return out
-    if normalize == "byte":
-        if labels is not None:
-            per_label = np.array([len(label.encode("utf-8")) for label in labels], dtype=np.float64)
-            return np.tile(per_label, int(ok.sum()))
-        return np.array([len(option.encode("utf-8")) for i in np.flatnonzero(ok) for option in choices[i]],
-                        dtype=np.float64)
-    raise ValueError(f"unknown normalize {normalize!r}")
-
-
 # ---------------------------------------------------------------------------- rows -> options
 
 
@@ -440,19 +288,3 @@ class RowOptionSource:
         if first is None or not first.single_token or any(r.options is not first for r in requests):
             return None
         return [int(t) for t in first.tokens]
-
-
-def choices_for_output(choices: pa.Array | None, ok: np.ndarray) -> list | None:
-    """Each row's options as read (for the `choice` column): a list for ok rows, None elsewhere."""
-    if choices is None:
-        return None
-    values = choices.to_pylist()
-    return [choices_problem(v)[0] if good else None for v, good in zip(values, ok)]
-
-
-def score_column_names(labels: Sequence[str], choices: bool, logprobs: bool) -> list[str]:
-    """The names `score_columns` gives its columns, in order."""
-    if choices:
-        return ["choice", "choice_index", "p_choices", "label_mass"] + (["logp_choices"] if logprobs else [])
-    return ([label_column(label) for label in labels] + ["label", "label_mass"]
-            + ([logp_column(label) for label in labels] if logprobs else []))

@@ -254,8 +254,3 @@ def label_token_ids(tokenizer, labels: Sequence[str]) -> list[int]:
     if problems:
         raise LabelError("; ".join(problems))
     return ids
-
-
-def label_column(label: str) -> str:
-    """Output column name for a label's probability, e.g. 'Yes' -> 'p_Yes'."""
-    return f"p_{label.strip()}"

@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from batchscore.errors import ReportError, ReportUnavailable
-from batchscore.io.storage import as_path, sibling
+from batchscore.io.storage import as_path
+from batchscore.output.layout import OutputFiles
 from batchscore.report.data import ScoredOutput, find_metrics, load_metrics, load_output, metrics_candidates
 
 __all__ = ["write_report", "default_report_path", "require_matplotlib", "ReportError", "ReportUnavailable",
@@ -29,8 +30,8 @@ def require_matplotlib() -> None:
 
 
 def default_report_path(output: str | os.PathLike) -> Path:
-    """`<output>.report.html`, next to the output (like its `<output>.parts/` folder)."""
-    return sibling(output, ".report.html")
+    """`<output>.report.html`, next to the output (named in output/layout.py)."""
+    return OutputFiles(output).report
 
 
 def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | None = None,

@@ -11,8 +11,8 @@ import numpy as np
 
 from batchscore.errors import ReportError
 from batchscore.io.storage import as_path, file_size
-
-RESULT_COLUMNS = ("label", "label_mass", "status", "error")
+from batchscore.output import layout
+from batchscore.output.layout import RESULT_COLUMNS, OutputFiles
 
 
 @dataclass
@@ -46,16 +46,16 @@ def load_output(path: str | os.PathLike, id_column: str | None = None) -> Scored
         raise ReportError(f"output not found: {path}")
     table = _read_table(path)
     names = table.column_names
-    if "p_choices" in names and "label" not in names:
+    if layout.P_CHOICES in names and layout.LABEL not in names:
         raise ReportError(f"{path}: an output of per-row choices (input.choices_column); the report covers "
                           "fixed labels only")
     missing = [c for c in RESULT_COLUMNS if c not in names]
     if missing:
         raise ReportError(f"{path}: not a batchscore output, it has no column(s) {missing} "
                           f"(columns: {names})")
-    label_at = names.index("label")
+    label_at = names.index(layout.LABEL)
     first_p = label_at
-    while first_p > 0 and names[first_p - 1].startswith("p_"):
+    while first_p > 0 and layout.label_of_column(names[first_p - 1]) is not None:
         first_p -= 1
     label_columns = names[first_p:label_at]
     if not label_columns:
@@ -77,12 +77,12 @@ def load_output(path: str | os.PathLike, id_column: str | None = None) -> Scored
         path=path,
         id_column=id_column,
         ids=ids,
-        labels=[c[2:] for c in label_columns],
-        probs={c[2:]: floats(c) for c in label_columns},
-        label=[None if v is None else str(v).strip() for v in table.column("label").to_pylist()],
-        label_mass=floats("label_mass"),
-        ok=np.array([s == "ok" for s in table.column("status").to_pylist()], dtype=bool),
-        error=table.column("error").to_pylist(),
+        labels=[layout.label_of_column(c) for c in label_columns],
+        probs={layout.label_of_column(c): floats(c) for c in label_columns},
+        label=[None if v is None else str(v).strip() for v in table.column(layout.LABEL).to_pylist()],
+        label_mass=floats(layout.LABEL_MASS),
+        ok=np.array([s == layout.STATUS_OK for s in table.column(layout.STATUS).to_pylist()], dtype=bool),
+        error=table.column(layout.ERROR).to_pylist(),
         kept={name: table.column(name).to_pylist() for name in names if name not in result},
     )
 
@@ -112,27 +112,26 @@ def _openai_batch_table(path: Path, rows: list[dict]):
     """An OpenAI Batch output (io/formats.py) and its error file as the writer's table layout."""
     import pyarrow as pa
 
-    stem = path.name[: -len(path.suffix)] if path.suffix.lower() in (".jsonl", ".ndjson") else path.name
-    errors_file = path.with_name(stem + ".errors.jsonl")
+    errors_file = path.with_name(layout.default_error_path(path.name))
     failed = [json.loads(line) for line in errors_file.read_text(encoding="utf-8").splitlines()
               if line.strip()] if file_size(errors_file) is not None else []
-    labels = list(next((r["response"]["body"].get("scores", {}) for r in rows), {}))
+    labels = list(next((r["response"]["body"].get(layout.BATCH_SCORES, {}) for r in rows), {}))
     if not labels:
         raise ReportError(f"{path}: an OpenAI Batch output without batchscore's scores (not written by batchscore)")
-    columns: dict[str, list] = {"custom_id": [], **{f"p_{label}": [] for label in labels},
-                                "label": [], "label_mass": [], "status": [], "error": []}
+    columns: dict[str, list] = {"custom_id": [], **{layout.label_column(label): [] for label in labels},
+                                **{name: [] for name in RESULT_COLUMNS}}
     for row in rows + failed:
         body = (row.get("response") or {}).get("body") or {}
-        ok = (row.get("response") or {}).get("status_code") == 200 and "scores" in body
+        ok = (row.get("response") or {}).get("status_code") == 200 and layout.BATCH_SCORES in body
         columns["custom_id"].append(row.get("custom_id"))
         for label in labels:
-            columns[f"p_{label}"].append(body["scores"].get(label) if ok else None)
+            columns[layout.label_column(label)].append(body[layout.BATCH_SCORES].get(label) if ok else None)
         choice = (body.get("choices") or [{}])[0] if ok else {}
-        columns["label"].append((choice.get("message") or {}).get("content", choice.get("text")) if ok else None)
-        columns["label_mass"].append(body.get("label_mass") if ok else None)
-        columns["status"].append("ok" if ok else "error")
+        columns[layout.LABEL].append((choice.get("message") or {}).get("content", choice.get("text")) if ok else None)
+        columns[layout.LABEL_MASS].append(body.get(layout.LABEL_MASS) if ok else None)
+        columns[layout.STATUS].append(layout.STATUS_OK if ok else layout.STATUS_ERROR)
         error = (body.get("error") or {}).get("message") or (row.get("error") or {}).get("message")
-        columns["error"].append(None if ok else error or "failed")
+        columns[layout.ERROR].append(None if ok else error or "failed")
     return pa.table(columns)
 
 
@@ -148,11 +147,12 @@ def metrics_candidates(output: str | os.PathLike) -> list[Path]:
 def find_metrics(output: str | os.PathLike) -> tuple[dict | None, Path | None]:
     """The summary of `output`'s run: the one its completion marker recorded (when the output is
     unchanged since), else the first metrics JSON candidate that names this output's file."""
-    from batchscore.output.parts import marker_path, recorded_summary
+    from batchscore.output.parts import recorded_summary
 
-    recorded = recorded_summary(output)
+    files = OutputFiles(output)
+    recorded = recorded_summary(files)
     if recorded is not None:
-        return recorded, marker_path(output)
+        return recorded, files.marker
     name = as_path(output).name
     for candidate in metrics_candidates(output):
         try:

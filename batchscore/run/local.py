@@ -8,7 +8,7 @@ import threading
 from contextlib import contextmanager
 from typing import Sequence
 
-from batchscore.engines.base import Engine, LabelScores, num_options
+from batchscore.engines.base import Engine, RawScores, num_options
 from batchscore.errors import RunInterrupted
 from batchscore.run.sinks import PartSink, RowProgress, record
 from batchscore.plan.types import PrefixGroup
@@ -48,7 +48,7 @@ def score_with_row_errors(engine: Engine, groups: Sequence[PrefixGroup], label_i
     for group, kept in zip(groups, runnable):
         for member in group.members:
             if member.row_id in bad:
-                yield LabelScores.failed(member.row_id, num_options(member, label_ids), bad[member.row_id])
+                yield RawScores.failed(member.row_id, num_options(member, label_ids), bad[member.row_id])
         for _ in kept.members:
             yield next(results)
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from batchscore.config import EngineConfig, ExecutorConfig
 from batchscore.engines.factory import ResolvedEngine, create_engine
-from batchscore.engines.base import LabelScores
+from batchscore.engines.base import RawScores
 from batchscore.errors import EngineUnavailable, RunInterrupted
 from batchscore.run.local import score_with_row_errors, stop_signals
 from batchscore.run.sinks import PartSink, RowProgress, record
@@ -43,7 +43,7 @@ class ScoringWorker:
         torch.set_num_threads(max(1, threads))
         self.engine = create_engine(resolved, model_dir, engine)
 
-    def score(self, groups, label_ids) -> list[LabelScores]:
+    def score(self, groups, label_ids) -> list[RawScores]:
         return list(score_with_row_errors(self.engine, groups, label_ids))
 
     def pid(self) -> int:

@@ -1,9 +1,11 @@
 """`run_job` and `merge_shards`: the whole job, from a validated JobConfig to the output Parquet.
 
-Stages: read + tokenize (`prepare.py`) → plan (`plan/`) → place groups on workers → score with
-an engine (`engines/`) through an executor (`executors/local.py` or `executors/ray.py`),
-flushing durable parts (`io/parts.py`) → assemble the final Parquet atomically (`io/writer.py`).
-A run that dies resumes from its parts.
+Stages: read + tokenize (`prepare/`) → plan (`plan/`) → place groups on workers → score with
+an engine (`engines/`) through an executor (`run/local.py` or `run/ray.py`), flushing the raw
+scores as durable parts (`output/parts.py`) → normalize once (`output/scores.py`) and write the
+output atomically (`output/table.py`, `output/formats.py`). A run that dies resumes from its
+parts. The output's files are named once per run (`output/layout.OutputFiles`) and its parts
+store is built once per run and passed down.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from batchscore.run.local import score_locally
 from batchscore.run.sinks import PartSink, RowProgress
 from batchscore.faults import fault_point
 from batchscore.output.identity import identity_hash
+from batchscore.output.layout import DEFAULT_ID, MERGE_WRITER, RUN_WRITER, OutputFiles
 from batchscore.output.lock import OutputLock
 from batchscore.io.storage import file_size, is_url
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.output.formats import write_output
+from batchscore.output.scores import choices_for_output, score_columns
 from batchscore.output.table import ok_rows, scores_table
-from batchscore.prepare.options import choices_for_output, score_columns
 from batchscore.plan.placement import place_groups
 from batchscore.prepare.job import JobSource, PreparedJob, locate_job, prepare_job, use_job_storage
 
@@ -120,42 +123,45 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
     rows scored so far), and ErrorRateExceeded (after writing) when too many rows failed.
     """
     started = time.perf_counter()
-    source = locate_job(config)
-    writer = shard.name if shard else "run"
-    with OutputLock(config.output.path, writer) as lock, _output_errors(config.output.path):
+    source = locate_job(config)  # registers the storage options: the output files are named after it
+    files = OutputFiles.for_job(config)
+    writer = shard.name if shard else RUN_WRITER
+    with OutputLock(files, writer) as lock, _output_errors(files.output):
+        store = PartStore(files, writer, guard=lock.check)
         output_hash = identity_hash(source.identity)
-        done = None if fresh else completed_summary(config.output.path, output_hash)
+        done = None if fresh else completed_summary(files, output_hash)
         if done is not None:
-            log.info("%s is already the complete output of this job: nothing to do", config.output.path)
-            PartStore(config.output.path).finish()  # parts left by a run killed after its marker
+            log.info("%s is already the complete output of this job: nothing to do", files.output)
+            store.finish()  # parts left by a run killed after its marker
             summary = RunSummary(**{**done, "seconds": time.perf_counter() - started, "skipped": True})
         else:
-            summary = _run(source, progress, fresh, shard, engine_factory, started, lock.check)
+            summary = _run(source, store, progress, fresh, shard, engine_factory, started)
             if summary.complete:
                 lock.check()
-                write_completion_marker(config.output.path, output_hash, summary.to_dict(stored=True))
+                write_completion_marker(files, output_hash, summary.to_dict(stored=True))
                 fault_point("marker")
-                PartStore(config.output.path).finish()
+                store.finish()
         lock.release(remove=summary.complete)
     if summary.complete:
         _check_error_rate(summary, config)
     return summary
 
 
-def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
-         engine_factory: EngineFactory, started: float, guard: Callable[[], None]) -> RunSummary:
+def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard: Shard | None,
+         engine_factory: EngineFactory, started: float) -> RunSummary:
+    """Plan, score into `store` (this writer's parts, guarded by the output's lock) and, when
+    every writer has finished, assemble the output."""
     config = source.config
     job = prepare_job(config, source=source)
     plan = job.plan()
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
 
     if shard is not None and not fresh:
-        _check_shard_count(PartStore(config.output.path), shard)
+        _check_shard_count(store, shard)
     use_ray = config.executor.kind == "ray" and shard is None
     num_workers = shard.count if shard else config.executor.num_workers if use_ray else 1
     placement = place_groups(plan.groups, num_workers)
     my_workers = [shard.index] if shard else list(range(num_workers))
-    store = PartStore(config.output.path, shard.name if shard else "run", guard=guard)
     fault_point("start")
     manifest = store.start(Manifest(
         job_hash=_job_hash(source, num_workers), identity=source.identity, num_groups=len(plan.groups),
@@ -189,15 +195,15 @@ def _run(source: JobSource, progress: bool, fresh: bool, shard: Shard | None,
         bar.close()
     score_seconds = time.perf_counter() - score_started
 
-    writers = [Shard(i, shard.count).name for i in range(shard.count)] if shard else ["run"]
+    writers = [Shard(i, shard.count).name for i in range(shard.count)] if shard else [RUN_WRITER]
     manifests = store.sibling_manifests(writers)
     complete = all(m is not None and m.complete and m.job_hash == manifest.job_hash for m in manifests)
     if complete:
-        guard()  # the output is written only by the holder of the lock
+        store.guard()  # the output is written only by the holder of the lock
     errors = assemble_output(job, store, manifests) if complete else dict(job.input.errors)
     processed = plan.stats.processed_tokens + placement.split_extra_tokens
     return RunSummary(
-        output_path=str(config.output.path),
+        output_path=str(store.files.output),
         rows=job.input.num_rows,
         rows_ok=job.input.num_rows - len(errors),
         rows_error=len(errors),
@@ -227,14 +233,15 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     """
     started = time.perf_counter()
     use_job_storage(config)
-    if not PartStore(config.output.path).folder.exists() and file_size(config.output.path) is not None:
+    files = OutputFiles.for_job(config)
+    if not files.parts.exists() and file_size(files.path) is not None:
         return None  # the shard that finished last already wrote the output
     source = locate_job(config)
     job = prepare_job(config, tokenize=False, source=source)
     names = [Shard(i, count).name for i in range(count)]
-    with OutputLock(config.output.path, "merge") as lock, _output_errors(config.output.path):
-        store = PartStore(config.output.path, Shard(0, count).name, guard=lock.check)
-        if not store.folder.exists() and file_size(config.output.path) is not None:
+    with OutputLock(files, MERGE_WRITER) as lock, _output_errors(files.output):
+        store = PartStore(files, Shard(0, count).name, guard=lock.check)
+        if not store.folder.exists() and file_size(files.path) is not None:
             return None  # another merge finished while this one started
         manifests = store.sibling_manifests(names)
         expected = _job_hash(source, count)
@@ -244,13 +251,13 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
                                  f"unfinished in {store.folder}; run them with --shard I/{count}")
         lock.check()
         errors = assemble_output(job, store, manifests)
-        summary = RunSummary(output_path=str(config.output.path), rows=job.input.num_rows,
+        summary = RunSummary(output_path=str(files.output), rows=job.input.num_rows,
                              rows_ok=job.input.num_rows - len(errors), rows_error=len(errors),
                              logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
                              seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
                              workers=count)
         lock.check()
-        write_completion_marker(config.output.path, identity_hash(source.identity), summary.to_dict(stored=True))
+        write_completion_marker(files, identity_hash(source.identity), summary.to_dict(stored=True))
         store.finish()
     _check_error_rate(summary, config)
     return summary
@@ -299,13 +306,14 @@ _PATH_PROBLEMS = {errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.
 
 
 def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest]) -> dict[int, str]:
-    """Write the final output from every part (atomically), remove the parts; returns row errors."""
+    """Write the final output (and, for openai_batch, its error file) from every part, atomically;
+    the scores are normalized here, once (output/scores.py). Returns the row errors."""
     config, prepared = job.config, job.input
     scores, errors = store.read_results(manifests, prepared.num_rows)
-    unscored = np.flatnonzero(np.isnan(scores.mass))
+    unscored = scores.unscored()
     for row in unscored[~np.isin(unscored, np.fromiter(errors, dtype=np.int64, count=len(errors)))]:
         errors[int(row)] = "not scored: no result from the engine"  # never silently lost
-    id_name = config.input.id_column or "row_id"
+    id_name = config.input.id_column or DEFAULT_ID
     ok = ok_rows(prepared.num_rows, errors)
     columns = score_columns(labels=config.labels or None, choices=choices_for_output(prepared.choices, ok),
                             scores=scores, ok=ok, normalize=config.score.normalize, logprobs=config.output.logprobs)
@@ -313,8 +321,8 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
     if table.num_rows != prepared.num_rows:  # the invariant: every input row exactly once
         raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
     fault_point("assemble")
-    write_output(table, config.output.path, config.output_format, id_name=id_name, labels=config.labels,
-                 model=str(config.model), error_path=config.output_error_path)
+    write_output(table, store.files.output, config.output_format, id_name=id_name, labels=config.labels,
+                 model=str(config.model), error_path=store.files.errors)
     fault_point("output")
     return errors
 

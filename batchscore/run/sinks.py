@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from batchscore.engines.base import LabelScores
+from batchscore.engines.base import RawScores
 from batchscore.faults import fault_point
 from batchscore.output.parts import Manifest, PartStore
 from batchscore.plan.types import PrefixGroup
@@ -46,7 +46,6 @@ class PartSink:
         self.row_ids: list[int] = []
         self.logp: list[np.ndarray] = []  # each row's raw total log-probability per option
         self.option_tokens: list[np.ndarray | None] = []  # tokens per option (None: one each)
-        self.mass: list[float] = []
         self.errors: dict[int, str] = {}
 
     @property
@@ -68,7 +67,7 @@ class PartSink:
         head = PrefixGroup(group.prefix, group.members[done_in_group:]) if done_in_group else group
         return [head, *self.groups[first + 1:]]
 
-    def add(self, result: LabelScores) -> bool:
+    def add(self, result: RawScores) -> bool:
         """Buffer one result; returns True when it completed a group."""
         group = self.next_group
         expected = self._expected_row(group)
@@ -76,9 +75,8 @@ class PartSink:
             raise RuntimeError(f"worker {self.worker}: the engine returned row {result.row_id} where row "
                                f"{expected} was due; refusing to mix rows")
         self.row_ids.append(result.row_id)
-        self.logp.append(np.asarray(result.raw_logp(), dtype=np.float64))
+        self.logp.append(np.asarray(result.logp, dtype=np.float64))  # stored raw: normalized at assembly
         self.option_tokens.append(result.option_tokens)
-        self.mass.append(float(result.label_mass))
         if result.error:
             self.errors[result.row_id] = result.error
         self.position += 1
@@ -101,8 +99,7 @@ class PartSink:
         if self.position <= self.part_start:
             return
         self.store.write_part(self.manifest, np.asarray(self.row_ids, dtype=np.int64), self.logp, self.option_tokens,
-                              np.asarray(self.mass), self.errors, start=self.part_start, end=self.position,
-                              worker=self.worker)
+                              self.errors, start=self.part_start, end=self.position, worker=self.worker)
         self.part_start, self.last_flush = self.position, time.monotonic()
         self._reset()
 
@@ -134,7 +131,7 @@ class RowProgress:
             self.bar.close()
 
 
-def record(result: LabelScores, sink: PartSink, progress: RowProgress) -> bool:
+def record(result: RawScores, sink: PartSink, progress: RowProgress) -> bool:
     """Hand one result to its sink and count it; True when it completed a group."""
     progress.row_done()
     if not sink.add(result):

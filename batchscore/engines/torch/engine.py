@@ -49,7 +49,7 @@ from typing import Callable, Generator, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
+from batchscore.engines.base import EngineMetrics, RawScores, check_label_ids
 from batchscore.engines.torch.cascade_attention import (
     CascadeBatch,
     CascadePart,
@@ -214,8 +214,8 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ public scoring
 
-    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int] | None) -> Iterator[LabelScores]:
-        """Yield one `LabelScores` per member, group by group, members in their given order.
+    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int] | None) -> Iterator[RawScores]:
+        """Yield one `RawScores` per member, group by group, members in their given order.
 
         `label_token_ids` None: every member is scored over its own `options`.
         When a group's last suffix batch leaves room under the budget, the next group's prefix
@@ -248,7 +248,7 @@ class TorchEngine:
         labels: torch.Tensor | None,
         carried: list[PrefilledPrefix],
         next_group: PrefixGroup | None,
-    ) -> Generator[LabelScores, None, PrefilledPrefix | None]:
+    ) -> Generator[RawScores, None, PrefilledPrefix | None]:
         """Score one group; results are yielded as soon as all earlier members are done.
 
         `carried` holds this group's prefix when an earlier pass already computed it (it is
@@ -258,7 +258,7 @@ class TorchEngine:
         members = group.members
         self._check_group(group)
         self.check_memory(group)
-        results: list[LabelScores | None] = [None] * len(members)
+        results: list[RawScores | None] = [None] * len(members)
         emitted = 0
         next_prefilled = None
 
@@ -270,9 +270,9 @@ class TorchEngine:
             for i, result in zip(empty, scored):
                 results[i] = result
         elif empty:
-            log_probs, mass = self._label_scores(prefix.last_hidden[None], labels)  # one row, shared
+            logp = self._label_logp(prefix.last_hidden[None], labels)  # one row, shared
             for i in empty:
-                results[i] = LabelScores(members[i].row_id, log_probs[0].copy(), mass[0])
+                results[i] = RawScores(members[i].row_id, logp[0].copy())
 
         batches = self._plan_batches(group, options)
         for number, batch in enumerate(batches):
@@ -292,18 +292,18 @@ class TorchEngine:
             else:
                 if batch.chunked:
                     (index,) = batch.member_indices
-                    log_probs, mass = self.score_long_suffix(prefix.kv, members[index].suffix, labels,
-                                                             positions=_member_positions(group, index))
+                    logp = self.score_long_suffix(prefix.kv, members[index].suffix, labels,
+                                                  positions=_member_positions(group, index))
                 else:
                     suffixes = [members[i].suffix for i in batch.member_indices]
                     positions = None
                     if isinstance(group, PrunedGroup):
                         positions = [group.member_positions[i] for i in batch.member_indices]
-                    log_probs, mass, next_prefilled = self.score_suffix_batch(
+                    logp, next_prefilled = self.score_suffix_batch(
                         prefix.kv, suffixes, labels, ride_along, positions=positions,
                         next_prefix_positions=_prefix_positions(next_group) if ride_along is not None else None)
                 for row, index in enumerate(batch.member_indices):
-                    results[index] = LabelScores(members[index].row_id, log_probs[row], mass[row])
+                    results[index] = RawScores(members[index].row_id, logp[row])
             if number == len(batches) - 1:
                 del prefix  # the group's last member is scored: free the prefix KV before yielding it
                 prefix = None
@@ -320,20 +320,20 @@ class TorchEngine:
     @torch.inference_mode()
     def score_option_batch(
         self, prefix: PrefilledPrefix, members: list[GroupMember], next_prefix: np.ndarray | None = None,
-    ) -> tuple[list[LabelScores], PrefilledPrefix | None]:
+    ) -> tuple[list[RawScores], PrefilledPrefix | None]:
         """Score members over their options in one packed pass on top of `prefix`: the non-empty
         suffixes, then every option's rows (its tokens but the last), and `next_prefix` (another
         group's prefix, prefilled in the same pass) when given. Members whose suffix is empty are
         read at the prefix's last position. No pass runs when there is nothing to compute.
 
-        Returns (one LabelScores per member with `logp` set, the prefilled `next_prefix` or None).
+        Returns (one RawScores per member, the prefilled `next_prefix` or None).
         """
         batch = pack_options([(m.suffix, m.options) for m in members], prefix.kv.length)
         totals, next_prefilled = self._option_pass(prefix, batch, next_prefix)
-        return [LabelScores.from_totals(m.row_id, t, m.options) for m, t in zip(members, totals)], next_prefilled
+        return [RawScores.of_options(m.row_id, t, m.options) for m, t in zip(members, totals)], next_prefilled
 
     @torch.inference_mode()
-    def score_long_member(self, prefix: PrefilledPrefix, member: GroupMember) -> LabelScores:
+    def score_long_member(self, prefix: PrefilledPrefix, member: GroupMember) -> RawScores:
         """Score one member whose suffix and option rows exceed the budget: its suffix is prefilled
         in chunks on top of the (uncopied) prefix KV, then its options run as suffixes of that KV,
         in passes under the budget (an option longer than the budget in chunks of its own)."""
@@ -349,7 +349,7 @@ class TorchEngine:
                 continue
             batch = pack_options([(np.zeros(0, np.int32), subset(options, indices))], prompt.kv.length)
             totals[indices] = self._option_pass(prompt, batch)[0][0]
-        return LabelScores.from_totals(member.row_id, totals, options)
+        return RawScores.of_options(member.row_id, totals, options)
 
     def _option_pass(
         self, prefix: PrefilledPrefix, batch: OptionBatch, next_prefix: np.ndarray | None = None
@@ -444,13 +444,13 @@ class TorchEngine:
         *,
         positions: list[np.ndarray] | None = None,
         next_prefix_positions: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, PrefilledPrefix | None]:
+    ) -> tuple[np.ndarray, PrefilledPrefix | None]:
         """Score several non-empty suffixes of one group in one packed forward pass.
 
         `next_prefix` (optional, fitting the budget with the suffixes) is another group's prefix,
         prefilled in the same pass. `positions` / `next_prefix_positions`: position ids of those
         tokens when tokens were dropped (default: each suffix right after the prefix, the next
-        prefix from 0). Returns ([B, L] log P normalized over labels, [B] label mass, the
+        prefix from 0). Returns ([B, L] each label's log P under the full-vocabulary softmax, the
         prefilled `next_prefix` or None).
         Side effects: one forward pass, counted in `self.metrics`; the suffixes' KV is discarded.
         """
@@ -460,23 +460,23 @@ class TorchEngine:
             next_kv = PrefixKV.empty(self._num_layers)
             parts.append(_prefix_part(next_prefix, next_kv, next_prefix_positions))
         hidden = self._run_decoder(parts)  # [T, hidden]
-        log_probs, mass = self._label_scores(hidden[last_index.to(hidden.device)], labels)  # [B, hidden]
+        logp = self._label_logp(hidden[last_index.to(hidden.device)], labels)  # [B, hidden]
         if next_prefix is None:
-            return log_probs, mass, None
+            return logp, None
         next_kv.length = len(next_prefix)
-        return log_probs, mass, PrefilledPrefix(next_kv, hidden[-1].clone())
+        return logp, PrefilledPrefix(next_kv, hidden[-1].clone())
 
     @torch.inference_mode()
     def score_long_suffix(
         self, prefix_kv: PrefixKV, suffix: np.ndarray, labels: torch.Tensor, *, positions: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> np.ndarray:
         """Score one suffix longer than the budget by prefilling it in chunks on top of the prefix.
 
-        Returns ([1, L], [1]) like `score_suffix_batch`. `prefix_kv` is not modified (its tensors
+        Returns [1, L] like `score_suffix_batch`. `prefix_kv` is not modified (its tensors
         are shared, not copied); the suffix's own KV is dropped on return.
         """
         prefilled = self.prefill_prefix(suffix, base=prefix_kv, positions=positions)
-        return self._label_scores(prefilled.last_hidden[None], labels)
+        return self._label_logp(prefilled.last_hidden[None], labels)
 
     # ------------------------------------------------------------------ memory
 
@@ -571,11 +571,12 @@ class TorchEngine:
         return hidden
 
     @torch.inference_mode()
-    def _label_scores(self, last_hidden: torch.Tensor, labels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """LM head on the last positions [B, hidden] -> ([B, L] normalized log P, [B] label mass)."""
+    def _label_logp(self, last_hidden: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
+        """LM head on the last positions [B, hidden] -> [B, L] float64 each label's log P under the
+        full-vocabulary softmax (raw: output/scores.py normalizes over the labels)."""
         logits = self._lm_head(last_hidden).float()  # [B, V]
         log_probs = torch.log_softmax(logits, dim=-1)  # [B, V]
-        return normalize_label_logprobs(log_probs[:, labels].cpu().numpy())
+        return log_probs[:, labels].cpu().numpy().astype(np.float64)
 
     def _label_tensor(self, label_token_ids: Sequence[int]) -> torch.Tensor:
         labels = check_label_ids(label_token_ids, int(self._lm_head.weight.shape[0]))

@@ -17,7 +17,7 @@ that process is *spawned*, which re-imports the caller's main module: a script t
 engine needs an `if __name__ == "__main__":` guard around its work.
 
 Rows vLLM refuses (e.g. a prompt longer than `max_model_len`) do not stop the job: they are
-yielded in their place as a LabelScores with NaN scores and `error` set, and their messages are
+yielded in their place as a RawScores with NaN scores and `error` set, and their messages are
 also collected in `VllmEngine.errors` (row_id -> message).
 """
 
@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from batchscore.engines.device import VLLM_INSTALL_HINT
-from batchscore.engines.base import EngineMetrics, LabelScores, check_label_ids, normalize_label_logprobs
+from batchscore.engines.base import EngineMetrics, RawScores, check_label_ids
 from batchscore.engines.shape import read_model_config
 from batchscore.engines.vllm.options import OPTION_MODES, OptionRequest, option_requests, option_totals
 from batchscore.engines.vllm.settings import VllmSettings, derive_settings
@@ -276,8 +276,8 @@ class VllmEngine:
         """None known ahead: vLLM sizes its own batches; prompts it refuses become error rows."""
         return []
 
-    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int] | None) -> Iterator[LabelScores]:
-        """Yield one LabelScores per member, in plan order (refused rows: NaN scores, `error` set).
+    def score(self, groups: Iterable[PrefixGroup], label_token_ids: Sequence[int] | None) -> Iterator[RawScores]:
+        """Yield one RawScores per member, in plan order (refused rows: NaN scores, `error` set).
 
         `label_token_ids` None: every member is scored over its own `options`.
         Side effects: creates the LLM on the first call (sized for these groups); updates
@@ -288,7 +288,7 @@ class VllmEngine:
         self.start(groups)
         yield from self._run(groups, labels)
 
-    def _run(self, groups: list[PrefixGroup], labels: list[int] | None) -> Iterator[LabelScores]:
+    def _run(self, groups: list[PrefixGroup], labels: list[int] | None) -> Iterator[RawScores]:
         """Add requests in plan order (a window ahead of the scheduler), step, yield members in order.
 
         A member is one request (shared labels) or several (its options, `vllm_options.py`); it is
@@ -306,7 +306,7 @@ class VllmEngine:
         lengths: dict[int, int] = {}  # request seq -> prompt length, for requests in vLLM
         owner: dict[int, tuple[int, OptionRequest]] = {}  # request seq -> (member seq, what it reads)
         running: dict[int, _Member] = {}  # member seq -> member with requests in vLLM
-        done: dict[int, LabelScores] = {}  # finished, waiting for earlier members
+        done: dict[int, RawScores] = {}  # finished, waiting for earlier members
         next_member = next_request = 0
         exhausted = False
         try:
@@ -376,10 +376,10 @@ class VllmEngine:
             return f"vLLM refused the request: {exc}"
         return None
 
-    def _failed(self, row_id: int, message: str, num_labels: int) -> LabelScores:
+    def _failed(self, row_id: int, message: str, num_labels: int) -> RawScores:
         """Record `errors[row_id]` and return the row's error result."""
         self.errors[row_id] = message
-        return LabelScores.failed(row_id, num_labels, message)
+        return RawScores.failed(row_id, num_labels, message)
 
     def _record(self, state: _Member, out, length: int, request: OptionRequest) -> None:
         """Take one finished request's log-probabilities into its member (counts the cache use)."""
@@ -401,18 +401,17 @@ class VllmEngine:
         except (IndexError, KeyError, TypeError, ValueError) as exc:
             state.error = state.error or f"vLLM returned no log-probabilities for the labels ({exc!r})"
 
-    def _member_result(self, state: _Member) -> LabelScores:
-        """The member's LabelScores once all its requests are in (an error row if any failed)."""
+    def _member_result(self, state: _Member) -> RawScores:
+        """The member's RawScores once all its requests are in (an error row if any failed)."""
         member, labels = state.member, state.labels
         count = len(labels) if labels is not None else member.options.count
         if state.error is None:
             try:
                 if labels is not None:
-                    values = np.array([[state.found[((), t)] for t in labels]], dtype=np.float64)  # [1, L]
-                    log_probs, mass = normalize_label_logprobs(values)
-                    return LabelScores(row_id=member.row_id, log_probs=log_probs[0], label_mass=float(mass[0]))
-                return LabelScores.from_totals(member.row_id, option_totals(member.options, state.found),
-                                               member.options)
+                    values = np.array([state.found[((), t)] for t in labels], dtype=np.float64)  # [L] raw
+                    return RawScores(member.row_id, values)
+                return RawScores.of_options(member.row_id, option_totals(member.options, state.found),
+                                            member.options)
             except KeyError as exc:
                 state.error = f"vLLM returned no log-probabilities for the labels ({exc!r})"
         return self._failed(member.row_id, state.error, count)

@@ -1,0 +1,372 @@
+"""Reading a job file: safe YAML, `--set` overrides, complete validation and path resolution.
+
+A job file is validated once, up front, before any model is loaded; every problem found is
+reported together in one `JobConfigError`. The dataclasses it fills live in config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchscore.config import (EngineConfig, ExecutorConfig, InputConfig, JobConfig, OutputConfig, PlanConfig,
+                               PromptConfig, ScoreConfig, SpeculativeConfig, SyntheticInput, safe_load_yaml)
+from batchscore.engines.shape import DTYPE_BYTES
+from batchscore.engines.speculative.kept_tokens import options_problems
+from batchscore.errors import JobConfigError, PromptTemplateError
+from batchscore.io.storage import is_url
+from batchscore.models import BUILTIN_MODELS
+from batchscore.output.layout import DEFAULT_ID, label_column, output_columns
+from batchscore.plan.order import POLICIES as ORDER_POLICIES
+from batchscore.prepare.options import NORMALIZE, label_problems
+from batchscore.prepare.prompts import PROMPT_ENGINES, template_fields
+from batchscore.prepare.synthetic import WORKLOADS
+
+# Every job key with a fixed set of values -> those values, taken from the module that acts on
+# them (a literal where no one module owns the list). The one table: load_job checks against it
+# and `batchscore schema` lists it as each key's enum.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "input.format": ("auto", "parquet", "jsonl", "openai_batch"),
+    "input.synthetic.workload": tuple(sorted(WORKLOADS)),
+    "prompt.engine": PROMPT_ENGINES,
+    "score.normalize": NORMALIZE,
+    "engine.kind": ("torch", "vllm", "auto"),
+    "engine.dtype": (*DTYPE_BYTES, "auto"),
+    "engine.device": ("cpu", "cuda", "auto"),
+    "plan.order": ORDER_POLICIES,
+    "output.format": ("auto", "parquet", "jsonl", "openai_batch"),
+    "executor.kind": ("local", "ray"),
+}
+
+
+def load_job(path: str | os.PathLike, overrides: dict[str, str] | None = None,
+             output: str | None = None, allow_code: bool = False) -> JobConfig:
+    """Read a job file safely, apply `--set` overrides and `--output`, and validate everything.
+
+    Relative paths in the file (input, output, a model folder) are resolved against the job
+    file's folder. `allow_code` permits vLLM arguments that load code (the CLI's --allow-code).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise JobConfigError([f"job file not found: {path}" if not path.exists() else f"{path} is not a file"])
+    try:
+        raw = safe_load_yaml(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise JobConfigError([f"job file is not valid UTF-8: {exc}"], str(path)) from None
+    except OSError as exc:
+        raise JobConfigError([f"cannot read the job file: {exc.strerror}"], str(path)) from None
+    except yaml.YAMLError as exc:
+        raise JobConfigError([f"malformed YAML: {exc}"], str(path)) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise JobConfigError(["the job file must be a mapping of keys (input, prompt, labels, ...)"], str(path))
+    for key, value in (overrides or {}).items():
+        _set_dotted(raw, key, _parse_override_value(value))
+    config = config_from_dict(raw, source=str(path), allow_code=allow_code)
+    _resolve_relative_paths(config, path.parent)
+    if output is not None:  # given on the command line: relative to the working folder
+        config.output.path = local_path(output)
+    return config
+
+
+def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code: bool = False) -> JobConfig:
+    """Build and validate a JobConfig from plain data; raises JobConfigError listing all problems."""
+    problems: list[str] = []
+    config = _build(JobConfig, raw, "", problems)
+    config.source = source
+    if not problems:
+        problems.extend(_semantic_problems(config))
+        problems.extend(_vllm_args_problems(config.engine.vllm_args, allow_code))
+    if problems:
+        raise JobConfigError(problems, source)
+    config.input.path = local_path(config.input.path)
+    config.output.path = local_path(config.output.path)
+    config.output.error_path = local_path(config.output.error_path)
+    # partition values are text (a YAML date such as 2026-11-25 included)
+    config.input.filter = {str(k): [str(v) for v in want] if isinstance(want, list) else str(want)
+                           for k, want in config.input.filter.items()}
+    if config.input.format == "openai_batch" and config.input.id_column is None:
+        config.input.id_column = "custom_id"  # each request's own id
+    return config
+
+
+def local_path(path: str | None) -> str | None:
+    """A `file://` URL as the local path it names; anything else as it is."""
+    if path is not None and path.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return unquote(urlparse(path).path)
+    return path
+
+
+def parse_set_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """Turn `--set key=value` strings into a dict; raises JobConfigError on a missing '='."""
+    result, problems = {}, []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"--set {item!r}: expected KEY=VALUE, e.g. --set engine.dtype=bfloat16")
+        else:
+            result[key.strip()] = value
+    if problems:
+        raise JobConfigError(problems)
+    return result
+
+
+def _parse_override_value(value: str) -> Any:
+    try:
+        return safe_load_yaml(value)
+    except yaml.YAMLError:
+        return value
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+_SCALAR_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _build(cls, raw: Any, prefix: str, problems: list[str]):
+    """Build dataclass `cls` from `raw`, appending every problem found to `problems`."""
+    where = prefix.rstrip(".") or "the job file"
+    if not isinstance(raw, dict):
+        problems.append(f"{where}: expected a mapping, got {type(raw).__name__}")
+        return cls()
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    values = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            problems.append(f"unknown key {name!r}{hint}")
+            continue
+        values[key] = _convert(fields[key].type, value, name, problems)
+    return cls(**{k: v for k, v in values.items() if v is not _INVALID})
+
+
+_INVALID = object()
+
+
+def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
+    nested = {"InputConfig": InputConfig, "PromptConfig": PromptConfig, "EngineConfig": EngineConfig,
+              "PlanConfig": PlanConfig, "OutputConfig": OutputConfig, "ExecutorConfig": ExecutorConfig,
+              "ScoreConfig": ScoreConfig,
+              "SyntheticInput | None": SyntheticInput, "SpeculativeConfig | None": SpeculativeConfig}
+    optional = type_str.endswith("| None")
+    if value is None:
+        if optional:
+            return None
+        problems.append(f"{name}: must not be empty")
+        return _INVALID
+    if type_str in nested:
+        return _build(nested[type_str], value, f"{name}.", problems)
+    base = type_str.replace(" | None", "")
+    if base == "list[str]":
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+            problems.append(f"{name}: expected a list of strings, got {value!r}")
+            return _INVALID
+        return [str(v) for v in value]
+    if base == "dict[str, Any]":
+        if not isinstance(value, dict):
+            shown = type(value).__name__ if name.endswith("storage_options") else repr(value)  # may hold a secret
+            problems.append(f"{name}: expected a mapping, got {shown}")
+            return _INVALID
+        return value
+    expected = {"int": int, "float": float, "bool": bool, "str": str}[base]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        problems.append(f"{name}: expected {_SCALAR_TYPES[expected]}, got {value!r}")
+        return _INVALID
+    return value
+
+
+def _semantic_problems(config: JobConfig) -> list[str]:
+    """Cross-field checks that need the whole config."""
+    problems = []
+    inp = config.input
+    if inp.path is None and inp.synthetic is None:
+        problems.append("input.path: required (a .parquet/.jsonl file, a folder or a glob)")
+    problems.extend(_not_allowed(config, "input.format"))
+    if inp.batch_rows < 1:
+        problems.append("input.batch_rows: must be ≥ 1")
+    for key, want in inp.filter.items():
+        values = want if isinstance(want, list) else [want]
+        if not values or any(isinstance(v, (dict, list)) or v is None for v in values):
+            problems.append(f"input.filter.{key}: a partition value or a list of them, got {want!r}")
+    if inp.synthetic is not None and inp.synthetic.workload not in ALLOWED["input.synthetic.workload"]:
+        problems.append(f"input.synthetic.workload: unknown {inp.synthetic.workload!r}; "
+                        f"available: {', '.join(ALLOWED['input.synthetic.workload'])}")
+    has_tokens = inp.token_ids_column is not None or inp.synthetic is not None
+    if inp.format == "openai_batch":
+        problems.extend(_openai_batch_problems(config))
+    elif not has_tokens and not config.prompt.template:
+        problems.append("prompt.template: required unless input.token_ids_column is given "
+                        "(e.g. 'Query: {query}\\nAnswer Yes or No.')")
+    if engine_problem := _not_allowed(config, "prompt.engine"):
+        problems.extend(engine_problem)
+    elif config.prompt.template:
+        try:
+            template_fields(config.prompt.template, config.prompt.engine)
+        except PromptTemplateError as exc:
+            problems.append(f"prompt.template: {exc}")
+    # checks score.normalize against NORMALIZE (ALLOWED's), with the labels it normalizes
+    problems.extend(label_problems(config.labels, inp.choices_column, config.score.normalize))
+    if config.engine.speculative is not None and inp.choices_column:
+        problems.append("engine.speculative: speculative prefill scores one-token labels shared by every row, "
+                        "not input.choices_column")
+    if config.output_format == "openai_batch" and (inp.choices_column or config.score.normalize != "sum"):
+        problems.append("output.format openai_batch: writes fixed labels' probabilities normalized by their sum; "
+                        "write parquet or jsonl for input.choices_column or score.normalize token | byte")
+    problems.extend(_output_column_problems(config))
+    for key in ("engine.kind", "engine.dtype", "engine.device"):
+        problems.extend(_not_allowed(config, key))
+    if config.engine.token_budget < 16:
+        problems.append(f"engine.token_budget: must be ≥ 16, got {config.engine.token_budget}")
+    if config.engine.hybrid_chunk is not None and config.engine.hybrid_chunk < 16:
+        problems.append(f"engine.hybrid_chunk: must be ≥ 16 tokens, got {config.engine.hybrid_chunk}")
+    if config.engine.memory_budget is not None and config.engine.memory_budget < 2**20:
+        problems.append(f"engine.memory_budget: bytes, must be ≥ 1 MiB (1048576), got {config.engine.memory_budget}")
+    if config.engine.speculative is not None:
+        spec = config.engine.speculative
+        problems.extend(options_problems(spec.keep, spec.speculator, spec.chunk, spec.pool))
+        if config.engine.kind != "torch":
+            problems.append(f"engine.speculative: speculative prefill runs on the torch engine; set engine.kind: torch "
+                            f"(got {config.engine.kind!r})")
+    if config.engine.threads is not None and config.engine.threads < 1:
+        problems.append("engine.threads: must be ≥ 1")
+    if config.engine.max_length is not None and config.engine.max_length < 1:
+        problems.append("engine.max_length: must be ≥ 1")
+    problems.extend(_not_allowed(config, "plan.order"))
+    if config.plan.min_prefix_tokens < 1:
+        problems.append("plan.min_prefix_tokens: must be ≥ 1")
+    if config.plan.block_size is not None and config.plan.block_size < 1:
+        problems.append("plan.block_size: must be ≥ 1")
+    problems.extend(_not_allowed(config, "output.format"))
+    if not 0.0 <= config.output.max_error_rate <= 1.0:
+        problems.append(f"output.max_error_rate: must be between 0 and 1, got {config.output.max_error_rate}")
+    problems.extend(_not_allowed(config, "executor.kind"))
+    if config.executor.num_workers < 1:
+        problems.append("executor.num_workers: must be ≥ 1")
+    if config.executor.gpus_per_worker < 0 or config.executor.cpus_per_worker <= 0:
+        problems.append("executor.gpus_per_worker must be ≥ 0 and executor.cpus_per_worker > 0")
+    if config.output.part_rows < 1:
+        problems.append("output.part_rows: must be ≥ 1")
+    if config.output.part_seconds <= 0:
+        problems.append("output.part_seconds: must be > 0")
+    return problems
+
+
+def _not_allowed(config: JobConfig, key: str) -> list[str]:
+    """The problem of the job's value of `key` when it is not one of ALLOWED[key] (else none)."""
+    section, name = key.split(".")
+    value = getattr(getattr(config, section), name)
+    allowed = ALLOWED[key]
+    return [] if value in allowed else [f"{key}: must be one of {', '.join(allowed)}, got {value!r}"]
+
+
+# engine.vllm_args a job file may set: sizes and switches of the engine. Anything that makes vLLM
+# import or run code named by the job (a remote model's code, a worker class, a plugin) needs the
+# CLI's --allow-code; anything else is refused by name, so a typo is not silently ignored.
+VLLM_ARGS_ALLOWED = frozenset({
+    "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "block_size", "enable_chunked_prefill", "enable_prefix_caching",
+    "tensor_parallel_size", "pipeline_parallel_size", "swap_space", "cpu_offload_gb", "enforce_eager",
+    "disable_log_stats", "seed", "quantization", "kv_cache_dtype", "calculate_kv_scales",
+    "max_logprobs", "disable_custom_all_reduce", "revision", "tokenizer_revision", "load_format",
+})
+VLLM_ARGS_CODE = frozenset({
+    "trust_remote_code", "worker_extension_cls", "worker_cls", "distributed_executor_backend",
+    "hf_overrides", "model_impl", "logits_processors", "compilation_config", "tokenizer",
+    "tokenizer_mode", "override_generation_config", "kv_transfer_config", "allowed_local_media_path",
+})
+
+
+def _vllm_args_problems(vllm_args: dict[str, Any], allow_code: bool) -> list[str]:
+    problems = []
+    for key in vllm_args:
+        if key in VLLM_ARGS_CODE and not allow_code:
+            problems.append(f"engine.vllm_args.{key}: makes vLLM load or run code named by the job file; "
+                            "pass --allow-code to batchscore run if you trust this job")
+        elif key not in VLLM_ARGS_ALLOWED | VLLM_ARGS_CODE:
+            close = difflib.get_close_matches(str(key), sorted(VLLM_ARGS_ALLOWED), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"engine.vllm_args.{key}: not an argument batchscore passes to vLLM{hint}; "
+                            f"allowed: {', '.join(sorted(VLLM_ARGS_ALLOWED))}")
+    return problems
+
+
+def _openai_batch_problems(config: JobConfig) -> list[str]:
+    """input.format openai_batch: each request's body.messages (through the model's chat
+    template) or body.prompt is its prompt, and its custom_id its id."""
+    problems = []
+    if config.prompt.template or config.prompt.system:
+        problems.append("prompt.template / prompt.system: not used with input.format openai_batch (each request's "
+                        "body.messages or body.prompt is its prompt); remove them")
+    if config.input.token_ids_column is not None:
+        problems.append("input.token_ids_column: not used with input.format openai_batch")
+    if config.input.id_column not in (None, "custom_id"):
+        problems.append(f"input.id_column: an openai_batch input is keyed by custom_id, got {config.input.id_column!r}")
+    return problems
+
+
+def _output_column_problems(config: JobConfig) -> list[str]:
+    """Two labels that would share one `p_<label>` column, or a kept input column that the scores
+    would overwrite: refused up front rather than losing a column silently."""
+    problems = []
+    by_column: dict[str, list[str]] = {}
+    for label in config.labels:
+        by_column.setdefault(label_column(label), []).append(label)
+    for column, labels in by_column.items():
+        if len(labels) > 1:
+            problems.append(f"labels: {labels} would all be written to the column {column!r}; make them differ "
+                            "by more than surrounding spaces")
+    id_name = config.input.id_column or DEFAULT_ID
+    generated = set(output_columns(config.labels, config.input.choices_column is not None, config.output.logprobs))
+    generated |= {id_name} if config.input.id_column is None else set()
+    for name in config.output.keep_columns:
+        if name in generated and name != config.input.id_column:
+            problems.append(f"output.keep_columns: {name!r} is also a column batchscore writes (the scores: "
+                            f"{', '.join(sorted(generated))}); rename the input column or drop it from keep_columns")
+    return problems
+
+
+def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
+    """Make input/output paths, and a model given as a relative path that exists there, relative
+    to the job file's folder (changes `config` in place)."""
+    model = os.path.expanduser(str(config.model))
+    if config.model not in BUILTIN_MODELS and not os.path.isabs(model) and (base / model).exists():
+        config.model = os.path.normpath(base / model)
+    spec = config.engine.speculative
+    if spec is not None and not spec.speculator.startswith("layers:") and spec.speculator not in BUILTIN_MODELS:
+        speculator = os.path.expanduser(spec.speculator)
+        if not os.path.isabs(speculator) and (base / speculator).exists():  # a speculator model folder
+            spec.speculator = os.path.normpath(base / speculator)
+    def relative(path: str | None) -> str | None:  # an object-store URL stays as it is
+        if not path or is_url(path) or os.path.isabs(os.path.expanduser(path)):
+            return path
+        return os.path.normpath(base / path)
+
+    config.input.path = relative(config.input.path)
+    config.output.path = relative(config.output.path)
+    config.output.error_path = relative(config.output.error_path)

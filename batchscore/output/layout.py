@@ -1,0 +1,149 @@
+"""Every name an output owns, in one place: the files beside it and the columns in it.
+
+Files, for `output.path = out/scores.parquet`:
+
+    out/scores.parquet.lock             # the run's lock (a shard's: .shard-0-of-3.lock; a merge's: .merge.lock)
+    out/scores.parquet.parts/           # manifests and parts while scoring (output/parts.py)
+    out/scores.parquet.complete.json    # the completion marker: a rerun is a no-op
+    out/scores.errors.jsonl             # openai_batch only: the failed rows (output.error_path)
+    out/scores.parquet.report.html      # `run --report` / `batchscore report`
+
+Columns, after the id and the kept input columns: with fixed labels `p_<label>`..., `label`,
+`label_mass` (then `logp_<label>`... with `output.logprobs`); with per-row choices `choice`,
+`choice_index`, `p_choices`, `label_mass` (then `logp_choices`); `approx_keep` under speculative
+prefill; then `status` and `error`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from batchscore.io.storage import as_path, is_remote, sibling
+
+# ---------------------------------------------------------------------------- files
+
+RUN_WRITER = "run"  # the writer of a whole run; a static shard writes as `shard-I-of-N`
+MERGE_WRITER = "merge"  # `batchscore merge` (its own lock: the shards' locks are theirs)
+ERROR_FILE_SUFFIX = ".errors.jsonl"
+_LINE_SUFFIXES = (".jsonl", ".ndjson")  # dropped from an output's name before ERROR_FILE_SUFFIX
+
+
+def default_error_path(output: str | os.PathLike) -> str:
+    """An openai_batch output's error file when output.error_path is unset: `<stem>.errors.jsonl`
+    beside it (`out/batch.jsonl` -> `out/batch.errors.jsonl`; a URL stays a URL)."""
+    path = os.fspath(output)
+    name = path.rsplit("/", 1)[-1]
+    suffix = Path(name).suffix
+    stem = name[: -len(suffix)] if suffix.lower() in _LINE_SUFFIXES else name
+    return path[: len(path) - len(name)] + stem + ERROR_FILE_SUFFIX
+
+
+@dataclass(frozen=True)
+class OutputFiles:
+    """The files of one output: the output itself and every file beside it that a run writes.
+
+    output: output.path as configured (a local path or an object-store URL); errors: the failed
+    rows' file of an openai_batch output, None for formats that write none (`for_job` resolves it).
+    Paths are derived when asked (as `io.storage.as_path` objects), so building one touches nothing.
+    """
+
+    output: str | os.PathLike
+    errors: str | os.PathLike | None = None
+
+    @classmethod
+    def for_job(cls, config) -> OutputFiles:
+        """The files of `config`'s output (a JobConfig): the error file only for openai_batch,
+        output.error_path or the default `<stem>.errors.jsonl`."""
+        path = os.fspath(config.output.path)
+        if config.output_format != "openai_batch":
+            return cls(path)
+        return cls(path, config.output.error_path or default_error_path(path))
+
+    @property
+    def remote(self) -> bool:
+        """The output lives in an object store (no flock there: a lease instead)."""
+        return is_remote(self.output)
+
+    @property
+    def path(self):
+        """The output file itself."""
+        return as_path(self.output)
+
+    def lock(self, writer: str = RUN_WRITER):
+        """The lock (or lease) file of one writer: `run`, a shard's name, or `merge`."""
+        return sibling(self.output, ".lock" if writer == RUN_WRITER else f".{writer}.lock")
+
+    @property
+    def parts(self):
+        """The staging folder of manifests and parts."""
+        return sibling(self.output, ".parts")
+
+    @property
+    def marker(self):
+        """The completion marker, written after the output."""
+        return sibling(self.output, ".complete.json")
+
+    @property
+    def report(self):
+        """The default place of the HTML report."""
+        return sibling(self.output, ".report.html")
+
+    def all_siblings(self, writer: str = RUN_WRITER) -> list:
+        """Every path beside the output that a run of `writer` owns: its lock, the parts folder,
+        the completion marker, the error file (openai_batch) and the report."""
+        paths = [self.lock(writer), self.parts, self.marker]
+        if self.errors is not None:
+            paths.append(as_path(self.errors))
+        return paths + [self.report]
+
+
+# ---------------------------------------------------------------------------- columns
+
+DEFAULT_ID = "row_id"  # the id column when input.id_column is unset (the input row number)
+LABEL = "label"  # the most probable label
+LABEL_MASS = "label_mass"  # the options' probabilities summed, before normalizing
+CHOICE = "choice"  # the most probable of the row's own options
+CHOICE_INDEX = "choice_index"
+P_CHOICES = "p_choices"  # list<double>, in the row's option order
+LOGP_CHOICES = "logp_choices"
+APPROX_KEEP = "approx_keep"  # speculative prefill's keep rate: the scores are approximate
+STATUS = "status"  # "ok" | "error"
+ERROR = "error"
+STATUS_OK, STATUS_ERROR = "ok", "error"
+RESULT_COLUMNS = (LABEL, LABEL_MASS, STATUS, ERROR)  # every fixed-label output has these
+BATCH_SCORES = "scores"  # openai_batch: the response body's {label: P(label)} (beside label_mass)
+
+
+LABEL_PREFIX, LOGP_PREFIX = "p_", "logp_"
+
+
+def label_column(label: str) -> str:
+    """A label's probability column, e.g. 'Yes' -> 'p_Yes' (surrounding spaces dropped)."""
+    return LABEL_PREFIX + label.strip()
+
+
+def logp_column(label: str) -> str:
+    """A label's raw total log-probability column, e.g. 'Yes' -> 'logp_Yes'."""
+    return LOGP_PREFIX + label.strip()
+
+
+def label_of_column(column: str) -> str | None:
+    """The label a `p_<label>` column holds (as written: stripped), None for any other column."""
+    return column[len(LABEL_PREFIX):] if column.startswith(LABEL_PREFIX) else None
+
+
+def score_column_names(labels: Sequence[str], choices: bool, logprobs: bool) -> list[str]:
+    """The score columns, in order: of fixed `labels`, or (`choices`) of each row's own options;
+    `logprobs`: with the raw log-probability columns."""
+    if choices:
+        return [CHOICE, CHOICE_INDEX, P_CHOICES, LABEL_MASS] + ([LOGP_CHOICES] if logprobs else [])
+    return ([label_column(label) for label in labels] + [LABEL, LABEL_MASS]
+            + ([logp_column(label) for label in labels] if logprobs else []))
+
+
+def output_columns(labels: Sequence[str], choices: bool = False, logprobs: bool = False) -> list[str]:
+    """Every column batchscore writes besides the id, the kept input columns and approx_keep."""
+    return score_column_names(labels, choices, logprobs) + [STATUS, ERROR]

@@ -1,0 +1,193 @@
+"""The one normalization: each row's raw option totals become the probabilities, the label mass
+and the chosen label (or choice) of the output, once, when the output is assembled.
+
+Engines return each option's total log-probability only (the sum over its tokens under the
+model's full-vocabulary softmax, `engines.base.RawScores`); parts store those totals as they are
+(output/parts.py). Here `score.normalize` turns totals into the probabilities written: `sum` (the
+totals; lm-eval `acc`), `token` (per token) or `byte` (per UTF-8 byte of the option text; lm-eval's
+`acc_norm` divides by characters, the same for ASCII), then softmax over the row's options.
+`label_mass` is the sum of the options' probabilities before normalizing. The column names come
+from output/layout.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchscore.output import layout
+from batchscore.prepare.options import choices_problem
+
+
+@dataclass
+class RowScores:
+    """Every row's option totals as Arrow lists (null: no part holds the row), for the output.
+
+    logp: list<double> raw total log-probability of each option (NaN for rows the engine failed);
+    tokens: list<int32> tokens of each option (null lists: one token each).
+    """
+
+    logp: pa.ListArray
+    tokens: pa.ListArray | None = None
+
+    def unscored(self) -> np.ndarray:
+        """Rows without a whole result: no part holds them, or one of their totals is NaN."""
+        logp = _combined(self.logp)
+        n = len(logp)
+        lengths = np.asarray(logp.value_lengths().fill_null(0), dtype=np.int64)
+        flat, _ = _flat_values(logp, lengths)
+        has_nan = np.bincount(np.repeat(np.arange(n), lengths), weights=np.isnan(flat), minlength=n) > 0
+        return np.flatnonzero(np.asarray(logp.is_null().to_numpy(zero_copy_only=False)) | has_nan)
+
+
+def normalized_log_probs(logp: np.ndarray, row_of: np.ndarray, num_rows: int,
+                         divisors: np.ndarray | None) -> np.ndarray:
+    """log of the normalized probabilities: softmax over each row's options of logp / divisor.
+
+    logp, row_of, divisors: [M] flat over all options of all rows (row_of non-decreasing).
+    """
+    values = logp if divisors is None else logp / divisors
+    finite = np.where(np.isfinite(values), values, -np.inf)
+    top = np.full(num_rows, -np.inf)
+    np.maximum.at(top, row_of, finite)
+    top = np.where(np.isfinite(top), top, 0.0)
+    shifted = values - top[row_of]
+    sums = np.bincount(row_of, weights=np.exp(shifted), minlength=num_rows)
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(sums)[row_of]
+
+
+def option_mass(logp: np.ndarray, row_of: np.ndarray, num_rows: int) -> np.ndarray:
+    """[num_rows] the label mass: each row's option probabilities summed, before normalizing."""
+    with np.errstate(over="ignore"):
+        return np.bincount(row_of, weights=np.exp(logp), minlength=num_rows)
+
+
+def normalize_totals(logp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, K] raw totals (or one row [K]) -> ([N, K] log P normalized over the K options,
+    [N] label mass): what `score_columns` writes with normalize `sum` (for checks and benches)."""
+    logp = np.atleast_2d(np.asarray(logp, dtype=np.float64))
+    n, k = logp.shape
+    row_of = np.repeat(np.arange(n), k)
+    flat = logp.reshape(-1)
+    return normalized_log_probs(flat, row_of, n, None).reshape(n, k), option_mass(flat, row_of, n)
+
+
+def score_columns(*, labels: Sequence[str] | None, choices: Sequence[Sequence[str] | None] | None,
+                  scores: RowScores, ok: np.ndarray, normalize: str = "sum",
+                  logprobs: bool = False) -> dict[str, pa.Array]:
+    """The score columns of the output, in `layout.score_column_names` order.
+
+    labels: the job's fixed labels, or None with `choices`: each row's options (None for rows
+    without a valid list; only ok rows are read). ok: [N] rows that were scored.
+    """
+    n = len(ok)
+    logp_list = scores.logp
+    lengths = np.asarray(logp_list.value_lengths().fill_null(0), dtype=np.int64)
+    lengths[~ok] = 0
+    flat, offsets = _flat_values(logp_list, lengths)
+    row_of = np.repeat(np.arange(n), lengths)
+    divisors = _divisors(normalize, labels, choices, scores.tokens, lengths, row_of, ok)
+    probs = np.exp(normalized_log_probs(flat, row_of, n, divisors))
+    mass = option_mass(flat, row_of, n)
+    best = _first_argmax(probs, offsets, lengths)
+    columns: dict[str, pa.Array] = {}
+    mask = ~ok
+    if labels is not None:
+        count = len(labels)
+        if (lengths[ok] != count).any():
+            raise ValueError(f"expected {count} label scores per scored row")
+        matrix = np.full((n, count), np.nan)
+        matrix[ok] = probs.reshape(-1, count)
+        raw = np.full((n, count), np.nan)
+        raw[ok] = flat.reshape(-1, count)
+        for i, label in enumerate(labels):
+            columns[layout.label_column(label)] = pa.array(matrix[:, i], mask=mask, type=pa.float64())
+        columns[layout.LABEL] = pa.array([labels[b] if good else None for b, good in zip(best, ok)], type=pa.string())
+        columns[layout.LABEL_MASS] = pa.array(mass, mask=mask, type=pa.float64())
+        if logprobs:
+            for i, label in enumerate(labels):
+                columns[layout.logp_column(label)] = pa.array(raw[:, i], mask=mask, type=pa.float64())
+        return columns
+    list_offsets = pa.array(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
+    validity = pa.array(ok)
+    columns[layout.CHOICE] = pa.array([choices[i][b] if good else None for i, (b, good) in enumerate(zip(best, ok))],
+                                      type=pa.string())
+    columns[layout.CHOICE_INDEX] = pa.array(best, mask=mask, type=pa.int64())
+    columns[layout.P_CHOICES] = _list_column(list_offsets, probs, validity)
+    columns[layout.LABEL_MASS] = pa.array(mass, mask=mask, type=pa.float64())
+    if logprobs:
+        columns[layout.LOGP_CHOICES] = _list_column(list_offsets, flat, validity)
+    return columns
+
+
+def choices_for_output(choices: pa.Array | None, ok: np.ndarray) -> list | None:
+    """Each row's options as read (for the `choice` column): a list for ok rows, None elsewhere."""
+    if choices is None:
+        return None
+    values = choices.to_pylist()
+    return [choices_problem(v)[0] if good else None for v, good in zip(values, ok)]
+
+
+def _combined(array):
+    return array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
+
+
+def _list_column(offsets: pa.Array, values: np.ndarray, validity: pa.Array) -> pa.Array:
+    array = pa.ListArray.from_arrays(offsets, pa.array(values, type=pa.float64()))
+    return pc.if_else(validity, array, pa.scalar(None, array.type))
+
+
+def _flat_values(array: pa.ListArray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The values of the rows with lengths > 0 (rows set to 0 are skipped), and their offsets."""
+    array = _combined(array)
+    starts = np.asarray(array.offsets, dtype=np.int64)[:-1]
+    values = np.asarray(array.values.to_numpy(zero_copy_only=False), dtype=np.float64)
+    index = np.repeat(starts, lengths) + _ranks(lengths)
+    return values[index], np.concatenate(([0], np.cumsum(lengths)))[:-1]
+
+
+def _ranks(lengths: np.ndarray) -> np.ndarray:
+    """0, 1, .., len-1 for every row, concatenated."""
+    total = int(lengths.sum())
+    return np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
+def _first_argmax(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per row, the index of its largest value (the first on ties; 0 for empty rows)."""
+    n = len(lengths)
+    best = np.zeros(n, dtype=np.int64)
+    if not len(values):
+        return best
+    row_of = np.repeat(np.arange(n), lengths)
+    clean = np.nan_to_num(values, nan=-np.inf)
+    order = np.lexsort((_ranks(lengths), -clean, row_of))  # by row, largest first, then position
+    nonempty = lengths > 0
+    best[nonempty] = _ranks(lengths)[order[offsets[nonempty]]]
+    return best
+
+
+def _divisors(normalize: str, labels, choices, tokens: pa.ListArray | None, lengths: np.ndarray,
+              row_of: np.ndarray, ok: np.ndarray) -> np.ndarray | None:
+    if normalize == "sum":
+        return None
+    if normalize == "token":
+        if tokens is None:
+            return np.ones(len(row_of))
+        token_lengths = np.asarray(tokens.value_lengths().fill_null(0), dtype=np.int64)
+        counts, _ = _flat_values(tokens.cast(pa.list_(pa.float64())), np.where(ok & (token_lengths > 0), lengths, 0))
+        out = np.ones(len(row_of))
+        has = np.repeat(ok & (token_lengths > 0), lengths)
+        out[has] = counts
+        return out
+    if normalize == "byte":
+        if labels is not None:
+            per_label = np.array([len(label.encode("utf-8")) for label in labels], dtype=np.float64)
+            return np.tile(per_label, int(ok.sum()))
+        return np.array([len(option.encode("utf-8")) for i in np.flatnonzero(ok) for option in choices[i]],
+                        dtype=np.float64)
+    raise ValueError(f"unknown normalize {normalize!r}")
