@@ -91,6 +91,7 @@ class InputConfig:
     id_column: str | None = None  # a unique row id carried to the output; default: the row number
     token_ids_column: str | None = None  # pre-tokenized prompts: no template or tokenizer needed
     choices_column: str | None = None  # a list<string> column: each row scored over its own options
+    questions_column: str | None = None  # decisions: a column of per-row questions (a System One map, JSON)
     batch_rows: int = 8192  # rows per Arrow record batch while reading
     synthetic: SyntheticInput | None = None  # benchmarks: generated token ids instead of files
     filter: dict[str, Any] = field(default_factory=dict)  # hive partition column -> value or [values]
@@ -103,6 +104,7 @@ class PromptConfig:
     system: str | None = None  # a system message (chat) or text put before the template
     chat: bool = False  # render through the model's chat template (a user turn, then the assistant's)
     engine: str = "format"  # format ({column}) | jinja (sandboxed jinja2)
+    state_columns: list[str] | None = None  # decisions: the state is a JSON object of these columns
 
 
 @dataclass
@@ -170,6 +172,7 @@ class JobConfig:
     input: InputConfig = field(default_factory=InputConfig)  # where the rows come from
     prompt: PromptConfig = field(default_factory=PromptConfig)  # how a row becomes a prompt
     labels: list[str] = field(default_factory=list)  # the answers scored for every row (or input.choices_column)
+    questions: dict[str, Any] | None = None  # decisions: id -> {type: choice|noul|score, instructions, criteria}
     score: ScoreConfig = field(default_factory=ScoreConfig)  # how option probabilities are normalized
     model: str = DEFAULT_MODEL  # a built-in name, a local HF folder, a .gguf file or a Hub id in the local cache
     model_download: bool = False  # a Hub id missing from the local cache may be downloaded (once)

@@ -220,7 +220,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     has_tokens = inp.token_ids_column is not None or inp.synthetic is not None
     if inp.format == "openai_batch":
         problems.extend(_openai_batch_problems(config))
-    elif not has_tokens and not config.prompt.template:
+    elif not has_tokens and not config.prompt.template and not config.prompt.state_columns:
         problems.append("prompt.template: required unless input.token_ids_column is given "
                         "(e.g. 'Query: {query}\\nAnswer Yes or No.')")
     if engine_problem := _not_allowed(config, "prompt.engine"):
@@ -230,8 +230,11 @@ def _semantic_problems(config: JobConfig) -> list[str]:
             template_fields(config.prompt.template, config.prompt.engine)
         except PromptTemplateError as exc:
             problems.append(f"prompt.template: {exc}")
-    # checks score.normalize against NORMALIZE (ALLOWED's), with the labels it normalizes
-    problems.extend(label_problems(config.labels, inp.choices_column, config.score.normalize))
+    if is_decision_job(config):
+        problems.extend(decision_job_problems(config))
+    elif inp.format != "openai_batch" or config.labels:
+        # checks score.normalize against NORMALIZE (ALLOWED's), with the labels it normalizes
+        problems.extend(label_problems(config.labels, inp.choices_column, config.score.normalize))
     if config.engine.speculative is not None and inp.choices_column:
         problems.append("engine.speculative: speculative prefill scores one-token labels shared by every row, "
                         "not input.choices_column")
@@ -313,6 +316,49 @@ def _vllm_args_problems(vllm_args: dict[str, Any], allow_code: bool) -> list[str
             hint = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"engine.vllm_args.{key}: not an argument batchscore passes to vLLM{hint}; "
                             f"allowed: {', '.join(sorted(VLLM_ARGS_ALLOWED))}")
+    return problems
+
+
+def is_decision_job(config: JobConfig) -> bool:
+    """A table job whose rows are states asked typed questions (`questions:` or input.questions_column)."""
+    return config.questions is not None or config.input.questions_column is not None
+
+
+def decision_job_problems(config: JobConfig) -> list[str]:
+    """`questions:` jobs: the questions parse (System One map shape), the state has one source,
+    and the keys that belong to label jobs are absent."""
+    from batchscore.errors import DecisionRequestError
+    from batchscore.prepare.decisions import parse_systemone
+
+    problems = []
+    inp, prompt = config.input, config.prompt
+    if config.labels:
+        problems.append("labels and questions: a decisions job reads each question's own labels; remove labels")
+    if inp.choices_column:
+        problems.append("input.choices_column and questions: give one of them")
+    if inp.format == "openai_batch":
+        problems.append("questions: not used with input.format openai_batch (each line's body holds its questions)")
+    if inp.token_ids_column:
+        problems.append("input.token_ids_column: not used with questions (the reads are rendered text)")
+    if bool(prompt.template) == bool(prompt.state_columns):
+        problems.append("prompt.template or prompt.state_columns: give exactly one — the state as a rendered "
+                        "template, or a JSON object of these columns")
+    if prompt.state_columns is not None and (not prompt.state_columns or not all(
+            isinstance(c, str) and c for c in prompt.state_columns)):
+        problems.append("prompt.state_columns: a non-empty list of column names")
+    if config.engine.speculative is not None:
+        problems.append("engine.speculative: not available for questions (reads are scored exactly)")
+    if config.output_format == "openai_batch":
+        problems.append("output.format openai_batch: a questions job writes parquet or jsonl")
+    if config.questions is not None:
+        if not isinstance(config.questions, dict) or not config.questions:
+            problems.append("questions: a map of question id -> {type, instructions, criteria}")
+        else:
+            try:
+                parse_systemone({"state": "", "questions": config.questions})
+            except DecisionRequestError as exc:
+                where = f"questions.{exc.question}" if exc.question is not None else "questions"
+                problems.append(f"{where}: {exc}")
     return problems
 
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from batchscore.prepare.decisions import LAYOUT, WIDE_LAYOUT, DecisionRequest, Question
+from batchscore.prepare.decisions import DecisionRequest, Question
 
 CONFIDENCE_METHOD = "typesafe"
 

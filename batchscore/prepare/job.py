@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -28,30 +28,18 @@ from batchscore.output.identity import input_identity, model_identity, software_
 from batchscore.output.layout import OutputFiles
 from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
 from batchscore.io.storage import as_path, is_url, use_storage_options
+from batchscore.prepare.decision_job import is_decision_input, prepare_decisions
+from batchscore.prepare.decisions import check_question, parse_systemone
 from batchscore.prepare.options import OptionEncoder, RowOptionSource
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
 from batchscore.plan.validate import token_ids_problem
 from batchscore.plan.types import Request
 from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
+from batchscore.prepare.rows import (PreparedInput, batch_ids, check_unique_ids, concat_arrays, concat_tables,
+                                     select_kept)
 
 log = logging.getLogger("batchscore")
-
-
-@dataclass
-class PreparedInput:
-    """Everything the runner needs from the input, independent of the engine."""
-
-    num_rows: int
-    ids: pa.Array  # [num_rows] the id column, or row numbers
-    kept: pa.Table  # [num_rows] output.keep_columns
-    requests: list[Request]  # rows that can be scored
-    errors: dict[int, str] = field(default_factory=dict)  # row_id -> message
-    choices: pa.Array | None = None  # [num_rows] input.choices_column as read (for the output)
-
-    @property
-    def logical_tokens(self) -> int:
-        return sum(len(r) for r in self.requests)
 
 
 @dataclass
@@ -150,6 +138,11 @@ def scoring_config(config: JobConfig) -> dict:
         del data["prompt"]["engine"]  # the default: outputs and parts from before the key stay valid
     if data["input"]["choices_column"] is None:
         del data["input"]["choices_column"]  # the same for the option keys at their defaults
+    for section, key in (("input", "questions_column"), ("prompt", "state_columns")):
+        if data[section][key] is None:
+            del data[section][key]  # the decision keys at their defaults: identities from before them hold
+    if data["questions"] is None:
+        del data["questions"]
     if data["score"] == {"normalize": "sum"}:
         del data["score"]
     if config.output.logprobs:
@@ -163,6 +156,8 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
     tokenize its input; no model weights are loaded. Without tokenizing only the id and kept
     columns are read (what assembling an output needs). Raises InputError / ModelError / LabelError."""
     source = source or locate_job(config, with_model=tokenize)
+    if is_decision_input(config, source.files):
+        return _prepare_decision_job(config, source, tokenize, progress)
     label_ids, renderer, max_length, vocab_size, options = None, None, None, None, None
     if tokenize:
         tokenizer = load_tokenizer(source.model_dir)
@@ -183,6 +178,25 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
                              "the prompt's end) — drop engine.speculative or use one-token labels")
     log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
     return PreparedJob(source, label_ids, prepared)
+
+
+def _prepare_decision_job(config: JobConfig, source: JobSource, tokenize: bool,
+                          progress: Callable[[int], None] | None) -> PreparedJob:
+    """A decision job's reads (prepare/decision_job.py). The labels of a `questions:` job are
+    checked once, up front: a label this model cannot read refuses the job (LabelError)."""
+    tokenizer = max_length = vocab_size = None
+    if tokenize:
+        tokenizer = load_tokenizer(source.model_dir)
+        max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
+        if config.questions:
+            request = parse_systemone({"state": "", "questions": config.questions})
+            problems = [p for q in request.questions if (p := check_question(tokenizer, request, q))]
+            if problems:
+                raise LabelError(f"questions: {'; '.join(problems)} (model {config.model})")
+    prepared = prepare_decisions(config, source.files, tokenizer, max_length, vocab_size, progress)
+    log.info("read %d records: %d reads (%d not scorable)", prepared.decisions.num_records, prepared.num_rows,
+             len(prepared.errors))
+    return PreparedJob(source, None, prepared)
 
 
 def check_output_path(output_path: str) -> None:
@@ -297,10 +311,10 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
             continue
         saw_rows = True
         _check_columns(batch, needed)
-        ids.append(_batch_ids(batch, id_column, row_id))
-        kept_tables.append(_select_kept(batch.table, keep_columns))
+        ids.append(batch_ids(batch, id_column, row_id))
+        kept_tables.append(select_kept(batch.table, keep_columns))
         if choices_column:
-            choice_arrays.append(_select_kept(batch.table, [choices_column]).column(0).combine_chunks())
+            choice_arrays.append(select_kept(batch.table, [choices_column]).column(0).combine_chunks())
         prompts = None
         if not tokenize:
             rows_tokens = []
@@ -326,11 +340,11 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
             progress(n)
     if not saw_rows:
         raise InputError(f"input.path: {config.input.path} holds no rows")
-    id_array = _concat(ids)
+    id_array = concat_arrays(ids)
     if id_column:
-        _check_unique_ids(id_array, id_column)
-    kept = _concat_tables(kept_tables) if keep_columns else pa.table({})
-    choices = _concat(choice_arrays) if choices_column else None
+        check_unique_ids(id_array, id_column)
+    kept = concat_tables(kept_tables) if keep_columns else pa.table({})
+    choices = concat_arrays(choice_arrays) if choices_column else None
     return PreparedInput(row_id, id_array, kept, requests, errors, choices)
 
 
@@ -385,17 +399,8 @@ def _check_columns(batch: InputBatch, needed: list[str]) -> None:
         )
 
 
-def _batch_ids(batch: InputBatch, id_column: str | None, first_row_id: int) -> pa.Array:
-    if id_column is None or id_column not in batch.table.column_names:
-        return pa.array(np.arange(first_row_id, first_row_id + batch.table.num_rows, dtype=np.int64))
-    return batch.table.column(id_column).combine_chunks()
 
 
-def _select_kept(table: pa.Table, keep_columns: list[str]) -> pa.Table:
-    columns = {}
-    for name in keep_columns:
-        columns[name] = table.column(name) if name in table.column_names else pa.nulls(table.num_rows)
-    return pa.table(columns) if columns else pa.table({})
 
 
 def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int) -> tuple[list, list]:
@@ -440,29 +445,3 @@ def _token_rows(batch: InputBatch, column: str, errors: dict[int, str], first_ro
             errors[rid] = problem if read_error else f"{batch.file}:{batch.first_line + offset}: field {column!r}{sep}{problem}"
         result.append(tokens)
     return result
-
-
-def _concat(arrays: list[pa.Array]) -> pa.Array:
-    try:
-        return pa.concat_arrays([a.cast(arrays[0].type) if a.type != arrays[0].type else a for a in arrays])
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        return pa.concat_arrays([a.cast(pa.string()) for a in arrays])
-
-
-def _concat_tables(tables: list[pa.Table]) -> pa.Table:
-    try:
-        return pa.concat_tables(tables, promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-        # Columns whose types differ across files: keep every value, as text.
-        return pa.concat_tables([t.cast(pa.schema([(n, pa.string()) for n in t.column_names])) for t in tables])
-
-
-def _check_unique_ids(ids: pa.Array, id_column: str) -> None:
-    """Ids must be unique; a null id (a line that could not be read has none) is not a duplicate:
-    its row keeps its place and its error names the file and line."""
-    import pyarrow.compute as pc
-
-    if pc.count_distinct(ids, mode="only_valid").as_py() != len(ids) - ids.null_count:
-        counts = pc.value_counts(ids)
-        dupes = [c["values"] for c in counts.to_pylist() if c["counts"] > 1 and c["values"] is not None][:5]
-        raise InputError(f"input.id_column {id_column!r} has duplicate values, e.g. {dupes}; ids must be unique")

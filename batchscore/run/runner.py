@@ -35,6 +35,7 @@ from batchscore.output.layout import DEFAULT_ID, MERGE_WRITER, RUN_WRITER, Outpu
 from batchscore.output.lock import OutputLock
 from batchscore.io.storage import file_size, is_url
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
+from batchscore.output.decision_files import run_metadata, write_decision_output
 from batchscore.output.formats import write_output
 from batchscore.output.scores import choices_for_output, score_columns
 from batchscore.output.table import ok_rows, scores_table
@@ -90,6 +91,8 @@ class RunSummary:
     batch_token_counts: list[int] = field(default_factory=list)
     skipped: bool = False  # True: the output was already complete; nothing was scored
     approx_keep: float | None = None  # speculative prefill's keep rate: the scores are approximate
+    reads: int | None = None  # decision jobs: the rows are records, each read once per question
+    decisions: dict | None = None  # decision jobs: the read layout and the confidence method
 
     @property
     def rows_per_second(self) -> float:
@@ -204,8 +207,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     processed = plan.stats.processed_tokens + placement.split_extra_tokens
     return RunSummary(
         output_path=str(store.files.output),
-        rows=job.input.num_rows,
-        rows_ok=job.input.num_rows - len(errors),
+        rows=job.input.num_records,
+        rows_ok=job.input.num_records - len(errors),
         rows_error=len(errors),
         logical_tokens=plan.stats.logical_tokens,
         processed_tokens=processed,
@@ -221,6 +224,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         workers=num_workers,
         batch_token_counts=batch_tokens,
         approx_keep=_approx_keep(config),
+        reads=job.input.num_rows if job.input.decisions is not None else None,
+        decisions=run_metadata(job.input.decisions) if job.input.decisions is not None else None,
     )
 
 
@@ -251,8 +256,8 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
                                  f"unfinished in {store.folder}; run them with --shard I/{count}")
         lock.check()
         errors = assemble_output(job, store, manifests)
-        summary = RunSummary(output_path=str(files.output), rows=job.input.num_rows,
-                             rows_ok=job.input.num_rows - len(errors), rows_error=len(errors),
+        summary = RunSummary(output_path=str(files.output), rows=job.input.num_records,
+                             rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
                              logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
                              seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
                              workers=count)
@@ -313,6 +318,11 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
     unscored = scores.unscored()
     for row in unscored[~np.isin(unscored, np.fromiter(errors, dtype=np.int64, count=len(errors)))]:
         errors[int(row)] = "not scored: no result from the engine"  # never silently lost
+    if prepared.decisions is not None:  # rows are reads: answers are written per record
+        fault_point("assemble")
+        failed = write_decision_output(config, prepared.decisions, scores, errors, store.files, str(config.model))
+        fault_point("output")
+        return failed
     id_name = config.input.id_column or DEFAULT_ID
     ok = ok_rows(prepared.num_rows, errors)
     columns = score_columns(labels=config.labels or None, choices=choices_for_output(prepared.choices, ok),

@@ -1,0 +1,184 @@
+"""A decision job's output: reads gathered back into records, written once every part exists.
+
+Each read's raw label totals (engines return nothing else) become its question's answer through
+`output/decisions.py`; a record's answers become one OpenAI Batch output line (the System One or
+OpenAI Decisions response body; chat/completions lines keep their completion shape) or one table
+row (`<id>.…` columns per question). A record any of whose reads failed is an error line (status
+400, naming line, request and question) in a batch file — never a truncated answer; in a table
+its failed questions say so in `<id>.status` / `<id>.error`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from batchscore.config import JobConfig
+from batchscore.output import layout
+from batchscore.output.decisions import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
+                                         row_values, systemone_answer, systemone_body, table_column_types)
+from batchscore.output.formats import _completion, _error_response, _write_lines
+from batchscore.output.layout import OutputFiles
+from batchscore.output.scores import RowScores
+from batchscore.output.table import write_parquet_atomic
+from batchscore.prepare.decisions import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT
+from batchscore.prepare.rows import DecisionInput, Record
+
+ANSWERS = "answers"  # table jobs with input.questions_column: each row's System One answers, as JSON
+
+
+def run_metadata(decisions: DecisionInput) -> dict[str, str]:
+    """What the run summary and the Parquet schema record about how answers were read."""
+    wide = any(q.layout == WIDE_LAYOUT for r in decisions.records if r.request for q in r.request.questions)
+    return {"layout": WIDE_LAYOUT if wide else LAYOUT, "confidence_method": CONFIDENCE_METHOD}
+
+
+def record_answers(record: Record, logp: list, errors: dict[int, str]) -> list[QuestionAnswer | str]:
+    """Each question's answer, or its read's error message, in question order."""
+    answers: list[QuestionAnswer | str] = []
+    for k, question in enumerate(record.request.questions):
+        read = record.first_read + k
+        if read in errors:
+            answers.append(errors[read])
+            continue
+        try:
+            answers.append(read_answer(question, logp[read]))
+        except (ValueError, TypeError) as exc:
+            answers.append(f"not scored: {exc}")
+    return answers
+
+
+def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: RowScores, errors: dict[int, str],
+                          files: OutputFiles, model: str) -> dict[int, str]:
+    """Write the output of a decision job (and, for a batch file, its error file) atomically.
+    Returns record -> error for the records that are errors (the run's failed rows)."""
+    logp = scores.logp.to_pylist()
+    if config.output_format == "openai_batch":
+        return _write_batch(decisions, logp, errors, files, model, list(config.labels))
+    return _write_table(config, decisions, logp, errors, files)
+
+
+def _write_batch(decisions: DecisionInput, logp: list, errors: dict[int, str], files: OutputFiles,
+                 model: str, labels: list[str]) -> dict[int, str]:
+    created = int(time.time())
+    ids = decisions.ids.to_pylist()
+    ok_lines, failed_lines, failed = [], [], {}
+    for index, record in enumerate(decisions.records):
+        custom_id = None if ids[index] is None else str(ids[index])
+        key = hashlib.sha256(f"{index}:{custom_id}".encode()).hexdigest()[:24]
+        body, problem = _record_body(record, logp, errors, decisions.read_tokens, model, key, created, labels)
+        if problem is not None:
+            failed[index] = problem
+            failed_lines.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id,
+                                            "response": _error_response(key, problem), "error": None}))
+            continue
+        response = {"status_code": 200, "request_id": key, "body": body}
+        ok_lines.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response,
+                                    "error": None}, ensure_ascii=False))
+    _write_lines(files.errors, failed_lines)
+    _write_lines(files.output, ok_lines)
+    return failed
+
+
+def _record_body(record: Record, logp: list, errors: dict[int, str], read_tokens: dict[int, int], model: str,
+                 key: str, created: int, labels: list[str]) -> tuple[dict | None, str | None]:
+    """(the response body, None) or (None, why the record failed)."""
+    if record.error is not None:
+        return None, record.error
+    if record.request is None:  # a chat/completions line: one read over the job's labels
+        read = record.first_read
+        if read in errors:
+            return None, errors[read]
+        totals = np.asarray(logp[read], dtype=np.float64) if logp[read] is not None else None
+        if totals is None or not np.isfinite(totals).any():
+            return None, "not scored: no result from the engine"
+        top = totals.max()
+        weights = np.exp(totals - top)
+        probs = weights / weights.sum()
+        mass = float(np.exp(totals).sum())
+        return _completion(key, created, model, labels[int(np.argmax(probs))],
+                           dict(zip(labels, map(float, probs))), mass,
+                           completions=str(record.url or "").endswith("/v1/completions")), None
+    answers = record_answers(record, logp, errors)
+    problems = [a for a in answers if not isinstance(a, QuestionAnswer)]
+    if problems:
+        return None, problems[0]
+    reads = range(record.first_read, record.first_read + record.num_reads)
+    tokens = sum(read_tokens.get(r, 0) for r in reads)
+    if record.kind == API_SYSTEMONE:
+        return systemone_body(record.request, answers, model=record.request.model or model,
+                              input_tokens=tokens, output_tokens=len(answers)), None
+    return openai_body(record.request, answers, model=record.request.model or model,
+                       input_tokens=tokens, output_tokens=len(answers)), None
+
+
+def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, errors: dict[int, str],
+                 files: OutputFiles) -> dict[int, str]:
+    """One row per record: id, kept columns, each top-level question's columns, the per-row answers
+    (with input.questions_column), then the record's status and error."""
+    fixed = next((r.request.questions for r in decisions.records if r.request is not None), ())
+    fixed_keys = list(config.questions or {})
+    fixed = tuple(q for q in fixed if q.key in fixed_keys)
+    kinds = table_column_types(fixed)
+    values: dict[str, list] = {name: [] for name in kinds}
+    answers_json: list[str | None] = []
+    status, error, failed = [], [], {}
+    for index, record in enumerate(decisions.records):
+        if record.request is None:
+            message = record.error or errors.get(record.first_read, "not scored")
+            failed[index] = message
+            for name in values:
+                values[name].append(None)
+            answers_json.append(None)
+            status.append(layout.STATUS_ERROR)
+            error.append(message)
+            continue
+        answers = record_answers(record, logp, errors)
+        by_key = dict(zip((q.key for q in record.request.questions), answers))
+        row = row_values(fixed, [by_key[q.key] for q in fixed])
+        for name in values:
+            values[name].append(row.get(name))
+        answers_json.append(json.dumps(_answers_map(record, answers), ensure_ascii=False))
+        problems = [a for a in answers if not isinstance(a, QuestionAnswer)]
+        if problems:
+            failed[index] = problems[0]
+        status.append(layout.STATUS_ERROR if problems else layout.STATUS_OK)
+        error.append(problems[0] if problems else None)
+    id_name = config.input.id_column or layout.DEFAULT_ID
+    columns: dict[str, pa.Array] = {id_name: decisions.ids}
+    for name in decisions.kept.column_names:
+        if name != id_name:
+            columns[name] = decisions.kept.column(name)
+    arrow_types = {"float64": pa.float64(), "bool": pa.bool_(), "string": pa.string()}
+    for name, kind in kinds.items():
+        columns[name] = pa.array(values[name], type=arrow_types[kind])
+    if config.input.questions_column:
+        columns[ANSWERS] = pa.array(answers_json, type=pa.string())
+    columns[layout.STATUS] = pa.array(status, type=pa.string())
+    columns[layout.ERROR] = pa.array(error, type=pa.string())
+    table = pa.table(columns)
+    metadata = {f"batchscore.{k}": v for k, v in run_metadata(decisions).items()}
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **{k.encode(): v.encode()
+                                                                               for k, v in metadata.items()}})
+    if config.output_format == "jsonl":
+        _write_lines(files.output, (json.dumps(_finite(row), ensure_ascii=False, default=str)
+                                    for row in table.to_pylist()))
+    else:
+        write_parquet_atomic(table, files.output)
+    return failed
+
+
+def _answers_map(record: Record, answers: list) -> dict[str, Any]:
+    """A record's answers as System One's `answers` map (errors as {"error": message})."""
+    return {str(q.key): (systemone_answer(q, a) if isinstance(a, QuestionAnswer) else {"error": str(a)})
+            for q, a in zip(record.request.questions, answers)}
+
+
+def _finite(row: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

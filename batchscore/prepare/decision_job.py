@@ -1,0 +1,232 @@
+"""Decision jobs: every input row (a *record*) becomes one *read* per question.
+
+A record is a System One or OpenAI Decisions request (a line of an `openai_batch` file), a
+chat/completions request of the same file (one read over the job's labels), or a row of a table
+job with `questions:` (its state from `prompt.state_columns` or `prompt.template`). A read is an
+ordinary Request whose options are the question's labels, so the planner and both engines score
+it unchanged; all of a record's reads start with the same chat header and state, so the prefix
+tree prefills the state once per record, by construction.
+
+Reads are the rows of the run (parts, resume and the rows-in = rows-out check count reads);
+`DecisionInput` maps them back to records when the output is assembled (output/decision_files.py).
+Every record has at least one read: a record that cannot be asked anything has one error read,
+so its error is counted and written like any other.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+
+from batchscore.config import JobConfig
+from batchscore.errors import DecisionRequestError, InputError, PromptTemplateError, RowRenderError
+from batchscore.io.readers import DECISION_URLS, input_base, iter_batches
+from batchscore.io.storage import as_path
+from batchscore.plan.types import Request
+from batchscore.plan.validate import prompt_problem
+from batchscore.prepare.decisions import (API_OPENAI, API_SYSTEMONE, DecisionRequest, check_question,
+                                          parse_openai_decisions, parse_systemone, render_read)
+from batchscore.prepare.options import OptionEncoder, RowOptionSource
+from batchscore.prepare.prompts import PromptRenderer, RenderedPrompt, RequestRenderer
+from batchscore.prepare.rows import (DecisionInput, PreparedInput, Record, batch_ids, check_unique_ids, concat_arrays,
+                                     concat_tables, select_kept)
+
+CHAT = "chat"  # a chat/completions line of an openai_batch file: one read over the job's labels
+TABLE = "table"  # a row of a table job with `questions:`
+
+
+def is_decision_input(config: JobConfig, files: list) -> bool:
+    """True for `questions:` jobs and for openai_batch files that hold any decision line."""
+    if config.questions is not None or config.input.questions_column is not None:
+        return True
+    if config.input.format != "openai_batch":
+        return False
+    for path, _ in files:
+        with as_path(path).open("rb") as handle:
+            for line in handle:
+                if any(url.encode() in line for url in DECISION_URLS):
+                    return True
+    return False
+
+
+def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length: int | None = None,
+                      vocab_size: int | None = None, progress: Callable[[int], None] | None = None):
+    """Read every record of `files` and turn each question into a read (a Request over its labels),
+    or a read error. Without a `tokenizer` only records, ids and kept columns are read (what
+    assembling an output needs). Returns a PreparedInput whose rows are reads, with `decisions` set.
+    Raises InputError for problems of a whole file."""
+    batch_file = config.input.format == "openai_batch"
+    id_column = config.input.id_column
+    keep = list(config.output.keep_columns)
+    if batch_file and "url" not in keep:
+        keep.append("url")
+    table = None if batch_file else _TableRecords(config, tokenizer)
+    needed = list(dict.fromkeys(([id_column] if id_column else []) + keep + (
+        ["custom_id", "url", "messages", "prompt", "decision"] if batch_file else table.columns)))
+    encoder = OptionEncoder(tokenizer) if tokenizer is not None else None
+    options = RowOptionSource(None, "labels", encoder, max_length) if encoder is not None else None
+    chat_renderer = RequestRenderer(tokenizer) if tokenizer is not None else None
+    records: list[Record] = []
+    ids, kept, requests, errors, read_tokens = [], [], [], {}, {}
+    reads = 0
+    for batch in iter_batches(files, config.input.batch_rows, columns=needed, base=input_base(config.input.path)):
+        n = batch.table.num_rows
+        if n == 0:
+            continue
+        ids.append(batch_ids(batch, id_column, len(records)))
+        kept.append(select_kept(batch.table, keep))
+        rows = batch.table.select([c for c in needed if c in batch.table.column_names]).to_pylist()
+        pending: list[tuple[int, RenderedPrompt, list[str], str]] = []  # (read, prompt, labels, where)
+        for offset, (row, read_error) in enumerate(zip(rows, batch.row_errors)):
+            where = f"{batch.file}:{batch.first_line + offset}"
+            if batch_file and row.get("custom_id") is not None:
+                where += f": request {row['custom_id']!r}"
+            record = _record(row, read_error, where, batch_file, table, config)
+            record.first_read = reads
+            records.append(record)
+            reads += record.num_reads
+            if record.error is not None:
+                errors[record.first_read] = record.error
+                continue
+            if tokenizer is None:
+                continue
+            if record.kind == CHAT:
+                try:
+                    pending.append((record.first_read, chat_renderer.prompt(row), list(config.labels), where))
+                except (KeyError, PromptTemplateError, RowRenderError) as exc:
+                    errors[record.first_read] = f"{where}: {exc}"
+                continue
+            for k, question in enumerate(record.request.questions):
+                read = record.first_read + k
+                at = f"{where}: question {question.key!r}"
+                try:
+                    problem = check_question(tokenizer, record.request, question)
+                    if problem:
+                        errors[read] = f"{where}: {problem}"
+                        continue
+                    text = render_read(tokenizer, record.request, question)
+                except (DecisionRequestError, ValueError, TypeError) as exc:  # a template that refuses the read
+                    errors[read] = f"{at}: {exc}"
+                    continue
+                state = record.request.state_text
+                start = text.find(state) if state else -1
+                spans = [(start, start + len(state))] if start >= 0 else []
+                pending.append((read, RenderedPrompt(text, spans, chat=True), list(question.labels), at))
+        if pending:
+            _tokenize_reads(pending, chat_renderer, options, max_length, vocab_size, requests, errors, read_tokens)
+        if progress:
+            progress(n)
+    if not records:
+        raise InputError(f"input.path: {config.input.path} holds no rows")
+    id_array = concat_arrays(ids)
+    if id_column:
+        check_unique_ids(id_array, id_column)
+    decisions = DecisionInput(records, id_array, concat_tables(kept) if keep else pa.table({}), read_tokens)
+    return PreparedInput(reads, pa.array(np.arange(reads, dtype=np.int64)), pa.table({}), requests, errors,
+                         decisions=decisions)
+
+
+def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource, max_length, vocab_size,
+                    requests: list, errors: dict, read_tokens: dict) -> None:
+    """Tokenize a batch of reads and give each its labels as options (or its error)."""
+    prompts = [p for _, p, _, _ in pending]
+    tokens = renderer.encode(prompts)
+    for i, (read, _, _, where) in enumerate(pending):
+        problem = prompt_problem(len(tokens[i]), max_length,
+                                 largest_token=int(np.max(tokens[i])) if len(tokens[i]) else None, vocab_size=vocab_size)
+        if problem:
+            errors[read] = f"{where}: {problem}"
+            tokens[i] = None
+    pieces = [renderer.last_piece(p) if renderer.in_pieces(p) else None for p in prompts]
+    results = options.batch(tokens, [p.text for p in prompts], [labels for _, _, labels, _ in pending],
+                            [where for _, _, _, where in pending], [p.chat is not False for p in prompts], pieces)
+    for (read, _, _, _), read_ids, (read_options, problem) in zip(pending, tokens, results):
+        if read_ids is None:
+            continue
+        if problem:
+            errors[read] = problem
+            continue
+        read_tokens[read] = len(read_ids)
+        requests.append(Request(read, np.asarray(read_ids, dtype=np.int32), read_options))
+
+
+def _record(row: dict, read_error: str | None, where: str, batch_file: bool, table: "_TableRecords | None",
+            config: JobConfig) -> Record:
+    """The record of one input row (its reads not yet made)."""
+    if read_error:
+        return Record(CHAT if batch_file else TABLE, None, read_error, 0, 1)
+    if not batch_file:
+        try:
+            request = table.request(row)
+        except DecisionRequestError as exc:
+            return Record(TABLE, None, f"{where}: {exc}", 0, 1)
+        return Record(TABLE, request, None, 0, len(request.questions))
+    url = row.get("url")
+    if url in DECISION_URLS:
+        api = API_SYSTEMONE if url == "/v1/systemone" else API_OPENAI
+        try:
+            body = json.loads(row["decision"])
+            request = parse_systemone(body) if api == API_SYSTEMONE else parse_openai_decisions(body)
+        except DecisionRequestError as exc:
+            return Record(api, None, f"{where}: {exc}", 0, 1, url)
+        return Record(api, request, None, 0, len(request.questions), url)
+    if not config.labels:
+        return Record(CHAT, None, f"{where}: a {url or 'chat/completions'} request is scored over the job's "
+                                  "labels, and this job has none (set labels: [...])", 0, 1, url)
+    return Record(CHAT, None, None, 0, 1, url)
+
+
+class _TableRecords:
+    """The records of a table job: each row's state and questions as a System One request."""
+
+    def __init__(self, config: JobConfig, tokenizer) -> None:
+        self.state_columns = config.prompt.state_columns
+        self.template = None
+        if config.prompt.template:
+            from batchscore.prepare.prompts import compile_template
+
+            self.template = compile_template(config.prompt.template, config.prompt.engine)
+        self.system = config.prompt.system
+        self.questions = config.questions
+        self.questions_column = config.input.questions_column
+
+    @property
+    def columns(self) -> list[str]:
+        """The input columns a record is made of."""
+        state = list(self.state_columns) if self.state_columns else list(self.template.columns)
+        return state + ([self.questions_column] if self.questions_column else [])
+
+    def request(self, row: dict[str, Any]) -> DecisionRequest:
+        if self.state_columns:
+            state: Any = {name: row.get(name) for name in self.state_columns}
+        else:
+            try:
+                state = self.template.render_spans(row)[0]
+            except KeyError as exc:
+                raise DecisionRequestError(f"field {exc.args[0]!r} is null or missing") from None
+            except RowRenderError as exc:
+                raise DecisionRequestError(str(exc)) from None
+        questions = self.questions or {}
+        if self.questions_column:
+            questions = {**questions, **_row_questions(row.get(self.questions_column), self.questions_column)}
+        body = {"state": state, "questions": questions}
+        if self.system:
+            body["instructions"] = self.system
+        return parse_systemone(body)
+
+
+def _row_questions(value: Any, column: str) -> dict:
+    """A row's own questions: a System One map, or JSON text holding one (null: none)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise DecisionRequestError(f"field {column!r}: not JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise DecisionRequestError(f"field {column!r}: a map of question id -> question, got {type(value).__name__}")
+    return value

@@ -1,0 +1,101 @@
+"""The rows a job read: `PreparedInput` (requests, per-row errors, ids, kept columns) and the
+small Arrow helpers that build it from input batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchscore.errors import InputError
+from batchscore.io.readers import InputBatch
+from batchscore.plan.types import Request
+from batchscore.prepare.decisions import DecisionRequest
+
+
+@dataclass
+class Record:
+    """One input row: what it asks, and which reads answer it (`first_read` .. + `num_reads`).
+    `error`: why nothing of it can be answered (status 400); its one read then carries the error."""
+
+    kind: str  # systemone | openai | chat | table
+    request: DecisionRequest | None
+    error: str | None
+    first_read: int
+    num_reads: int
+    url: str | None = None  # openai_batch: the line's url (chat or text completion)
+
+
+@dataclass
+class DecisionInput:
+    """The records of a decision job, their ids and kept columns, and each read's prompt length."""
+
+    records: list[Record]
+    ids: pa.Array  # [records] custom_id or the id column (row numbers by default)
+    kept: pa.Table  # [records] output.keep_columns
+    read_tokens: dict[int, int] = field(default_factory=dict)  # read -> prompt tokens (usage)
+
+    @property
+    def num_records(self) -> int:
+        return len(self.records)
+
+
+@dataclass
+class PreparedInput:
+    """Everything the runner needs from the input, independent of the engine."""
+
+    num_rows: int
+    ids: pa.Array  # [num_rows] the id column, or row numbers
+    kept: pa.Table  # [num_rows] output.keep_columns
+    requests: list[Request]  # rows that can be scored
+    errors: dict[int, str] = field(default_factory=dict)  # row_id -> message
+    choices: pa.Array | None = None  # [num_rows] input.choices_column as read (for the output)
+    decisions: DecisionInput | None = None  # decision jobs: the rows are reads; the records behind them
+
+    @property
+    def num_records(self) -> int:
+        """The input rows (records): `num_rows` unless the rows are a decision job's reads."""
+        return self.decisions.num_records if self.decisions is not None else self.num_rows
+
+    @property
+    def logical_tokens(self) -> int:
+        return sum(len(r) for r in self.requests)
+
+
+def batch_ids(batch: InputBatch, id_column: str | None, first_row_id: int) -> pa.Array:
+    if id_column is None or id_column not in batch.table.column_names:
+        return pa.array(np.arange(first_row_id, first_row_id + batch.table.num_rows, dtype=np.int64))
+    return batch.table.column(id_column).combine_chunks()
+
+
+def select_kept(table: pa.Table, keep_columns: list[str]) -> pa.Table:
+    columns = {}
+    for name in keep_columns:
+        columns[name] = table.column(name) if name in table.column_names else pa.nulls(table.num_rows)
+    return pa.table(columns) if columns else pa.table({})
+
+
+def concat_arrays(arrays: list[pa.Array]) -> pa.Array:
+    try:
+        return pa.concat_arrays([a.cast(arrays[0].type) if a.type != arrays[0].type else a for a in arrays])
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return pa.concat_arrays([a.cast(pa.string()) for a in arrays])
+
+
+def concat_tables(tables: list[pa.Table]) -> pa.Table:
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        # Columns whose types differ across files: keep every value, as text.
+        return pa.concat_tables([t.cast(pa.schema([(n, pa.string()) for n in t.column_names])) for t in tables])
+
+
+def check_unique_ids(ids: pa.Array, id_column: str) -> None:
+    """Ids must be unique; a null id (a line that could not be read has none) is not a duplicate:
+    its row keeps its place and its error names the file and line."""
+    if pc.count_distinct(ids, mode="only_valid").as_py() != len(ids) - ids.null_count:
+        counts = pc.value_counts(ids)
+        dupes = [c["values"] for c in counts.to_pylist() if c["counts"] > 1 and c["values"] is not None][:5]
+        raise InputError(f"input.id_column {id_column!r} has duplicate values, e.g. {dupes}; ids must be unique")
+
