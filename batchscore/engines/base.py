@@ -28,6 +28,7 @@ class RawScores:
     logp: np.ndarray  # [num_options] float64; NaN when the engine could not score the row
     option_tokens: np.ndarray | None = None  # [num_options] int32
     error: str | None = None  # set (with NaN totals) when the engine could not score this row
+    top_logp: float = float("nan")  # the vocabulary's largest log-probability at the read position (NaN: not read)
 
     @classmethod
     def failed(cls, row_id: int, num_options: int, error: str) -> RawScores:
@@ -35,10 +36,11 @@ class RawScores:
         return cls(row_id, np.full(num_options, np.nan), error=error)
 
     @classmethod
-    def of_options(cls, row_id: int, totals: np.ndarray, options: OptionTokens | None = None) -> RawScores:
+    def of_options(cls, row_id: int, totals: np.ndarray, options: OptionTokens | None = None,
+                   top_logp: float = float("nan")) -> RawScores:
         """Scores of a member's `options` from their totals [K] (token counts from the options)."""
         tokens = None if options is None else np.asarray(options.lengths, dtype=np.int32)
-        return cls(row_id, np.asarray(totals, dtype=np.float64), tokens)
+        return cls(row_id, np.asarray(totals, dtype=np.float64), tokens, top_logp=top_logp)
 
 
 def num_options(member, label_token_ids: Sequence[int] | None) -> int:

@@ -39,8 +39,11 @@ def run_metadata(decisions: DecisionInput) -> dict[str, str]:
     return {"layout": WIDE_LAYOUT if wide else LAYOUT, "confidence_method": CONFIDENCE_METHOD}
 
 
-def record_answers(record: Record, logp: list, errors: dict[int, str]) -> list[QuestionAnswer | str]:
-    """Each question's answer, or its read's error message, in question order."""
+def record_answers(record: Record, logp: list, errors: dict[int, str], tops: list | None = None
+                   ) -> list[QuestionAnswer | str]:
+    """Each question's answer, or its read's error message, in question order. `tops`: each read's
+    top vocabulary log-probability (argmax_is_label; not for two-letter labels, whose first token
+    alone is not a label)."""
     answers: list[QuestionAnswer | str] = []
     for k, question in enumerate(record.request.questions):
         read = record.first_read + k
@@ -48,7 +51,8 @@ def record_answers(record: Record, logp: list, errors: dict[int, str]) -> list[Q
             answers.append(errors[read])
             continue
         try:
-            answers.append(read_answer(question, logp[read]))
+            top = tops[read] if tops is not None and question.layout != WIDE_LAYOUT else None
+            answers.append(read_answer(question, logp[read], None if top is None or top != top else top))
         except (ValueError, TypeError) as exc:
             answers.append(f"not scored: {exc}")
     return answers
@@ -59,12 +63,13 @@ def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: R
     """Write the output of a decision job (and, for a batch file, its error file) atomically.
     Returns record -> error for the records that are errors (the run's failed rows)."""
     logp = scores.logp.to_pylist()
+    tops = scores.top_logp.to_pylist() if scores.top_logp is not None else None
     if config.output_format == "openai_batch":
-        return _write_batch(decisions, logp, errors, files, model, list(config.labels))
-    return _write_table(config, decisions, logp, errors, files)
+        return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels))
+    return _write_table(config, decisions, logp, tops, errors, files)
 
 
-def _write_batch(decisions: DecisionInput, logp: list, errors: dict[int, str], files: OutputFiles,
+def _write_batch(decisions: DecisionInput, logp: list, tops: list | None, errors: dict[int, str], files: OutputFiles,
                  model: str, labels: list[str]) -> dict[int, str]:
     created = int(time.time())
     ids = decisions.ids.to_pylist()
@@ -72,7 +77,7 @@ def _write_batch(decisions: DecisionInput, logp: list, errors: dict[int, str], f
     for index, record in enumerate(decisions.records):
         custom_id = None if ids[index] is None else str(ids[index])
         key = hashlib.sha256(f"{index}:{custom_id}".encode()).hexdigest()[:24]
-        body, problem = _record_body(record, logp, errors, decisions.read_tokens, model, key, created, labels)
+        body, problem = _record_body(record, logp, tops, errors, decisions.read_tokens, model, key, created, labels)
         if problem is not None:
             failed[index] = problem
             failed_lines.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id,
@@ -86,7 +91,7 @@ def _write_batch(decisions: DecisionInput, logp: list, errors: dict[int, str], f
     return failed
 
 
-def _record_body(record: Record, logp: list, errors: dict[int, str], read_tokens: dict[int, int], model: str,
+def _record_body(record: Record, logp: list, tops: list | None, errors: dict[int, str], read_tokens: dict[int, int], model: str,
                  key: str, created: int, labels: list[str]) -> tuple[dict | None, str | None]:
     """(the response body, None) or (None, why the record failed)."""
     if record.error is not None:
@@ -105,7 +110,7 @@ def _record_body(record: Record, logp: list, errors: dict[int, str], read_tokens
         return _completion(key, created, model, labels[int(np.argmax(probs))],
                            dict(zip(labels, map(float, probs))), mass,
                            completions=str(record.url or "").endswith("/v1/completions")), None
-    answers = record_answers(record, logp, errors)
+    answers = record_answers(record, logp, errors, tops)
     problems = [a for a in answers if not isinstance(a, QuestionAnswer)]
     if problems:
         return None, problems[0]
@@ -118,7 +123,7 @@ def _record_body(record: Record, logp: list, errors: dict[int, str], read_tokens
                        input_tokens=tokens, output_tokens=len(answers)), None
 
 
-def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, errors: dict[int, str],
+def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: list | None, errors: dict[int, str],
                  files: OutputFiles) -> dict[int, str]:
     """One row per record: id, kept columns, each top-level question's columns, the per-row answers
     (with input.questions_column), then the record's status and error."""
@@ -139,7 +144,7 @@ def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, errors
             status.append(layout.STATUS_ERROR)
             error.append(message)
             continue
-        answers = record_answers(record, logp, errors)
+        answers = record_answers(record, logp, errors, tops)
         by_key = dict(zip((q.key for q in record.request.questions), answers))
         row = row_values(fixed, [by_key[q.key] for q in fixed])
         for name in values:

@@ -33,6 +33,7 @@ class RowScores:
 
     logp: pa.ListArray
     tokens: pa.ListArray | None = None
+    top_logp: pa.Array | None = None  # double: the vocabulary's top log-probability at each read position
 
     def unscored(self) -> np.ndarray:
         """Rows without a whole result: no part holds them, or one of their totals is NaN."""

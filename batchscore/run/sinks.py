@@ -46,6 +46,7 @@ class PartSink:
         self.row_ids: list[int] = []
         self.logp: list[np.ndarray] = []  # each row's raw total log-probability per option
         self.option_tokens: list[np.ndarray | None] = []  # tokens per option (None: one each)
+        self.top_logp: list[float] = []  # the vocabulary's top log-probability at each read position
         self.errors: dict[int, str] = {}
 
     @property
@@ -77,6 +78,7 @@ class PartSink:
         self.row_ids.append(result.row_id)
         self.logp.append(np.asarray(result.logp, dtype=np.float64))  # stored raw: normalized at assembly
         self.option_tokens.append(result.option_tokens)
+        self.top_logp.append(float(result.top_logp))
         if result.error:
             self.errors[result.row_id] = result.error
         self.position += 1
@@ -99,7 +101,8 @@ class PartSink:
         if self.position <= self.part_start:
             return
         self.store.write_part(self.manifest, np.asarray(self.row_ids, dtype=np.int64), self.logp, self.option_tokens,
-                              self.errors, start=self.part_start, end=self.position, worker=self.worker)
+                              self.errors, start=self.part_start, end=self.position, worker=self.worker,
+                              top_logp=self.top_logp)
         self.part_start, self.last_flush = self.position, time.monotonic()
         self._reset()
 

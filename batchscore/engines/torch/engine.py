@@ -329,8 +329,9 @@ class TorchEngine:
         Returns (one RawScores per member, the prefilled `next_prefix` or None).
         """
         batch = pack_options([(m.suffix, m.options) for m in members], prefix.kv.length)
-        totals, next_prefilled = self._option_pass(prefix, batch, next_prefix)
-        return [RawScores.of_options(m.row_id, t, m.options) for m, t in zip(members, totals)], next_prefilled
+        totals, next_prefilled, tops = self._option_pass(prefix, batch, next_prefix)
+        return [RawScores.of_options(m.row_id, t, m.options, float(top))
+                for m, t, top in zip(members, totals, tops)], next_prefilled
 
     @torch.inference_mode()
     def score_long_member(self, prefix: PrefilledPrefix, member: GroupMember) -> RawScores:
@@ -340,6 +341,8 @@ class TorchEngine:
         options = member.options
         prompt = self.prefill_prefix(member.suffix, base=prefix.kv) if len(member.suffix) else prefix
         totals = np.empty(options.count)
+        top = np.empty(1)
+        self._pair_log_probs(prompt.last_hidden[None], np.zeros(0, np.int64), np.zeros(0, np.int64), top)
         rows = (options.lengths - 1).tolist()
         singles = [j for j, r in enumerate(rows) if r == 0]
         groups = [b.member_indices for b in plan_suffix_batches(rows, self.token_budget, long_in_one_pass=True)]
@@ -349,12 +352,13 @@ class TorchEngine:
                 continue
             batch = pack_options([(np.zeros(0, np.int32), subset(options, indices))], prompt.kv.length)
             totals[indices] = self._option_pass(prompt, batch)[0][0]
-        return RawScores.of_options(member.row_id, totals, options)
+        return RawScores.of_options(member.row_id, totals, options, float(top[0]))
 
     def _option_pass(
         self, prefix: PrefilledPrefix, batch: OptionBatch, next_prefix: np.ndarray | None = None
-    ) -> tuple[list[np.ndarray], PrefilledPrefix | None]:
-        """Run `batch`'s pass (if it has tokens) and return each member's option totals."""
+    ) -> tuple[list[np.ndarray], PrefilledPrefix | None, np.ndarray]:
+        """Run `batch`'s pass (if it has tokens) and return each member's option totals, the
+        prefilled `next_prefix` (or None) and each member's top log-probability at its read position."""
         parts, last_index = [], None
         if batch.suffixes:
             suffix_part, last_index = _suffix_part(batch.suffixes, prefix.kv)
@@ -374,11 +378,12 @@ class TorchEngine:
             first.append(prefix.last_hidden[None] if index is None else hidden[int(last_index[index])][None])
         start = batch.suffix_tokens
         sources = torch.cat(first + ([hidden[start : start + batch.num_option_rows]] if batch.num_option_rows else []))
-        totals = batch.totals(self._pair_log_probs(sources, batch.pair_source, batch.pair_target))
+        tops = np.empty(batch.num_members)
+        totals = batch.totals(self._pair_log_probs(sources, batch.pair_source, batch.pair_target, tops))
         if next_prefix is None:
-            return totals, None
+            return totals, None, tops
         next_kv.length = len(next_prefix)
-        return totals, PrefilledPrefix(next_kv, hidden[-1].clone())
+        return totals, PrefilledPrefix(next_kv, hidden[-1].clone()), tops
 
     def _option_in_chunks(self, prompt: PrefilledPrefix, option: np.ndarray) -> float:
         """Total log-probability of one option longer than the budget, prefilled in chunks on top of
@@ -396,17 +401,23 @@ class TorchEngine:
         return total
 
     @torch.inference_mode()
-    def _pair_log_probs(self, sources: torch.Tensor, pair_source: np.ndarray, pair_target: np.ndarray) -> np.ndarray:
+    def _pair_log_probs(self, sources: torch.Tensor, pair_source: np.ndarray, pair_target: np.ndarray,
+                        tops: np.ndarray | None = None) -> np.ndarray:
         """log P(pair_target[m]) under the full-vocabulary softmax at hidden row pair_source[m]
-        (sorted); the LM head runs on `LM_HEAD_ROWS` rows at a time. Returns [M] float64."""
+        (sorted); the LM head runs on `LM_HEAD_ROWS` rows at a time. Returns [M] float64.
+        `tops` [n], when given, receives the largest log-probability of the vocabulary at source
+        rows 0..n-1 (the members' read positions: whether the model's own argmax is a label)."""
         out = np.empty(len(pair_source))
         for first in range(0, sources.shape[0], LM_HEAD_ROWS):
             last = min(first + LM_HEAD_ROWS, sources.shape[0])
             lo, hi = np.searchsorted(pair_source, [first, last])
-            if lo == hi:
+            if lo == hi and (tops is None or first >= len(tops)):
                 continue
             logits = self._lm_head(sources[first:last]).float()  # [C, V]
             lse = torch.logsumexp(logits, dim=-1)  # [C]
+            if tops is not None and first < len(tops):
+                upto = min(last, len(tops))
+                tops[first:upto] = (logits[: upto - first].amax(dim=-1) - lse[: upto - first]).double().cpu().numpy()
             rows = torch.from_numpy(pair_source[lo:hi] - first).to(logits.device)
             targets = torch.from_numpy(pair_target[lo:hi]).to(logits.device)
             out[lo:hi] = (logits[rows, targets] - lse[rows]).double().cpu().numpy()
