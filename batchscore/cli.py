@@ -13,7 +13,8 @@ from pathlib import Path
 import click
 
 from batchscore import __version__
-from batchscore.errors import EXIT_CONFIG, EXIT_INTERRUPTED, BatchscoreError
+from batchscore.errors import (EXIT_CONFIG, EXIT_ENGINE, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OUTPUT,
+                               BatchscoreError)
 
 
 def _fail(message: str, code: int) -> None:
@@ -22,78 +23,153 @@ def _fail(message: str, code: int) -> None:
 
 
 def _load(job: str, sets: tuple[str, ...], output: str | None = None, allow_code: bool = False):
-    from batchscore.config import load_job, parse_set_options
+    from batchscore.jobfile import load_job, parse_set_options
 
     return load_job(job, parse_set_options(sets), output=output, allow_code=allow_code)
 
 
-@contextmanager
-def _run_files_on_every_exit(metrics: str | None, metrics_prom: str | None, report: bool, job: str):
-    """Write `run`'s --metrics JSON and --metrics-prom file however the run ends: the summary with
-    `status: ok`, or the error, its exit code and (after an error-rate failure) the summary. With
-    --report, the HTML report of a written output (also after an error-rate failure). Yields a
-    function that records the summary of a run that ended well and returns the report's path."""
-    from batchscore.io.atomic import atomic_write
+# Commands whose object-store and file errors are about what they read (exit 3), not what they write (6).
+_READING_COMMANDS = ("plan", "report")
 
-    def write(data: dict) -> None:
-        if metrics:
-            atomic_write(metrics, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2)))
-        if metrics_prom:
+
+def exit_status(exc: BaseException, command: str | None = None) -> tuple[int, str]:
+    """The documented exit code and the message for an exception that ended `command` (README,
+    errors.py): the library's own errors carry theirs; a third-party error that escaped the
+    library is mapped by kind (an object store that cannot be reached, a YAML error, a full
+    disk); anything else is a bug, exit 1."""
+    from batchscore.io.storage import store_error_types
+
+    if isinstance(exc, BatchscoreError):
+        return exc.exit_code, str(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted"
+    reading = command in _READING_COMMANDS
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, store_error_types()):
+        return ((EXIT_INPUT, f"the input's object store cannot be reached or refused: {text}") if reading
+                else (EXIT_OUTPUT, f"the output's object store cannot be reached or refused: {text}"))
+    if _is_yaml_error(exc):
+        return EXIT_CONFIG, f"malformed YAML: {text}"
+    if isinstance(exc, OSError):
+        return (EXIT_INPUT if reading else EXIT_OUTPUT), f"{type(exc).__name__}: {text}"
+    if isinstance(exc, MemoryError):
+        return EXIT_ENGINE, "out of memory"
+    return EXIT_INTERNAL, (f"unexpected {type(exc).__name__}: {text} (a bug in batchscore; "
+                           "`batchscore -v` shows where)")
+
+
+def _is_yaml_error(exc: BaseException) -> bool:
+    yaml = sys.modules.get("yaml")
+    return yaml is not None and isinstance(exc, yaml.YAMLError)
+
+
+class _RunFiles:
+    """`run`'s --metrics JSON, --metrics-prom file and --report, written however the run ends:
+    the summary with `status: ok`, or the error, its exit code and (after an error-rate failure)
+    the summary; the report of a written output (also after an error-rate failure). A path that
+    may not be written (output/write_paths.py) is refused before the run, and nothing is written."""
+
+    def __init__(self, metrics: str | None, metrics_prom: str | None, report: bool, job: str):
+        self.metrics, self.metrics_prom, self.report, self.job = metrics, metrics_prom, report, job
+        self.refused = False
+        self.checked = False  # against the job's input and output (the job file could be read)
+
+    def check(self, config=None) -> None:
+        """Refuse the paths before any work: against the job file alone, or against `config`'s
+        input and output. Raises WritePathError; afterwards nothing is written."""
+        from batchscore.errors import WritePathError
+        from batchscore.output.write_paths import Protected, check_run_files
+
+        try:
+            if config is None:
+                protected = Protected(inputs=(self.job,))
+                protected.check("--metrics", self.metrics)
+                protected.check("--metrics-prom", self.metrics_prom)
+            else:
+                check_run_files(config, metrics=self.metrics, metrics_prom=self.metrics_prom)
+                self.checked = True
+        except WritePathError:
+            self.refused = True
+            raise
+
+    def write(self, data: dict) -> None:
+        from batchscore.io.atomic import atomic_write
+        from batchscore.output.write_paths import METRICS_MARK, PROM_MARK
+
+        if self.refused:
+            return
+        if self.metrics and self._may_write(self.metrics, METRICS_MARK):
+            atomic_write(self.metrics, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2)))
+        if self.metrics_prom and self._may_write(self.metrics_prom, PROM_MARK):
             from batchscore.output.prometheus import write_prometheus
 
-            write_prometheus(data, metrics_prom, job=job)
+            write_prometheus(data, self.metrics_prom, job=Path(self.job).stem)
 
-    def write_report(summary) -> Path | None:
-        if not (report and summary is not None and summary.complete):
+    def _may_write(self, path: str, mark: bytes) -> bool:
+        """A path checked against the job's files, or (the job file could not be read, so its
+        input and output are unknown) one that is new or holds an earlier run's metrics."""
+        from batchscore.output.write_paths import replaceable
+
+        if self.checked or replaceable(path, mark):
+            return True
+        click.echo(f"warning: {path} not written: it holds something else, and without a readable job "
+                   "file its input and output are unknown", err=True)
+        return False
+
+    def write_report(self, summary) -> Path | None:
+        if not (self.report and summary is not None and summary.complete):
             return None
         from batchscore.report import write_report as write_html
 
         return write_html(summary.output_path, metrics=summary.to_dict())
 
-    def ok(summary) -> Path | None:
-        path = write_report(summary)  # a report that cannot be written fails the run, recorded below
-        write({"status": "ok", "exit_code": 0, **summary.to_dict()})
+    def ok(self, summary) -> Path | None:
+        """Record a run that ended well; returns the report's path (None without --report)."""
+        path = self.write_report(summary)  # a report that cannot be written fails the run, recorded below
+        self.write({"status": "ok", "exit_code": 0, **summary.to_dict()})
         return path
 
-    try:
-        yield ok
-    except BatchscoreError as exc:
-        summary = getattr(exc, "summary", None)
-        write({"status": "failed", "exit_code": exc.exit_code, "error": str(exc),
-               **(summary.to_dict() if summary is not None else {})})
-        try:  # the output was written (error rate): its report matters most now
-            path = write_report(summary)
-        except BatchscoreError as report_exc:
-            click.echo(f"warning: no report: {report_exc}", err=True)
-        else:
-            if path:
-                click.echo(f"report: {path}", err=True)
-        raise
-    except KeyboardInterrupt:
-        write({"status": "failed", "exit_code": EXIT_INTERRUPTED, "error": "interrupted"})
-        raise
-    except Exception as exc:
-        write({"status": "failed", "exit_code": 1, "error": f"{type(exc).__name__}: {exc}"})
-        raise
-
-
-def _guarded(fn):
-    """Map the library's exceptions to clear one-paragraph messages and documented exit codes."""
-    from functools import wraps
-
-    @wraps(fn)
-    def wrapper(*args, **kwargs):
+    @contextmanager
+    def on_every_exit(self):
         try:
-            return fn(*args, **kwargs)
-        except BatchscoreError as exc:
-            _fail(str(exc), exc.exit_code)
-        except KeyboardInterrupt:
-            _fail("interrupted", EXIT_INTERRUPTED)
+            yield self
+        except (Exception, KeyboardInterrupt) as exc:
+            code, message = exit_status(exc, "run")
+            summary = getattr(exc, "summary", None)
+            try:
+                self.write({"status": "failed", "exit_code": code, "error": message,
+                            **(summary.to_dict() if summary is not None else {})})
+            except Exception as write_exc:  # noqa: BLE001 — the run's own error is the one to exit with
+                click.echo(f"warning: no metrics written: {exit_status(write_exc, 'run')[1]}", err=True)
+            try:  # the output was written (error rate): its report matters most now
+                path = self.write_report(summary)
+            except Exception as report_exc:  # noqa: BLE001
+                click.echo(f"warning: no report: {exit_status(report_exc, 'run')[1]}", err=True)
+            else:
+                if path:
+                    click.echo(f"report: {path}", err=True)
+            raise
 
-    return wrapper
+
+class _Main(click.Group):
+    """The `batchscore` group: every exception that escapes a command (bench included) ends in a
+    documented exit code and one `error:` line; the traceback only with `batchscore -v`."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except (Exception, KeyboardInterrupt) as exc:
+            code, message = exit_status(exc, ctx.invoked_subcommand)
+            if ctx.params.get("verbose"):
+                import traceback
+
+                traceback.print_exc(file=sys.stderr)
+            _fail(message, code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="batchscore")
 @click.option("-v", "--verbose", is_flag=True, help="Log what each stage decides.")
 def main(verbose: bool) -> None:
@@ -131,7 +207,6 @@ def main(verbose: bool) -> None:
               "the shard that completes the set writes the output, or run `batchscore merge`.")
 @click.option("--allow-code", is_flag=True, help="Allow engine.vllm_args that make vLLM load code "
               "(trust_remote_code, worker_extension_cls, ...); off: a job file cannot run code.")
-@_guarded
 def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, metrics_prom: str | None,
         report: bool, quiet: bool, fresh: bool, shard: str | None, allow_code: bool) -> None:
     """Run a scoring job: read, plan, score, write one output row per input row.
@@ -150,14 +225,17 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         _fail(str(exc), EXIT_CONFIG)
     if quiet:
         os.environ.setdefault("TQDM_DISABLE", "1")  # also the model loader's bars
-    with _run_files_on_every_exit(metrics, metrics_prom, report, job=Path(job).stem) as record:
+    files = _RunFiles(metrics, metrics_prom, report, job)
+    with files.on_every_exit():
+        files.check()  # not over the job file, before it is even read
         if report:
             from batchscore.report import require_matplotlib
 
             require_matplotlib()  # before the run, not after hours of scoring
         config = _load(job, sets, output, allow_code=allow_code)
+        files.check(config)  # not over an input, the output or the output's own files
         summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
-        report_path = record(summary)
+        report_path = files.ok(summary)
     if summary.skipped:
         click.echo(f"{summary.output_path} is already the complete output of this job (same configuration, "
                    "input, model and software): nothing to do. Use --fresh to score it again."
@@ -180,7 +258,6 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job key (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@_guarded
 def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
     """Plan a job without scoring: prefix groups, token counts and saving ratios.
 
@@ -213,7 +290,6 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
 @click.option("--shards", type=click.IntRange(min=1), required=True, help="N, the number of static shards.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job key (repeatable).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Override output.path.")
-@_guarded
 def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> None:
     """Combine the parts of N finished static shards into the output.
 
@@ -238,20 +314,26 @@ def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> N
 @click.option("--metrics", type=click.Path(dir_okay=False),
               help="The run's --metrics JSON (default: one next to OUTPUT that names it).")
 @click.option("--id-column", help="Join OUTPUT and --previous on this column (default: the first column).")
+@click.option("--truth", metavar="COLUMN",
+              help="OUTPUT's column of true labels, for accuracy, calibration and the confusion matrix "
+                   "(default: the run's calibrate.truth_column).")
 @click.option("--html", "-o", "html", type=click.Path(dir_okay=False),
               help="Where to write the HTML (default: <OUTPUT>.report.html).")
-@_guarded
-def report(output: str, previous: str | None, metrics: str | None, id_column: str | None, html: str | None) -> None:
-    """Write one self-contained HTML report on an output: labels, P(label), label_mass, errors,
-    throughput, and drift against a previous output.
+def report(output: str, previous: str | None, metrics: str | None, id_column: str | None, truth: str | None,
+           html: str | None) -> None:
+    """Write one self-contained HTML report on an output: labels and their prevalence, P(label),
+    label_mass, quality against true labels, the exactness audit, errors, throughput, and drift
+    against a previous output (with tests).
 
     Example:
 
         batchscore report out/2026-01-02.parquet --previous out/2026-01-01.parquet
     """
+    from batchscore.output.write_paths import check_report_path
     from batchscore.report import write_report
 
-    path = write_report(output, previous=previous, metrics=metrics, html_path=html, id_column=id_column)
+    check_report_path("--html", html, output, read=(output, previous, metrics))
+    path = write_report(output, previous=previous, metrics=metrics, html_path=html, id_column=id_column, truth=truth)
     click.echo(f"wrote {path}")
 
 

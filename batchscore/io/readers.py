@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob as globlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -22,7 +23,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchscore.errors import InputError
-from batchscore.io.storage import as_path, is_remote, is_url, relative_folder
+from batchscore.io.storage import as_path, describe_store_error, is_remote, is_url, relative_folder, store_error_types
 
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
 
@@ -42,10 +43,11 @@ def discover_files(path: str, fmt: str = "auto", filter: dict | None = None) -> 
     """Resolve `path` (file, folder or glob) to sorted (file, format) pairs, keeping only the
     files whose hive partitions match `filter` ({column: value or [values]}); raises InputError.
     An object-store URL (io/storage.py) gives UPaths, a local path Paths."""
-    if is_url(path):
-        candidates = _discover_remote(path)
-    else:
-        candidates = _discover_local(path)
+    try:
+        candidates = _discover_remote(path) if is_url(path) else _discover_local(path)
+        base = input_base(path) if filter else None
+    except (OSError, *store_error_types()) as exc:  # a store that cannot be reached, a folder that cannot be listed
+        raise InputError(f"input.path: cannot list {path}: {describe_store_error(exc)}") from None
     files = []
     for candidate in candidates:
         detected = fmt if fmt != "auto" else SUFFIX_FORMATS.get(candidate.suffix.lower())
@@ -54,7 +56,7 @@ def discover_files(path: str, fmt: str = "auto", filter: dict | None = None) -> 
                              "use .parquet or .jsonl, or set input.format")
         files.append((candidate, detected))
     if filter:
-        files = _filter_partitions(files, input_base(path), filter, path)
+        files = _filter_partitions(files, base, filter, path)
     return files
 
 
@@ -76,8 +78,8 @@ def _discover_remote(path: str) -> list:
             files = [root.path]
         else:
             raise InputError(f"input.path: file not found: {path}")
-    except (OSError, ValueError) as exc:
-        raise InputError(f"input.path: cannot list {path}: {exc}") from None
+    except (OSError, ValueError, *store_error_types()) as exc:
+        raise InputError(f"input.path: cannot list {path}: {describe_store_error(exc)}") from None
     from upath import UPath
 
     return [UPath(f, protocol=root.protocol, **root.storage_options) for f in files]  # the root's account and options
@@ -149,7 +151,25 @@ def _filter_partitions(files: list[tuple[Path, str]], base: Path | None, filter:
 def iter_batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None = None,
                  base: Path | None = None) -> Iterator[InputBatch]:
     """Yield record batches of every file in order, with only `columns` (None: all) and the hive
-    partition columns of folders below `base`; raises InputError for unreadable files."""
+    partition columns of folders below `base`; raises InputError for unreadable files (an object
+    store that cannot be reached included)."""
+    batches = _batches(files, batch_rows, columns, base)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException, *store_error_types()) as exc:
+            raise InputError(f"input: cannot read {_where(files)}: {describe_store_error(exc)}") from None
+        if batch is None:
+            return
+        yield batch
+
+
+def _where(files: list[tuple[Path, str]]) -> str:
+    return str(files[0][0]) if len(files) == 1 else f"{len(files)} files from {files[0][0]} on"
+
+
+def _batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None,
+             base: Path | None) -> Iterator[InputBatch]:
     partitions = partition_values([f for f, _ in files], base)
     parquet = [(f, p) for (f, fmt), p in zip(files, partitions) if fmt == "parquet"]
     scan = _ParquetScan(parquet, base, columns) if parquet else None
@@ -157,8 +177,8 @@ def iter_batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[s
         if fmt == "parquet":
             yield from scan.batches(path, batch_rows)
             continue
-        lines = _jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA) if fmt == "openai_batch" \
-            else _jsonl_batches(path, batch_rows)
+        lines = _jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA, columns) \
+            if fmt == "openai_batch" else _jsonl_batches(path, batch_rows, columns=columns)
         for batch in lines:
             yield _with_partitions(batch, values, columns)
 
@@ -175,7 +195,7 @@ def _with_partitions(batch: InputBatch, values: dict, columns: list[str] | None)
     return InputBatch(batch.file, batch.first_line, table, batch.row_errors, available)
 
 
-_ARROW_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
+_ARROW_READ_ERRORS = (pa.ArrowException, OSError, ValueError)  # with store_error_types() where read
 
 
 class _ParquetScan:
@@ -189,8 +209,8 @@ class _ParquetScan:
             try:
                 filesystem, inside = _arrow_location(path)
                 schemas.append(pq.read_schema(inside, filesystem=filesystem))
-            except _ARROW_READ_ERRORS as exc:
-                raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
+            except (*_ARROW_READ_ERRORS, *store_error_types()) as exc:
+                raise InputError(f"{path}: not a readable Parquet file ({describe_store_error(exc)})") from None
         schema = _unify(schemas)
         names = list(dict.fromkeys(name for _, values in files for name in values))
         extra = [pa.field(name, pa.string()) for name in names if name not in schema.names]  # a data column wins
@@ -211,15 +231,62 @@ class _ParquetScan:
         while True:
             try:  # a file damaged after its footer fails here, in the middle of reading
                 batch = next(batches, None)
-            except _ARROW_READ_ERRORS as exc:
-                raise InputError(f"{path}: not a readable Parquet file: rows from {line} on cannot be read ({exc})") from None
+            except (*_ARROW_READ_ERRORS, *store_error_types()) as exc:
+                raise InputError(f"{path}: not a readable Parquet file: rows from {line} on cannot be read "
+                                 f"({describe_store_error(exc)})") from None
             if batch is None:
                 return
             if batch.num_rows == 0:
                 continue
-            table = pa.Table.from_batches([batch])
-            yield InputBatch(path, line, table, [None] * table.num_rows, self.schema.names)
+            table, errors = _valid_text(pa.Table.from_batches([batch]), path, line)
+            yield InputBatch(path, line, table, errors, self.schema.names)
             line += table.num_rows
+
+
+def _valid_text(table: pa.Table, path, first_line: int) -> tuple[pa.Table, list[str | None]]:
+    """`table` with its text checked: a Parquet writer may store bytes that are not UTF-8 in a
+    string column. Such a value is that row's error naming file, row and field, and is kept as
+    text with `\\xNN` escapes (nested: as null), so that one row cannot stop the file. Only the
+    columns the job reads are here (the scan's projection). Returns (table, row errors)."""
+    errors: list[str | None] = [None] * table.num_rows
+    for index, name in enumerate(table.column_names):
+        column = table.column(index)
+        if not _holds_text(column.type):
+            continue
+        try:
+            column.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            pass
+        column = column.combine_chunks()
+        if pa.types.is_dictionary(column.type):
+            column = column.cast(column.type.value_type)
+        bad = []
+        for row in range(len(column)):
+            try:
+                column.take([row]).validate(full=True)  # a copy of the row alone (a slice keeps all child values)
+            except pa.ArrowInvalid:
+                bad.append(row)
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            raw = column.cast(pa.large_binary()).to_pylist()
+            fixed = pa.array([None if v is None else v.decode("utf-8", "backslashreplace") for v in raw], column.type)
+        else:
+            import pyarrow.compute as pc
+
+            wrong = pa.array([row in set(bad) for row in range(len(column))])
+            fixed = pc.if_else(wrong, pa.nulls(len(column), column.type), column)
+        table = table.set_column(index, name, fixed)
+        for row in bad:
+            errors[row] = errors[row] or f"{path}:{first_line + row}: invalid UTF-8 in field {name!r}"
+    return table, errors
+
+
+def _holds_text(kind: pa.DataType) -> bool:
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind):
+        return True
+    if pa.types.is_dictionary(kind):
+        return _holds_text(kind.value_type)
+    return any(_holds_text(kind.field(i).type) for i in range(kind.num_fields))
 
 
 class _ExactRanges(pafs.FSSpecHandler):
@@ -260,9 +327,12 @@ def _unify(schemas: list[pa.Schema]) -> pa.Schema:
     return pa.schema(unified)
 
 
-def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema | None = None) -> Iterator[InputBatch]:
+def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema | None = None,
+                   columns: list[str] | None = None) -> Iterator[InputBatch]:
     """Parse JSON Lines one line at a time so a bad line becomes a row error, not a lost file.
-    `convert(value) -> (row, problem)` turns each parsed object into a row of `schema`."""
+    `convert(value) -> (row, problem)` turns each parsed object into a row of `schema`.
+    `columns`: the columns the job reads (None: all); a value that is not text (a lone UTF-16
+    surrogate) is that row's error in those, and written as its `\\uXXXX` escape elsewhere."""
     rows: list[dict] = []
     errors: list[str | None] = []
     first_line = 1
@@ -278,10 +348,13 @@ def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema 
                 continue  # blank lines are not rows
             if not rows:
                 first_line = number
-            row, error = _parse_json_line(raw, path, number)
+            row, error, bad_bytes = _parse_json_line(raw, path, number)
             if convert is not None:
                 row, problem = convert(row) if error is None else ({}, None)
                 error = error or (f"{path}:{number}: {problem}" if problem else None)
+            if bad_bytes or _MAY_HOLD_SURROGATE.search(raw):
+                row, error = _without_surrogates(row, error, path, number, columns,
+                                                 _OPENAI_FIELDS if convert is not None else {}, bad_bytes)
             rows.append(row)
             errors.append(error)
             if len(rows) >= batch_rows:
@@ -293,21 +366,70 @@ def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema 
 
 _UTF8_BOM = b"\xef\xbb\xbf"
 
+# JSON can write a lone UTF-16 surrogate (`"\\ud83d"`): valid JSON, but not text that UTF-8 (Arrow,
+# Parquet, the tokenizer) can hold. Only a line with such an escape is searched for one.
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_OPENAI_FIELDS = {"messages": "body.messages", "prompt": "body.prompt", "model": "body.model"}
 
-def _parse_json_line(raw: bytes, path: Path, number: int) -> tuple[dict, str | None]:
+
+def _without_surrogates(row: dict, error: str | None, path: Path, number: int, columns: list[str] | None,
+                        names: dict[str, str], bad_bytes: bool = False) -> tuple[dict, str | None]:
+    """`row` with every lone surrogate written as its `\\uXXXX` escape (keys too), and the row's
+    error: its own, else one naming the first column the job reads that held one (`names`: how
+    messages call a column; `bad_bytes`: the line's surrogates stand for bytes that are not
+    UTF-8). A column the job does not read never makes an error."""
+    clean, dirty = {}, []
+    for key, value in row.items():
+        new_key, _ = _escaped(key)
+        try:
+            clean[new_key], changed = _escaped(value)
+        except RecursionError:  # nested nearly as deep as JSON allows: the value cannot be kept
+            clean[new_key], changed = None, True
+        if changed or new_key != key:
+            dirty.append(new_key)
+    read = [key for key in dirty if columns is None or key in columns]
+    if error is None and read:
+        field = names.get(read[0], read[0])
+        error = (f"{path}:{number}: invalid UTF-8 in field {field!r}" if bad_bytes else
+                 f"{path}:{number}: field {field!r} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "
+                 "without its pair), which is not text")
+    return clean, error
+
+
+def _escaped(value):
+    """(value with lone surrogates as `\\uXXXX` text, whether it had any); recursive."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value) is None:
+            return value, False
+        return value.encode("utf-8", "backslashreplace").decode("utf-8"), True
+    if isinstance(value, list):
+        items = [_escaped(v) for v in value]
+        return [v for v, _ in items], any(c for _, c in items)
+    if isinstance(value, dict):
+        items = [(_escaped(k), _escaped(v)) for k, v in value.items()]
+        return {k: v for (k, _), (v, _) in items}, any(ck or cv for (_, ck), (_, cv) in items)
+    return value, False
+
+
+def _parse_json_line(raw: bytes, path: Path, number: int) -> tuple[dict, str | None, bool]:
+    """(the line's object, its error, whether it held bytes that are not UTF-8). Such bytes inside
+    a string become lone surrogates (surrogateescape): only a field the job reads fails for them."""
+    bad_bytes, unreadable = False, None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return {}, f"{path}:{number}: invalid UTF-8 ({exc.reason} at byte {exc.start})"
+        text, bad_bytes = raw.decode("utf-8", "surrogateescape"), True
+        unreadable = f"{path}:{number}: invalid UTF-8 ({exc.reason} at byte {exc.start})"
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        return {}, f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})"
+        return {}, unreadable or f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})", False
     except RecursionError:
-        return {}, f"{path}:{number}: JSON nested too deeply to read"
+        return {}, f"{path}:{number}: JSON nested too deeply to read", False
     if not isinstance(value, dict):
-        return {}, f"{path}:{number}: expected a JSON object, got {type(value).__name__}"
-    return value, None
+        return {}, unreadable or f"{path}:{number}: expected a JSON object, got {type(value).__name__}", False
+    return value, None, bad_bytes
 
 
 def _rows_to_table(rows: list[dict], path: Path, schema: pa.Schema | None = None) -> pa.Table:
@@ -323,7 +445,7 @@ def _rows_to_table(rows: list[dict], path: Path, schema: pa.Schema | None = None
         values = [row.get(name) for row in rows]
         try:
             columns[name] = pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        except (pa.ArrowException, OverflowError, ValueError, TypeError):
             columns[name] = pa.array([_to_text(v) for v in values], type=pa.string())
     if not columns:
         return pa.table({"__row__": pa.nulls(len(rows))}).drop_columns(["__row__"])
@@ -346,7 +468,11 @@ OPENAI_BATCH_SCHEMA = pa.schema([
     ("custom_id", pa.string()), ("method", pa.string()), ("url", pa.string()), ("model", pa.string()),
     ("messages", pa.string()),  # JSON text: [{"role": ..., "content": "..."}], contents as plain text
     ("prompt", pa.string()),
+    ("decision", pa.string()),  # JSON text: the body of a /v1/systemone or /v1/decisions request
 ])
+
+CHAT_URLS = ("/v1/chat/completions", "/v1/completions")
+DECISION_URLS = ("/v1/systemone", "/v1/decisions")
 
 
 def openai_request(value: dict) -> tuple[dict, str | None]:
@@ -362,6 +488,13 @@ def openai_request(value: dict) -> tuple[dict, str | None]:
     if not isinstance(body, dict):
         return row, "body: missing or not an object"
     row["model"] = _text_or_none(body.get("model"))
+    url = value.get("url")
+    if url is not None and url not in CHAT_URLS + DECISION_URLS:
+        return row, (f"url: {_short_text(url)} is not a url batchscore answers "
+                     f"({', '.join(CHAT_URLS + DECISION_URLS)})")
+    if url in DECISION_URLS:  # its questions are read in prepare/decisions.py
+        row["decision"] = json.dumps(body)  # ASCII: a lone surrogate stays an escape until it is read
+        return row, None
     if body.get("messages") is not None:
         messages, problem = _chat_messages(body["messages"])
         if problem:
@@ -377,6 +510,11 @@ def openai_request(value: dict) -> tuple[dict, str | None]:
     else:
         return row, "body: has neither messages (chat completions) nor prompt (completions)"
     return row, None
+
+
+def _short_text(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _chat_messages(messages) -> tuple[list[dict], str | None]:

@@ -134,6 +134,33 @@ def list_files(folder) -> list:
     return [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
 
 
+# Errors an object store's client raises besides OSError (s3fs turns most refusals into OSError,
+# not an unreachable endpoint): (module, class), looked up only when the module is already loaded.
+_STORE_ERRORS = (("botocore.exceptions", "BotoCoreError"), ("botocore.exceptions", "ClientError"),
+                 ("aiohttp", "ClientError"), ("google.auth.exceptions", "GoogleAuthError"),
+                 ("google.api_core.exceptions", "GoogleAPIError"), ("azure.core.exceptions", "AzureError"),
+                 ("fsspec.exceptions", "FSTimeoutError"), ("asyncio", "TimeoutError"))
+
+
+def store_error_types() -> tuple[type[BaseException], ...]:
+    """The exception classes of object-store clients (botocore, aiohttp, google, azure, fsspec)
+    that are loaded in this process: an error of a client never imported cannot have been raised."""
+    import sys
+
+    found = []
+    for module, name in _STORE_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            found.append(cls)
+    return tuple(found)
+
+
+def describe_store_error(exc: BaseException) -> str:
+    """One line for an error of a store or a file: its kind and message."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _prefix(url: str) -> str:
     wildcard = min((url.find(ch) for ch in "*?[" if ch in url), default=-1)
     if wildcard >= 0:
@@ -147,5 +174,5 @@ def _options_for(url: str) -> dict[str, Any]:
     return _OPTIONS[max(matches, key=len)] if matches else {}
 
 
-__all__ = ["STORE_PACKAGES", "as_path", "file_size", "is_remote", "is_url",
+__all__ = ["STORE_PACKAGES", "as_path", "describe_store_error", "file_size", "is_remote", "is_url", "store_error_types",
            "list_files", "use_storage_options", "relative_folder", "remove_file", "remove_tree", "sibling"]

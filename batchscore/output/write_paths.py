@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchscore.errors import WritePathError
+from batchscore.io.readers import SUFFIX_FORMATS
 from batchscore.io.storage import is_remote, is_url
 from batchscore.output.layout import OutputFiles, default_error_path
 
 _WILDCARDS = "*?["
-INPUT_SUFFIXES = (".parquet", ".pq", ".jsonl", ".ndjson", ".json")  # what a folder input reads (io/readers.py)
+INPUT_SUFFIXES = tuple(SUFFIX_FORMATS)  # what a folder input reads
 
 
 def _key(path) -> str:

@@ -9,7 +9,9 @@ The row's columns are the template's variables, so a template can loop over a li
     {% endif %}Q: {{ query }}
 
 `SandboxedEnvironment` refuses unsafe attribute access (`__class__`, …), so a job file still
-cannot run code. `StrictUndefined`: a variable that is not a column fails the row instead of
+cannot run code; prepare/jinja_limits.py bounds what one row's rendering may build (text over
+1 MiB, `'x' * 10**10`, recursion deeper than 50, endless loops), so a row can only fail itself.
+`StrictUndefined`: a variable that is not a column fails the row instead of
 rendering as empty text. A null column value is false in `{% if %}` and `is defined` tests, but
 outputting it (`{{ hint }}`) or looping over it fails the row, like a null `{field}` of the format
 engine; so does any `{{ … }}` that evaluates to null (e.g. a null field inside a list item).
@@ -23,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import StrictUndefined, TemplateError, TemplateSyntaxError, meta
-from jinja2.sandbox import SandboxedEnvironment
 
 from batchscore.errors import NullFieldError, PromptTemplateError, RowRenderError
+from batchscore.prepare.jinja_limits import MAX_TEXT, LimitedSandbox, limited_template, refuse
 
 # A `{column}` field of the format engine, which jinja would print as literal text.
 _FORMAT_FIELD = re.compile(r"(?<!\{)\{\s*([A-Za-z_]\w*)\s*\}(?!\})")
@@ -62,10 +64,10 @@ def _finalize_marked(value: Any) -> str:
     return f"{_OPEN}{_finalize(value)}{_CLOSE}"
 
 
-def _environment(marked: bool = False) -> SandboxedEnvironment:
+def _environment(marked: bool = False) -> LimitedSandbox:
     # keep_trailing_newline: the text ends as written, as with the format engine.
-    return SandboxedEnvironment(undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True,
-                                finalize=_finalize_marked if marked else _finalize)
+    return LimitedSandbox(undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True,
+                          finalize=_finalize_marked if marked else _finalize)
 
 
 def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
@@ -107,14 +109,7 @@ class JinjaTemplate:
     def render(self, row: dict[str, Any]) -> str:
         """Render one row; raises NullFieldError (a KeyError) naming a null or missing column that
         the template prints or loops over, RowRenderError for any other failure of this row."""
-        try:
-            return self._template.render(self._variables(row))
-        except RowRenderError:
-            raise
-        except TemplateError as exc:  # undefined attributes, the sandbox's refusals, …
-            raise RowRenderError(f"template: {exc.message or exc}") from None
-        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as exc:
-            raise RowRenderError(f"template: {type(exc).__name__}: {exc}") from None
+        return _render(self._template, self._variables(row), MAX_TEXT)
 
     def render_spans(self, row: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
         """Render one row: the text and the [start, end) spans every `{{ … }}` value fills. When the
@@ -122,8 +117,8 @@ class JinjaTemplate:
         whole text counts as data. Raises as `render`."""
         text = self.render(row)
         try:
-            unmarked, spans = _unmark(self._marked.render(self._variables(row)))
-        except Exception:  # noqa: BLE001 — the text rendered; only the marks failed
+            unmarked, spans = _unmark(_render(self._marked, self._variables(row), 2 * MAX_TEXT))
+        except RowRenderError:  # the text rendered; only the marks failed
             unmarked, spans = None, []
         if unmarked != text:
             return text, [(0, len(text))] if text else []
@@ -151,4 +146,30 @@ def parse_jinja_template(template: str) -> JinjaTemplate:
     # Names the template assigns itself (loop variables, {% set %}) are not columns; neither are
     # jinja's globals (range, dict, …).
     columns = sorted(name for name in meta.find_undeclared_variables(tree) if name not in env.globals)
-    return JinjaTemplate(template, columns, env.from_string(tree), _environment(marked=True).from_string(template))
+    return JinjaTemplate(template, columns, limited_template(env, tree),
+                         limited_template(_environment(marked=True), template))
+
+
+def _render(template, variables: dict[str, Any], limit: int) -> str:
+    """Render one row within the limits of jinja_limits.py and at most `limit` characters of
+    text; raises RowRenderError for any failure of this row (NullFieldError for a null column)."""
+    env = template.environment
+    try:
+        with env.rendering():
+            pieces, size = [], 0
+            for piece in template.generate(variables):
+                size += len(piece)
+                if size > limit:
+                    refuse("the prompt", size, limit)
+                pieces.append(piece)
+            return "".join(pieces)
+    except RowRenderError:
+        raise
+    except TemplateError as exc:  # undefined attributes, the sandbox's refusals, …
+        raise RowRenderError(f"template: {exc.message or exc}") from None
+    except RecursionError:
+        raise RowRenderError("template: nested too deeply (a value or macro that contains itself?)") from None
+    except MemoryError:
+        raise RowRenderError("template: ran out of memory rendering this row") from None
+    except Exception as exc:  # noqa: BLE001 — whatever one row's data makes its template do fails that row
+        raise RowRenderError(f"template: {type(exc).__name__}: {exc}") from None
