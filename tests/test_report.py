@@ -246,3 +246,166 @@ def test_without_matplotlib_the_error_names_the_extra(monkeypatch, tmp_path, job
     assert result.exit_code == EXIT_ENGINE and "pip install 'batchscore[report]'" in result.output
     result = invoke("run", job_factory(small_input), "-q", "--report")  # refused before scoring
     assert result.exit_code == EXIT_ENGINE and not (tmp_path / "out.parquet").exists()
+
+
+# --- quality sections against a hand computation ----------------------------------------------
+
+Z95 = 1.959963984540054
+
+
+def _wilson_by_hand(k, n):
+    p = k / n
+    center = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
+    half = Z95 / (1 + Z95**2 / n) * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n))
+    return center - half, center + half
+
+
+# ok rows a..j, k an error; P(Yes) away from the 15 ECE bin edges; i has no truth, j a non-label
+QUALITY_IDS = list("abcdefghijk")
+QUALITY_P = [0.93, 0.83, 0.73, 0.63, 0.43, 0.33, 0.23, 0.13, 0.65, 0.35, None]
+QUALITY_TRUTH = ["Yes", "Yes", "No", "Yes", "No", "Yes", "No", "No", None, "Maybe", "Yes"]
+
+
+def _quality_output(path, calibrated=True):
+    totals = np.log([[np.nan, np.nan] if p is None else [0.6 * p, 0.6 * (1 - p)] for p in QUALITY_P])
+    table = results_table(pa.array(QUALITY_IDS), "pair_id", pa.table({"relevant": QUALITY_TRUTH}),
+                          ["Yes", "No"], totals, {10: "boom"})
+    if calibrated:  # halfway to 0.5: the same labels, less sure
+        cal = [None if p is None else 0.5 + (p - 0.5) / 2 for p in QUALITY_P]
+        at = table.column_names.index("status")
+        table = table.add_column(at, "p_cal_Yes", pa.array(cal, type=pa.float64()))
+        table = table.add_column(at + 1, "p_cal_No", pa.array([None if c is None else 1 - c for c in cal],
+                                                               type=pa.float64()))
+    pq.write_table(table, path)
+    return path
+
+
+def _ece_brier_by_hand(p_yes, truth):
+    """Top-label ECE over 15 equal bins and the Brier score summed over both labels."""
+    bins = {}
+    brier = 0.0
+    for p, t in zip(p_yes, truth):
+        top, said = (p, "Yes") if p > 0.5 else (1 - p, "No")
+        bins.setdefault(int(top * 15), []).append((top, said == t))
+        p_true = p if t == "Yes" else 1 - p
+        brier += 2 * (1 - p_true) ** 2
+    n = len(p_yes)
+    ece = sum(len(b) * abs(sum(c for _, c in b) / len(b) - sum(x for x, _ in b) / len(b)) for b in bins.values()) / n
+    return ece, brier / n
+
+
+LABELED = [0, 1, 2, 3, 4, 5, 6, 7]  # ok rows whose truth is Yes or No
+
+
+def test_quality_numbers_equal_a_hand_computation(tmp_path):
+    from batchscore.report.quality import assess, prevalence
+
+    output = load_output(_quality_output(tmp_path / "q.parquet"))
+    assert "p_cal_Yes" not in output.kept and set(output.calibrated) == {"Yes", "No"}
+    quality = assess(output, "relevant", {"review": {"threshold": 0.65, "max_error": 0.05}})
+    assert (quality.rows, quality.unlabeled, quality.not_a_label) == (8, 1, {"Maybe": 1})
+    # truth Yes: a b d said Yes, f said No; truth No: c said Yes, e g h said No
+    assert quality.confusion.tolist() == [[3, 1], [1, 3]]
+    assert quality.accuracy.value == 6 / 8
+    assert quality.macro_f1.value == pytest.approx((6 / 8 + 6 / 8) / 2)  # F1 = 2·3 / (2·3 + 1 + 1) for both
+    assert quality.accuracy.low <= 0.75 <= quality.accuracy.high
+    p_yes = [QUALITY_P[i] for i in LABELED]
+    truth = [QUALITY_TRUTH[i] for i in LABELED]
+    ece, brier = _ece_brier_by_hand(p_yes, truth)
+    assert ece == pytest.approx(0.35) and quality.raw["ece"] == pytest.approx(ece)
+    assert quality.raw["brier"] == pytest.approx(brier)
+    cal_ece, cal_brier = _ece_brier_by_hand([0.5 + (p - 0.5) / 2 for p in p_yes], truth)
+    assert quality.calibrated["ece"] == pytest.approx(cal_ece)
+    assert quality.calibrated["brier"] == pytest.approx(cal_brier)
+    # coverage by the top calibrated probability: a .715 h .685 b .665 g .635 c .615 f .585 d .565 e .535
+    curve = quality.coverage
+    assert curve.error.tolist() == pytest.approx([0, 0, 0, 0, 1 / 5, 2 / 6, 2 / 7, 2 / 8])
+    assert curve.threshold_coverage == 3 / 8 and curve.threshold_error == 0.0  # a h b ≥ 0.65
+    prev = prevalence(output, quality)
+    assert prev.predicted_rows == 10  # a b c d i say Yes, e f g h j say No
+    low, high = _wilson_by_hand(5, 10)
+    assert (prev.predicted[0].value, prev.predicted[0].low, prev.predicted[0].high) == pytest.approx((0.5, low, high))
+    low, high = _wilson_by_hand(4, 8)  # true Yes: a b d f
+    assert (prev.truth[0].low, prev.truth[0].high) == pytest.approx((low, high))
+
+
+def test_bootstrap_interval_matches_resampling_rows():
+    from batchscore.report.significance import accuracy_of, bootstrap_confusion, macro_f1_of
+
+    confusion = np.array([[30, 10], [5, 55]])
+    ours = bootstrap_confusion(confusion, accuracy_of)
+    assert ours == bootstrap_confusion(confusion, accuracy_of)  # seeded
+    correct = np.repeat([True, False, False, True], confusion.ravel())
+    rng = np.random.default_rng(1)
+    direct = np.percentile(rng.choice(correct, (20000, len(correct))).mean(axis=1), [2.5, 97.5])
+    assert ours.value == 0.85 and (ours.low, ours.high) == pytest.approx(tuple(direct), abs=0.011)
+    perfect = bootstrap_confusion(np.array([[4, 0], [0, 6]]), macro_f1_of)
+    assert (perfect.value, perfect.low, perfect.high) == (1.0, 1.0, 1.0)
+
+
+def test_drift_tests_equal_a_hand_computation():
+    from batchscore.report.significance import distribution_test, label_counts_test
+
+    result = label_counts_test(["Yes", "No", "Maybe"], [30, 70, 0], [45, 55, 0])  # Maybe: in neither
+    expected = np.outer([100, 100], [75, 125]) / 200
+    chi2 = float((((np.array([[30, 70], [45, 55]]) - expected) ** 2) / expected).sum())
+    assert result.statistic == pytest.approx(chi2) and "1 degree(s) of freedom over Yes, No" in result.detail
+    assert result.p_value == pytest.approx(math.erfc(math.sqrt(chi2 / 2)))  # chi-square, 1 dof
+    assert result.differs is (result.p_value < 0.01)
+    ks = distribution_test("P(Yes)", np.array([0.1, 0.2, 0.3, np.nan]), np.array([0.25, 0.35, 0.45, 0.55]))
+    assert ks.statistic == pytest.approx(0.75)  # at 0.3: 3/3 of previous, 1/4 of current
+    assert label_counts_test(["Yes", "No"], [5, 0], [7, 0]) is None
+
+
+def test_report_page_shows_quality_prevalence_audit_and_tests(tmp_path):
+    current = _quality_output(tmp_path / "cur.parquet")
+    previous = _output(tmp_path / "prev.parquet", QUALITY_IDS[:8], [0.9, 0.8, 0.2, 0.1, 0.3, 0.2, 0.4, 0.1])
+    calibration = {"truth_column": "relevant", "method": "platt", "fit_rows": 4,
+                   "before": {"rows": 4, "ece": 0.1, "brier": 0.2}, "after": {"rows": 4, "ece": 0.05, "brier": 0.15}}
+    metrics = {"rows": 11, "seconds": 20.0, "calibration": calibration,
+               "review": {"threshold": 0.65, "max_error": 0.05},
+               "audit_rows": 10, "audit_max_dp": 3.2e-6, "audit_bound": 1e-4, "audit_seconds": 1.5}
+    page = _Page(write_report(current, previous=previous, metrics=metrics, html_path=tmp_path / "r.html").read_text())
+    assert set(SECTION_IDS) <= set(page.sections)
+    quality = " ".join(page.sections["quality"].split())
+    assert "8 ok rows whose true label is one of the labels; 1 ok rows without one" in quality
+    assert "'Maybe' (1)" in quality
+    assert "accuracy 75.0% (" in quality and "macro-F1 0.750 (" in quality
+    ece, brier = _ece_brier_by_hand([QUALITY_P[i] for i in LABELED], [QUALITY_TRUTH[i] for i in LABELED])
+    assert f"ECE (15 bins, top label) {ece:.4f} " in quality
+    assert f"Brier (summed over the labels) {brier:.4f} " in quality
+    assert "4 evaluation rows (the labeled rows it did not fit on): ECE 0.1000" in quality
+    assert "the 4 fit rows included" in quality
+    # threshold 0.65 accepts a (.715), h (.685), b (.665): 3 of 8, none wrong
+    assert "threshold 0.65 accepts 37.5% of the labeled rows with 0.0% wrong among them (budget 5.0%)" in quality
+    assert "Yes 3 1 No 1 3" in quality  # the confusion matrix, true rows
+    low, high = _wilson_by_hand(5, 10)
+    assert f"Yes 50.0% ({low:.1%}–{high:.1%})" in " ".join(page.sections["prevalence"].split())
+    audit = " ".join(page.sections["audit"].split())
+    assert "rows re-scored 10" in audit and "3.2e-06" in audit and "within the bound" in audit
+    drift = " ".join(page.sections["drift"].split())
+    assert "chi-square, predicted label counts" in drift and "Kolmogorov–Smirnov, P(Yes)" in drift
+
+
+def test_report_truth_option_and_its_errors(tmp_path):
+    output = _quality_output(tmp_path / "q.parquet", calibrated=False)
+    target = tmp_path / "page.html"
+    result = invoke("report", output, "--truth", "relevant", "-o", target)
+    assert result.exit_code == 0, result.output
+    quality = " ".join(_Page(target.read_text()).sections["quality"].split())
+    assert "accuracy 75.0%" in quality and "p_cal_<label> (not calibrated)" in quality
+    result = invoke("report", output, "--truth", "nope")
+    assert result.exit_code == EXIT_INPUT and "--truth 'nope' is not a column" in result.output
+    result = invoke("report", output)  # no summary naming a truth column: said how to add one
+    assert "No truth column" in _Page((tmp_path / "q.parquet.report.html").read_text()).sections["quality"]
+
+
+def test_quality_section_of_labels_matplotlib_would_read_as_tex(tmp_path):
+    labels = ["$x^$", "No"]
+    totals = np.log([[0.5, 0.1], [0.1, 0.5], [0.3, 0.2]])
+    table = results_table(pa.array(["a", "b", "c"]), "id", pa.table({"gold": ["$x^$", "No", "No"]}), labels, totals, {})
+    pq.write_table(table, tmp_path / "o.parquet")
+    result = invoke("report", tmp_path / "o.parquet", "--truth", "gold", "-o", tmp_path / "r.html")
+    assert result.exit_code == 0, result.output
+    quality = " ".join(_Page((tmp_path / "r.html").read_text()).sections["quality"].split())
+    assert "accuracy 66.7%" in quality and "$x^$ 1 0 No 1 1" in quality  # c said $x^$, truly No

@@ -7,7 +7,8 @@ file. Written on every exit, like the `--metrics` JSON: `batchscore_run_success`
 as far as a summary. Every sample carries a `job` label (the job file's stem).
 
 Alert on `batchscore_run_success == 0`, or on a night that never ran:
-`time() - batchscore_last_run_timestamp_seconds > 26 * 3600`.
+`time() - batchscore_last_run_timestamp_seconds > 26 * 3600`; on scores that stopped matching a
+plain forward: `batchscore_exit_code == 7` (`batchscore_audit_max_dp > batchscore_audit_bound`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ GAUGES = (
     ("skipped", "batchscore_run_skipped", "1 when the output was already complete and nothing was scored."),
     ("exit_code", "batchscore_exit_code", "The exit code of batchscore run (0: success)."),
     ("approx_keep", "batchscore_approx_keep", "Speculative prefill's keep rate: the scores are approximate."),
+    ("audit_max_dp", "batchscore_audit_max_dp",
+     "Exactness audit: largest |P(label) difference| of the re-scored rows against a plain float32 forward."),
+    ("audit_bound", "batchscore_audit_bound", "Exactness audit: above this max |dP| the run exits 7."),
+    ("audit_rows", "batchscore_audit_rows", "Exactness audit: rows re-scored (0: no audit)."),
+    ("audit_seconds", "batchscore_audit_seconds", "Exactness audit: seconds it took (part of the run's wall time)."),
 )
 
 

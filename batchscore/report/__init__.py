@@ -21,12 +21,14 @@ __all__ = ["write_report", "default_report_path", "require_matplotlib", "ReportE
 
 
 def require_matplotlib() -> None:
-    """Raise ReportUnavailable (with the install command) unless matplotlib can be imported."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ReportUnavailable("the report draws its plots with matplotlib, which is not installed: "
-                                "pip install 'batchscore[report]'") from None
+    """Raise ReportUnavailable (with the install command) unless matplotlib (the plots) and scipy
+    (the intervals and tests) can be imported."""
+    for package, use in (("matplotlib", "draws its plots with"), ("scipy", "computes its intervals and tests with")):
+        try:
+            __import__(package)
+        except ImportError:
+            raise ReportUnavailable(f"the report {use} {package}, which is not installed: "
+                                    "pip install 'batchscore[report]'") from None
 
 
 def default_report_path(output: str | os.PathLike) -> Path:
@@ -36,18 +38,21 @@ def default_report_path(output: str | os.PathLike) -> Path:
 
 def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | None = None,
                  metrics: str | os.PathLike | dict | None = None, html_path: str | os.PathLike | None = None,
-                 id_column: str | None = None) -> Path:
+                 id_column: str | None = None, truth: str | None = None) -> Path:
     """Write the HTML report of `output` and return its path.
 
     `metrics`: a `--metrics` JSON path or its dict (a RunSummary.to_dict()); when None,
     the summary in the output's completion marker, else a JSON next to the output that names it
     (see data.find_metrics).
     `previous`: an earlier output of the same job, joined by `id_column` (default: the first
-    column) for the drift section. Raises ReportError for unreadable inputs, ReportUnavailable
-    without matplotlib.
+    column) for the drift section. `truth`: the output's column of true labels for the quality
+    section (default: the run summary's `calibration.truth_column`, when the output has it).
+    Raises ReportError for unreadable inputs or a `truth` that is not a column, ReportUnavailable
+    without matplotlib or scipy.
     """
     require_matplotlib()
     from batchscore.report.html import render, write_html
+    from batchscore.report.quality import truth_column
 
     current = load_output(output, id_column)
     before = load_output(previous, id_column or current.id_column) if previous is not None else None
@@ -61,4 +66,5 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
                                          "next to it (looked for " + ", ".join(
                                              p.name for p in metrics_candidates(output)) + ")")
     target = as_path(html_path) if html_path is not None else default_report_path(output)
-    return write_html(render(current, before, metrics_data, note), target)
+    truth = truth_column(current, truth, metrics_data)
+    return write_html(render(current, before, metrics_data, note, truth), target)

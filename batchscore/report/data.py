@@ -28,7 +28,9 @@ class ScoredOutput:
     label_mass: np.ndarray  # [N], NaN for error rows
     ok: np.ndarray  # [N] bool, status == "ok"
     error: list[str | None]
-    kept: dict[str, list] = field(default_factory=dict)  # output.keep_columns
+    kept: dict[str, list] = field(default_factory=dict)  # output.keep_columns (a truth column among them)
+    calibrated: dict[str, np.ndarray] = field(default_factory=dict)  # label -> [N] p_cal_<label> (score.calibrate)
+    confidence: np.ndarray | None = None  # [N] the confidence column (score.confidence), NaN for error rows
 
     @property
     def rows(self) -> int:
@@ -72,18 +74,25 @@ def load_output(path: str | os.PathLike, id_column: str | None = None) -> Scored
     def floats(name: str) -> np.ndarray:
         return np.array([np.nan if v is None else v for v in table.column(name).to_pylist()], dtype=np.float64)
 
-    result = set(RESULT_COLUMNS) | set(label_columns) | {id_column}
+    labels = [layout.label_of_column(c) for c in label_columns]
+    calibrated = {label: floats(layout.calibrated_column(label)) for label in labels
+                  if layout.calibrated_column(label) in names}
+    quality = {layout.calibrated_column(label) for label in calibrated} | (
+        {layout.CONFIDENCE, layout.NEEDS_REVIEW, layout.OUT_OF_SCOPE} & set(names))  # written by batchscore, not kept
+    result = set(RESULT_COLUMNS) | set(label_columns) | {id_column} | quality
     return ScoredOutput(
         path=path,
         id_column=id_column,
         ids=ids,
-        labels=[layout.label_of_column(c) for c in label_columns],
+        labels=labels,
         probs={layout.label_of_column(c): floats(c) for c in label_columns},
         label=[None if v is None else str(v).strip() for v in table.column(layout.LABEL).to_pylist()],
         label_mass=floats(layout.LABEL_MASS),
         ok=np.array([s == layout.STATUS_OK for s in table.column(layout.STATUS).to_pylist()], dtype=bool),
         error=table.column(layout.ERROR).to_pylist(),
         kept={name: table.column(name).to_pylist() for name in names if name not in result},
+        calibrated=calibrated,
+        confidence=floats(layout.CONFIDENCE) if layout.CONFIDENCE in names else None,
     )
 
 

@@ -6,9 +6,6 @@ or figure state is touched). Every section has a stable id (SECTION_IDS).
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import math
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,9 +14,13 @@ import numpy as np
 
 import batchscore.report.drift as drift_mod
 import batchscore.report.stats as stats
+from batchscore.report import quality, quality_html
 from batchscore.report.data import ScoredOutput
+from batchscore.report.page import escape as _e, figure as _figure, img as _img, num as _num, pct as _pct
+from batchscore.report.page import section as _section, short as _short, table as _table
 
-SECTION_IDS = ("summary", "label-distribution", "probabilities", "label-mass", "errors", "throughput", "drift")
+SECTION_IDS = ("summary", "quality", "prevalence", "audit", "label-distribution", "probabilities", "label-mass",
+               "errors", "throughput", "drift")  # the numbers to act on first
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 PREVIOUS_COLOR, CURRENT_COLOR = "#9e9e9e", "#1f77b4"
 
@@ -39,14 +40,31 @@ nav a { margin-right: 1em; }
 
 
 def render(current: ScoredOutput, previous: ScoredOutput | None, metrics: dict | None,
-           metrics_note: str) -> str:
-    """The whole HTML document. `metrics_note` says where the metrics came from or were looked for."""
+           metrics_note: str, truth: str | None = None) -> str:
+    """The whole HTML document. `metrics_note` says where the metrics came from or were looked for;
+    `truth`: the output's column of true labels (None: the quality section says how to add one)."""
+    from matplotlib import rc_context
+
+    # Labels, ids and errors are data: `$x^$` is a label, not TeX for matplotlib to parse (and fail on).
+    with rc_context(_PLAIN_TEXT):
+        return _render(current, previous, metrics, metrics_note, truth)
+
+
+_PLAIN_TEXT = {"text.usetex": False, "text.parse_math": False}
+
+
+def _render(current: ScoredOutput, previous: ScoredOutput | None, metrics: dict | None, metrics_note: str,
+            truth: str | None) -> str:
     summary = stats.summarize(current)
+    assessed = quality.assess(current, truth, metrics) if truth is not None else None
     title = f"batchscore report — {current.path.name}"
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     nav = "".join(f'<a href="#{s}">{s.replace("-", " ")}</a>' for s in SECTION_IDS)
     body = [
         _summary_section(current, summary, previous),
+        quality_html.quality_section(assessed, metrics),
+        quality_html.prevalence_section(quality.prevalence(current, assessed)),
+        quality_html.audit_section(metrics),
         _label_section(summary),
         _probability_section(current),
         _mass_section(current),
@@ -63,10 +81,6 @@ def render(current: ScoredOutput, previous: ScoredOutput | None, metrics: dict |
 
 
 # --- sections ---------------------------------------------------------------------------------
-
-def _section(section_id: str, heading: str, *parts: str) -> str:
-    return f'<section id="{section_id}">\n<h2>{_e(heading)}</h2>\n' + "\n".join(parts) + "\n</section>"
-
 
 def _summary_section(current: ScoredOutput, summary: stats.Summary, previous: ScoredOutput | None) -> str:
     rows = [("rows", f"{summary.rows:,}"), ("ok", f"{summary.ok:,}"),
@@ -222,6 +236,7 @@ def _drift_section(current: ScoredOutput, previous: ScoredOutput | None) -> str:
                         [(label, _num(value, 4), drift_mod.describe_psi(value)) for label, value in d.psi.items()]))
     if d.labels:
         parts.append(_img(_drift_figure(d), "P(label) bin shares, previous vs current"))
+        parts.append(quality_html.drift_tests_html(previous, current, d.labels))
     if d.top_changed:
         keep = list(current.kept)
         rows = [(str(c.id), *[_short(c.kept.get(k)) for k in keep], c.previous_label, c.current_label,
@@ -258,63 +273,6 @@ def _drift_figure(d: drift_mod.Drift):
     for ax in axes[n:]:
         ax.set_visible(False)
     return fig
-
-
-# --- helpers ----------------------------------------------------------------------------------
-
-def _figure(width: float, height: float, nrows: int = 1, ncols: int = 1):
-    """A figure on matplotlib's Agg canvas and its axes, as a flat list."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig, list(np.ravel(fig.subplots(nrows, ncols, squeeze=False)))
-
-
-def _img(fig, alt: str) -> str:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90, metadata={"Software": None})  # no version/URL text in the file
-    data = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">'
-
-
-def _table(headers, rows, *, header: bool = True, escaped: bool = False, note: str | None = None) -> str:
-    def cell(value: str, tag: str) -> str:
-        text = str(value) if escaped else _e(str(value))
-        attrs = ' class="n"' if tag == "td" and _looks_numeric(str(value)) else ""
-        return f"<{tag}{attrs}>{text}</{tag}>"
-
-    out = ["<table>"]
-    if header:
-        out.append("<tr>" + "".join(cell(h, "th") for h in headers) + "</tr>")
-    for row in rows:
-        out.append("<tr>" + "".join(cell(v, "td") for v in row) + "</tr>")
-    out.append("</table>")
-    if note:
-        out.append(f'<p class="note">{_e(note)}</p>')
-    return "\n".join(out)
-
-
-def _looks_numeric(text: str) -> bool:
-    return bool(text) and text.lstrip("+-").replace(",", "").replace(".", "", 1).rstrip("%").isdigit()
-
-
-def _e(text: str) -> str:
-    return html.escape(text, quote=True)
-
-
-def _pct(value: float | None) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.1%}"
-
-
-def _num(value: float | None, digits: int = 3) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
-
-
-def _short(value, limit: int = 60) -> str:
-    text = "" if value is None else str(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def write_html(text: str, path: Path) -> Path:

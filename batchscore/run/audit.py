@@ -1,0 +1,257 @@
+"""The exactness audit: every run re-scores a few random scored rows through a plain float32
+forward and records how far the run's probabilities are from it (`audit_max_dp`).
+
+The reference is deliberately naive and shares nothing with the engines: a fresh transformers
+`AutoModelForCausalLM` in float32 (whatever dtype the run used), one forward per sequence — a
+row's whole prompt, and the prompt followed by each multi-token option — no KV cache, no prefix
+sharing, no batching; every read position goes through a full-vocabulary log-softmax in float64.
+One-token labels are read at the prompt's last position; an option of n tokens is the sum of its
+tokens' log-probabilities. Both sides are then normalized the same way (`score.normalize`; the
+reads of a decision job by their sum, as their answers are) and compared label by label.
+
+Above the bound (`output.audit_max_dp`, default the one the docs state for the run's dtype) the
+run still writes its output, then stops with `AuditFailed` (exit 7) naming the rows that differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchscore.errors import AuditFailed
+from batchscore.output.quality import content_free_rows
+from batchscore.output.scores import RowScores
+from batchscore.prepare.options import choices_problem
+
+log = logging.getLogger("batchscore")
+
+# The documented max |ΔP| against the float32 plain forward (README, docs/performance.md): float32
+# is tested to 1e-4; bfloat16 stays within 0.07 on the sample job. float16 has more mantissa bits
+# than bfloat16, so bfloat16's bound holds for it too.
+DTYPE_BOUNDS = {"float32": 1e-4, "bfloat16": 0.07, "float16": 0.07}
+SHOWN_ROWS = 10  # rows named in the summary and the error (largest |ΔP| first)
+
+
+@dataclass
+class AuditResult:
+    """What the audit found; `summary_fields()` goes into the run summary."""
+
+    rows: int = 0  # rows re-scored
+    max_dp: float | None = None  # largest |ΔP| over their normalized label probabilities
+    bound: float | None = None  # above it the run exits 7 (None: recorded only)
+    seconds: float = 0.0
+    differing: list[str] = field(default_factory=list)  # rows above the bound, largest |ΔP| first
+    skipped: str | None = None  # why no row was re-scored
+
+    def summary_fields(self) -> dict:
+        return {"audit_rows": self.rows, "audit_max_dp": self.max_dp, "audit_bound": self.bound,
+                "audit_seconds": self.seconds, "audit_differing": self.differing, "audit_skipped": self.skipped}
+
+
+def audit_bound(config, dtype: str) -> float | None:
+    """The job's bound: output.audit_max_dp, else the documented one for `dtype`; None (record,
+    never fail) for speculative prefill's approximate scores unless the job sets one."""
+    if config.output.audit_max_dp is not None:
+        return config.output.audit_max_dp
+    if config.engine.speculative is not None:
+        return None
+    return DTYPE_BOUNDS.get(dtype, DTYPE_BOUNDS["bfloat16"])
+
+
+def pick_rows(candidates: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """`count` of `candidates` (row ids) drawn without replacement by a generator seeded with
+    `seed`, in row order; all of them when there are fewer."""
+    candidates = np.sort(np.asarray(candidates, dtype=np.int64))
+    if len(candidates) <= count:
+        return candidates
+    return np.sort(np.random.default_rng(seed).choice(candidates, size=count, replace=False))
+
+
+def audit_output(job, store, manifests) -> AuditResult:
+    """Re-score `output.audit_rows` random scored rows of `job` (a PreparedJob whose output was
+    just assembled from `store`'s parts) through the plain float32 reference; returns what it
+    found. Loads a fresh model (freed before returning); changes nothing on disk."""
+    config = job.config
+    bound = audit_bound(config, job.source.engine.dtype)
+    if config.output.audit_rows == 0:
+        return AuditResult(bound=bound, skipped="output.audit_rows is 0")
+    started = time.perf_counter()
+    # the parts also hold contextual calibration's content-free row, one past the input rows
+    scores, errors = store.read_results(manifests, job.input.num_rows + content_free_rows(config))
+    scored = np.array([r.row_id for r in job.input.requests  # input rows only, not the content-free one
+                       if r.row_id < job.input.num_rows and r.row_id not in errors], dtype=np.int64)
+    scored = np.setdiff1d(scored, scores.unscored())
+    if len(scored) == 0:
+        return AuditResult(bound=bound, skipped="no row was scored")
+    rows = pick_rows(scored, config.output.audit_rows, config.output.audit_seed)
+    wanted = set(rows.tolist())
+    requests = {r.row_id: r for r in job.input.requests if r.row_id in wanted}
+    try:
+        reference = load_reference(job.model_dir, job.source.engine.device)
+    except _load_errors() as exc:  # the output is written: a missing reference is recorded, not fatal
+        reason = f"the float32 reference model could not be loaded on {job.source.engine.device}: {exc}"
+        log.warning("exactness audit skipped: %s", reason)
+        return AuditResult(bound=bound, seconds=time.perf_counter() - started, skipped=reason)
+    on_gpu = next(reference.parameters()).is_cuda
+    try:
+        deltas = {}
+        for row in rows.tolist():
+            request = requests[row]
+            expected = reference_totals(reference, request.token_ids, job.label_ids, request.options)
+            divisors = _divisors(job, row, request)
+            deltas[row] = max_abs_dp(_engine_totals(scores, row), expected, divisors)
+    finally:
+        del reference
+        _release_gpu_memory(on_gpu)
+    max_dp = max(deltas.values())
+    over = sorted((r for r, d in deltas.items() if bound is not None and d > bound), key=lambda r: -deltas[r])
+    result = AuditResult(rows=len(rows), max_dp=max_dp, bound=bound, seconds=time.perf_counter() - started,
+                         differing=[f"{row_name(job, r)}: |ΔP| {deltas[r]:.3g}" for r in over[:SHOWN_ROWS]])
+    if len(over) > SHOWN_ROWS:
+        result.differing.append(f"... and {len(over) - SHOWN_ROWS} more")
+    log.info("exactness audit: %d rows re-scored in %.1f s, max |ΔP| %.3g (bound %s)", result.rows,
+             result.seconds, max_dp, "none" if bound is None else f"{bound:g}")
+    return result
+
+
+def raise_if_inexact(summary) -> None:
+    """Raise AuditFailed (exit 7) when `summary` (a RunSummary whose output is written) records a
+    max |ΔP| above its audit bound."""
+    if summary.audit_max_dp is None or summary.audit_bound is None or summary.audit_max_dp <= summary.audit_bound:
+        return
+    named = [d for d in summary.audit_differing if not d.startswith("... and ")]
+    more = sum(int(d.split()[2]) for d in summary.audit_differing if d.startswith("... and "))
+    raise AuditFailed(
+        f"exactness audit: {len(named) + more} of {summary.audit_rows} re-scored rows differ from a plain "
+        f"float32 forward by more than |ΔP| {summary.audit_bound:g} (output.audit_max_dp; max "
+        f"{summary.audit_max_dp:.3g}): {'; '.join(summary.audit_differing)}. The output was written to "
+        f"{summary.output_path}; do not act on its scores until the cause is known (a bfloat16 run: compare "
+        "with engine.dtype: float32; otherwise report these rows)", summary)
+
+
+# ---------------------------------------------------------------------------- the reference
+
+
+def load_reference(model_dir, device: str):
+    """A fresh float32 transformers model of `model_dir` on `device`, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    on_gpu = device.startswith("cuda")  # straight onto the GPU: no float32 copy in host memory first
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True,
+                                                 device_map=device if on_gpu else None)
+    return (model if on_gpu else model.to(device)).eval()
+
+
+def reference_totals(model, prompt: np.ndarray, label_ids, options) -> np.ndarray:
+    """[K] each label's (`label_ids`, read at the prompt's last position) or option's total
+    log-probability after `prompt` under `model`: one plain forward per sequence, float64
+    log-softmax over the whole vocabulary at every read position."""
+    import torch
+
+    device = next(model.parameters()).device
+
+    def log_probs(tokens: np.ndarray, read: int) -> torch.Tensor:  # [read, V] float64
+        """The last `read` positions' next-token log-probabilities (the LM head runs on those only)."""
+        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=device)[None]  # [1, T]
+        with torch.inference_mode(), _full_float32():
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=read).logits[0]  # [read, V]
+        return torch.log_softmax(logits.double(), dim=-1)
+
+    last = log_probs(prompt, 1)[0]  # [V] the next token after the prompt
+    if options is None:
+        return last[torch.as_tensor(list(label_ids), device=device)].cpu().numpy()
+    totals = np.empty(options.count)
+    for i in range(options.count):
+        option = np.asarray(options.option(i), dtype=np.int64)
+        if len(option) == 1:
+            totals[i] = float(last[int(option[0])])
+            continue
+        # [n, V]: read at the prompt's last position and the option's first n - 1
+        rows = log_probs(np.concatenate((prompt, option[:-1])), len(option))
+        totals[i] = float(rows[torch.arange(len(option), device=device), torch.as_tensor(option, device=device)].sum())
+    return totals
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What loading the reference may raise that is about this machine, not a bug: no memory
+    (host or GPU), unreadable weights, an architecture transformers does not know."""
+    import torch
+
+    return OSError, ValueError, MemoryError, torch.cuda.OutOfMemoryError
+
+
+@contextmanager
+def _full_float32():
+    """float32 matmuls at full precision (no TF32 on a GPU) for the duration."""
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _release_gpu_memory(on_gpu: bool) -> None:
+    """Hand the freed reference's GPU memory back (after its last reference is dropped)."""
+    if on_gpu:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- comparing
+
+
+def max_abs_dp(engine: np.ndarray, reference: np.ndarray, divisors: np.ndarray | None) -> float:
+    """max over the options of |P_engine − P_reference|, both softmax-normalized over the options
+    of totals / divisors; 1.0 (the largest possible) when either side is not finite."""
+    p, q = _normalized(engine, divisors), _normalized(reference, divisors)
+    if p.shape != q.shape or not (np.isfinite(p).all() and np.isfinite(q).all()):
+        return 1.0
+    return float(np.max(np.abs(p - q)))
+
+
+def _normalized(totals: np.ndarray, divisors: np.ndarray | None) -> np.ndarray:
+    values = np.asarray(totals, dtype=np.float64) / (1.0 if divisors is None else divisors)
+    shifted = np.exp(values - np.max(values))
+    return shifted / shifted.sum()
+
+
+def _engine_totals(scores: RowScores, row: int) -> np.ndarray:
+    return np.asarray(scores.logp[row].as_py(), dtype=np.float64)
+
+
+def _divisors(job, row: int, request) -> np.ndarray | None:
+    """What `score.normalize` divides a row's totals by (output/scores.py); None for `sum` and for
+    a decision job's reads (their answers normalize the sum)."""
+    normalize = job.config.score.normalize
+    if normalize == "sum" or job.input.decisions is not None:
+        return None
+    if normalize == "token":
+        count = len(job.label_ids) if job.label_ids is not None else request.options.count
+        return np.ones(count) if request.options is None else request.options.lengths.astype(np.float64)
+    if job.config.labels:
+        texts = job.config.labels
+    else:
+        texts = choices_problem(job.input.choices[row].as_py())[0]
+    return np.array([len(t.encode("utf-8")) for t in texts], dtype=np.float64)
+
+
+def row_name(job, row: int) -> str:
+    """How the output names `row`: its id (and row number); for a decision job, the record's id
+    and the question the read answers."""
+    decisions = job.input.decisions
+    if decisions is None:
+        return f"row {row} (id {job.input.ids[row].as_py()!r})"
+    for index, record in enumerate(decisions.records):
+        if record.first_read <= row < record.first_read + record.num_reads:
+            question = record.request.questions[row - record.first_read].key if record.request else "?"
+            return f"read {row} (record {decisions.ids[index].as_py()!r}, question {question!r})"
+    return f"read {row}"
