@@ -181,7 +181,7 @@ def test_bench_commands_are_registered_and_production_does_not_import_them():
 
     names = {c.name for c in COMMANDS}
     assert names == {"workloads", "plan", "engine", "vllm", "gpu", "mil", "scale", "placement", "dtype-parity",
-                     "specprefill", "labels"}
+                     "specprefill", "labels", "decisions"}
     for name in sorted(names):
         result = CliRunner().invoke(main, ["bench", name, "--help"])
         assert result.exit_code == 0, result.output
@@ -252,3 +252,44 @@ def test_dtype_parity_float32_engine_matches_plain_forward(model_dir):
     (line,) = [l for l in result.output.splitlines() if "hf-float32 vs torch-float32" in l]
     assert "same label 100.0%" in line
     assert float(line.split("max |dP|")[1].split()[0]) < 1e-4
+
+
+def test_decisions_bench_plain_side_on_the_real_model(tmp_path, model_dir):
+    """`bench decisions` at its smallest: the plain side runs in its own process on the real model,
+    answers every read (probabilities over each question's options), and the report names it;
+    batchscore's output columns read back to the same probabilities (the agreement check's path)."""
+    from batchscore.bench.decisions_bench import Read, decisions, output_probs, questions
+    from batchscore.output.decisions import read_answer, row_values
+    from batchscore.prepare.decisions import parse_systemone
+
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(decisions, ["--states", "2", "--questions", "3", "--state-tokens", "100",
+                                            "--sides", "plain", "--threads", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "decisions.json").read_text())
+    (plain,) = report["sides"]
+    assert plain["ok"] and plain["reads"] == report["reads"] == 6
+    assert plain["logical_tokens"] == report["logical_tokens"] and report["read_tokens_mean"] > 100
+    assert report["flop_ideal"] > 1.3  # the state is computed once for its 3 questions
+    assert "| (a) plain forward per read (transformers) | 6 |" in result.output
+
+    asked = questions(3)
+    kinds = [q.type for q in parse_systemone({"state": "", "questions": asked}).questions]
+    assert kinds == ["choice", "noul", "score"]
+    probs = [np.array(p) for p in json.loads((out / "decisions_work" / "plain_result.json").read_text())["probs"]]
+    assert [len(p) for p in probs] == [5, 2, 4] * 2
+    assert all(abs(p.sum() - 1) < 1e-9 and (p > 0).all() for p in probs)
+    assert not np.allclose(probs[0], probs[3])  # two different states, two different answers
+
+    # A questions job's output row written by the product's own column writer reads back exactly.
+    reads, rows = [], []
+    for row in range(2):
+        request = parse_systemone({"state": {"text": str(row)}, "questions": asked})
+        answers = [read_answer(q, np.concatenate([np.log(probs[3 * row + i]),  # noul: no weight on Yes, No
+                                                  np.full(len(q.labels) - len(q.options), -np.inf)]))
+                   for i, q in enumerate(request.questions)]
+        rows.append({"id": row, **row_values(request.questions, answers)})
+        reads += [Read(row, q, "", []) for q in request.questions]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "out.parquet")
+    found, errors = output_probs(tmp_path / "out.parquet", reads)
+    assert errors == 0 and max(np.abs(found[i] - probs[i]).max() for i in range(6)) < 1e-12

@@ -7,6 +7,7 @@ The modules import torch, transformers and vLLM only inside the commands, so `--
 from __future__ import annotations
 
 from batchscore.bench.command import workloads
+from batchscore.bench.decisions_bench import decisions
 from batchscore.bench.dtype_parity import dtype_parity
 from batchscore.bench.engine_bench import engine
 from batchscore.bench.gpu_bench import gpu
@@ -18,6 +19,7 @@ from batchscore.bench.scale_bench import scale
 from batchscore.bench.specprefill import specprefill
 from batchscore.bench.vllm_bench import vllm
 
-COMMANDS = [workloads, plan, engine, vllm, gpu, mil, scale, placement, dtype_parity, specprefill, labels]
+COMMANDS = [workloads, plan, engine, vllm, gpu, mil, scale, placement, dtype_parity, specprefill, labels,
+            decisions]
 
 __all__ = ["COMMANDS"]
