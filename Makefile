@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test test-faults bench bench-plan bench-engine bench-vllm clean
+.PHONY: setup run test test-all test-faults bench bench-plan bench-engine bench-vllm clean
 
 setup: $(STAMP)
 
@@ -27,8 +27,14 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/batchscore run jobs/sample.yaml
 
+# The quick tier (a few minutes on 2 cores): every feature keeps an end-to-end test; tests marked
+# `slow` (more runs, references, a second vLLM start) and the full fault suite wait for test-all.
 test: setup
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -m "not slow"
+
+# Everything: the slow tests and every fault-injection case, in one pytest run. CI runs this.
+test-all: setup
+	BATCHSCORE_FAULTS=all $(VENV)/bin/pytest -q
 
 # Every fault-injection case (make test runs a quick selection): 20+ kill points, damaged parts,
 # a 2,000-row single-prefix SIGTERM, random-moment kills.

@@ -143,6 +143,34 @@ class PlanConfig:
 @dataclass
 class ScoreConfig:
     normalize: str = "sum"  # sum | token | byte: option log-probability before normalizing (labels.py)
+    calibrate: str = "none"  # none | batch | contextual | temperature | vector | platt: writes p_cal_<label>, and label follows them
+    confidence: str = "top"  # top | margin | entropy | typesafe | top_x_mass: the definition behind the confidence column and needs_review
+
+
+@dataclass
+class CalibrateConfig:
+    """`calibrate`: the labeled rows that fit and evaluate `score.calibrate` and `output.review`."""
+
+    truth_column: str | None = None  # an input column holding each row's true label (null: the row is only scored)
+    truth_columns: dict[str, Any] = field(default_factory=dict)  # questions jobs: question id -> its truth column (reserved)
+    from_: str | None = field(default=None, metadata={"key": "from"})  # a previous output whose completion marker holds the fitted values to reuse
+    holdout_fraction: float = 0.5  # share of the labeled rows that fits the calibration; the rest evaluates it
+    seed: int = 0  # seeds the split of the labeled rows into fit and evaluation rows
+
+
+@dataclass
+class ReviewConfig:
+    """`output.review`: a confidence threshold for an error budget; rows below it get needs_review."""
+
+    max_error: float = 0.05  # the error budget of the rows accepted without review
+    confidence: float = 0.95  # the one-sided Clopper–Pearson confidence that the budget holds
+
+
+@dataclass
+class OutOfScopeConfig:
+    """`output.out_of_scope`: rows whose labels hold little of the model's probability."""
+
+    min_label_mass: float | str = 0.3  # a number in [0, 1], or auto: the 1st percentile of label_mass over the evaluation rows
 
 
 @dataclass
@@ -155,7 +183,12 @@ class OutputConfig:
     part_rows: int = 20000  # rows per durable part file (a part always holds whole prefix groups)
     part_seconds: float = 120.0  # ...or fewer, when this many seconds passed since the last part
     logprobs: bool = False  # add each option's raw total log-probability (logp_<label> / logp_choices)
+    audit_rows: int = 32  # the exactness audit: rows re-scored by a plain float32 forward after the run (0: off)
+    audit_seed: int = 0  # seeds which scored rows the audit picks
+    audit_max_dp: float | None = None  # above this max |ΔP| the run exits 7; null: 1e-4 in float32, 0.07 in bfloat16/float16
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options of an object-store path
+    review: ReviewConfig | None = None  # a confidence threshold for an error budget: writes confidence and needs_review
+    out_of_scope: OutOfScopeConfig | None = None  # writes out_of_scope: true for rows whose label_mass is below the floor
 
 
 @dataclass
@@ -174,6 +207,7 @@ class JobConfig:
     labels: list[str] = field(default_factory=list)  # the answers scored for every row (or input.choices_column)
     questions: dict[str, Any] | None = None  # decisions: id -> {type: choice|noul|score, instructions, criteria}
     score: ScoreConfig = field(default_factory=ScoreConfig)  # how option probabilities are normalized
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)  # the truth column and split behind calibration and review
     model: str = DEFAULT_MODEL  # a built-in name, a local HF folder, a .gguf file or a Hub id in the local cache
     model_download: bool = False  # a Hub id missing from the local cache may be downloaded (once)
     engine: EngineConfig = field(default_factory=EngineConfig)  # what runs the model

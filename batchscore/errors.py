@@ -94,6 +94,14 @@ class ErrorRateExceeded(BatchscoreError, RuntimeError):
         self.summary = summary
 
 
+class CalibrationError(BatchscoreError, ValueError):
+    """score.calibrate / output.review cannot be done with this job's rows: no labeled row, a true
+    label that is not one of the labels, or `calibrate.from` without values to reuse. Raised when
+    the output is assembled (the rows scored are kept: fix the cause and rerun)."""
+
+    exit_code = EXIT_CONFIG
+
+
 class OutputError(BatchscoreError, OSError):
     """The output (or its parts) cannot be written: a folder in the way, no permission, disk full."""
 
@@ -170,3 +178,18 @@ class WritePathError(BatchscoreError, ValueError):
     output.error_path) is an input, the output, or a file the output owns: refused before any work."""
 
     exit_code = EXIT_CONFIG
+
+
+EXIT_AUDIT = 7  # the exactness audit found rows whose scores differ from a plain float32 forward
+
+
+class AuditFailed(BatchscoreError, RuntimeError):
+    """The exactness audit (run/audit.py) re-scored rows through a plain float32 forward and found
+    a max |ΔP| above `output.audit_max_dp`; the output is still written. `summary` is the run's
+    RunSummary (its `audit_differing` names the rows)."""
+
+    exit_code = EXIT_AUDIT
+
+    def __init__(self, message: str, summary=None):
+        super().__init__(message)
+        self.summary = summary

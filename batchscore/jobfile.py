@@ -14,14 +14,18 @@ from typing import Any
 
 import yaml
 
-from batchscore.config import (EngineConfig, ExecutorConfig, InputConfig, JobConfig, OutputConfig, PlanConfig,
-                               PromptConfig, ScoreConfig, SpeculativeConfig, SyntheticInput, safe_load_yaml)
+from batchscore.config import (CalibrateConfig, EngineConfig, ExecutorConfig, InputConfig, JobConfig, OutOfScopeConfig,
+                               OutputConfig, PlanConfig, PromptConfig, ReviewConfig, ScoreConfig, SpeculativeConfig,
+                               SyntheticInput, safe_load_yaml)
 from batchscore.engines.shape import DTYPE_BYTES
 from batchscore.engines.speculative.kept_tokens import options_problems
 from batchscore.errors import JobConfigError, PromptTemplateError
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
-from batchscore.output.layout import DEFAULT_ID, label_column, output_columns
+from batchscore.output import quality
+from batchscore.output.calibration import FITTED, LABEL_FREE, METHODS as CALIBRATION_METHODS, PER_ROW_CHOICES
+from batchscore.output.layout import DEFAULT_ID, calibrated_column, label_column, output_columns
+from batchscore.output.review import CONFIDENCE_METHODS
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
 from batchscore.prepare.options import NORMALIZE, label_problems
 from batchscore.prepare.prompts import PROMPT_ENGINES, template_fields
@@ -35,6 +39,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "input.synthetic.workload": tuple(sorted(WORKLOADS)),
     "prompt.engine": PROMPT_ENGINES,
     "score.normalize": NORMALIZE,
+    "score.calibrate": CALIBRATION_METHODS,
+    "score.confidence": CONFIDENCE_METHODS,
     "engine.kind": ("torch", "vllm", "auto"),
     "engine.dtype": (*DTYPE_BYTES, "auto"),
     "engine.device": ("cpu", "cuda", "auto"),
@@ -88,6 +94,10 @@ def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code:
     config.input.path = local_path(config.input.path)
     config.output.path = local_path(config.output.path)
     config.output.error_path = local_path(config.output.error_path)
+    config.calibrate.from_ = local_path(config.calibrate.from_)
+    truth = config.calibrate.truth_column
+    if truth is not None and truth not in config.output.keep_columns:
+        config.output.keep_columns.append(truth)  # the truth column is copied into the output
     # partition values are text (a YAML date such as 2026-11-25 included)
     config.input.filter = {str(k): [str(v) for v in want] if isinstance(want, list) else str(want)
                            for k, want in config.input.filter.items()}
@@ -147,7 +157,8 @@ def _build(cls, raw: Any, prefix: str, problems: list[str]):
     if not isinstance(raw, dict):
         problems.append(f"{where}: expected a mapping, got {type(raw).__name__}")
         return cls()
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    # by the key a job file spells (a field's metadata "key": `calibrate.from` is the field from_)
+    fields = {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls) if f.name != "source"}
     values = {}
     for key, value in raw.items():
         name = f"{prefix}{key}"
@@ -156,7 +167,7 @@ def _build(cls, raw: Any, prefix: str, problems: list[str]):
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
             problems.append(f"unknown key {name!r}{hint}")
             continue
-        values[key] = _convert(fields[key].type, value, name, problems)
+        values[fields[key].name] = _convert(fields[key].type, value, name, problems)
     return cls(**{k: v for k, v in values.items() if v is not _INVALID})
 
 
@@ -166,7 +177,8 @@ _INVALID = object()
 def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
     nested = {"InputConfig": InputConfig, "PromptConfig": PromptConfig, "EngineConfig": EngineConfig,
               "PlanConfig": PlanConfig, "OutputConfig": OutputConfig, "ExecutorConfig": ExecutorConfig,
-              "ScoreConfig": ScoreConfig,
+              "ScoreConfig": ScoreConfig, "CalibrateConfig": CalibrateConfig, "ReviewConfig | None": ReviewConfig,
+              "OutOfScopeConfig | None": OutOfScopeConfig,
               "SyntheticInput | None": SyntheticInput, "SpeculativeConfig | None": SpeculativeConfig}
     optional = type_str.endswith("| None")
     if value is None:
@@ -177,6 +189,11 @@ def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
     if type_str in nested:
         return _build(nested[type_str], value, f"{name}.", problems)
     base = type_str.replace(" | None", "")
+    if base == "float | str":  # a number or a word (output.out_of_scope.min_label_mass: 0.3 | auto)
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            problems.append(f"{name}: expected a number or a word, got {value!r}")
+            return _INVALID
+        return float(value) if isinstance(value, int) else value
     if base == "list[str]":
         if isinstance(value, str):
             value = [value]
@@ -242,6 +259,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("output.format openai_batch: writes fixed labels' probabilities normalized by their sum; "
                         "write parquet or jsonl for input.choices_column or score.normalize token | byte")
     problems.extend(_output_column_problems(config))
+    problems.extend(_quality_problems(config))
     for key in ("engine.kind", "engine.dtype", "engine.device"):
         problems.extend(_not_allowed(config, key))
     if config.engine.token_budget < 16:
@@ -277,6 +295,14 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("output.part_rows: must be ≥ 1")
     if config.output.part_seconds <= 0:
         problems.append("output.part_seconds: must be > 0")
+    if config.output.audit_rows < 0:
+        problems.append(f"output.audit_rows: must be ≥ 0 (0 turns the exactness audit off), "
+                        f"got {config.output.audit_rows}")
+    if config.output.audit_seed < 0:
+        problems.append(f"output.audit_seed: must be ≥ 0, got {config.output.audit_seed}")
+    if config.output.audit_max_dp is not None and not 0.0 < config.output.audit_max_dp <= 1.0:
+        problems.append(f"output.audit_max_dp: a |ΔP| bound between 0 (exclusive) and 1, "
+                        f"got {config.output.audit_max_dp}")
     return problems
 
 
@@ -389,11 +415,80 @@ def _output_column_problems(config: JobConfig) -> list[str]:
                             "by more than surrounding spaces")
     id_name = config.input.id_column or DEFAULT_ID
     generated = set(output_columns(config.labels, config.input.choices_column is not None, config.output.logprobs))
+    generated |= set(quality.column_names(config))
     generated |= {id_name} if config.input.id_column is None else set()
     for name in config.output.keep_columns:
         if name in generated and name != config.input.id_column:
             problems.append(f"output.keep_columns: {name!r} is also a column batchscore writes (the scores: "
                             f"{', '.join(sorted(generated))}); rename the input column or drop it from keep_columns")
+    return problems
+
+
+def _quality_problems(config: JobConfig) -> list[str]:
+    """score.calibrate, score.confidence, the calibrate section, output.review and output.out_of_scope."""
+    problems = _not_allowed(config, "score.calibrate") + _not_allowed(config, "score.confidence")
+    method, cal = config.score.calibrate, config.calibrate
+    review, scope = config.output.review, config.output.out_of_scope
+    if problems:
+        return problems
+    asked = [key for key, on in (("score.calibrate", method != "none"),
+                                 ("score.confidence", config.score.confidence != "top"),
+                                 ("calibrate.truth_column", cal.truth_column is not None),
+                                 ("calibrate.from", cal.from_ is not None), ("output.review", review is not None),
+                                 ("output.out_of_scope", scope is not None)) if on]
+    if cal.truth_columns:
+        problems.append("calibrate.truth_columns: reserved for questions jobs (one truth column per question); "
+                        "not available yet — use calibrate.truth_column with labels or input.choices_column")
+    if asked and is_decision_job(config):
+        problems.append(f"{asked[0]}: not available for questions jobs yet (their answers carry their own confidence)")
+        return problems
+    if asked and config.output_format == "openai_batch":
+        problems.append(f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
+                        "not output.format openai_batch")
+    choices = config.input.choices_column is not None
+    if choices and method not in PER_ROW_CHOICES:
+        problems.append(f"score.calibrate {method}: applies to fixed labels, not to per-row choices "
+                        f"(input.choices_column); use one of {', '.join(PER_ROW_CHOICES)}")
+    if method == "platt" and not choices and len(config.labels) != 2:
+        problems.append(f"score.calibrate platt: binary labels only (two labels); got {len(config.labels)} — "
+                        "use temperature or vector")
+    inp = config.input
+    if method == "contextual" and (inp.token_ids_column or inp.synthetic or inp.format == "openai_batch"):
+        problems.append("score.calibrate contextual: needs prompt.template (the content-free input is the template "
+                        "with 'N/A' in every field); use batch for pre-tokenized or openai_batch inputs")
+    if method in FITTED and cal.truth_column is None and cal.from_ is None:
+        problems.append(f"score.calibrate {method}: fitted on labeled rows — set calibrate.truth_column (an input "
+                        "column of true labels; null where unknown), or calibrate.from (a previous output's fitted values)")
+    if cal.from_ is not None and method == "none":
+        problems.append("calibrate.from: score.calibrate is none; set the method whose fitted values it holds")
+    if not 0.0 < cal.holdout_fraction < 1.0:
+        problems.append(f"calibrate.holdout_fraction: the share of labeled rows that fits, between 0 and 1 "
+                        f"(exclusive), got {cal.holdout_fraction}")
+    if cal.seed < 0:
+        problems.append(f"calibrate.seed: must be ≥ 0, got {cal.seed}")
+    if review is not None:
+        if cal.truth_column is None:
+            problems.append("output.review: needs calibrate.truth_column (true labels for some rows: the threshold is "
+                            "chosen where the accepted rows' error is known)")
+        if not 0.0 < review.max_error < 1.0:
+            problems.append(f"output.review.max_error: an error rate between 0 and 1 (exclusive), got {review.max_error}")
+        if not 0.0 < review.confidence < 1.0:
+            problems.append(f"output.review.confidence: between 0 and 1 (exclusive), got {review.confidence}")
+    if scope is not None:
+        floor = scope.min_label_mass
+        if isinstance(floor, str) and floor != "auto" or isinstance(floor, float) and not 0.0 <= floor <= 1.0:
+            problems.append(f"output.out_of_scope.min_label_mass: a label mass between 0 and 1, or auto, got {floor!r}")
+    truth = cal.truth_column
+    if truth is not None:
+        clash = set(output_columns(config.labels, choices, config.output.logprobs)) | set(quality.column_names(config))
+        if truth in clash:
+            problems.append(f"calibrate.truth_column: {truth!r} is also a column batchscore writes; rename the input column")
+    if method != "none" and not choices:
+        raw = {label_column(label) for label in config.labels}
+        same = [calibrated_column(label) for label in config.labels if calibrated_column(label) in raw]
+        if same:
+            problems.append(f"labels: {same[0]!r} would be both a label's p_ column and a calibrated p_cal_ column; "
+                            "rename the label")
     return problems
 
 
@@ -416,3 +511,4 @@ def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
     config.input.path = relative(config.input.path)
     config.output.path = relative(config.output.path)
     config.output.error_path = relative(config.output.error_path)
+    config.calibrate.from_ = relative(config.calibrate.from_)

@@ -35,6 +35,7 @@ def _section_class(dotted: str) -> str:
 # (dataclass, key) -> the allowed values, as jobfile.py checks them
 ALLOWED_VALUES = {(_section_class(dotted), dotted.rpartition(".")[2]): values for dotted, values in ALLOWED.items()}
 INTERNAL_KEYS = {("JobConfig", "source")}  # set by load_job, not written in a job file
+WORD_VALUES = {("OutOfScopeConfig", "min_label_mass"): ("auto",)}  # number-or-word keys: the words allowed
 
 _FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
 
@@ -57,12 +58,19 @@ def _describe(name: str, cls: type, definition: dict) -> None:
     properties = definition.get("properties", {})
     for key in [k for k in properties if (name, k) in INTERNAL_KEYS]:
         del properties[key]
+    for field in dataclasses.fields(cls):  # a key the job file spells otherwise (calibrate.from: field from_)
+        if "key" in field.metadata and field.name in properties:
+            comments[field.metadata["key"]] = comments.pop(field.name, "")
+            definition["properties"] = properties = {field.metadata["key"] if k == field.name else k: v
+                                                     for k, v in properties.items()}
     for key, prop in properties.items():
         prop.pop("title", None)
         if key in comments:
             prop["description"] = comments[key]
         if (name, key) in ALLOWED_VALUES:
             prop["enum"] = list(ALLOWED_VALUES[(name, key)])
+        if (name, key) in WORD_VALUES:  # a number or one word (min_label_mass: 0.3 | auto)
+            prop["anyOf"] = [{"type": "number", "minimum": 0, "maximum": 1}, {"enum": list(WORD_VALUES[(name, key)])}]
         if prop.get("type") == "array" and prop.get("items", {}).get("type") == "string":
             properties[key] = {**{k: v for k, v in prop.items() if k not in ("type", "items")},
                                "anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]}

@@ -7,7 +7,8 @@ The task retries only the exit codes a retry can fix (README, "Exit codes"):
     retried:     5 engine did not start, 75 another run still holds the output's lock,
                  130 interrupted (preemption, SIGTERM), and crashes (1, signals)
     not retried: 2 invalid job / model / resume of another job, 3 unreadable input,
-                 4 too many row errors (the output is written), 6 output not writable
+                 4 too many row errors (the output is written), 6 output not writable,
+                 7 scores differ from a plain float32 forward (the exactness audit; the output is written)
 """
 
 import json
@@ -19,7 +20,8 @@ from airflow.exceptions import AirflowException, AirflowFailException
 
 BATCHSCORE = "/opt/batchscore/.venv/bin/batchscore"
 JOB = "/opt/batchscore/jobs/sample.yaml"
-NOT_RETRYABLE = {2: "invalid job", 3: "unreadable input", 4: "error rate exceeded", 6: "output not writable"}
+NOT_RETRYABLE = {2: "invalid job", 3: "unreadable input", 4: "error rate exceeded", 6: "output not writable",
+                 7: "exactness audit failed"}
 
 
 @dag(dag_id="batchscore_nightly", schedule="0 2 * * *", start_date=datetime(2026, 1, 1), catchup=False,

@@ -206,7 +206,7 @@ def _model_copy(model_dir: Path, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.slow  # make test keeps the edited-input refusal
+@pytest.mark.slow  # make test keeps the damaged-part kill and resume
 def test_a_model_changed_between_crash_and_resume_is_refused(job, model_dir, tmp_path):
     model = _model_copy(model_dir, tmp_path / "model")
     output = tmp_path / "out.parquet"
@@ -221,6 +221,7 @@ def test_a_model_changed_between_crash_and_resume_is_refused(job, model_dir, tmp
     assert not output.exists()
 
 
+@pytest.mark.slow  # make test keeps the damaged-part kill and resume
 def test_an_input_edited_in_place_is_refused(model_dir, tmp_path):
     lines = [json.dumps({"query": q}) for q in ["red shoes", "blue tent", "green hat", "black coat"]]
     data = tmp_path / "data.jsonl"
@@ -240,7 +241,7 @@ def test_an_input_edited_in_place_is_refused(model_dir, tmp_path):
     assert "data.jsonl changed" in out
 
 
-@pytest.mark.slow  # a 240-row single-group run; make test keeps test_resume's SIGTERM
+@pytest.mark.slow  # a 240-row single-group run
 @pytest.mark.parametrize("rows", [2000 if ALL else 240])
 def test_sigterm_inside_one_prefix_group_stops_within_a_batch_and_resumes_the_rest(tmp_path, rows):
     """One product page asked `rows` questions: a single prefix group."""

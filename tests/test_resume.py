@@ -50,7 +50,7 @@ def _assert_output_absent_or_complete(output, num_rows):
         assert pq.read_table(output).num_rows == num_rows
 
 
-@pytest.mark.slow  # 5 subprocess runs; make test keeps the SIGTERM resume and a fault-suite kill
+@pytest.mark.slow  # 5 subprocess runs; make test keeps test_faults' kill and resume
 def test_sigkill_at_random_points_then_resume(job_factory, multi_group_input, tmp_path):
     job = job_factory(multi_group_input, engine={"token_budget": 256})
     reference = tmp_path / "reference.parquet"
@@ -84,6 +84,7 @@ def test_sigkill_at_random_points_then_resume(job_factory, multi_group_input, tm
     assert not OutputFiles(output).parts.exists()
 
 
+@pytest.mark.slow  # two subprocess runs; make test keeps test_faults' kill and resume
 def test_sigterm_saves_progress_and_exits_with_the_interrupted_code(job_factory, multi_group_input, tmp_path):
     job = job_factory(multi_group_input, engine={"token_budget": 256})
     output = tmp_path / "out.parquet"

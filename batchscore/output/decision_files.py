@@ -27,7 +27,7 @@ from batchscore.output.formats import _completion, _error_response, _write_lines
 from batchscore.output.layout import OutputFiles
 from batchscore.output.scores import RowScores
 from batchscore.output.table import write_parquet_atomic
-from batchscore.prepare.decisions import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT
+from batchscore.prepare.decisions import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT, parse_systemone
 from batchscore.prepare.rows import DecisionInput, Record
 
 ANSWERS = "answers"  # table jobs with input.questions_column: each row's System One answers, as JSON
@@ -127,9 +127,8 @@ def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: 
                  files: OutputFiles) -> dict[int, str]:
     """One row per record: id, kept columns, each top-level question's columns, the per-row answers
     (with input.questions_column), then the record's status and error."""
-    fixed = next((r.request.questions for r in decisions.records if r.request is not None), ())
-    fixed_keys = list(config.questions or {})
-    fixed = tuple(q for q in fixed if q.key in fixed_keys)
+    # the job's questions name the columns, whatever the rows hold (every row may have failed)
+    fixed = parse_systemone({"state": "", "questions": config.questions}).questions if config.questions else ()
     kinds = table_column_types(fixed)
     values: dict[str, list] = {name: [] for name in kinds}
     answers_json: list[str | None] = []

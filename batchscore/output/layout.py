@@ -10,8 +10,9 @@ Files, for `output.path = out/scores.parquet`:
 
 Columns, after the id and the kept input columns: with fixed labels `p_<label>`..., `label`,
 `label_mass` (then `logp_<label>`... with `output.logprobs`); with per-row choices `choice`,
-`choice_index`, `p_choices`, `label_mass` (then `logp_choices`); `approx_keep` under speculative
-prefill; then `status` and `error`.
+`choice_index`, `p_choices`, `label_mass` (then `logp_choices`); the calibration and review
+columns a job asks for (`p_cal_<label>`... or `p_cal_choices`, `confidence`, `needs_review`,
+`out_of_scope`); `approx_keep` under speculative prefill; then `status` and `error`.
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ ERROR = "error"
 STATUS_OK, STATUS_ERROR = "ok", "error"
 RESULT_COLUMNS = (LABEL, LABEL_MASS, STATUS, ERROR)  # every fixed-label output has these
 BATCH_SCORES = "scores"  # openai_batch: the response body's {label: P(label)} (beside label_mass)
+# score.calibrate, score.confidence, output.review, output.out_of_scope (output/quality.py): after
+# the score columns, in this order
+P_CAL_PREFIX = "p_cal_"  # a label's calibrated probability (p_<label> stays raw)
+P_CAL_CHOICES = "p_cal_choices"  # list<double>: per-row options' calibrated probabilities
+CONFIDENCE = "confidence"  # the score.confidence definition, over the calibrated probabilities when calibrated
+NEEDS_REVIEW = "needs_review"  # output.review: confidence below the threshold
+OUT_OF_SCOPE = "out_of_scope"  # output.out_of_scope: label_mass below the floor
 
 
 LABEL_PREFIX, LOGP_PREFIX = "p_", "logp_"
@@ -142,6 +150,20 @@ def score_column_names(labels: Sequence[str], choices: bool, logprobs: bool) -> 
         return [CHOICE, CHOICE_INDEX, P_CHOICES, LABEL_MASS] + ([LOGP_CHOICES] if logprobs else [])
     return ([label_column(label) for label in labels] + [LABEL, LABEL_MASS]
             + ([logp_column(label) for label in labels] if logprobs else []))
+
+
+def calibrated_column(label: str) -> str:
+    """A label's calibrated probability column, e.g. 'Yes' -> 'p_cal_Yes'."""
+    return P_CAL_PREFIX + label.strip()
+
+
+def quality_column_names(labels: Sequence[str], choices: bool, calibrated: bool, confidence: bool,
+                         review: bool, out_of_scope: bool) -> list[str]:
+    """The columns after the score columns: calibrated probabilities (`calibrated`), then
+    confidence, needs_review and out_of_scope as asked."""
+    names = ([P_CAL_CHOICES] if choices else [calibrated_column(label) for label in labels]) if calibrated else []
+    return (names + ([CONFIDENCE] if confidence else []) + ([NEEDS_REVIEW] if review else [])
+            + ([OUT_OF_SCOPE] if out_of_scope else []))
 
 
 def output_columns(labels: Sequence[str], choices: bool = False, logprobs: bool = False) -> list[str]:

@@ -211,7 +211,12 @@ class _TableRecords:
                 raise DecisionRequestError(str(exc)) from None
         questions = self.questions or {}
         if self.questions_column:
-            questions = {**questions, **_row_questions(row.get(self.questions_column), self.questions_column)}
+            own = _row_questions(row.get(self.questions_column), self.questions_column)
+            clash = next((qid for qid in own if qid in questions), None)
+            if clash is not None:  # the job's question names its columns: a row cannot redefine it
+                raise DecisionRequestError(f"field {self.questions_column!r}: question {clash!r} is one of the "
+                                           "job's questions; give the row's question another id")
+            questions = {**questions, **own}
         body = {"state": state, "questions": questions}
         if self.system:
             body["instructions"] = self.system

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from batchscore.errors import DecisionRequestError
 
-LAYOUT = "vllm-nexttoken-v1"  # vLLM v0.32.0's NextTokenStrategy read, pinned (docs/decisions.md)
+LAYOUT = "vllm-nexttoken-v1"  # vLLM v0.32.0's NextTokenStrategy read, pinned (docs/jobs.md#decisions)
 WIDE_LAYOUT = "vllm-nexttoken-v1+wide"  # the same read with two-letter labels from 27 options on
 
 API_SYSTEMONE = "systemone"

@@ -9,6 +9,7 @@ that cannot be scored keep their row id and an error message, so nothing is lost
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import os
@@ -19,13 +20,14 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from batchscore.config import JobConfig
+from batchscore.config import CalibrateConfig, JobConfig
 from batchscore.engines.factory import ResolvedEngine, kv_block_size, resolve_engine
 from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import BatchscoreError, InputError, LabelError, OutputError, RowRenderError
 from batchscore.output.write_paths import check_job_write_paths
 from batchscore.output.identity import input_identity, model_identity, software_versions
 from batchscore.output.layout import OutputFiles
+from batchscore.output.quality import content_free_row, content_free_rows
 from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
 from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.prepare.decision_job import is_decision_input, prepare_decisions
@@ -64,6 +66,7 @@ class PreparedJob:
     source: JobSource
     label_ids: list[int] | None  # one-token labels shared by every row; None: each request's own options
     input: PreparedInput
+    content_free: Request | None = None  # score.calibrate contextual: scored beside the rows, never an output row
 
     @property
     def config(self) -> JobConfig:
@@ -82,7 +85,8 @@ class PreparedJob:
         return self.source.model_dir
 
     def plan(self) -> Plan:
-        return build_plan(self.input.requests, plan_options(self.config, self.kind))
+        extra = [self.content_free] if self.content_free is not None else []
+        return build_plan(self.input.requests + extra, plan_options(self.config, self.kind))
 
 
 def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool = True) -> JobSource:
@@ -143,8 +147,16 @@ def scoring_config(config: JobConfig) -> dict:
             del data[section][key]  # the decision keys at their defaults: identities from before them hold
     if data["questions"] is None:
         del data["questions"]
+    for key, default in (("calibrate", "none"), ("confidence", "top")):
+        if data["score"][key] == default:
+            del data["score"][key]  # the calibration keys at their defaults: identities from before them hold
     if data["score"] == {"normalize": "sum"}:
         del data["score"]
+    if data["calibrate"] == dataclasses.asdict(CalibrateConfig()):
+        del data["calibrate"]
+    for key in ("review", "out_of_scope"):  # their columns are part of the output
+        if getattr(config.output, key) is not None:
+            data["output"][key] = dataclasses.asdict(getattr(config.output, key))
     if config.output.logprobs:
         data["output"]["logprobs"] = True
     return data
@@ -158,6 +170,9 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
     source = source or locate_job(config, with_model=tokenize)
     if is_decision_input(config, source.files):
         return _prepare_decision_job(config, source, tokenize, progress)
+    if not config.labels and not config.input.choices_column:  # an openai_batch file without decision lines
+        raise LabelError("labels: this openai_batch file has no /v1/systemone or /v1/decisions lines, so every "
+                         "request is scored over the job's labels; give at least two, e.g. labels: [Yes, No]")
     label_ids, renderer, max_length, vocab_size, options = None, None, None, None, None
     if tokenize:
         tokenizer = load_tokenizer(source.model_dir)
@@ -166,18 +181,36 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
         options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length)
     prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
                              tokenize=tokenize, progress=progress, options=options)
+    content_free = None
+    if options is not None and content_free_rows(config):
+        content_free = _content_free_request(renderer, options, prepared.num_rows)
     if options is not None:
         options.encoder.boundary.log_once(len(prepared.requests))
-        label_ids = options.single_token_ids(prepared.requests)
+        every = prepared.requests + ([content_free] if content_free is not None else [])
+        label_ids = options.single_token_ids(every)
         if label_ids is not None:  # one-token labels everywhere: today's one-position path
-            for request in prepared.requests:
+            for request in every:
                 request.options = None
         elif config.engine.speculative is not None and prepared.requests:
             raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
                              "these labels are scored per row (a multi-token label, or one whose tokens depend on "
                              "the prompt's end) — drop engine.speculative or use one-token labels")
     log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
-    return PreparedJob(source, label_ids, prepared)
+    return PreparedJob(source, label_ids, prepared, content_free)
+
+
+def _content_free_request(renderer: PromptRenderer, options: RowOptionSource, row_id: int) -> Request:
+    """Contextual calibration's content-free input: the template with 'N/A' in every field, one
+    more request of the plan (a leaf beside the rows that share its prefix). Its row id is one
+    past the input's rows, so no output row is ever it; assembly divides its probabilities out."""
+    prompt = renderer.prompt(content_free_row(renderer.columns))
+    tokens = renderer.encode([prompt])[0]
+    chat = renderer.chat if prompt.chat is None else prompt.chat
+    piece = renderer.last_piece(prompt) if renderer.in_pieces(prompt) else None
+    [(row_options, problem)] = options.batch([tokens], [prompt.text], [None], ["the content-free input"], [chat], [piece])
+    if problem:
+        raise LabelError(f"score.calibrate contextual: {problem}")
+    return Request(row_id, tokens, row_options)
 
 
 def _prepare_decision_job(config: JobConfig, source: JobSource, tokenize: bool,

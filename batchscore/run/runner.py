@@ -27,6 +27,7 @@ from batchscore.config import EngineConfig, JobConfig
 from batchscore.engines.base import Engine
 from batchscore.engines.factory import ResolvedEngine, create_engine
 from batchscore.errors import BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
+from batchscore.run.audit import AuditResult, audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
 from batchscore.run.sinks import PartSink, RowProgress
 from batchscore.faults import fault_point
@@ -37,6 +38,8 @@ from batchscore.io.storage import file_size, is_url
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.output.decision_files import run_metadata, write_decision_output
 from batchscore.output.formats import write_output
+from batchscore.output.quality import (QualityResult, add_quality_columns, check_calibration_source, content_free_rows,
+                                       split_content_free)
 from batchscore.output.scores import choices_for_output, score_columns
 from batchscore.output.table import ok_rows, scores_table
 from batchscore.plan.placement import place_groups
@@ -93,6 +96,16 @@ class RunSummary:
     approx_keep: float | None = None  # speculative prefill's keep rate: the scores are approximate
     reads: int | None = None  # decision jobs: the rows are records, each read once per question
     decisions: dict | None = None  # decision jobs: the read layout and the confidence method
+    calibration: dict | None = None  # score.calibrate: method, fitted values (calibrate.from reads them), ECE/Brier/NLL
+    confidence_method: str | None = None  # score.confidence: the definition behind the confidence column
+    review: dict | None = None  # output.review: threshold, coverage, rows accepted per confidence definition
+    out_of_scope: dict | None = None  # output.out_of_scope: the label-mass floor and the rows below it
+    audit_rows: int = 0  # rows the exactness audit re-scored through a plain float32 forward (run/audit.py)
+    audit_max_dp: float | None = None  # their largest |ΔP| against it (None: no audit)
+    audit_bound: float | None = None  # above it the run exits 7 (None: recorded only)
+    audit_seconds: float = 0.0  # the audit's share of `seconds`
+    audit_differing: list[str] = field(default_factory=list)  # rows above the bound, largest |ΔP| first
+    audit_skipped: str | None = None  # why no row was re-scored
 
     @property
     def rows_per_second(self) -> float:
@@ -146,6 +159,7 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
                 store.finish()
         lock.release(remove=summary.complete)
     if summary.complete:
+        raise_if_inexact(summary)  # wrong scores first: they concern every row, not just the failed ones
         _check_error_rate(summary, config)
     return summary
 
@@ -155,6 +169,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     """Plan, score into `store` (this writer's parts, guarded by the output's lock) and, when
     every writer has finished, assemble the output."""
     config = source.config
+    check_calibration_source(config)  # calibrate.from: refused before any scoring
     job = prepare_job(config, source=source)
     plan = job.plan()
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
@@ -203,7 +218,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     complete = all(m is not None and m.complete and m.job_hash == manifest.job_hash for m in manifests)
     if complete:
         store.guard()  # the output is written only by the holder of the lock
-    errors = assemble_output(job, store, manifests) if complete else dict(job.input.errors)
+    errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
+    audit = audit_output(job, store, manifests) if complete else AuditResult()
     processed = plan.stats.processed_tokens + placement.split_extra_tokens
     return RunSummary(
         output_path=str(store.files.output),
@@ -226,6 +242,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         approx_keep=_approx_keep(config),
         reads=job.input.num_rows if job.input.decisions is not None else None,
         decisions=run_metadata(job.input.decisions) if job.input.decisions is not None else None,
+        **quality.summary_fields(),
+        **audit.summary_fields(),
     )
 
 
@@ -255,12 +273,14 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
             raise ResumeMismatch(f"cannot merge: shard(s) {', '.join(missing)} of this job are missing or "
                                  f"unfinished in {store.folder}; run them with --shard I/{count}")
         lock.check()
-        errors = assemble_output(job, store, manifests)
-        summary = RunSummary(output_path=str(files.output), rows=job.input.num_records,
+        errors, quality = assemble_output(job, store, manifests)
+        summary = RunSummary(**quality.summary_fields(),
+                             output_path=str(files.output), rows=job.input.num_records,
                              rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
                              logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
                              seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
-                             workers=count)
+                             workers=count, audit_skipped="batchscore merge reads no prompts; the shards' scores "
+                                                         "are not audited")
         lock.check()
         write_completion_marker(files, identity_hash(source.identity), summary.to_dict(stored=True))
         store.finish()
@@ -310,11 +330,13 @@ _STORAGE_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
 _PATH_PROBLEMS = {errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENOENT}
 
 
-def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest]) -> dict[int, str]:
+def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest]) -> tuple[dict[int, str], QualityResult]:
     """Write the final output (and, for openai_batch, its error file) from every part, atomically;
-    the scores are normalized here, once (output/scores.py). Returns the row errors."""
+    the scores are normalized here, once (output/scores.py), then calibrated and judged
+    (output/quality.py). Returns the row errors and what calibration and review did."""
     config, prepared = job.config, job.input
-    scores, errors = store.read_results(manifests, prepared.num_rows)
+    scores, errors = store.read_results(manifests, prepared.num_rows + content_free_rows(config))
+    scores, content_free = split_content_free(scores, errors, prepared.num_rows, config)
     unscored = scores.unscored()
     for row in unscored[~np.isin(unscored, np.fromiter(errors, dtype=np.int64, count=len(errors)))]:
         errors[int(row)] = "not scored: no result from the engine"  # never silently lost
@@ -322,11 +344,13 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
         fault_point("assemble")
         failed = write_decision_output(config, prepared.decisions, scores, errors, store.files, str(config.model))
         fault_point("output")
-        return failed
+        return failed, QualityResult()
     id_name = config.input.id_column or DEFAULT_ID
     ok = ok_rows(prepared.num_rows, errors)
     columns = score_columns(labels=config.labels or None, choices=choices_for_output(prepared.choices, ok),
                             scores=scores, ok=ok, normalize=config.score.normalize, logprobs=config.output.logprobs)
+    columns, quality = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids,
+                                           choices_for_output(prepared.choices, ok), content_free)
     table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=_approx_keep(config))
     if table.num_rows != prepared.num_rows:  # the invariant: every input row exactly once
         raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
@@ -334,7 +358,7 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
     write_output(table, store.files.output, config.output_format, id_name=id_name, labels=config.labels,
                  model=str(config.model), error_path=store.files.errors)
     fault_point("output")
-    return errors
+    return errors, quality
 
 
 def _approx_keep(config: JobConfig) -> float | None:
