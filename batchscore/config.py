@@ -109,7 +109,7 @@ class PromptConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """`engine.speculative`: speculative prefill (approximate; see engines/kept_tokens.py)."""
+    """`engine.speculative`: speculative prefill (approximate; see engines/speculative/kept_tokens.py)."""
 
     keep: float = 0.3  # fraction of each prompt's tokens the main model runs
     speculator: str = "layers:8"  # layers:N (the model's own first N layers) or a same-tokenizer model
@@ -142,7 +142,7 @@ class PlanConfig:
 
 @dataclass
 class ScoreConfig:
-    normalize: str = "sum"  # sum | token | byte: option log-probability before normalizing (labels.py)
+    normalize: str = "sum"  # sum | token | byte: option log-probability before normalizing (output/scores.py)
     calibrate: str = "none"  # none | batch | contextual | temperature | vector | platt: writes p_cal_<label>, and label follows them
     confidence: str = "top"  # top | margin | entropy | typesafe | top_x_mass: the definition behind the confidence column and needs_review
 

@@ -203,3 +203,11 @@ def test_make_test_is_the_quick_tier_and_test_all_runs_everything():
     commands = [line.strip() for line in (PACKAGE.parent / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith("#")]
     assert "make test-all" in commands, commands
+
+
+def test_the_module_map_names_every_module():
+    """docs/design.md ends with the module map: a newcomer's index of the code, kept true."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    missing = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+                     if "__pycache__" not in p.parts and f"`{p.relative_to(PACKAGE.parent)}`" not in text)
+    assert not missing, f"add these to the module map in docs/design.md: {missing}"

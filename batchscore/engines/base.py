@@ -60,7 +60,7 @@ class EngineMetrics:
 
 
 class Engine(Protocol):
-    """A prefill-only scorer: what the executors call (`executors/local.py`, `executors/ray.py`)."""
+    """A prefill-only scorer: what the executors call (`run/local.py`, `run/ray.py`)."""
 
     metrics: EngineMetrics
 

@@ -67,7 +67,7 @@ class PartRecord:
 @dataclass
 class Manifest:
     job_hash: str  # identity + number of workers
-    identity: dict  # config, input, model, software, engine (io/identity.py)
+    identity: dict  # config, input, model, software, engine (output/identity.py)
     num_groups: int
     num_rows: int
     worker_rows: dict[str, int] = field(default_factory=dict)  # worker -> members it must score

@@ -6,7 +6,7 @@ model process only the most important chunks, each token at its original positio
 module holds everything about that choice that needs no model: the options, the tokens that are
 always kept, the top-K chunk selection from an importance vector, the per-group choice between
 pruning a shared prefix once and pruning every prompt, and the token / FLOP accounting that
-`batchscore plan --json` and the benchmark report. `engines/speculative.py` computes the
+`batchscore plan --json` and the benchmark report. `engines/speculative/speculator.py` computes the
 importance with torch and builds the `PrunedGroup`s the torch engine runs.
 
 Per prompt of n tokens (positions 0..n-1):
