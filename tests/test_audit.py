@@ -18,7 +18,17 @@ from batchscore.engines.factory import create_engine
 from batchscore.errors import EXIT_AUDIT, AuditFailed, JobConfigError
 from batchscore.jobfile import config_from_dict, load_job
 from batchscore.run.audit import DTYPE_BOUNDS, max_abs_dp, pick_rows
-from tests.conftest import write_sample_subset
+from tests.conftest import write_job, write_sample_subset
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    """Jobs with the audit at its default, 32 rows (conftest's jobs turn it off elsewhere)."""
+    def make(input_path, **overrides):
+        output = {"audit_rows": 32, **overrides.pop("output", {})}
+        return write_job(tmp_path, input_path, output=output, **overrides)
+
+    return make
 
 REPO = Path(__file__).resolve().parent.parent
 

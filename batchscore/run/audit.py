@@ -147,6 +147,9 @@ def load_reference(model_dir, device: str):
     return (model if on_gpu else model.to(device)).eval()
 
 
+AUDIT_BATCH = 16  # option sequences of one length per plain forward
+
+
 def reference_totals(model, prompt: np.ndarray, label_ids, options) -> np.ndarray:
     """[K] each label's (`label_ids`, read at the prompt's last position) or option's total
     log-probability after `prompt` under `model`: one plain forward per sequence, float64
@@ -155,25 +158,34 @@ def reference_totals(model, prompt: np.ndarray, label_ids, options) -> np.ndarra
 
     device = next(model.parameters()).device
 
-    def log_probs(tokens: np.ndarray, read: int) -> torch.Tensor:  # [read, V] float64
-        """The last `read` positions' next-token log-probabilities (the LM head runs on those only)."""
-        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=device)[None]  # [1, T]
+    def log_probs(sequences: np.ndarray, read: int) -> torch.Tensor:  # [S, read, V] float64
+        """The last `read` positions' next-token log-probabilities of sequences of one length [S, T]
+        (a plain batch: no padding, no cache; the LM head runs on those positions only)."""
+        ids = torch.as_tensor(np.asarray(sequences, dtype=np.int64), device=device)  # [S, T]
         with torch.inference_mode(), _full_float32():
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=read).logits[0]  # [read, V]
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=read).logits  # [S, read, V]
         return torch.log_softmax(logits.double(), dim=-1)
 
-    last = log_probs(prompt, 1)[0]  # [V] the next token after the prompt
+    last = log_probs(np.asarray(prompt)[None], 1)[0, 0]  # [V] the next token after the prompt
     if options is None:
         return last[torch.as_tensor(list(label_ids), device=device)].cpu().numpy()
     totals = np.empty(options.count)
+    by_length: dict[int, list[int]] = {}
     for i in range(options.count):
-        option = np.asarray(options.option(i), dtype=np.int64)
-        if len(option) == 1:
-            totals[i] = float(last[int(option[0])])
+        by_length.setdefault(len(options.option(i)), []).append(i)
+    for length, indices in by_length.items():
+        if length == 1:
+            totals[indices] = [float(last[int(options.option(i)[0])]) for i in indices]
             continue
-        # [n, V]: read at the prompt's last position and the option's first n - 1
-        rows = log_probs(np.concatenate((prompt, option[:-1])), len(option))
-        totals[i] = float(rows[torch.arange(len(option), device=device), torch.as_tensor(option, device=device)].sum())
+        # options of one length run as one batch of prompt + option[:-1], a few at a time (memory);
+        # each reads at the prompt's last position and the option's first n - 1
+        for start in range(0, len(indices), AUDIT_BATCH):
+            chunk = indices[start : start + AUDIT_BATCH]
+            opts = np.stack([np.asarray(options.option(i), dtype=np.int64) for i in chunk])  # [S, n]
+            rows = log_probs(np.concatenate((np.broadcast_to(prompt, (len(chunk), len(prompt))), opts[:, :-1]), 1),
+                             length)  # [S, n, V]
+            picked = rows.gather(2, torch.as_tensor(opts, device=device)[:, :, None])[:, :, 0]  # [S, n]
+            totals[chunk] = picked.sum(dim=1).cpu().numpy()
     return totals
 
 
