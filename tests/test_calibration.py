@@ -339,7 +339,7 @@ def test_calibrate_from_reuses_the_recorded_values(batch_run, tmp_path):
 @pytest.mark.slow  # with the exactness audit's float32 reference
 def test_contextual_run_scores_the_content_free_input_beside_the_rows(tmp_path):
     data = _with_truth(tmp_path / "in.parquet", ("P006",))
-    job = write_job(tmp_path, data, score={"calibrate": "contextual"}, output={"path": str(tmp_path / "out.parquet")})
+    job = write_job(tmp_path, data, score={"calibrate": "contextual"}, output={"path": str(tmp_path / "out.parquet"), "audit_rows": 32})
     summary = run_job(load_job(job), progress=False)
     out = pq.read_table(tmp_path / "out.parquet").to_pandas()
     assert len(out) == 10 and summary.rows == 10 and list(out["pair_id"]) == [f"P006-Q{i:02d}" for i in range(10)]
