@@ -254,6 +254,7 @@ def test_dtype_parity_float32_engine_matches_plain_forward(model_dir):
     assert float(line.split("max |dP|")[1].split()[0]) < 1e-4
 
 
+@pytest.mark.slow  # a bench subprocess on the real model; make test keeps the tiny end-to-end benches
 def test_decisions_bench_plain_side_on_the_real_model(tmp_path, model_dir):
     """`bench decisions` at its smallest: the plain side runs in its own process on the real model,
     answers every read (probabilities over each question's options), and the report names it;

@@ -75,6 +75,7 @@ def test_suite_runs_both_dtypes_interleaved(tmp_path, tiny_llama):
         assert rows[("torch", "float32")]["gemm_peak_fraction"] > 0
 
 
+@pytest.mark.slow  # make test keeps test_bench's tiny end-to-end runs
 def test_bench_engine_compares_dtypes(tiny_llama):
     from batchscore.bench.engine_bench import engine
 

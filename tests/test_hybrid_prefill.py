@@ -134,6 +134,7 @@ def test_prefix_kv_lives_until_its_group_last_member(monkeypatch, hybrid_chunk, 
     assert alive_checked > 0 or token_budget > BUDGET
 
 
+@pytest.mark.slow  # KV lifetimes, a gc.collect per layer; make test keeps the hybrid exactness tests
 def test_suffix_kv_dropped_after_its_layer_plain(monkeypatch):
     """Unchunked path: a suffix's K of layer i is gone when layer i + 1 attends."""
     previous: list[weakref.ref] = []
@@ -152,6 +153,7 @@ def test_suffix_kv_dropped_after_its_layer_plain(monkeypatch):
     list(TorchEngine(tiny_model("llama"), token_budget=BUDGET).score(make_groups(seed=4)[:2], LABELS))
 
 
+@pytest.mark.slow  # KV lifetimes, a gc.collect per layer
 def test_suffix_kv_dropped_after_its_layer_hybrid(monkeypatch):
     """Hybrid path: each layer's K/V are new tensors, freed after the layer unless a prefix records them."""
     alive: list[tuple[weakref.ref, bool]] = []

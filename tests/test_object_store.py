@@ -156,6 +156,7 @@ def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run
     assert fs.info(output)["LastModified"] == written
 
 
+@pytest.mark.slow  # a subprocess run; make test keeps the lease tests and the storage-options run
 def test_a_run_while_another_holds_the_lease_exits_75_touching_nothing(s3, hive_input, tmp_path):
     fs, env = s3
     output = f"s3://{BUCKET}/held/out.parquet"
