@@ -162,3 +162,23 @@ def test_parts_of_an_older_format_are_scored_again_never_mixed(job_factory, mult
     got, want = pq.read_table(output).to_pandas(), pq.read_table(reference).to_pandas()
     assert list(got.columns) == list(want.columns) and list(got["pair_id"]) == list(want["pair_id"])
     assert (got[["p_Yes", "p_No", "label_mass"]] - want[["p_Yes", "p_No", "label_mass"]]).abs().max().max() < 1e-4
+
+
+def test_a_resume_whose_engine_resolves_differently_is_refused(job_factory, multi_group_input, tmp_path,
+                                                               monkeypatch):
+    """`engine.dtype: auto` resolved to float32 when the run started; on a machine where it resolves
+    to bfloat16 the resume must not mix parts of two dtypes: it is refused naming what changed."""
+    job = job_factory(multi_group_input, engine={"dtype": "auto"})
+    output = tmp_path / "out.parquet"
+    env = dict(os.environ, PYTHONPATH=str(REPO), BATCHSCORE_FAULT="result:4")  # die with parts written
+    proc = subprocess.run([sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "-o", str(output),
+                           "--set", "output.part_rows=1"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert _parts_written(output) >= 1
+    import batchscore.engines.factory as factory
+
+    monkeypatch.setattr(factory, "resolve_dtype", lambda name, device: "bfloat16")  # another machine's `auto`
+    result = CliRunner().invoke(main, ["run", str(job), "-q", "-o", str(output)])
+    assert result.exit_code == EXIT_CONFIG, result.output
+    assert "engine.dtype (float32 → bfloat16)" in result.output and "--fresh" in result.output
+    assert not output.exists()
