@@ -152,7 +152,7 @@ class CalibrateConfig:
     """`calibrate`: the labeled rows that fit and evaluate `score.calibrate` and `output.review`."""
 
     truth_column: str | None = None  # an input column holding each row's true label (null: the row is only scored)
-    truth_columns: dict[str, Any] = field(default_factory=dict)  # questions jobs: question id -> its truth column (reserved)
+    truth_columns: dict[str, Any] = field(default_factory=dict)  # questions jobs: question id -> the input column of its true answers (null: unlabeled)
     from_: str | None = field(default=None, metadata={"key": "from"})  # a previous output whose completion marker holds the fitted values to reuse
     holdout_fraction: float = 0.5  # share of the labeled rows that fits the calibration; the rest evaluates it
     seed: int = 0  # seeds the split of the labeled rows into fit and evaluation rows

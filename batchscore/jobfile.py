@@ -95,9 +95,11 @@ def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code:
     config.output.path = local_path(config.output.path)
     config.output.error_path = local_path(config.output.error_path)
     config.calibrate.from_ = local_path(config.calibrate.from_)
-    truth = config.calibrate.truth_column
-    if truth is not None and truth not in config.output.keep_columns:
-        config.output.keep_columns.append(truth)  # the truth column is copied into the output
+    config.calibrate.truth_columns = {str(k): v for k, v in (config.calibrate.truth_columns or {}).items()}
+    truths = [config.calibrate.truth_column] + list(config.calibrate.truth_columns.values())
+    for truth in dict.fromkeys(t for t in truths if t is not None):
+        if truth not in config.output.keep_columns:
+            config.output.keep_columns.append(truth)  # truth columns are copied into the output
     # partition values are text (a YAML date such as 2026-11-25 included)
     config.input.filter = {str(k): [str(v) for v in want] if isinstance(want, list) else str(want)
                            for k, want in config.input.filter.items()}
@@ -436,12 +438,12 @@ def _quality_problems(config: JobConfig) -> list[str]:
                                  ("calibrate.truth_column", cal.truth_column is not None),
                                  ("calibrate.from", cal.from_ is not None), ("output.review", review is not None),
                                  ("output.out_of_scope", scope is not None)) if on]
+    if is_decision_job(config):
+        problems.extend(_question_quality_problems(config, asked))
+        return problems + _common_quality_problems(config)
     if cal.truth_columns:
-        problems.append("calibrate.truth_columns: reserved for questions jobs (one truth column per question); "
-                        "not available yet — use calibrate.truth_column with labels or input.choices_column")
-    if asked and is_decision_job(config):
-        problems.append(f"{asked[0]}: not available for questions jobs yet (their answers carry their own confidence)")
-        return problems
+        problems.append("calibrate.truth_columns: for questions jobs (one truth column per question id); use "
+                        "calibrate.truth_column with labels or input.choices_column")
     if asked and config.output_format == "openai_batch":
         problems.append(f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
                         "not output.format openai_batch")
@@ -459,25 +461,10 @@ def _quality_problems(config: JobConfig) -> list[str]:
     if method in FITTED and cal.truth_column is None and cal.from_ is None:
         problems.append(f"score.calibrate {method}: fitted on labeled rows — set calibrate.truth_column (an input "
                         "column of true labels; null where unknown), or calibrate.from (a previous output's fitted values)")
-    if cal.from_ is not None and method == "none":
-        problems.append("calibrate.from: score.calibrate is none; set the method whose fitted values it holds")
-    if not 0.0 < cal.holdout_fraction < 1.0:
-        problems.append(f"calibrate.holdout_fraction: the share of labeled rows that fits, between 0 and 1 "
-                        f"(exclusive), got {cal.holdout_fraction}")
-    if cal.seed < 0:
-        problems.append(f"calibrate.seed: must be ≥ 0, got {cal.seed}")
-    if review is not None:
-        if cal.truth_column is None:
-            problems.append("output.review: needs calibrate.truth_column (true labels for some rows: the threshold is "
-                            "chosen where the accepted rows' error is known)")
-        if not 0.0 < review.max_error < 1.0:
-            problems.append(f"output.review.max_error: an error rate between 0 and 1 (exclusive), got {review.max_error}")
-        if not 0.0 < review.confidence < 1.0:
-            problems.append(f"output.review.confidence: between 0 and 1 (exclusive), got {review.confidence}")
-    if scope is not None:
-        floor = scope.min_label_mass
-        if isinstance(floor, str) and floor != "auto" or isinstance(floor, float) and not 0.0 <= floor <= 1.0:
-            problems.append(f"output.out_of_scope.min_label_mass: a label mass between 0 and 1, or auto, got {floor!r}")
+    if review is not None and cal.truth_column is None:
+        problems.append("output.review: needs calibrate.truth_column (true labels for some rows: the threshold is "
+                        "chosen where the accepted rows' error is known)")
+    problems.extend(_common_quality_problems(config))
     truth = cal.truth_column
     if truth is not None:
         clash = set(output_columns(config.labels, choices, config.output.logprobs)) | set(quality.column_names(config))
@@ -489,6 +476,82 @@ def _quality_problems(config: JobConfig) -> list[str]:
         if same:
             problems.append(f"labels: {same[0]!r} would be both a label's p_ column and a calibrated p_cal_ column; "
                             "rename the label")
+    return problems
+
+
+def _common_quality_problems(config: JobConfig) -> list[str]:
+    """The checks labels and questions jobs share: calibrate.from, the split, review and out_of_scope values."""
+    problems = []
+    method, cal = config.score.calibrate, config.calibrate
+    review, scope = config.output.review, config.output.out_of_scope
+    if cal.from_ is not None and method == "none":
+        problems.append("calibrate.from: score.calibrate is none; set the method whose fitted values it holds")
+    if not 0.0 < cal.holdout_fraction < 1.0:
+        problems.append(f"calibrate.holdout_fraction: the share of labeled rows that fits, between 0 and 1 "
+                        f"(exclusive), got {cal.holdout_fraction}")
+    if cal.seed < 0:
+        problems.append(f"calibrate.seed: must be ≥ 0, got {cal.seed}")
+    if review is not None:
+        if not 0.0 < review.max_error < 1.0:
+            problems.append(f"output.review.max_error: an error rate between 0 and 1 (exclusive), got {review.max_error}")
+        if not 0.0 < review.confidence < 1.0:
+            problems.append(f"output.review.confidence: between 0 and 1 (exclusive), got {review.confidence}")
+    if scope is not None:
+        floor = scope.min_label_mass
+        if isinstance(floor, str) and floor != "auto" or isinstance(floor, float) and not 0.0 <= floor <= 1.0:
+            problems.append(f"output.out_of_scope.min_label_mass: a label mass between 0 and 1, or auto, got {floor!r}")
+    return problems
+
+
+def _question_quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
+    """A questions job's calibration and review: the job's own questions, a table output, one
+    truth column per question (`calibrate.truth_columns`), the methods that apply to them."""
+    from batchscore.output.decision_quality import QUESTION_METHODS
+    from batchscore.prepare.decisions import parse_systemone
+
+    method, cal = config.score.calibrate, config.calibrate
+    if cal.truth_columns:
+        asked = asked + ["calibrate.truth_columns"]
+    if not asked:
+        return []
+    if config.questions is None:
+        return [f"{asked[0]}: calibration and review apply to the job's questions (questions:), not to per-row "
+                "questions (input.questions_column)"]
+    if config.output_format == "openai_batch":
+        return [f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
+                "not output.format openai_batch"]
+    problems = []
+    if cal.truth_column is not None:
+        problems.append("calibrate.truth_column: a questions job has one truth column per question — write "
+                        "calibrate.truth_columns: {<question id>: <input column>}")
+    if method not in QUESTION_METHODS:
+        problems.append(f"score.calibrate {method}: applies to labels jobs; for questions use one of "
+                        f"{', '.join(QUESTION_METHODS)}")
+    if not isinstance(cal.truth_columns, dict):
+        return problems + [f"calibrate.truth_columns: a map of question id -> input column, got {cal.truth_columns!r}"]
+    ids = [str(k) for k in config.questions]
+    unknown = [str(k) for k in cal.truth_columns if str(k) not in ids]
+    if unknown:
+        problems.append(f"calibrate.truth_columns: {unknown} are not questions of this job (its questions: {ids})")
+    not_names = [f"{k}: {v!r}" for k, v in cal.truth_columns.items() if not isinstance(v, str) or not v]
+    if not_names:
+        problems.append(f"calibrate.truth_columns: each value is an input column name; got {', '.join(not_names)}")
+    missing = [q for q in ids if q not in {str(k) for k in cal.truth_columns}]
+    if method in FITTED and cal.from_ is None and missing:
+        problems.append(f"score.calibrate {method}: fitted on labeled records — calibrate.truth_columns has no column "
+                        f"for the question(s) {missing}; add them, or reuse fitted values with calibrate.from")
+    if config.output.review is not None and missing:
+        problems.append(f"output.review: needs a truth column for every question (the threshold is chosen where the "
+                        f"accepted records' error is known); calibrate.truth_columns lacks {missing}")
+    if method == "platt":
+        try:
+            questions = parse_systemone({"state": "", "questions": config.questions}).questions
+        except Exception:  # noqa: BLE001 — decision_job_problems names what is wrong with them
+            questions = ()
+        wide = [f"{q.key} ({len(q.options)} options)" for q in questions if len(q.options) != 2]
+        if wide:
+            problems.append(f"score.calibrate platt: two-option questions only (noul, or a choice of two); "
+                            f"{', '.join(wide)} — use temperature or vector")
     return problems
 
 

@@ -178,7 +178,7 @@ def _job(**extra) -> dict:
     ({"output": {"out_of_scope": {"min_label_mass": "sometimes"}}}, "output.out_of_scope.min_label_mass"),
     ({"output": {"out_of_scope": {"min_label_mass": 2}}}, "output.out_of_scope.min_label_mass"),
     ({"calibrate": {"holdout_fraction": 1.0, "truth_column": "t"}}, "calibrate.holdout_fraction"),
-    ({"calibrate": {"truth_columns": {"team": "gold_team"}}}, "calibrate.truth_columns: reserved"),
+    ({"calibrate": {"truth_columns": {"team": "gold_team"}}}, "calibrate.truth_columns: for questions jobs"),
     ({"calibrate": {"from": "old.parquet"}}, "calibrate.from: score.calibrate is none"),
     ({"calibrate": {"fromm": "x"}}, "unknown key 'calibrate.fromm' (did you mean calibrate.from?)"),
     ({"calibrate": {"truth_column": "label"}}, "calibrate.truth_column: 'label' is also a column"),

@@ -21,10 +21,12 @@ import pyarrow as pa
 
 from batchscore.config import JobConfig
 from batchscore.output import layout
+from batchscore.output.decision_quality import add_question_quality, column_types
 from batchscore.output.decisions import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
                                          row_values, systemone_answer, systemone_body, table_column_types)
 from batchscore.output.formats import _completion, _error_response, _write_lines
 from batchscore.output.layout import OutputFiles
+from batchscore.output.quality import QualityResult
 from batchscore.output.scores import RowScores
 from batchscore.output.table import write_parquet_atomic
 from batchscore.prepare.decisions import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT, parse_systemone
@@ -59,13 +61,14 @@ def record_answers(record: Record, logp: list, errors: dict[int, str], tops: lis
 
 
 def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: RowScores, errors: dict[int, str],
-                          files: OutputFiles, model: str) -> dict[int, str]:
+                          files: OutputFiles, model: str) -> tuple[dict[int, str], QualityResult]:
     """Write the output of a decision job (and, for a batch file, its error file) atomically.
-    Returns record -> error for the records that are errors (the run's failed rows)."""
+    Returns (record -> error for the records that are errors (the run's failed rows), what
+    calibration and review did (output/decision_quality.py))."""
     logp = scores.logp.to_pylist()
     tops = scores.top_logp.to_pylist() if scores.top_logp is not None else None
     if config.output_format == "openai_batch":
-        return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels))
+        return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels)), QualityResult()
     return _write_table(config, decisions, logp, tops, errors, files)
 
 
@@ -124,14 +127,16 @@ def _record_body(record: Record, logp: list, tops: list | None, errors: dict[int
 
 
 def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: list | None, errors: dict[int, str],
-                 files: OutputFiles) -> dict[int, str]:
-    """One row per record: id, kept columns, each top-level question's columns, the per-row answers
-    (with input.questions_column), then the record's status and error."""
+                 files: OutputFiles) -> tuple[dict[int, str], QualityResult]:
+    """One row per record: id, kept columns, each top-level question's columns, their calibration
+    and review columns, the per-row answers (with input.questions_column), then the record's status
+    and error."""
     # the job's questions name the columns, whatever the rows hold (every row may have failed)
     fixed = parse_systemone({"state": "", "questions": config.questions}).questions if config.questions else ()
     kinds = table_column_types(fixed)
     values: dict[str, list] = {name: [] for name in kinds}
     answers_json: list[str | None] = []
+    fixed_answers: list[list | None] = []  # per record, its answers to the job's questions
     status, error, failed = [], [], {}
     for index, record in enumerate(decisions.records):
         if record.request is None:
@@ -140,12 +145,14 @@ def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: 
             for name in values:
                 values[name].append(None)
             answers_json.append(None)
+            fixed_answers.append(None)
             status.append(layout.STATUS_ERROR)
             error.append(message)
             continue
         answers = record_answers(record, logp, errors, tops)
         by_key = dict(zip((q.key for q in record.request.questions), answers))
-        row = row_values(fixed, [by_key[q.key] for q in fixed])
+        fixed_answers.append([by_key[q.key] for q in fixed])
+        row = row_values(fixed, fixed_answers[-1])
         for name in values:
             values[name].append(row.get(name))
         answers_json.append(json.dumps(_answers_map(record, answers), ensure_ascii=False))
@@ -159,6 +166,10 @@ def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: 
     for name in decisions.kept.column_names:
         if name != id_name:
             columns[name] = decisions.kept.column(name)
+    judged, follow, quality = add_question_quality(config, fixed, fixed_answers, decisions.kept, decisions.ids)
+    values.update(follow)  # <id>.choice follows the calibrated probabilities
+    values.update(judged)
+    kinds = {**kinds, **column_types(config, fixed)}
     arrow_types = {"float64": pa.float64(), "bool": pa.bool_(), "string": pa.string()}
     for name, kind in kinds.items():
         columns[name] = pa.array(values[name], type=arrow_types[kind])
@@ -175,7 +186,7 @@ def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: 
                                     for row in table.to_pylist()))
     else:
         write_parquet_atomic(table, files.output)
-    return failed
+    return failed, quality
 
 
 def _answers_map(record: Record, answers: list) -> dict[str, Any]:

@@ -140,12 +140,12 @@ def add_quality_columns(config, columns: dict[str, pa.Array], ok: np.ndarray, ke
     labels = list(config.labels) if config.labels else None
     method = config.score.calibrate
     p, num_options = _probabilities(columns, labels)
-    log_p = calibration.log_probs(np.where(_padding(num_options, p.shape[1]), np.nan, p))
+    log_p = calibration.log_probs(np.where(padding(num_options, p.shape[1]), np.nan, p))
     mass = _floats(columns[layout.LABEL_MASS])
     truth = _truth(config, kept, ok, ids, labels, choices)
     labeled = np.flatnonzero(ok & (truth >= 0))
     fitting = method in calibration.FITTED and config.calibrate.from_ is None
-    fit_rows, eval_rows = _split(labeled, config.calibrate, fitting)
+    fit_rows, eval_rows = split_labeled(labeled, config.calibrate, fitting)
     result = QualityResult()
     info = {"method": method, "labels": labels, "normalize": config.score.normalize, "params": None,
             "source": None, "truth_column": config.calibrate.truth_column, "labeled_rows": int(len(labeled)),
@@ -172,10 +172,10 @@ def add_quality_columns(config, columns: dict[str, pa.Array], ok: np.ndarray, ke
     columns[layout.CONFIDENCE] = pa.array(conf, mask=~ok, type=pa.float64())
     result.confidence_method = config.score.confidence
     if config.output.review is not None:
-        columns[layout.NEEDS_REVIEW], result.review = _review(config, final_p, num_options, mass, conf, ok, truth,
-                                                              eval_rows)
+        columns[layout.NEEDS_REVIEW], result.review = review_column(config, final_p, num_options, mass, conf, ok, truth,
+                                                                    eval_rows, f"calibrate.truth_column ({config.calibrate.truth_column!r})")
     if config.output.out_of_scope is not None:
-        columns[layout.OUT_OF_SCOPE], result.out_of_scope = _out_of_scope(config, mass, ok, eval_rows)
+        columns[layout.OUT_OF_SCOPE], result.out_of_scope = out_of_scope_column(config, mass, ok, eval_rows)
     return columns, result
 
 
@@ -186,7 +186,7 @@ def _floats(array: pa.Array) -> np.ndarray:
     return np.asarray(array.to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
-def _padding(num_options: np.ndarray, width: int) -> np.ndarray:
+def padding(num_options: np.ndarray, width: int) -> np.ndarray:
     return np.arange(width)[None, :] >= num_options[:, None]
 
 
@@ -236,7 +236,7 @@ def _truth(config, kept: pa.Table, ok: np.ndarray, ids: pa.Array, labels: list[s
     return truth
 
 
-def _split(labeled: np.ndarray, settings, fitting: bool) -> tuple[np.ndarray, np.ndarray]:
+def split_labeled(labeled: np.ndarray, settings, fitting: bool) -> tuple[np.ndarray, np.ndarray]:
     """(fit rows, evaluation rows) of the labeled rows: split by the seed when fitting now."""
     if not fitting:
         return np.array([], dtype=np.int64), labeled
@@ -272,14 +272,14 @@ def _with_calibrated(columns: dict[str, pa.Array], p: np.ndarray, num_options: n
     following them (the first of equal probabilities, as `score_columns` chooses)."""
     columns = dict(columns)
     mask = ~ok
-    best = np.argmax(np.where(_padding(num_options, p.shape[1]), -np.inf, np.nan_to_num(p, nan=-np.inf)), axis=1)
+    best = np.argmax(np.where(padding(num_options, p.shape[1]), -np.inf, np.nan_to_num(p, nan=-np.inf)), axis=1)
     if labels is not None:
         for i, label in enumerate(labels):
             columns[layout.calibrated_column(label)] = pa.array(p[:, i], mask=mask, type=pa.float64())
         columns[layout.LABEL] = pa.array([labels[b] if good else None for b, good in zip(best, ok)], type=pa.string())
         return columns
     offsets = pa.array(np.concatenate(([0], np.cumsum(num_options))).astype(np.int32))
-    flat = p[~_padding(num_options, p.shape[1])]
+    flat = p[~padding(num_options, p.shape[1])]
     lists = pa.ListArray.from_arrays(offsets, pa.array(flat, type=pa.float64()))
     columns[layout.P_CAL_CHOICES] = pc.if_else(pa.array(ok), lists, pa.scalar(None, lists.type))
     columns[layout.CHOICE] = pa.array([choices[i][b] if good else None for i, (b, good) in enumerate(zip(best, ok))],
@@ -293,14 +293,15 @@ def _counts(p: np.ndarray, ok: np.ndarray, labels: list[str]) -> dict[str, int]:
     return {label: int(np.sum(best == i)) for i, label in enumerate(labels)}
 
 
-def _review(config, p: np.ndarray, num_options: np.ndarray, mass: np.ndarray, conf: np.ndarray, ok: np.ndarray,
-            truth: np.ndarray, eval_rows: np.ndarray) -> tuple[pa.Array, dict]:
-    """(the needs_review column, the review summary); raises CalibrationError without labeled rows."""
+def review_column(config, p: np.ndarray, num_options: np.ndarray, mass: np.ndarray, conf: np.ndarray, ok: np.ndarray,
+                  truth: np.ndarray, eval_rows: np.ndarray, truth_source: str) -> tuple[pa.Array, dict]:
+    """(the needs_review column, the review summary); raises CalibrationError without labeled rows
+    (naming `truth_source`, where the true labels were read)."""
     settings = config.output.review
     if not len(eval_rows):
-        raise CalibrationError(f"output.review: needs evaluation rows with a true label in calibrate.truth_column "
-                               f"({config.calibrate.truth_column!r}); none of the {int(ok.sum())} scored rows has one")
-    padded = np.where(_padding(num_options, p.shape[1]), -np.inf, np.nan_to_num(p, nan=-np.inf))
+        raise CalibrationError(f"output.review: needs evaluation rows with a true label in {truth_source}; "
+                               f"none of the {int(ok.sum())} scored rows has one")
+    padded = np.where(padding(num_options, p.shape[1]), -np.inf, np.nan_to_num(p, nan=-np.inf))
     correct = np.argmax(padded[eval_rows], axis=1) == truth[eval_rows]
 
     def accepted(values: np.ndarray, chosen: review.Threshold) -> np.ndarray:
@@ -324,7 +325,7 @@ def _review(config, p: np.ndarray, num_options: np.ndarray, mass: np.ndarray, co
     return pa.array(~accept, mask=~ok, type=pa.bool_()), summary
 
 
-def _out_of_scope(config, mass: np.ndarray, ok: np.ndarray, eval_rows: np.ndarray) -> tuple[pa.Array, dict]:
+def out_of_scope_column(config, mass: np.ndarray, ok: np.ndarray, eval_rows: np.ndarray) -> tuple[pa.Array, dict]:
     """(the out_of_scope column, its summary)."""
     floor = config.output.out_of_scope.min_label_mass
     auto = floor == "auto"

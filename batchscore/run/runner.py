@@ -37,6 +37,7 @@ from batchscore.output.lock import OutputLock
 from batchscore.io.storage import file_size, is_url
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.output.decision_files import run_metadata, write_decision_output
+from batchscore.output.decision_quality import check_calibration_source as check_question_calibration_source
 from batchscore.output.formats import write_output
 from batchscore.output.quality import (QualityResult, add_quality_columns, check_calibration_source, content_free_rows,
                                        split_content_free)
@@ -169,7 +170,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     """Plan, score into `store` (this writer's parts, guarded by the output's lock) and, when
     every writer has finished, assemble the output."""
     config = source.config
-    check_calibration_source(config)  # calibrate.from: refused before any scoring
+    # calibrate.from: refused before any scoring
+    (check_question_calibration_source if config.questions is not None else check_calibration_source)(config)
     job = prepare_job(config, source=source)
     plan = job.plan()
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
@@ -342,9 +344,10 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
         errors[int(row)] = "not scored: no result from the engine"  # never silently lost
     if prepared.decisions is not None:  # rows are reads: answers are written per record
         fault_point("assemble")
-        failed = write_decision_output(config, prepared.decisions, scores, errors, store.files, str(config.model))
+        failed, quality = write_decision_output(config, prepared.decisions, scores, errors, store.files,
+                                                str(config.model))
         fault_point("output")
-        return failed, QualityResult()
+        return failed, quality
     id_name = config.input.id_column or DEFAULT_ID
     ok = ok_rows(prepared.num_rows, errors)
     columns = score_columns(labels=config.labels or None, choices=choices_for_output(prepared.choices, ok),
