@@ -112,14 +112,13 @@ def test_bfloat16_close_to_plain_forward(arch):
     assert error <= BFLOAT16_TOLERANCE
 
 
-def test_large_budget_packs_each_group_into_one_pass():
-    # one pass per group: its suffixes, plus the next group's prefix riding along
+def test_large_budget_packs_every_group_into_one_pass():
+    # prefixes and suffixes of all five groups (433 tokens) in one forward pass, exactly
     groups = make_groups(seed=2)
     error, _, engine = max_probability_error(tiny_model("llama"), groups, token_budget=4096)
     assert error <= FLOAT32_TOLERANCE
-    suffix_passes = sum(1 for g in groups if any(len(m.suffix) for m in g.members))
-    assert engine.metrics.batches == 1 + suffix_passes  # + the first group's prefix alone
-    assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)
+    assert engine.metrics.batches == 1
+    assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups) <= 4096
 
 
 def test_no_pass_builds_an_autograd_graph():
@@ -219,3 +218,101 @@ def test_attention_kernel_matches_float32_math(causal, rows, keys):
     assert out.shape == (2, 6, rows, 16) and lse.shape == (2, 6, rows)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def decision_groups(seed: int = 7) -> list[PrefixGroup]:
+    """The shape of decision and topic jobs: many small groups (a state × a few short questions),
+    single-member groups (nothing to share) and one empty suffix among them."""
+    rng = np.random.default_rng(seed)
+
+    def tokens(n: int) -> np.ndarray:
+        return rng.integers(0, VOCAB, n, dtype=np.int32)
+
+    groups, row = [], 0
+    for number in range(14):
+        degree = 1 if number % 4 == 3 else int(rng.integers(2, 5))
+        members = []
+        for _ in range(degree):
+            members.append(GroupMember(row, tokens(0 if row == 5 else int(rng.integers(2, 9)))))
+            row += 1
+        groups.append(PrefixGroup(tokens(int(rng.integers(20, 45))), members))
+    return groups
+
+
+@pytest.mark.parametrize("hybrid_chunk", [None, 7])
+def test_many_small_groups_fill_each_pass_exactly(hybrid_chunk):
+    """Each pass holds the prefixes and suffixes of several groups (a prefix split where the room
+    ends), up to the token budget; scores equal a plain forward; results come in plan order."""
+    from tests.test_hybrid_prefill import max_dp
+
+    groups = decision_groups()
+    budget = 128
+    model = tiny_model("llama")
+    reference = reference_log_probs(model, groups, LABELS)
+    engine = TorchEngine(model, token_budget=budget, hybrid_chunk=hybrid_chunk)
+    results = list(engine.score(groups, LABELS))
+    assert [r.row_id for r in results] == [m.row_id for g in groups for m in g.members]
+    for result in results:
+        ref_log_probs, _ = normalize_totals(reference[result.row_id])
+        log_probs, _ = normalize_totals(result.logp)
+        assert np.abs(np.exp(log_probs) - np.exp(ref_log_probs)).max() <= FLOAT32_TOLERANCE
+    counts = engine.metrics.batch_token_counts
+    processed = sum(g.processed_tokens for g in groups)
+    assert sum(counts) == engine.metrics.processed_tokens == processed
+    assert max(counts) <= budget and min(counts[:-1]) >= budget - 64  # every pass but the last filled
+    assert len(counts) < len(groups) / 2  # one group per pass would take 14 passes
+    if hybrid_chunk is None:  # the same scores as the hybrid path (checked once)
+        hybrid = list(TorchEngine(model, token_budget=budget, hybrid_chunk=7).score(groups, LABELS))
+        assert max_dp(hybrid, results) <= 1e-5
+
+
+def test_many_small_groups_with_options_match_plain_forward():
+    """Per-row options (multi-token choices, decision reads) over many groups per pass: option rows
+    of several groups in one pass, each attending to its own prefix and suffix."""
+    from batchscore.plan.options import OptionTokens
+    from tests.option_reference import reference_option_logps
+
+    rng = np.random.default_rng(3)
+    groups = [PrefixGroup(g.prefix, [GroupMember(m.row_id, m.suffix, OptionTokens.from_lists(
+        [rng.integers(0, VOCAB, int(rng.integers(1, 4))) for _ in range(int(rng.integers(2, 5)))]))
+        for m in g.members]) for g in decision_groups()]
+    model = tiny_model("qwen2")
+    expected = {m.row_id: reference_option_logps(model, g.full_prompt(m), m.options) for g in groups for m in g.members}
+    engine = TorchEngine(model, token_budget=160)
+    results = list(engine.score(groups, None))
+    assert [r.row_id for r in results] == [m.row_id for g in groups for m in g.members]
+    assert max(float(np.abs(r.logp - expected[r.row_id]).max()) for r in results) <= 1e-4
+    assert all(np.isfinite(r.top_logp) and r.top_logp <= 0 for r in results)
+    assert engine.metrics.batches < len(groups) / 2
+
+
+def test_single_member_groups_run_as_whole_prompts(monkeypatch):
+    """A group of one member shares nothing: its prompt runs as one causal sequence, packed with
+    the other whole prompts of the pass (the plain forward's attention: no prefix part, no merge)."""
+    from batchscore.engines.torch import cascade_attention
+
+    merges = []
+    original = cascade_attention.merge_partial_attention
+    monkeypatch.setattr(cascade_attention, "merge_partial_attention",
+                        lambda *args: merges.append(1) or original(*args))
+    rng = np.random.default_rng(9)
+    groups = [PrefixGroup(rng.integers(0, VOCAB, 40, dtype=np.int32),
+                          [GroupMember(i, rng.integers(0, VOCAB, 10, dtype=np.int32))]) for i in range(6)]
+    error, results, engine = max_probability_error(tiny_model("llama"), groups, token_budget=128)
+    assert error <= FLOAT32_TOLERANCE
+    assert not merges
+    assert engine.metrics.batch_token_counts == [100, 100, 100]  # two 50-token prompts per pass
+
+
+def test_refused_group_raises_after_every_earlier_result():
+    """A group the engine refuses stops the packing there: the earlier groups (which would share
+    its pass) are scored and yielded first, nothing of the refused group runs."""
+    groups = decision_groups()[:4]
+    too_long = PrefixGroup(np.zeros(500, np.int32), [GroupMember(99, np.zeros(20, np.int32))])
+    engine = TorchEngine(tiny_model("llama"), token_budget=4096)
+    scores = engine.score(groups + [too_long] + groups, LABELS)
+    rows = [next(scores).row_id for _ in range(sum(len(g.members) for g in groups))]
+    assert rows == [m.row_id for g in groups for m in g.members]
+    with pytest.raises(ValueError, match="row 99: .*longer than the maximum 512"):
+        next(scores)
+    assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)

@@ -1,9 +1,11 @@
 """Cascade (shared-prefix) attention for transformers models, exact via log-sum-exp merging.
 
 One forward pass of the base model processes a *packed* row of tokens `[1, T]` made of parts
-(`CascadePart`); each part is cut into independent causal sequences (e.g. the suffixes of the
-members of one prefix group) and every query of the part also attends to the whole of the
-part's prefix, whose keys/values (after RoPE) are held once per layer in a `PrefixKV`.
+(`CascadePart`), e.g. the prefixes and the members' suffixes of several prefix groups; each part
+is cut into independent causal sequences (e.g. the suffixes of the members of one group) and
+every query of the part also attends to the whole of the part's prefix, whose keys/values (after
+RoPE) are held once per layer in a `PrefixKV` (recorded in an earlier pass, or by an earlier part
+of the same pass).
 The two partial attentions are merged exactly:
 
     lse = logaddexp(lse_prefix, lse_own)
@@ -284,8 +286,9 @@ class CascadePart:
 class CascadeBatch:
     """What one forward pass needs beyond the tokens: passed to the model as `cascade=...`.
 
-    Parts let one pass mix, e.g., one group's suffixes with the next group's prefix, so the
-    projections and MLPs see one large matrix.
+    Parts let one pass mix the prefixes and suffixes of many groups, so the projections and MLPs
+    see one large matrix. Parts are attended in order, layer by layer: a part whose prefix KV is
+    recorded by an earlier part of the same pass (its group's prefix) sees that layer's K/V.
     """
 
     parts: list[CascadePart]

@@ -1,21 +1,24 @@
 """Prefill-only scoring engine on PyTorch + transformers causal LMs (Llama, Qwen2, ...).
 
-Per prefix group:
-  1. `prefill_prefix`: the shared prefix runs once, in chunks of at most `token_budget` tokens;
-     its keys/values (all layers, after RoPE) are kept as a `PrefixKV`.
-  2. `score_suffix_batch`: the members' suffixes are packed into one row of at most
-     `token_budget` tokens; every suffix token attends to the whole prefix (one block, no copy
-     of the prefix KV) and causally to its own suffix, merged exactly with log-sum-exp
-     (see `cascade_attention`). Only the last position of each member reaches the LM head.
-  3. The prefix KV is dropped when the group ends. When the group's last suffix batch leaves room
-     under the budget, the next group's prefix is prefilled in that same pass (one large matrix
-     for the projections and MLPs instead of two smaller ones).
+Each forward pass holds the work of as many prefix groups as fit the token budget and the memory
+budget (memory-centric token batching, `packing.py`), in plan order:
+  - a group's shared prefix runs once, causally within itself (split across passes when it does
+    not fit the room left); its keys/values (all layers, after RoPE) are kept as a `PrefixKV`;
+  - the members' suffixes of a group are packed into one part; every suffix token attends to the
+    whole prefix (one block, no copy of the prefix KV; recorded earlier in the same pass or in an
+    earlier one) and causally to its own suffix, merged exactly with log-sum-exp (see
+    `cascade_attention`). Only the last position of each member reaches the LM head;
+  - a group of one member shares nothing: its whole prompt runs as one causal sequence, packed
+    with the pass's other whole prompts into one part (the plain forward's attention kernel);
+  - a prefix KV is dropped as soon as its group's last member is scored (before that member's
+    result is yielded), so only a group cut by a pass boundary keeps its KV across passes.
+Results are yielded after each pass, in plan order.
 
 Options (multi-token labels, per-row choices; `label_token_ids` None): each member's options are
-one more level of the tree, packed as option rows after the suffixes of the same pass and scored
-exactly (see `torch_options.py`); a member whose suffix and option rows exceed the budget is
-prefilled in chunks and its options scored on top of its KV. One-token labels shared by every row
-keep the one-position path above.
+one more level of the tree, packed as option rows after the suffixes of its part and scored
+exactly (see `options.py`); a member whose suffix and option rows exceed the budget is prefilled
+in chunks and its options scored on top of its KV. One-token labels shared by every row keep the
+one-position path above.
 
 A group with an empty prefix holds plain requests: their whole prompts are packed the same way.
 A member whose suffix is empty is scored from the prefix's last position. A member whose suffix
@@ -29,22 +32,22 @@ Options:
   compile_layers: the decoder layers run through torch.compile (fused norms, RoPE, SiLU, residual
     adds; the attention stays eager), from the start (True) or once that many tokens ran eagerly
     (an int), see `compiled_layers.py`; not with hybrid prefilling.
-  memory_budget: bytes beyond the weights a pass may use (estimated by `memory.py`: prefix KV,
-    recorded KV, activation peak, LM head); suffix batches close at the token budget or at the
+  memory_budget: bytes beyond the weights a pass may use (estimated by `memory.py`: prefix KV
+    held and recorded, activation peak, LM head); passes close at the token budget or at the
     memory budget, whichever comes first (no cap on the number of requests). A request that does
     not fit alone raises `MemoryBudgetError` before its group is computed.
   speculative: speculative prefill (approximate, `speculative.py`): a speculator drops the
     unimportant prompt tokens of each group before the group runs; the kept tokens run with their
     original position ids (a pruned group carries them), through the same paths as above.
 Memory lifetimes: a suffix's K/V is dropped after its layer's attention; a group's prefix KV is
-dropped as soon as its last member is scored (before that member's result is yielded).
+dropped as soon as its last member is scored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generator, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -64,6 +67,7 @@ from batchscore.engines.speculative.kept_tokens import PrunedGroup, SpecPrefillO
 from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape, dtype_bytes
 from batchscore.engines.torch.options import LM_HEAD_ROWS, OptionBatch, pack_options, subset
+from batchscore.engines.torch.packing import GroupSlot, LongMember, Pass, PassPacker, PrefixPiece, Refused, flatten
 from batchscore.errors import EngineUnavailable, MemoryBudgetError
 from batchscore.plan.types import GroupMember, PrefixGroup
 from batchscore.plan.validate import prompt_problem
@@ -157,6 +161,7 @@ class TorchEngine:
         self.token_budget = token_budget
         self.device = torch.device(device)
         self.metrics = EngineMetrics(batch_token_counts=[])
+        self.largest_pass_bytes = 0  # the largest memory estimate of a packed pass (with a memory budget)
         self._decoder = model.get_decoder()
         self._lm_head = model.get_output_embeddings()
         self._num_layers = model.config.num_hidden_layers
@@ -218,8 +223,10 @@ class TorchEngine:
         """Yield one `RawScores` per member, group by group, members in their given order.
 
         `label_token_ids` None: every member is scored over its own `options`.
-        When a group's last suffix batch leaves room under the budget, the next group's prefix
-        rides along in the same forward pass (its KV is recorded, ready for that group).
+        Each forward pass holds the work of as many groups as fit the token and memory budgets
+        (`packing.PassPacker`); results are yielded after each pass, as soon as every earlier
+        member's result is out. A group the engine refuses (too long, outside the vocabulary, over
+        the memory budget) raises once every earlier group's results are yielded.
         Side effects: updates `self.metrics` (tokens processed, batches, tokens per batch).
         """
         if self.model is None:
@@ -229,109 +236,154 @@ class TorchEngine:
             raise ValueError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
                              "this job's labels or choices are scored per row (multi-token options)")
         pending = iter(groups)
-        if self.speculator is not None:  # one group ahead of the main model (see the loop below)
+        if self.speculator is not None:  # pruned as the packer reads them (see `speculative.py`)
             pending = self.speculator.pruned(pending, labels, check=self._check_group)
-        group = next(pending, None)
-        carried: list[PrefilledPrefix] = []  # at most one: the next group's prefix, prefilled early
-        while group is not None:
-            next_group = next(pending, None)
-            next_prefilled = yield from self._score_group(group, labels, carried, next_group)
-            carried = [next_prefilled] if next_prefilled is not None else []
-            del next_prefilled
-            group = next_group
+        options = labels is None
+
+        def check(group: PrefixGroup) -> None:
+            self._check_group(group)
+            self.check_memory(group)
+            for member in group.members:
+                _work(member, options)  # raises for a member without options to score
+
+        packer = PassPacker(self.token_budget, work=lambda m: _work(m, options), check=check, as_run=self._as_run,
+                            memory=self.memory, memory_budget=self.memory_budget,
+                            long_in_one_pass=self._hybrid is not None)
+        runs: dict[int, GroupRun] = {}  # groups with results still to yield, in plan order
+        for step in packer.steps(pending):
+            if isinstance(step, Refused):
+                yield from _ready(runs)
+                raise step.error
+            if isinstance(step, LongMember):
+                self._score_long(_run_of(runs, step.slot, self._num_layers), step.index, labels)
+            else:
+                self.largest_pass_bytes = max(self.largest_pass_bytes, packer.pass_bytes(step))
+                self._score_pass(step, runs, labels)
+            yield from _ready(runs)
 
     # ------------------------------------------------------------------ phases
 
-    def _score_group(
-        self,
-        group: PrefixGroup,
-        labels: torch.Tensor | None,
-        carried: list[PrefilledPrefix],
-        next_group: PrefixGroup | None,
-    ) -> Generator[RawScores, None, PrefilledPrefix | None]:
-        """Score one group; results are yielded as soon as all earlier members are done.
+    @torch.inference_mode()
+    def _score_pass(self, step: Pass, runs: dict[int, GroupRun], labels: torch.Tensor | None) -> None:
+        """Run one packed pass and store its members' results in their `runs` (created as needed).
 
-        `carried` holds this group's prefix when an earlier pass already computed it (it is
-        taken out, so the prefix KV is referenced from this frame only). Returns the next group's
-        prefilled prefix when it was computed along with this group's last batch.
+        Side effects: prefix pieces extend their group's KV (and set its last hidden state when the
+        prefix is complete); a group's KV is dropped once its last member is scored.
         """
-        members = group.members
-        self._check_group(group)
-        self.check_memory(group)
-        results: list[RawScores | None] = [None] * len(members)
-        emitted = 0
-        next_prefilled = None
+        parts: list[PackedPart] = []
+        pieces: list[tuple[GroupRun, PrefixPiece, int]] = []
+        reads: list[tuple[GroupRun, int, int | None]] = []  # (run, member, packed row; None: prefix's last)
+        option_batches: list[tuple[list[tuple[GroupRun, int]], OptionBatch, int, torch.Tensor | None]] = []
+        offset = 0
+        for segment in step.segments:
+            if isinstance(segment, PrefixPiece):
+                run = _run_of(runs, segment.slot, self._num_layers)
+                group = run.slot.group
+                positions = _prefix_positions(group)
+                positions = (positions[segment.start : segment.end] if positions is not None
+                             else np.arange(segment.start, segment.end, dtype=np.int64))
+                parts.append(_prefix_part(group.prefix[segment.start : segment.end], run.kv, positions))
+                pieces.append((run, segment, offset))
+                offset += segment.tokens
+                continue
+            entries = [(_run_of(runs, slot, self._num_layers), index) for slot, index in segment.entries]
+            prefix = entries[0][0]  # the KV every entry attends to (whole prompts: an empty one)
+            prefix_len = prefix.slot.group.prefix_len
+            if labels is not None:
+                suffixes, positions = [], []
+                for run, index in entries:
+                    suffix = run.slot.group.members[index].suffix
+                    if len(suffix):
+                        suffixes.append(suffix)
+                        positions.append(_member_positions(run.slot.group, index))
+                last_index = None
+                if suffixes:
+                    part, last_index = _suffix_part(suffixes, prefix.kv, positions)
+                    parts.append(part)
+                k = 0
+                for run, index in entries:
+                    if len(run.slot.group.members[index].suffix):
+                        reads.append((run, index, offset + int(last_index[k])))
+                        k += 1
+                    else:
+                        reads.append((run, index, None))
+                offset += sum(len(s) for s in suffixes)
+                continue
+            members = [run.slot.group.members[index] for run, index in entries]
+            batch = pack_options([(m.suffix, m.options) for m in members], prefix_len)
+            last_index = None
+            if batch.suffixes:
+                positions = [np.arange(prefix_len, prefix_len + len(s), dtype=np.int64) for s in batch.suffixes]
+                part, last_index = _suffix_part(batch.suffixes, prefix.kv, positions)
+                parts.append(part)
+                last_index = last_index + offset
+            if batch.num_option_rows:
+                layout = OptionLayout.build([offset + s for s in batch.suffix_starts], batch.suffix_lengths,
+                                            batch.option_rows, part_offset=offset + batch.suffix_tokens)
+                part = CascadePart(batch.num_option_rows, prefix=prefix.kv, layout=None, options=layout)
+                parts.append(PackedPart(batch.option_tokens, batch.option_positions, part))
+            option_batches.append((entries, batch, offset + batch.suffix_tokens, last_index))
+            offset += batch.suffix_tokens + batch.num_option_rows
 
-        prefix = carried.pop() if carried else self.prefill_prefix(group.prefix, positions=_prefix_positions(group))
-        options = labels is None
-        empty = [i for i, m in enumerate(members) if _work(m, options) == 0]
-        if empty and options:  # one-token options after the prefix: read at its last position
-            scored, _ = self.score_option_batch(prefix, [members[i] for i in empty])
-            for i, result in zip(empty, scored):
-                results[i] = result
-        elif empty:
-            logp = self._label_logp(prefix.last_hidden[None], labels)  # one row, shared
-            for i in empty:
-                results[i] = RawScores(members[i].row_id, logp[0].copy())
+        hidden = self._run_decoder(parts) if parts else None  # [T, hidden]
+        del parts
+        for run, piece, at in pieces:
+            run.kv.length = piece.end
+            if piece.end == run.slot.group.prefix_len:  # a clone: a view would keep [T, hidden] alive
+                run.last_hidden = hidden[at + piece.tokens - 1].clone()
+        if labels is not None and reads:
+            rows = torch.stack([run.last_hidden if row is None else hidden[row] for run, _, row in reads])
+            logp = self._label_logp(rows, labels)  # [B, L]
+            for (run, index, _), row_logp in zip(reads, logp):
+                run.set(index, RawScores(run.slot.group.members[index].row_id, row_logp))
+        if option_batches:
+            self._option_reads(option_batches, hidden)
 
-        batches = self._plan_batches(group, options)
-        for number, batch in enumerate(batches):
-            ride_along = None
-            if not batch.chunked and number == len(batches) - 1:
-                lengths = [_work(members[i], options) for i in batch.member_indices]
-                ride_along = self._prefix_that_fits(next_group, group.prefix_len, lengths)
-            if options:  # (no speculative prefill here: `score` refuses it with options)
-                if batch.chunked:
-                    (index,) = batch.member_indices
-                    scored = [self.score_long_member(prefix, members[index])]
-                else:
-                    scored, next_prefilled = self.score_option_batch(
-                        prefix, [members[i] for i in batch.member_indices], ride_along)
-                for index, result in zip(batch.member_indices, scored):
-                    results[index] = result
-            else:
-                if batch.chunked:
-                    (index,) = batch.member_indices
-                    logp = self.score_long_suffix(prefix.kv, members[index].suffix, labels,
-                                                  positions=_member_positions(group, index))
-                else:
-                    suffixes = [members[i].suffix for i in batch.member_indices]
-                    positions = None
-                    if isinstance(group, PrunedGroup):
-                        positions = [group.member_positions[i] for i in batch.member_indices]
-                    logp, next_prefilled = self.score_suffix_batch(
-                        prefix.kv, suffixes, labels, ride_along, positions=positions,
-                        next_prefix_positions=_prefix_positions(next_group) if ride_along is not None else None)
-                for row, index in enumerate(batch.member_indices):
-                    results[index] = RawScores(members[index].row_id, logp[row])
-            if number == len(batches) - 1:
-                del prefix  # the group's last member is scored: free the prefix KV before yielding it
-                prefix = None
-            while emitted < len(members) and results[emitted] is not None:
-                yield results[emitted]
-                emitted += 1
-
-        prefix = None  # (no suffix batches: only empty suffixes, scored from the prefix above)
-        while emitted < len(members):
-            yield results[emitted]
-            emitted += 1
-        return next_prefilled
+    def _option_reads(self, batches, hidden: torch.Tensor | None) -> None:
+        """The LM head over every option batch of a pass at once: each member's first option tokens
+        at its read position, the later ones at its option rows. Side effect: stores the results."""
+        firsts, rows, sources, targets, owners = [], [], [], [], []
+        members = sum(b.num_members for _, b, _, _ in batches)
+        member_base = row_base = 0
+        for number, (entries, batch, option_at, last_index) in enumerate(batches):
+            for (run, _), k in zip(entries, batch.suffix_of):
+                firsts.append(run.last_hidden if k is None else hidden[int(last_index[k])])
+            if batch.num_option_rows:
+                rows.append(hidden[option_at : option_at + batch.num_option_rows])
+            local = batch.pair_source
+            sources.append(np.where(local < batch.num_members, member_base + local,
+                                    members + row_base + local - batch.num_members))
+            targets.append(batch.pair_target)
+            owners.append(np.full(len(local), number))
+            member_base += batch.num_members
+            row_base += batch.num_option_rows
+        pair_source, pair_target = np.concatenate(sources), np.concatenate(targets)
+        order = np.argsort(pair_source, kind="stable")
+        tops = np.empty(members)
+        stacked = torch.cat([torch.stack(firsts)] + rows)  # [members + rows, hidden]
+        pair_logp = np.empty(len(pair_source))
+        pair_logp[order] = self._pair_log_probs(stacked, pair_source[order], pair_target[order], tops)
+        owner = np.concatenate(owners)
+        first = 0
+        for number, (entries, batch, _, _) in enumerate(batches):
+            totals = batch.totals(pair_logp[owner == number])
+            for (run, index), total, top in zip(entries, totals, tops[first : first + batch.num_members]):
+                member = run.slot.group.members[index]
+                run.set(index, RawScores.of_options(member.row_id, total, member.options, float(top)))
+            first += batch.num_members
 
     @torch.inference_mode()
-    def score_option_batch(
-        self, prefix: PrefilledPrefix, members: list[GroupMember], next_prefix: np.ndarray | None = None,
-    ) -> tuple[list[RawScores], PrefilledPrefix | None]:
-        """Score members over their options in one packed pass on top of `prefix`: the non-empty
-        suffixes, then every option's rows (its tokens but the last), and `next_prefix` (another
-        group's prefix, prefilled in the same pass) when given. Members whose suffix is empty are
-        read at the prefix's last position. No pass runs when there is nothing to compute.
-
-        Returns (one RawScores per member, the prefilled `next_prefix` or None).
-        """
-        batch = pack_options([(m.suffix, m.options) for m in members], prefix.kv.length)
-        totals, next_prefilled, tops = self._option_pass(prefix, batch, next_prefix)
-        return [RawScores.of_options(m.row_id, t, m.options, float(top))
-                for m, t, top in zip(members, totals, tops)], next_prefilled
+    def _score_long(self, run: GroupRun, index: int, labels: torch.Tensor | None) -> None:
+        """Score one member over the budget on top of its group's (complete) prefix, in chunks."""
+        group = run.slot.group
+        member = group.members[index]
+        if labels is None:
+            result = self.score_long_member(PrefilledPrefix(run.kv, run.last_hidden), member)
+        else:
+            positions = group.member_positions[index] if isinstance(group, PrunedGroup) else None
+            logp = self.score_long_suffix(run.kv, member.suffix, labels, positions=positions)
+            result = RawScores(member.row_id, logp[0])
+        run.set(index, result)
 
     @torch.inference_mode()
     def score_long_member(self, prefix: PrefilledPrefix, member: GroupMember) -> RawScores:
@@ -354,24 +406,20 @@ class TorchEngine:
             totals[indices] = self._option_pass(prompt, batch)[0][0]
         return RawScores.of_options(member.row_id, totals, options, float(top[0]))
 
-    def _option_pass(
-        self, prefix: PrefilledPrefix, batch: OptionBatch, next_prefix: np.ndarray | None = None
-    ) -> tuple[list[np.ndarray], PrefilledPrefix | None, np.ndarray]:
-        """Run `batch`'s pass (if it has tokens) and return each member's option totals, the
-        prefilled `next_prefix` (or None) and each member's top log-probability at its read position."""
+    def _option_pass(self, prefix: PrefilledPrefix, batch: OptionBatch) -> tuple[list[np.ndarray], np.ndarray]:
+        """Run `batch`'s pass on top of `prefix` (if it has tokens) and return each member's option
+        totals and its top log-probability at its read position."""
         parts, last_index = [], None
         if batch.suffixes:
-            suffix_part, last_index = _suffix_part(batch.suffixes, prefix.kv)
+            start = prefix.kv.length
+            positions = [np.arange(start, start + len(s), dtype=np.int64) for s in batch.suffixes]
+            suffix_part, last_index = _suffix_part(batch.suffixes, prefix.kv, positions)
             parts.append(suffix_part)
         if batch.num_option_rows:
             layout = OptionLayout.build(batch.suffix_starts, batch.suffix_lengths, batch.option_rows,
                                         part_offset=batch.suffix_tokens)
             part = CascadePart(batch.num_option_rows, prefix=prefix.kv, layout=None, options=layout)
             parts.append(PackedPart(batch.option_tokens, batch.option_positions, part))
-        next_kv = None
-        if next_prefix is not None:
-            next_kv = PrefixKV.empty(self._num_layers)
-            parts.append(_prefix_part(next_prefix, next_kv))
         hidden = self._run_decoder(parts) if parts else None  # [T, hidden]
         first = []
         for index in batch.suffix_of:
@@ -379,11 +427,7 @@ class TorchEngine:
         start = batch.suffix_tokens
         sources = torch.cat(first + ([hidden[start : start + batch.num_option_rows]] if batch.num_option_rows else []))
         tops = np.empty(batch.num_members)
-        totals = batch.totals(self._pair_log_probs(sources, batch.pair_source, batch.pair_target, tops))
-        if next_prefix is None:
-            return totals, None, tops
-        next_kv.length = len(next_prefix)
-        return totals, PrefilledPrefix(next_kv, hidden[-1].clone()), tops
+        return batch.totals(self._pair_log_probs(sources, batch.pair_source, batch.pair_target, tops)), tops
 
     def _option_in_chunks(self, prompt: PrefilledPrefix, option: np.ndarray) -> float:
         """Total log-probability of one option longer than the budget, prefilled in chunks on top of
@@ -446,38 +490,6 @@ class TorchEngine:
         return PrefilledPrefix(kv, last_hidden)
 
     @torch.inference_mode()
-    def score_suffix_batch(
-        self,
-        prefix_kv: PrefixKV,
-        suffixes: list[np.ndarray],
-        labels: torch.Tensor,
-        next_prefix: np.ndarray | None = None,
-        *,
-        positions: list[np.ndarray] | None = None,
-        next_prefix_positions: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, PrefilledPrefix | None]:
-        """Score several non-empty suffixes of one group in one packed forward pass.
-
-        `next_prefix` (optional, fitting the budget with the suffixes) is another group's prefix,
-        prefilled in the same pass. `positions` / `next_prefix_positions`: position ids of those
-        tokens when tokens were dropped (default: each suffix right after the prefix, the next
-        prefix from 0). Returns ([B, L] each label's log P under the full-vocabulary softmax, the
-        prefilled `next_prefix` or None).
-        Side effects: one forward pass, counted in `self.metrics`; the suffixes' KV is discarded.
-        """
-        suffix_part, last_index = _suffix_part(suffixes, prefix_kv, positions)
-        parts = [suffix_part]
-        if next_prefix is not None:
-            next_kv = PrefixKV.empty(self._num_layers)
-            parts.append(_prefix_part(next_prefix, next_kv, next_prefix_positions))
-        hidden = self._run_decoder(parts)  # [T, hidden]
-        logp = self._label_logp(hidden[last_index.to(hidden.device)], labels)  # [B, hidden]
-        if next_prefix is None:
-            return logp, None
-        next_kv.length = len(next_prefix)
-        return logp, PrefilledPrefix(next_kv, hidden[-1].clone())
-
-    @torch.inference_mode()
     def score_long_suffix(
         self, prefix_kv: PrefixKV, suffix: np.ndarray, labels: torch.Tensor, *, positions: np.ndarray | None = None
     ) -> np.ndarray:
@@ -493,7 +505,9 @@ class TorchEngine:
 
     def memory_needed(self, group: PrefixGroup, member_index: int) -> int:
         """Bytes (beyond the weights) scoring this member alone needs: its group's prefix prefill,
-        then its own pass (or chunked prefill) on top of the prefix KV. Changes nothing."""
+        then its own pass (or chunked prefill) on top of the prefix KV; for a group of one member
+        run as one whole prompt (`_as_run`), that prompt's pass. Changes nothing."""
+        group = self._as_run(group)
         suffix_len = group.members[member_index].work_tokens
         needed = self.memory.prefix_bytes(group.prefix_len, self.token_budget)
         if suffix_len == 0:
@@ -501,6 +515,15 @@ class TorchEngine:
         if suffix_len > self.token_budget and self._hybrid is None:
             return max(needed, self.memory.long_suffix_bytes(group.prefix_len, suffix_len, self.token_budget))
         return max(needed, self.memory.suffix_batch_bytes(group.prefix_len, [suffix_len]))
+
+    def _as_run(self, group: PrefixGroup) -> PrefixGroup:
+        """The group as the engine runs it: one member with nothing to share becomes one whole prompt
+        (one causal sequence: the plain forward's attention, no prefix KV, no merge) when it fits
+        the token budget and, if set, the memory budget (`packing.flatten`)."""
+        def fits(tokens: int) -> bool:
+            return tokens <= self.token_budget and (
+                self.memory_budget is None or self.memory.suffix_batch_bytes(0, [tokens]) <= self.memory_budget)
+        return flatten(group, fits)
 
     def memory_problems(self, groups: Iterable[PrefixGroup]) -> list[MemoryBudgetError]:
         """One `MemoryBudgetError` per member that cannot fit the memory budget even alone
@@ -522,35 +545,6 @@ class TorchEngine:
             raise problems[0]
 
     # ------------------------------------------------------------------ helpers
-
-    def _plan_batches(self, group: PrefixGroup, options: bool = False) -> list[SuffixBatch]:
-        """Suffix batches by the token budget and, when set, the memory budget (with `options`, a
-        member's length is its suffix plus its option rows)."""
-        fits = None
-        if self.memory_budget is not None:
-            def fits(lengths: list[int]) -> bool:
-                return self.memory.suffix_batch_bytes(group.prefix_len, lengths) <= self.memory_budget
-        return plan_suffix_batches([_work(m, options) for m in group.members], self.token_budget, fits=fits,
-                                   long_in_one_pass=self._hybrid is not None)
-
-    def _prefix_that_fits(
-        self, group: PrefixGroup | None, prefix_len: int, lengths: list[int]
-    ) -> np.ndarray | None:
-        """The group's prefix when it is non-empty, valid and fits next to a batch of `lengths`
-        tokens per member (scored on a prefix of `prefix_len` tokens) under the token budget and
-        the memory budget, else None."""
-        room = self.token_budget - sum(lengths)
-        if group is None or not 0 < group.prefix_len <= room or not group.members:
-            return None
-        if self.memory_budget is not None:
-            if self.memory.suffix_batch_bytes(prefix_len, lengths, group.prefix_len) > self.memory_budget:
-                return None
-        try:
-            self._check_group(group)
-            self.check_memory(group)
-        except ValueError:  # reported when that group's turn comes, after this group's results
-            return None
-        return group.prefix
 
     @torch.inference_mode()
     def _run_decoder(self, parts: list[PackedPart]) -> torch.Tensor:
@@ -584,10 +578,14 @@ class TorchEngine:
     @torch.inference_mode()
     def _label_logp(self, last_hidden: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
         """LM head on the last positions [B, hidden] -> [B, L] float64 each label's log P under the
-        full-vocabulary softmax (raw: output/scores.py normalizes over the labels)."""
-        logits = self._lm_head(last_hidden).float()  # [B, V]
-        log_probs = torch.log_softmax(logits, dim=-1)  # [B, V]
-        return log_probs[:, labels].cpu().numpy().astype(np.float64)
+        full-vocabulary softmax (raw: output/scores.py normalizes over the labels); `LM_HEAD_ROWS`
+        rows at a time, which bounds the float32 logits."""
+        out = []
+        for first in range(0, last_hidden.shape[0], LM_HEAD_ROWS):
+            logits = self._lm_head(last_hidden[first : first + LM_HEAD_ROWS]).float()  # [C, V]
+            log_probs = torch.log_softmax(logits, dim=-1)  # [C, V]
+            out.append(log_probs[:, labels].cpu().numpy().astype(np.float64))
+        return np.concatenate(out)
 
     def _label_tensor(self, label_token_ids: Sequence[int]) -> torch.Tensor:
         labels = check_label_ids(label_token_ids, int(self._lm_head.weight.shape[0]))
@@ -629,14 +627,58 @@ class PackedPart:
     cascade: CascadePart
 
 
+@dataclass
+class GroupRun:
+    """A group being scored: its prefix KV (grown piece by piece), the hidden state of its last
+    prefix token once computed, and its members' results (yielded in order)."""
+
+    slot: GroupSlot
+    kv: PrefixKV | None
+    last_hidden: torch.Tensor | None = None  # [hidden]
+    results: list[RawScores | None] | None = None
+    emitted: int = 0
+    scored: int = 0
+
+    def set(self, index: int, result: RawScores) -> None:
+        """Store a member's result; the group's KV is dropped once its last member is scored."""
+        self.results[index] = result
+        self.scored += 1
+        if self.scored == len(self.results):
+            self.kv = self.last_hidden = None
+
+
+def _run_of(runs: dict[int, GroupRun], slot: GroupSlot, num_layers: int) -> GroupRun:
+    """The slot's run, created (with an empty prefix KV) the first time a step names it."""
+    run = runs.get(slot.number)
+    if run is None:
+        run = runs[slot.number] = GroupRun(slot, PrefixKV.empty(num_layers), results=[None] * len(slot.group.members))
+    return run
+
+
+def _ready(runs: dict[int, GroupRun]) -> Iterator[RawScores]:
+    """Yield every result whose earlier results (plan order) are out; finished runs are removed."""
+    while runs:
+        number = next(iter(runs))
+        run = runs[number]
+        while run.emitted < len(run.results) and run.results[run.emitted] is not None:
+            result = run.results[run.emitted]
+            run.emitted += 1
+            yield result
+        if run.emitted < len(run.results):
+            return
+        del runs[number]
+
+
 def _prefix_positions(group: PrefixGroup | None) -> np.ndarray | None:
     """Position ids of a pruned group's kept prefix tokens (None: contiguous from 0)."""
     return group.prefix_positions if isinstance(group, PrunedGroup) else None
 
 
-def _member_positions(group: PrefixGroup, index: int) -> np.ndarray | None:
-    """Position ids of a pruned group member's kept tokens (None: right after the prefix)."""
-    return group.member_positions[index] if isinstance(group, PrunedGroup) else None
+def _member_positions(group: PrefixGroup, index: int) -> np.ndarray:
+    """Position ids of a member's suffix tokens: right after the prefix, or a pruned member's kept ones."""
+    if isinstance(group, PrunedGroup):
+        return group.member_positions[index]
+    return np.arange(group.prefix_len, group.prefix_len + len(group.members[index].suffix), dtype=np.int64)
 
 
 def _prefix_part(tokens: np.ndarray, kv: PrefixKV, positions: np.ndarray | None = None) -> PackedPart:
@@ -652,22 +694,18 @@ def _prefix_part(tokens: np.ndarray, kv: PrefixKV, positions: np.ndarray | None 
 
 
 def _suffix_part(suffixes: list[np.ndarray], prefix_kv: PrefixKV,
-                 positions: list[np.ndarray] | None = None) -> tuple[PackedPart, torch.Tensor]:
-    """Suffixes packed after each other, each continuing the prefix at position P (or at the
-    explicit `positions` given per suffix, for pruned prompts).
+                 positions: list[np.ndarray]) -> tuple[PackedPart, np.ndarray]:
+    """Suffixes packed after each other, each attending to the whole prefix KV (which may still be
+    recorded earlier in the same pass) and causally to itself, at the position ids given per suffix.
 
     Returns the part and the index [B] of each suffix's last token in the part.
     """
     lengths = np.array([len(s) for s in suffixes], dtype=np.int64)  # [B]
     ends = np.cumsum(lengths)  # [B]
-    if positions is None:
-        offsets = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - lengths, lengths)  # [T] in own suffix
-        token_positions = offsets + prefix_kv.length
-    else:
-        token_positions = np.concatenate(positions).astype(np.int64)  # [T]
     layout = SequenceLayout.from_lengths(lengths.tolist())
     part = CascadePart(int(ends[-1]), prefix=prefix_kv, layout=layout)
-    return PackedPart(np.concatenate(suffixes), token_positions, part), torch.from_numpy(ends - 1)
+    token_positions = np.concatenate(positions).astype(np.int64)  # [T]
+    return PackedPart(np.concatenate(suffixes), token_positions, part), ends - 1
 
 
 def _work(member: GroupMember, options: bool) -> int:

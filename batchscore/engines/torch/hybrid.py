@@ -9,7 +9,8 @@ so Llama, Qwen2 (and Qwen3's q_norm/k_norm) run unchanged without per-model code
 
 Per layer, over a packed row of T tokens (`CascadeBatch` parts, as in `cascade_attention`):
   1. in chunks: K, V of every token (after RoPE) into this layer's `[1, H_kv, T, D]` tensors;
-     a part that records its KV (a prefix) keeps them, the rest is dropped after the layer;
+     a part that records its KV (a prefix) keeps them once its own rows have attended (before
+     the later parts of the row, which may attend to it), the rest is dropped after the layer;
   2. in query chunks: Q of the chunk, attention over all its keys (whole sequence, exact
      log-sum-exp merge; a part of several short sequences is one chunk), `o_proj`, residual
      add, then `post_attention_layernorm` + `mlp` + residual add, in place into the residual
@@ -125,8 +126,10 @@ class HybridDecoder:
             del out
             for sub in _row_chunks(rows, self.chunk):
                 hidden[sub] += layer.mlp(layer.post_attention_layernorm(hidden[sub]))  # [C, hidden]
-        # after attention: a prefix chunk's part may list `record_into` as its own prefix too
-        self._record(cascade, key, value, attention.layer_idx)
+            if chunk.end == chunk.part.num_tokens and chunk.part.record_into is not None:
+                # after the part's own attention (a prefix piece lists `record_into` as its own prefix
+                # too), before the later parts of the pass that attend to it (its group's suffixes)
+                self._record(chunk.part, own, key, value, attention.layer_idx)
 
     def _keys_values(self, layer, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K (after RoPE) and V of every token, computed in chunks into new tensors."""
@@ -150,16 +153,10 @@ class HybridDecoder:
         return self._apply_rope(x, x[:, :0], cos, sin)[0]
 
     @staticmethod
-    def _record(cascade: CascadeBatch, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
-        """Append each recording part's K/V for this layer (the tensors themselves when the part is the
+    def _record(part: CascadePart, span: slice, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
+        """Append a recording part's K/V for this layer (the tensors themselves when the part is the
         whole row, else a copy of its span, so the rest of the row's K/V can be freed)."""
-        offset, total = 0, key.shape[2]
-        for part in cascade.parts:
-            span = slice(offset, offset + part.num_tokens)
-            offset += part.num_tokens
-            if part.record_into is None:
-                continue
-            if part.num_tokens == total:
-                part.record_into.layers[layer_idx].append((key, value))
-            else:
-                part.record_into.layers[layer_idx].append((key[:, :, span].clone(), value[:, :, span].clone()))
+        if part.num_tokens == key.shape[2]:
+            part.record_into.layers[layer_idx].append((key, value))
+        else:
+            part.record_into.layers[layer_idx].append((key[:, :, span].clone(), value[:, :, span].clone()))

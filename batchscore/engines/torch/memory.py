@@ -1,8 +1,9 @@
 """Memory estimates for memory-centric token batching (BatchLLM) and the memory budget check.
 
-A torch-engine forward pass needs, beyond the weights:
-  - the KV of the group's prefix, all layers (held until the group's last member is scored);
-  - KV being recorded in the pass (a prefix prefilled, or a long suffix prefilled in chunks
+A torch-engine forward pass (the packed work of one or more groups) needs, beyond the weights:
+  - the KV of the prefixes computed in earlier passes and still needed, all layers (a prefix is
+    held until its group's last member is scored);
+  - KV being recorded in the pass (prefixes prefilled, or a long suffix prefilled in chunks
     without hybrid prefilling: all layers);
   - the activation peak of the pass: the residual stream and one layer's Q/K/V, plus either the
     whole pass's projection/MLP temporaries (plain) or one chunk's (hybrid prefilling);
@@ -38,9 +39,17 @@ class MemoryEstimator:
     def pass_bytes(self, sequence_lengths: Sequence[int], recorded_tokens: int = 0, held_kv_tokens: int = 0) -> int:
         """Peak of one forward pass over packed sequences (`recorded_tokens` of them keep their KV),
         while `held_kv_tokens` of earlier KV (a prefix) stay alive, plus the LM head on each sequence."""
+        return self.packed_pass_bytes([list(sequence_lengths)], recorded_tokens, held_kv_tokens)
+
+    def packed_pass_bytes(self, parts: Sequence[Sequence[int]], recorded_tokens: int = 0, held_kv_tokens: int = 0,
+                          reads: int | None = None) -> int:
+        """Peak of one forward pass of several parts (each a list of packed sequence lengths, attended
+        one part after the other), `recorded_tokens` of them keeping their KV, while `held_kv_tokens`
+        of earlier KV stay alive, plus the LM head on `reads` positions (default: one per sequence)."""
         s = self.shape
-        tokens = sum(sequence_lengths)
-        padded = len(sequence_lengths) * max(sequence_lengths) if len(sequence_lengths) > 1 else 0
+        tokens = sum(sum(p) for p in parts)
+        # one part's padded view at a time (several sequences attend on a [B, S_max] view)
+        padded = max((len(p) * max(p) for p in parts if len(p) > 1), default=0)
         qkv_width = (s.heads + 2 * s.kv_heads) * s.head_dim
         attn_width = s.heads * s.head_dim
         merge = 3 * attn_width * FLOAT32_BYTES  # out, partial out and merged out (float32) per row
@@ -53,14 +62,15 @@ class MemoryEstimator:
             mlp = tokens * (s.hidden + 5 * s.intermediate) * b
             activation = residual + max(attention, mlp)
         else:
-            query_rows = max(sequence_lengths) if len(sequence_lengths) == 1 else tokens
-            query_rows = min(query_rows, self.hybrid_chunk) if len(sequence_lengths) == 1 else query_rows
+            # a single sequence is attended in query chunks, a part of several sequences whole
+            query_rows = max(min(p[0], self.hybrid_chunk) if len(p) == 1 else sum(p) for p in parts)
             chunk = min(tokens, self.hybrid_chunk)
             attention = query_rows * (3 * attn_width * b + merge + s.hidden * b) + padded * (qkv_width + attn_width) * b
             mlp = chunk * (2 * s.hidden + 3 * s.intermediate) * b
             rope_tables = 2 * tokens * s.head_dim * b
             activation = residual + layer_kv + rope_tables + max(attention, mlp)
-        lm_head = len(sequence_lengths) * s.vocab * 2 * FLOAT32_BYTES
+        rows = sum(len(p) for p in parts) if reads is None else reads
+        lm_head = rows * s.vocab * 2 * FLOAT32_BYTES
         return self.kv_bytes(held_kv_tokens + recorded_tokens) + max(activation, lm_head) + WORKSPACE_BYTES
 
     def prefix_bytes(self, prefix_len: int, token_budget: int) -> int:
