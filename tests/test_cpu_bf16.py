@@ -68,18 +68,27 @@ def test_run_verbose_logs_bf16_support_and_speed(caplog, monkeypatch):
 
 def test_compile_policy():
     native = cpu_bf16().native
-    when, why = should_compile(None, "bfloat16", "cpu")
-    assert when == (compiled_layers.LAZY_COMPILE_TOKENS["cpu"] if native else False)  # auto: short jobs stay eager
-    assert ("tokens ran eagerly" in why) == native
-    assert should_compile(None, "bfloat16", "cpu", lazy=False)[0] is native  # benchmarks: compiled before timing
+    assert should_compile(None, "bfloat16", "cpu")[0] is native  # benchmarks (no plan): compiled before timing
     assert should_compile(None, "float32", "cpu")[0] is False  # exact first: float32 runs eager unless asked
+    assert should_compile(None, "float32", "cpu", work_flops=1e18)[0] is False
     assert should_compile(True, "float32", "cpu")[0] is True
     assert should_compile(False, "bfloat16", "cpu")[0] is False
     assert should_compile(True, "bfloat16", "cpu", hybrid=True)[0] is False
-    # a GPU: bfloat16 compiles after a long eager stretch (a nightly job), float32 stays eager
-    assert should_compile(None, "bfloat16", "cuda:0")[0] == compiled_layers.LAZY_COMPILE_TOKENS["cuda"]
-    assert should_compile(None, "bfloat16", "cuda", lazy=False)[0] is True
     assert should_compile(None, "float32", "cuda")[0] is False
+
+
+@pytest.mark.skipif(not cpu_bf16().native, reason="bfloat16 compiles by default only on a CPU with native bfloat16")
+def test_compile_is_decided_from_the_plan():
+    """A short job stays eager, a long one compiles at start: where the estimated saving of the
+    eager time passes the compile cost (the estimate's FLOP/s timed in this process)."""
+    from batchscore.engines.torch.compiled_layers import COMPILE_SECONDS, COMPILED_SAVING, eager_flops_per_second
+
+    rate = eager_flops_per_second("cpu", "bfloat16")
+    pays = COMPILE_SECONDS["cpu"] / COMPILED_SAVING["cpu"] * rate  # the FLOPs whose eager time's saving pays
+    short, why_short = should_compile(None, "bfloat16", "cpu", work_flops=pays / 4)
+    long, why_long = should_compile(None, "bfloat16", "cpu", work_flops=pays * 4)
+    assert (short, long) == (False, True)
+    assert "would save only" in why_short and "saves" in why_long and "TFLOP" in why_long
 
 
 def _max_error(engine, model_reference, groups) -> float:

@@ -272,7 +272,7 @@ class Engines:
         self.plain = {d: load_model(model_dir, d) for d in dtypes} if "plain" in options.engines else {}
         self.torch = {}
         for d in dtypes if "torch" in options.engines else ():
-            compile_layers = should_compile(options.compile, d, "cpu", lazy=False)[0]  # compiled before timing
+            compile_layers = should_compile(options.compile, d, "cpu")[0]  # compiled before timing
             self.torch[d] = TorchEngine(load_model(model_dir, d), token_budget=options.token_budget,
                                         compile_layers=compile_layers)
         self.vllm = None

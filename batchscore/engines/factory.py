@@ -23,14 +23,14 @@ log = logging.getLogger("batchscore")
 
 @dataclass(frozen=True)
 class ResolvedEngine:
-    """What `auto` became on this machine. `compile`: False, True (at start) or a token count
-    (compile once that many ran eagerly); it changes speed, not scores, so it is recorded in the
-    run summary but is not part of the run identity."""
+    """What `auto` became on this machine. `compile`: whether the layers are compiled at engine
+    start (auto: decided from the plan, `decide_compile`); it changes speed, not scores, so it is
+    recorded in the run summary but is not part of the run identity."""
 
     kind: str  # torch | vllm
     device: str  # cpu | cuda | cuda:N
     dtype: str  # float32 | bfloat16 | float16
-    compile: bool | int = False
+    compile: bool = False
     compile_reason: str = ""
 
     def identity(self) -> dict:
@@ -49,11 +49,23 @@ def resolve_engine(engine: EngineConfig, *, compile_decision: bool = True) -> Re
     device = resolve_device(engine.device if kind == "torch" else "auto")  # vLLM: the GPU if any
     dtype = resolve_dtype(engine.dtype, device)
     compile_layers, why = False, ""
-    if kind == "torch" and compile_decision:
+    if kind == "torch" and compile_decision and engine.compile is not None:
         from batchscore.engines.torch.compiled_layers import should_compile
 
         compile_layers, why = should_compile(engine.compile, dtype, device, engine.hybrid_chunk is not None)
     return ResolvedEngine(kind, device, dtype, compile_layers, why)
+
+
+def decide_compile(resolved: ResolvedEngine, engine: EngineConfig, work_flops: float) -> ResolvedEngine:
+    """`resolved` with `engine.compile: auto` decided from the job's plan (`work_flops`: the FLOPs
+    still to run); an explicit true/false, or another engine kind, is returned as it is."""
+    if resolved.kind != "torch" or engine.compile is not None:
+        return resolved
+    from batchscore.engines.torch.compiled_layers import should_compile
+
+    compile_layers, why = should_compile(None, resolved.dtype, resolved.device, engine.hybrid_chunk is not None,
+                                         work_flops=work_flops)
+    return replace(resolved, compile=compile_layers, compile_reason=why)
 
 
 def kv_block_size(kind: str) -> int:

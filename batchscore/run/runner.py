@@ -25,7 +25,8 @@ from typing import Callable
 
 from batchscore.config import EngineConfig, JobConfig
 from batchscore.engines.base import Engine
-from batchscore.engines.factory import ResolvedEngine, create_engine
+from batchscore.engines.factory import ResolvedEngine, create_engine, decide_compile
+from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
 from batchscore.run.audit import AuditResult, audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
@@ -195,17 +196,19 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     score_started = time.perf_counter()
     sinks = [PartSink(store, manifest, w, placement.workers[w].groups, manifest.rows_done(w),
                       config.output.part_rows, config.output.part_seconds) for w in my_workers]
-    bar = RowProgress(sum(s.total - s.position for s in sinks), progress)
+    rows_left = sum(s.total - s.position for s in sinks)
+    resolved = _decide_compile(source.engine, config.engine, job, plan, rows_left)
+    bar = RowProgress(rows_left, progress)
     batch_tokens: list[int] = []
     try:
         if any(not s.done for s in sinks):
             if use_ray:
                 from batchscore.run.ray import score_on_ray
 
-                score_on_ray(config.executor, config.engine, source.engine, job.model_dir, sinks, job.label_ids, bar)
+                score_on_ray(config.executor, config.engine, resolved, job.model_dir, sinks, job.label_ids, bar)
             else:
                 fault_point("engine")
-                engine = engine_factory(source.engine, job.model_dir, config.engine)
+                engine = engine_factory(resolved, job.model_dir, config.engine)
                 try:
                     score_locally(engine, sinks[0], job.label_ids, bar)
                     batch_tokens = list(engine.metrics.batch_token_counts or [])
@@ -234,7 +237,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         seconds=time.perf_counter() - started,
         engine=job.kind,
         model=str(config.model),
-        resolved_engine=source.engine.to_dict(),
+        resolved_engine=resolved.to_dict(),
         complete=complete,
         plan_seconds=plan.stats.plan_seconds,
         score_seconds=score_seconds,
@@ -288,6 +291,16 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
         store.finish()
     _check_error_rate(summary, config)
     return summary
+
+
+def _decide_compile(resolved: ResolvedEngine, engine: EngineConfig, job: PreparedJob, plan, rows_left: int
+                    ) -> ResolvedEngine:
+    """`engine.compile: auto` decided from the plan: the FLOPs of the rows still to score."""
+    if resolved.kind != "torch" or engine.compile is not None or rows_left <= 0:
+        return resolved
+    rows = sum(len(g.members) for g in plan.groups)
+    work = forward_flops(read_model_config(job.model_dir), plan.groups, shared=True) * rows_left / max(rows, 1)
+    return decide_compile(resolved, engine, work)
 
 
 def _check_shard_count(store: PartStore, shard: Shard) -> None:

@@ -16,16 +16,17 @@ graph inputs (dynamo inlines nn modules), so all layers share one compilation pe
 Compiling takes ~10-30 s on 2 cores the first time; inductor caches the result on disk
 (`TORCHINDUCTOR_CACHE_DIR`, default under /tmp), later processes load it in seconds.
 
-`engine.compile: null` (auto) compiles where it pays: bfloat16 on a CPU with native bfloat16,
-where the fused elementwise work is a large share once the matmuls run on AMX, and bfloat16 on a
-GPU, where it is the share the engine loses to a plain forward (random-weight Llama-3.1-8B on an
-H200, micro 2000/200 degree 16: 0.86 of the FLOP ideal eager, 1.03 compiled, 450 → 534 TFLOP/s;
-Qwen-2.5-7B 0.88 → 1.00) — each only once the engine has run `LAZY_COMPILE_TOKENS[device]`
-tokens eagerly, so a short job never waits for a compiler (on a CPU the compile costs about as
-much as ~100k eager tokens save; on the H200 compiling the 8B took 77 s, which the 1.19x pays back
-after ~8 minutes of eager work, about what 20M tokens take there). `engine.compile: true` compiles at
-engine start, `false` never. float32 stays eager unless asked for (within 1e-6 of eager on the
-sample model). Hybrid prefilling drives the layers itself and is never compiled.
+`engine.compile: null` (auto) compiles at engine start where it pays, decided from the whole
+job's plan before anything runs: only bfloat16 on a CPU with native bfloat16 (the fused
+elementwise work is a large share once the matmuls run on AMX) or on a GPU (the share the engine
+loses to a plain forward: random-weight Llama-3.1-8B on an H200, micro 2000/200 degree 16, 0.86 of
+the FLOP ideal eager, 1.03 compiled) are candidates; for them the plan's FLOPs over the eager
+engine's estimated FLOP/s (`EAGER_GEMM_SHARE` of a GEMM peak timed in the process) give the eager
+time, and the layers are compiled when `COMPILED_SAVING` of it exceeds `COMPILE_SECONDS` — so a
+short job never waits for a compiler, and a long one compiles from its first token instead of
+running eagerly for minutes first. `engine.compile: true` compiles at engine start, `false` never.
+float32 stays eager unless asked for (within 1e-6 of eager on the sample model). Hybrid
+prefilling drives the layers itself and is never compiled.
 """
 
 from __future__ import annotations
@@ -43,13 +44,19 @@ from batchscore.engines.torch.cascade_attention import (
     SequenceLayout,
     cascade_attention_forward,
 )
-from batchscore.engines.cpu_features import cpu_bf16
+from batchscore.engines.cpu_features import cpu_bf16, gemm_flops
 
 log = logging.getLogger("batchscore")
 
 COMPILED_ATTN_IMPLEMENTATION = "batchscore_cascade_compiled"
 WARMUP_TOKENS = 37  # the first compiled pass: a length no model dimension has (no size specialization)
-LAZY_COMPILE_TOKENS = {"cpu": 100_000, "cuda": 20_000_000}  # auto: compile once this many tokens ran eagerly
+# auto (should_compile): a first compile with a cold inductor cache (SmolLM2-135M on 2 cores:
+# 10-30 s; Llama-3.1-8B on an H200: 77 s), the share of eager time compiled layers save in
+# bfloat16 (CPU 1.25x: 0.2; H200 1.19x: 0.16), and the eager engine's FLOP/s as a share of the
+# GEMM peak (bfloat16: CPU 0.14 and GPU 0.45, measured on the microbenchmark)
+COMPILE_SECONDS = {"cpu": 30.0, "cuda": 80.0}
+COMPILED_SAVING = {"cpu": 0.2, "cuda": 0.16}
+EAGER_GEMM_SHARE = {"cpu": 0.14, "cuda": 0.45}
 
 
 def _eager_cascade_attention(module, query, key, value, attention_mask, **kwargs):
@@ -61,22 +68,39 @@ def _eager_cascade_attention(module, query, key, value, attention_mask, **kwargs
 
 
 def should_compile(requested: bool | None, dtype: str, device: str, hybrid: bool = False,
-                   lazy: bool = True) -> tuple[bool | int, str]:
-    """(when to compile the layers, a line saying so) for `engine.compile` = `requested` (None:
-    auto): False (never), True (at engine start) or a token count (once that many ran eagerly;
-    auto with `lazy`). Benchmarks pass `lazy=False`: compiling inside a timed run would count."""
+                   work_flops: float | None = None) -> tuple[bool, str]:
+    """(compile the layers at engine start, a line saying why) for `engine.compile` = `requested`
+    (None: auto). Auto compiles a candidate (bfloat16 on a GPU or on a CPU with native bfloat16)
+    when the job's `work_flops` take long enough eagerly that compiling pays (module docstring);
+    with `work_flops` None (benchmarks: compiled before timing) every candidate compiles."""
     if hybrid:
         return False, "eager layers (hybrid prefilling runs the layers itself)"
     if requested is not None:
         return requested, f"{'compiled' if requested else 'eager'} layers (engine.compile: {str(requested).lower()})"
     kind = "cuda" if device.startswith("cuda") else device
-    if dtype == "bfloat16" and (kind == "cuda" or (kind == "cpu" and cpu_bf16().native)):
-        where = "a GPU" if kind == "cuda" else "a CPU with native bfloat16"
-        if lazy:
-            return LAZY_COMPILE_TOKENS[kind], (f"layers compiled once {LAZY_COMPILE_TOKENS[kind]:,} tokens ran "
-                                               f"eagerly (auto: bfloat16 on {where})")
+    if not (dtype == "bfloat16" and (kind == "cuda" or (kind == "cpu" and cpu_bf16().native))):
+        return False, f"eager layers (auto: {dtype} on {device})"
+    where = "a GPU" if kind == "cuda" else "a CPU with native bfloat16"
+    if work_flops is None:
         return True, f"compiled layers (auto: bfloat16 on {where})"
-    return False, f"eager layers (auto: {dtype} on {device})"
+    eager = work_flops / eager_flops_per_second(device, dtype)
+    saving, cost = eager * COMPILED_SAVING[kind], COMPILE_SECONDS[kind]
+    estimate = f"the plan's {work_flops / 1e12:,.2f} TFLOP take ~{eager:,.0f} s eager on {where}"
+    if saving > cost:
+        return True, f"compiled layers (auto: {estimate}; compiling, ~{cost:.0f} s, saves ~{saving:,.0f} s)"
+    return False, f"eager layers (auto: {estimate}; compiling, ~{cost:.0f} s, would save only ~{saving:,.0f} s)"
+
+
+def eager_flops_per_second(device: str, dtype: str) -> float:
+    """The eager engine's FLOP/s, estimated: `EAGER_GEMM_SHARE` of a GEMM peak timed here."""
+    if device.startswith("cuda"):
+        from batchscore.engines.cpu_features import best_matmul_flops
+
+        n = 4096
+        a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+        peak = best_matmul_flops(a, a, 0.2, sync=torch.cuda.synchronize)
+        return peak * EAGER_GEMM_SHARE["cuda"]
+    return gemm_flops(dtype) * EAGER_GEMM_SHARE["cpu"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -173,5 +197,5 @@ def _warm_up(decoder: torch.nn.Module) -> None:
             cascade=CascadeBatch([part]))
 
 
-__all__ = ["COMPILED_ATTN_IMPLEMENTATION", "LAZY_COMPILE_TOKENS", "LayerCompilation", "should_compile",
+__all__ = ["COMPILED_ATTN_IMPLEMENTATION", "COMPILE_SECONDS", "LayerCompilation", "should_compile",
            "compile_problem", "compile_decoder_layers"]
