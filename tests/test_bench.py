@@ -136,6 +136,28 @@ def test_gpu_bench_runs_on_cpu_and_counts_flops():
     assert record["requests"] == 16 and record["speedup"] == pytest.approx(result.plain.seconds / result.engine.seconds)
 
 
+@pytest.mark.slow  # compiles the tiny model's layers once per shape
+def test_gpu_check_runs_every_shape_on_cpu(tmp_path):
+    """`bench gpu --check`, shrunk onto a CPU: one table with every shape (plain, eager and compiled),
+    the engine exact against the plain forward, the MIL line saying it needs a GPU."""
+    from click.testing import CliRunner
+
+    from batchscore.bench.gpu_bench import CHECK_SHAPES
+    from batchscore.cli import main
+
+    out = tmp_path / "check.json"
+    result = CliRunner().invoke(main, ["bench", "gpu", "--check", "--models", "tiny-llama", "--device", "cpu",
+                                       "--dtype", "float32", "--scale", "0.02", "--token-budget", "512",
+                                       "--plain-batch", "4", "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    table = [line for line in result.output.splitlines() if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in table[1:]] == [shape for shape, *_ in CHECK_SHAPES]
+    assert "MIL: measured on a GPU only" in result.output
+    rows = json.loads(out.read_text())["check"]
+    assert all(r["max_abs_dp"] < 1e-5 and r["compiled_max_abs_dp"] < 1e-5 for r in rows)
+    assert rows[1]["degree"] == 1 and rows[1]["flop_ideal"] == pytest.approx(1.0)
+
+
 def test_flop_ideal_is_below_the_token_ideal_when_attention_matters():
     """Linear FLOPs scale with tokens, attention with query-key pairs: sharing a 2000-token prefix
     saves fewer FLOPs than tokens on a small model, and about as many on a wide one."""

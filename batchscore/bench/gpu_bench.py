@@ -18,6 +18,11 @@ Two parts, one process, one GPU:
 With `--compile`, the engine runs a third time with its decoder layers compiled (torch.compile,
 as `engine.compile: true`), in the same run after the eager sides (compilation is in place).
 
+`--check`: the one short GPU check — on the first model, the shapes of `CHECK_SHAPES` (degree 16,
+degree 1, many small groups, decisions), each plain, eager and compiled, then MIL at 32k tokens,
+and one table (sized for at most ~8 minutes on an H100 with Llama-3.1-8B; `--scale` shrinks
+every length and count, e.g. to try it on a CPU with `--models tiny-llama`).
+
 Weights are random (`from_config`), so scores are meaningless but shapes, FLOPs and memory are
 the real model's. Example (on a GPU machine):
 
@@ -40,6 +45,14 @@ from batchscore.bench.results import Throughput
 from batchscore.engines.shape import DTYPE_BYTES, forward_flops
 
 GIB = 2**30
+# --check: (shape, prefix, distinct, degree, requests), each timed plain, eager and compiled
+CHECK_SHAPES = (
+    ("degree 16", 2000, 200, 16, 256),
+    ("degree 1", 2000, 200, 1, 64),
+    ("small groups", 400, 15, 5, 1000),  # a news-topic job: articles × 5 short topic questions
+    ("decisions", 1000, 30, 8, 512),  # 64 states × 8 questions
+)
+CHECK_MIL_TOKENS = 32768
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM parts
 
 # Public model configs (shapes only). `tiny-llama` is for checking the script on a CPU.
@@ -271,6 +284,45 @@ def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybr
     }
 
 
+def check_rows(name: str, device: str, dtype_name: str, token_budget: int, plain_batch: int,
+               scale: float = 1.0) -> list[dict]:
+    """`--check`'s throughput rows: every shape of CHECK_SHAPES (lengths and counts × `scale`),
+    plain, eager and compiled; each row a `ModelThroughput.to_dict()` plus its shape and FLOP ideal."""
+    rows = []
+    for shape, prefix, distinct, degree, requests in CHECK_SHAPES:
+        prefix, distinct = max(1, round(prefix * scale)), max(1, round(distinct * scale))
+        requests = max(degree, round(requests * scale) // degree * degree)
+        click.echo(f"check {shape}: prefix {prefix}, distinct {distinct}, degree {degree}, {requests} requests")
+        result = throughput(name, device, dtype_name, requests, prefix, distinct, degree, token_budget, plain_batch,
+                            compile_layers=True)
+        record = result.to_dict()
+        record["shape"] = shape
+        record["flop_ideal"] = result.plain.flops / result.engine.flops
+        rows.append(record)
+    return rows
+
+
+def check_table(rows: list[dict], mil: dict | None) -> list[str]:
+    """`--check`'s one table (markdown), then the MIL line."""
+    lines = ["| shape | plain req/s | eager × plain | compiled × plain | FLOP ideal | eager: fraction of ideal "
+             "| compiled: fraction of ideal | eager TFLOP/s | compiled TFLOP/s | plain TFLOP/s | max abs dP |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['plain_req_s']:.2f} | {r['speedup']:.2f}x | {r['compiled_speedup']:.2f}x "
+                     f"| {r['flop_ideal']:.2f}x | {r['speedup'] / r['flop_ideal']:.2f} "
+                     f"| {r['compiled_speedup'] / r['flop_ideal']:.2f} | {r['engine_tflops']:.1f} "
+                     f"| {r['compiled_tflops']:.1f} | {r['plain_tflops']:.1f} "
+                     f"| {max(r['max_abs_dp'], r['compiled_max_abs_dp']):.1e} |")
+    if mil is None:
+        lines.append("MIL: measured on a GPU only (activation peaks from torch.cuda)")
+    else:
+        ratio = mil["activation_ratio_at_longest"]
+        lines.append(f"MIL at N={max(p['tokens'] for p in mil['points']['hybrid'])}: activation plain/hybrid "
+                     + (f"{ratio:.2f}x" if ratio else "no ratio (out of memory)")
+                     + f"; longest prompt in the hybrid peak: plain {mil['mil']['plain']}, hybrid {mil['mil']['hybrid']}")
+    return lines
+
+
 def check_attention(device: str, dtype_name: str) -> float:
     """Max |difference| of `attention_with_lse` (the engine's kernel path) vs float32 math, GQA shapes,
     causal and not; raises when it is off by more than the dtype allows."""
@@ -318,13 +370,20 @@ def gpu_name(device: str) -> str:
 @click.option("--compile", "compile_layers", is_flag=True,
               help="Also time the engine with torch.compile'd decoder layers (engine.compile: true), same run.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+@click.option("--check", is_flag=True,
+              help="The one short GPU check on the first model: degree 16, degree 1, small groups and decisions "
+                   "shapes (plain, eager, compiled) and MIL at 32k, one table.")
+@click.option("--scale", type=click.FloatRange(min=0.0, min_open=True, max=1.0), default=1.0, show_default=True,
+              help="--check: multiply every length and count (to try the check on a CPU).")
 def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, mil_lengths,
-        hybrid_chunk, budget_gib, resolution, compile_layers, json_out) -> None:
+        hybrid_chunk, budget_gib, resolution, compile_layers, json_out, check, scale) -> None:
     """Torch engine vs plain forward on random-weight 7–8B models (MFU), and MIL with/without hybrid.
 
     Example (on a GPU machine):
 
         batchscore bench gpu --models llama-3.1-8b,qwen-2.5-7b --requests 128 --mil-lengths 8192,32768,131072
+
+        batchscore bench gpu --check --models llama-3.1-8b
     """
     import torch
 
@@ -335,6 +394,20 @@ def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget,
     click.echo(f"device {name_of_gpu}, torch {torch.__version__}, {dtype}; bf16 matmul measured "
                f"{measured or 0:.0f} TFLOP/s, datasheet {datasheet or 'unknown'}")
     click.echo(f"attention kernel vs float32 math (GQA, causal and not): max |diff| {check_attention(device, dtype):.1e}")
+    if check:
+        started = time.perf_counter()
+        rows = check_rows(names[0], device, dtype, token_budget, plain_batch, scale)
+        mil = (mil_points(names[0], device, dtype, [max(64, round(CHECK_MIL_TOKENS * scale))], hybrid_chunk, None,
+                          resolution) if device.startswith("cuda") else None)
+        click.echo(f"\n{names[0]} on {name_of_gpu}, {dtype}, token budget {token_budget}, "
+                   f"{time.perf_counter() - started:.0f} s:")
+        for line in check_table(rows, mil):
+            click.echo(line)
+        if json_out:
+            with open(json_out, "w") as out:
+                json.dump({"device": name_of_gpu, "torch": torch.__version__, "dtype": dtype, "check": rows,
+                           "mil": mil}, out, indent=2)
+        return
     results = [throughput(n, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, compile_layers)
                for n in names]
     click.echo("")
