@@ -97,6 +97,16 @@ def test_batch_calibration_per_question_by_hand():
     assert set(follow) == {"team.choice"}  # noul and score keep their raw p_yes / score
 
 
+def test_a_question_no_record_answered_keeps_null_calibrated_columns():
+    """Failed reads (an error message instead of an answer) of one question never stop the
+    assembly: its p_cal columns are null, the other questions are calibrated."""
+    answers = [[a[0], "not scored: too long", a[2]] for a in answers_from(made_up(3))] + [None]
+    config = config_from_dict(job(score={"calibrate": "batch"}))
+    columns, _, result = add_question_quality(config, questions(), answers, pa.table({}), pa.array(list("abcd")))
+    assert columns["refund.p_cal.yes"] == [None] * 4 and result.calibration["questions"]["refund"]["params"] is None
+    assert columns["team.p_cal.billing"][3] is None and None not in columns["team.p_cal.billing"][:3]
+
+
 def test_temperature_is_recovered_per_question_from_labeled_records():
     rng = np.random.default_rng(4)
     rows, temperature = 4000, 2.5

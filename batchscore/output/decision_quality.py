@@ -101,12 +101,16 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
                 "before": calibration.measures(log_p[eval_rows], truth[eval_rows]) if len(eval_rows) else None,
                 "after": None}
         final_p = p
-        if method != "none":
+        if method != "none" and not ok.any():
+            info["source"] = "no answered record: nothing to calibrate"
+            log.warning("score.calibrate: question %r has no answered record; its p_cal columns are null", q)
+            for option in question.options:
+                columns[f"{q}.p_cal.{option}"] = [None] * len(ok)
+        elif method != "none":
             params, info["source"] = _params(config, question, method, log_p, ok, truth, fit_rows, previous)
             info["params"] = params
             cal = np.full_like(log_p, -np.inf)
-            if ok.any():
-                cal[ok] = calibration.apply(method, log_p[ok], params)
+            cal[ok] = calibration.apply(method, log_p[ok], params)
             final_p = np.where(ok[:, None], np.exp(cal), np.nan)
             if len(eval_rows):
                 info["after"] = calibration.measures(cal[eval_rows], truth[eval_rows])
@@ -215,9 +219,6 @@ def _params(config, question, method: str, log_p: np.ndarray, ok: np.ndarray, tr
     if config.calibrate.from_ is not None:
         return previous[q], f"calibrate.from {config.calibrate.from_}"
     if method == "batch":
-        if not ok.any():
-            raise CalibrationError(f"score.calibrate batch: question {q!r} has no answered record to take the "
-                                   "mean over")
         return {"bias": calibration.batch_bias(log_p[ok]).tolist()}, f"the mean over {int(ok.sum())} answered records"
     if not len(fit_rows):
         raise CalibrationError(f"score.calibrate {method}: question {q!r} has no labeled record to fit on — "
