@@ -24,8 +24,8 @@ import pyarrow as pa
 from batchscore.errors import CalibrationError
 from batchscore.output import calibration, review
 from batchscore.output.decisions import QuestionAnswer
-from batchscore.output.quality import (SHOWN, QualityResult, out_of_scope_column, review_column, split_labeled,
-                                       wanted as quality_wanted)
+from batchscore.output.quality import (SHOWN, QualityResult, calibrate_rows, out_of_scope_column, review_column,
+                                       split_labeled, wanted as quality_wanted)
 from batchscore.prepare.decisions import parse_systemone
 
 log = logging.getLogger("batchscore")
@@ -109,11 +109,7 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
         elif method != "none":
             params, info["source"] = _params(config, question, method, log_p, ok, truth, fit_rows, previous)
             info["params"] = params
-            cal = np.full_like(log_p, -np.inf)
-            cal[ok] = calibration.apply(method, log_p[ok], params)
-            final_p = np.where(ok[:, None], np.exp(cal), np.nan)
-            if len(eval_rows):
-                info["after"] = calibration.measures(cal[eval_rows], truth[eval_rows])
+            final_p, info["after"] = calibrate_rows(method, params, log_p, ok, truth, eval_rows)
             for i, option in enumerate(question.options):
                 columns[f"{q}.p_cal.{option}"] = [float(v) if good else None for v, good in zip(final_p[:, i], ok)]
             if question.type == "choice":

@@ -158,11 +158,7 @@ def add_quality_columns(config, columns: dict[str, pa.Array], ok: np.ndarray, ke
     if method != "none":
         params, info["source"] = _params(config, method, log_p, ok, truth, fit_rows, labels, content_free)
         info["params"] = params
-        cal = np.full_like(log_p, -np.inf)
-        cal[ok] = calibration.apply(method, log_p[ok], params)
-        final_p = np.where(ok[:, None], np.exp(cal), np.nan)
-        if len(eval_rows):
-            info["after"] = calibration.measures(cal[eval_rows], truth[eval_rows])
+        final_p, info["after"] = calibrate_rows(method, params, log_p, ok, truth, eval_rows)
         columns = _with_calibrated(columns, final_p, num_options, ok, labels, choices)
         if labels is not None:
             info["label_counts"] = {"raw": _counts(p, ok, labels), "calibrated": _counts(final_p, ok, labels)}
@@ -180,6 +176,16 @@ def add_quality_columns(config, columns: dict[str, pa.Array], ok: np.ndarray, ke
 
 
 # ---------------------------------------------------------------------------- pieces
+
+
+def calibrate_rows(method: str, params: dict, log_p: np.ndarray, ok: np.ndarray, truth: np.ndarray,
+                   eval_rows: np.ndarray) -> tuple[np.ndarray, dict | None]:
+    """([N, K] calibrated probabilities, NaN in rows not `ok`; the measures after calibration on
+    `eval_rows`, None without any)."""
+    cal = np.full_like(log_p, -np.inf)
+    cal[ok] = calibration.apply(method, log_p[ok], params)
+    after = calibration.measures(cal[eval_rows], truth[eval_rows]) if len(eval_rows) else None
+    return np.where(ok[:, None], np.exp(cal), np.nan), after
 
 
 def _floats(array: pa.Array) -> np.ndarray:
