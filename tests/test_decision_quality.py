@@ -27,14 +27,7 @@ from batchscore.output.decisions import read_answer
 from batchscore.prepare.decisions import parse_systemone
 from tests.conftest import REPO
 
-QUESTIONS = {
-    "team": {"type": "choice", "instructions": "Which team should handle this ticket?",
-             "criteria": {"billing": "payments, charges, refunds", "shipping": "delivery, parcels, addresses",
-                          "security": "account access, passwords, fraud", "other": None}},
-    "refund": {"type": "noul", "instructions": "Does the customer ask for money back?"},
-    "mood": {"type": "score", "instructions": "How upset is the customer?",
-             "criteria": ["calm", "annoyed", "angry", "furious"]},
-}
+QUESTIONS = yaml.safe_load((REPO / "jobs" / "decisions.yaml").read_text())["questions"]  # the shipped example's
 # the true answers of the twelve sample tickets (sample_data/tickets.jsonl), in file order
 TRUE_TEAM = ["billing", "shipping", "security", "shipping", "other", "billing", "security", "shipping", "shipping",
              "billing", "security", "shipping"]

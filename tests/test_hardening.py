@@ -36,6 +36,15 @@ def token_rows(folder, n=3, name="in.jsonl"):
     return path
 
 
+def token_job(folder):
+    """(the input of `token_rows`, the output path, the job file scoring it)."""
+    data = token_rows(folder)
+    out = folder / "out.parquet"
+    job = write_job(folder, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
+                    output={"path": str(out)})
+    return data, out, job
+
+
 def openai_requests(folder, contents=("Is the sky blue?", "Is grass red?")):
     path = folder / "requests.jsonl"
     lines = [json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -97,10 +106,7 @@ def test_metrics_prom_over_the_input_is_refused_and_the_input_kept(tmp_path):
 
 
 def test_metrics_and_report_html_cannot_replace_the_finished_output(tmp_path):
-    data = token_rows(tmp_path)
-    out = tmp_path / "out.parquet"
-    job = write_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
-                    output={"path": str(out)})
+    data, out, job = token_job(tmp_path)
     assert invoke("run", job, "-q").exit_code == 0
     scores = out.read_bytes()
     for option in ("--metrics", "--metrics-prom"):
@@ -127,10 +133,7 @@ def test_an_output_over_the_job_file_is_refused(tmp_path):
 
 
 def test_metrics_may_go_to_the_place_the_report_looks(tmp_path):
-    data = token_rows(tmp_path)
-    out = tmp_path / "out.parquet"
-    job = write_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
-                    output={"path": str(out)})
+    data, out, job = token_job(tmp_path)
     metrics = tmp_path / "out.parquet.metrics.json"
     result = invoke("run", job, "-q", "--metrics", metrics)
     assert result.exit_code == 0, result.output
@@ -138,10 +141,7 @@ def test_metrics_may_go_to_the_place_the_report_looks(tmp_path):
 
 
 def test_report_html_never_replaces_a_file_that_is_not_a_report(tmp_path):
-    data = token_rows(tmp_path)
-    out = tmp_path / "out.parquet"
-    job = write_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
-                    output={"path": str(out)})
+    data, out, job = token_job(tmp_path)
     assert invoke("run", job, "-q").exit_code == 0
     result = invoke("report", out, "--html", data)  # the run's input: `report` does not know it, but it is not a report
     assert result.exit_code == EXIT_CONFIG and "not a batchscore report" in result.output
