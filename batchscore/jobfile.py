@@ -23,7 +23,7 @@ from batchscore.errors import JobConfigError, PromptTemplateError
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
 from batchscore.output import quality
-from batchscore.output.calibration import FITTED, LABEL_FREE, METHODS as CALIBRATION_METHODS, PER_ROW_CHOICES
+from batchscore.output.calibration import FITTED, METHODS as CALIBRATION_METHODS, PER_ROW_CHOICES
 from batchscore.output.layout import DEFAULT_ID, calibrated_column, label_column, output_columns
 from batchscore.output.review import CONFIDENCE_METHODS
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
