@@ -156,6 +156,9 @@ def test_gpu_check_runs_every_shape_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["check"]
     assert all(r["max_abs_dp"] < 1e-5 and r["compiled_max_abs_dp"] < 1e-5 for r in rows)
     assert rows[1]["degree"] == 1 and rows[1]["flop_ideal"] == pytest.approx(1.0)
+    # float32 on a CPU is never a compile candidate: auto's projected job runs eager, as fast as eager
+    assert all(not r["auto"]["compiles"] and r["auto"]["vs_eager"] == pytest.approx(1.0) for r in rows)
+    assert all(r["compile_seconds"] > 0 for r in rows)
 
 
 def test_flop_ideal_is_below_the_token_ideal_when_attention_matters():

@@ -18,9 +18,12 @@ Two parts, one process, one GPU:
 With `--compile`, the engine runs a third time with its decoder layers compiled (torch.compile,
 as `engine.compile: true`), in the same run after the eager sides (compilation is in place).
 
-`--check`: the one short GPU check — on the first model, the shapes of `CHECK_SHAPES` (degree 16,
-degree 1, many small groups, decisions), each plain, eager and compiled, then MIL at 32k tokens,
-and one table (sized for at most ~8 minutes on an H100 with Llama-3.1-8B; `--scale` shrinks
+`--check`: the one short GPU check — on the first model, the shapes of `CHECK_SHAPES` (many small
+groups, degree 1, degree 16, decisions), each plain, eager and compiled, then MIL at 32k tokens,
+and one table. Each row is printed (and written to `--json-out`) as soon as it is measured, and a
+failing shape does not stop the others. The last column projects the default `engine.compile:
+auto` onto a job of the row's shape lasting 5 minutes eagerly: its decision and the job's time
+from this check's own cold compile and rates (sized for at most ~8 minutes on an H100 with Llama-3.1-8B; `--scale` shrinks
 every length and count, e.g. to try it on a CPU with `--models tiny-llama`).
 
 Weights are random (`from_config`), so scores are meaningless but shapes, FLOPs and memory are
@@ -46,12 +49,14 @@ from batchscore.engines.shape import DTYPE_BYTES, forward_flops
 
 GIB = 2**30
 # --check: (shape, prefix, distinct, degree, requests), each timed plain, eager and compiled
+# (most telling first: a check cut short still answers the questions that matter most)
 CHECK_SHAPES = (
-    ("degree 16", 2000, 200, 16, 256),
-    ("degree 1", 2000, 200, 1, 64),
     ("small groups", 400, 15, 5, 1000),  # a news-topic job: articles × 5 short topic questions
+    ("degree 1", 2000, 200, 1, 64),
+    ("degree 16", 2000, 200, 16, 256),
     ("decisions", 1000, 30, 8, 512),  # 64 states × 8 questions
 )
+CHECK_AUTO_EAGER_SECONDS = 300.0  # the job `engine.compile: auto` is projected for: 5 minutes eager
 CHECK_MIL_TOKENS = 32768
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM parts
 
@@ -140,6 +145,7 @@ class ModelThroughput:
     plain: Throughput
     engine: Throughput
     compiled: Throughput | None = None  # the engine with torch.compile'd decoder layers (--compile)
+    compile_seconds: float | None = None  # building the compiled engine: compilation and its warm-up pass
 
     @property
     def speedup(self) -> float:
@@ -158,7 +164,8 @@ class ModelThroughput:
             **({} if self.compiled is None else {
                 "compiled_req_s": self.compiled.requests_per_s, "compiled_speedup": self.compiled.speedup_over(self.plain),
                 "compiled_fraction_of_ideal": self.compiled.speedup_over(self.plain) / self.compiled.ideal_speedup,
-                "compiled_tflops": self.compiled.tflops_per_s, "compiled_max_abs_dp": self.compiled.max_abs_dp(self.plain)}),
+                "compiled_tflops": self.compiled.tflops_per_s, "compiled_max_abs_dp": self.compiled.max_abs_dp(self.plain),
+                "compile_seconds": self.compile_seconds}),
         }
 
 
@@ -200,16 +207,18 @@ def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: i
                                          flops=forward_flops(model.config, groups, shared=True)),
                     lambda batch: engine_probs(engine, batch, labels))
     engine.close()
-    compiled = None
+    compiled = compile_seconds = None
     if compile_layers:  # compiles the model's layers in place: after the eager sides
         started = time.perf_counter()
         compiled_engine = TorchEngine(model, token_budget=token_budget, device=device, compile_layers=True)
-        click.echo(f"  {name} compiled: compiling {time.perf_counter() - started:.1f} s")
+        compile_seconds = time.perf_counter() - started
+        click.echo(f"  {name} compiled: compiling {compile_seconds:.1f} s")
         compiled = measure("compiled", Throughput("engine+compile", logical_tokens=logical,
                                                   processed_tokens=eager.processed_tokens, flops=eager.flops),
                            lambda batch: engine_probs(compiled_engine, batch, labels))
         compiled_engine.close()
-    return ModelThroughput(name, prefix, distinct, degree, plain=plain, engine=eager, compiled=compiled)
+    return ModelThroughput(name, prefix, distinct, degree, plain=plain, engine=eager, compiled=compiled,
+                           compile_seconds=compile_seconds)
 
 
 @dataclass
@@ -285,34 +294,73 @@ def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybr
 
 
 def check_rows(name: str, device: str, dtype_name: str, token_budget: int, plain_batch: int,
-               scale: float = 1.0) -> list[dict]:
+               scale: float = 1.0, on_row=None) -> list[dict]:
     """`--check`'s throughput rows: every shape of CHECK_SHAPES (lengths and counts × `scale`),
-    plain, eager and compiled; each row a `ModelThroughput.to_dict()` plus its shape and FLOP ideal."""
+    plain, eager and compiled; each row a `ModelThroughput.to_dict()` plus its shape and FLOP ideal,
+    or {"shape", "error"} when that shape failed (the others still run). `on_row(row)` is called
+    as each row is done, so a check cut short keeps what it measured."""
     rows = []
     for shape, prefix, distinct, degree, requests in CHECK_SHAPES:
         prefix, distinct = max(1, round(prefix * scale)), max(1, round(distinct * scale))
         requests = max(degree, round(requests * scale) // degree * degree)
         click.echo(f"check {shape}: prefix {prefix}, distinct {distinct}, degree {degree}, {requests} requests")
-        result = throughput(name, device, dtype_name, requests, prefix, distinct, degree, token_budget, plain_batch,
-                            compile_layers=True)
-        record = result.to_dict()
-        record["shape"] = shape
-        record["flop_ideal"] = result.plain.flops / result.engine.flops
+        try:
+            result = throughput(name, device, dtype_name, requests, prefix, distinct, degree, token_budget,
+                                plain_batch, compile_layers=True)
+            record = {"shape": shape, **result.to_dict(), "flop_ideal": result.plain.flops / result.engine.flops,
+                      "plain_seconds": result.plain.seconds, "eager_seconds": result.engine.seconds,
+                      "compiled_seconds": result.compiled.seconds, "engine_flops": result.engine.flops}
+        except Exception as exc:  # noqa: BLE001 - one failing shape must not lose the others' numbers
+            import traceback
+
+            traceback.print_exc()
+            record = {"shape": shape, "error": f"{type(exc).__name__}: {exc}"}
+        _free_device_memory(device)
         rows.append(record)
+        if on_row is not None:
+            on_row(record)
     return rows
+
+
+def _free_device_memory(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def auto_projection(rows: list[dict], device: str, dtype_name: str,
+                    eager_seconds: float = CHECK_AUTO_EAGER_SECONDS) -> None:
+    """Adds to each measured row what the default `engine.compile: auto` would do on a job of that
+    shape lasting `eager_seconds` eagerly (the row's work scaled up): its decision, and the job's
+    projected time from this check's own measurements — the cold compile (the longest compile of
+    the check: the first one, before dynamo and inductor reuse it) plus the compiled rate, or the
+    eager rate — as a fraction of the FLOP ideal and against staying eager."""
+    from batchscore.engines.torch.compiled_layers import should_compile
+
+    measured = [r for r in rows if "error" not in r]
+    cold_compile = max((r["compile_seconds"] for r in measured), default=0.0)
+    for r in measured:
+        times = eager_seconds / r["eager_seconds"]
+        compiles, why = should_compile(None, dtype_name, device, work_flops=r["engine_flops"] * times)
+        seconds = cold_compile + r["compiled_seconds"] * times if compiles else eager_seconds
+        r["auto"] = {"eager_seconds": eager_seconds, "compiles": compiles, "why": why, "cold_compile_s": cold_compile,
+                     "projected_seconds": seconds,
+                     "fraction_of_ideal": r["plain_seconds"] * times / seconds / r["flop_ideal"],
+                     "vs_eager": eager_seconds / seconds}
 
 
 def check_table(rows: list[dict], mil: dict | None) -> list[str]:
     """`--check`'s one table (markdown), then the MIL line."""
     lines = ["| shape | plain req/s | eager × plain | compiled × plain | FLOP ideal | eager: fraction of ideal "
-             "| compiled: fraction of ideal | eager TFLOP/s | compiled TFLOP/s | plain TFLOP/s | max abs dP |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| compiled: fraction of ideal | eager TFLOP/s | compiled TFLOP/s | plain TFLOP/s | max abs dP "
+             "| auto, 5-min job: fraction of ideal (vs eager) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['plain_req_s']:.2f} | {r['speedup']:.2f}x | {r['compiled_speedup']:.2f}x "
-                     f"| {r['flop_ideal']:.2f}x | {r['speedup'] / r['flop_ideal']:.2f} "
-                     f"| {r['compiled_speedup'] / r['flop_ideal']:.2f} | {r['engine_tflops']:.1f} "
-                     f"| {r['compiled_tflops']:.1f} | {r['plain_tflops']:.1f} "
-                     f"| {max(r['max_abs_dp'], r['compiled_max_abs_dp']):.1e} |")
+        lines.append(check_line(r))
     if mil is None:
         lines.append("MIL: measured on a GPU only (activation peaks from torch.cuda)")
     else:
@@ -321,6 +369,20 @@ def check_table(rows: list[dict], mil: dict | None) -> list[str]:
                      + (f"{ratio:.2f}x" if ratio else "no ratio (out of memory)")
                      + f"; longest prompt in the hybrid peak: plain {mil['mil']['plain']}, hybrid {mil['mil']['hybrid']}")
     return lines
+
+
+def check_line(r: dict) -> str:
+    """One row of `--check`'s table."""
+    if "error" in r:
+        return f"| {r['shape']} | failed: {r['error'][:200]} |"
+    auto = r.get("auto")
+    projected = ("-" if auto is None else f"{'compiles' if auto['compiles'] else 'eager'}: "
+                 f"{auto['fraction_of_ideal']:.2f} ({auto['vs_eager']:.2f}x)")
+    return (f"| {r['shape']} | {r['plain_req_s']:.2f} | {r['speedup']:.2f}x | {r['compiled_speedup']:.2f}x "
+            f"| {r['flop_ideal']:.2f}x | {r['speedup'] / r['flop_ideal']:.2f} "
+            f"| {r['compiled_speedup'] / r['flop_ideal']:.2f} | {r['engine_tflops']:.1f} "
+            f"| {r['compiled_tflops']:.1f} | {r['plain_tflops']:.1f} "
+            f"| {max(r['max_abs_dp'], r['compiled_max_abs_dp']):.1e} | {projected} |")
 
 
 def check_attention(device: str, dtype_name: str) -> float:
@@ -396,17 +458,40 @@ def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget,
     click.echo(f"attention kernel vs float32 math (GQA, causal and not): max |diff| {check_attention(device, dtype):.1e}")
     if check:
         started = time.perf_counter()
-        rows = check_rows(names[0], device, dtype, token_budget, plain_batch, scale)
-        mil = (mil_points(names[0], device, dtype, [max(64, round(CHECK_MIL_TOKENS * scale))], hybrid_chunk, None,
-                          resolution) if device.startswith("cuda") else None)
+        header = {"device": name_of_gpu, "torch": torch.__version__, "dtype": dtype, "model": names[0],
+                  "token_budget": token_budget, "measured_bf16_tflops": measured}
+
+        def save(rows: list[dict], mil: dict | None = None) -> None:
+            if json_out:
+                with open(json_out, "w") as out:
+                    json.dump({**header, "check": rows, "mil": mil}, out, indent=2)
+
+        done: list[dict] = []
+
+        def row_done(row: dict) -> None:
+            done.append(row)
+            click.echo(f"check row {check_line(row)}")
+            save(done)
+
+        rows = check_rows(names[0], device, dtype, token_budget, plain_batch, scale, on_row=row_done)
+        auto_projection(rows, device, dtype)
+        mil = None
+        if device.startswith("cuda"):
+            try:
+                mil = mil_points(names[0], device, dtype, [max(64, round(CHECK_MIL_TOKENS * scale))], hybrid_chunk,
+                                 None, resolution)
+            except Exception as exc:  # noqa: BLE001 - keep the throughput table
+                click.echo(f"MIL failed: {type(exc).__name__}: {exc}", err=True)
         click.echo(f"\n{names[0]} on {name_of_gpu}, {dtype}, token budget {token_budget}, "
                    f"{time.perf_counter() - started:.0f} s:")
         for line in check_table(rows, mil):
             click.echo(line)
-        if json_out:
-            with open(json_out, "w") as out:
-                json.dump({"device": name_of_gpu, "torch": torch.__version__, "dtype": dtype, "check": rows,
-                           "mil": mil}, out, indent=2)
+        for r in rows:
+            if "auto" in r:
+                click.echo(f"auto on a {r['auto']['eager_seconds']:.0f}-s {r['shape']} job: {r['auto']['why']}")
+        save(rows, mil)
+        if any("error" in r for r in rows):
+            raise click.ClickException("some shapes failed (see above)")
         return
     results = [throughput(n, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, compile_layers)
                for n in names]
