@@ -91,6 +91,47 @@ def test_compile_is_decided_from_the_plan():
     assert "would save only" in why_short and "saves" in why_long and "TFLOP" in why_long
 
 
+def test_an_earlier_compile_here_makes_the_cost_a_warm_one(tmp_path, monkeypatch):
+    """The record beside inductor's cache: none (cold cost), a first compile (warm default), a
+    later process's compile (its measured warm seconds); other layer shapes stay cold, and a
+    process's second compile of the same layers (dynamo's code in memory) is not recorded."""
+    from batchscore.engines.torch.compiled_layers import (
+        COMPILE_SECONDS, WARM_COMPILE_SECONDS, compile_cost, write_compile_record)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_layers, "_RECORDED_IN_THIS_PROCESS", set())
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4,
+              "num_key_value_heads": 2}
+    assert compile_cost(config, "bfloat16", "cpu") == (COMPILE_SECONDS["cpu"], "a cold cache")
+    write_compile_record(config, "bfloat16", "cpu", 20.0)
+    assert list(tmp_path.glob("batchscore/compiled-layers-*.json"))
+    assert compile_cost(config, "bfloat16", "cpu") == (WARM_COMPILE_SECONDS["cpu"], "a warm cache")
+    write_compile_record(config, "bfloat16", "cpu", 0.01)  # same process: dynamo reused its code
+    assert compile_cost(config, "bfloat16", "cpu") == (WARM_COMPILE_SECONDS["cpu"], "a warm cache")
+    compiled_layers._RECORDED_IN_THIS_PROCESS.clear()  # the next night's process
+    write_compile_record({**config, "head_dim": 16}, "bfloat16", "cpu", 3.0)  # head_dim 64/4 is implied
+    assert compile_cost(config, "bfloat16", "cpu") == (3.0, "a warm cache")
+    assert compile_cost({**config, "hidden_size": 128}, "bfloat16", "cpu")[1] == "a cold cache"
+    assert compile_cost(config, "float32", "cpu")[1] == "a cold cache"
+    assert compile_cost(None, "bfloat16", "cpu")[1] == "a cold cache"
+
+
+@pytest.mark.skipif(not cpu_bf16().native, reason="bfloat16 compiles by default only on a CPU with native bfloat16")
+def test_a_warm_cache_compiles_a_job_a_cold_one_would_not(tmp_path, monkeypatch):
+    from batchscore.engines.torch.compiled_layers import (
+        COMPILE_SECONDS, COMPILED_SAVING, eager_flops_per_second, write_compile_record)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_layers, "_RECORDED_IN_THIS_PROCESS", set())
+    config = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+              "num_key_value_heads": 3}
+    work = COMPILE_SECONDS["cpu"] / COMPILED_SAVING["cpu"] * eager_flops_per_second("cpu", "bfloat16") / 2
+    assert should_compile(None, "bfloat16", "cpu", work_flops=work, model_config=config)[0] is False
+    write_compile_record(config, "bfloat16", "cpu", 25.0)
+    compiles, why = should_compile(None, "bfloat16", "cpu", work_flops=work, model_config=config)
+    assert compiles and "a warm cache" in why
+
+
 def _max_error(engine, model_reference, groups) -> float:
     from batchscore.output.scores import normalize_totals
 
@@ -135,6 +176,8 @@ def test_lazy_compile_starts_after_the_token_count():
     assert not engine.compiled and 0 < engine.compiled.tokens < 100
     assert _max_error(engine, reference, groups) <= 1e-5
     assert engine.compiled and engine.compiled.tokens >= 100
+    assert engine.compiled.seconds > 0  # and the compile is recorded for the next process's decision
+    assert compiled_layers.read_compile_record(model.config.to_dict(), "float32", "cpu") is not None
 
 
 @pytest.mark.slow  # another torch.compile build

@@ -96,15 +96,26 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def build_model(name: str, dtype, device: str):
-    """A causal LM with the named config and random weights, created directly on `device`."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _config(name: str):
+    from transformers import AutoConfig
 
     if name not in CONFIGS:
         raise click.BadParameter(f"unknown model {name!r}; choose from {', '.join(CONFIGS)}")
     spec = dict(CONFIGS[name])
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def config_of(name: str) -> dict:
+    """The named model's config as config.json would hold it."""
+    return _config(name).to_dict()
+
+
+def build_model(name: str, dtype, device: str):
+    """A causal LM with the named config and random weights, created directly on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _config(name)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -170,9 +181,11 @@ class ModelThroughput:
 
 
 def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: int, distinct: int, degree: int,
-               token_budget: int, plain_batch: int, compile_layers: bool = False) -> ModelThroughput:
+               token_budget: int, plain_batch: int, compile_layers: bool = False,
+               splits: list | None = None) -> ModelThroughput:
     """Plain forward of every full prompt vs the engine, same weights (attention switched per side);
-    with `compile_layers`, then the engine again with its decoder layers compiled (in place, so last)."""
+    with `compile_layers`, then the engine again with its decoder layers compiled (in place, so last).
+    `splits`: where each side's profiled time split (`time_split`, one more run) is appended."""
     from batchscore.bench.scoring import engine_probs, make_groups, plain_probs
     from batchscore.engines.torch.cascade_attention import register_cascade_attention
     from batchscore.engines.torch.engine import TorchEngine, torch_dtype
@@ -197,6 +210,10 @@ def throughput(name: str, device: str, dtype_name: str, requests: int, prefix: i
         click.echo(f"  {name} {side}: warm-up {time.perf_counter() - started:.1f} s")
         result.time(lambda: run(groups), sync=partial(_sync, device))
         click.echo(f"  {name} {side}: {result.requests_per_s:.2f} req/s ({result.seconds:.2f} s)")
+        if splits is not None:
+            from batchscore.bench.time_split import time_split
+
+            splits.append((side, dtype_name, time_split(lambda: run(groups), device)))
         return result
 
     logical = sum(g.logical_tokens for g in groups)
@@ -332,20 +349,22 @@ def _free_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def auto_projection(rows: list[dict], device: str, dtype_name: str,
+def auto_projection(rows: list[dict], device: str, dtype_name: str, model_config: dict | None = None,
                     eager_seconds: float = CHECK_AUTO_EAGER_SECONDS) -> None:
     """Adds to each measured row what the default `engine.compile: auto` would do on a job of that
     shape lasting `eager_seconds` eagerly (the row's work scaled up): its decision, and the job's
     projected time from this check's own measurements — the cold compile (the longest compile of
     the check: the first one, before dynamo and inductor reuse it) plus the compiled rate, or the
-    eager rate — as a fraction of the FLOP ideal and against staying eager."""
+    eager rate — as a fraction of the FLOP ideal and against staying eager. `model_config` (None:
+    decide as with a cold inductor cache) lets the decision find an earlier compile's record."""
     from batchscore.engines.torch.compiled_layers import should_compile
 
     measured = [r for r in rows if "error" not in r]
     cold_compile = max((r["compile_seconds"] for r in measured), default=0.0)
     for r in measured:
         times = eager_seconds / r["eager_seconds"]
-        compiles, why = should_compile(None, dtype_name, device, work_flops=r["engine_flops"] * times)
+        compiles, why = should_compile(None, dtype_name, device, work_flops=r["engine_flops"] * times,
+                                       model_config=model_config)
         seconds = cold_compile + r["compiled_seconds"] * times if compiles else eager_seconds
         r["auto"] = {"eager_seconds": eager_seconds, "compiles": compiles, "why": why, "cold_compile_s": cold_compile,
                      "projected_seconds": seconds,
@@ -431,6 +450,9 @@ def gpu_name(device: str) -> str:
 @click.option("--resolution", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--compile", "compile_layers", is_flag=True,
               help="Also time the engine with torch.compile'd decoder layers (engine.compile: true), same run.")
+@click.option("--time-split", "split", is_flag=True,
+              help="Also profile each side once more and print where its time goes (matmuls, attention, "
+                   "elementwise, GPU idle).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @click.option("--check", is_flag=True,
               help="The one short GPU check on the first model: degree 16, degree 1, small groups and decisions "
@@ -438,7 +460,7 @@ def gpu_name(device: str) -> str:
 @click.option("--scale", type=click.FloatRange(min=0.0, min_open=True, max=1.0), default=1.0, show_default=True,
               help="--check: multiply every length and count (to try the check on a CPU).")
 def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, mil_lengths,
-        hybrid_chunk, budget_gib, resolution, compile_layers, json_out, check, scale) -> None:
+        hybrid_chunk, budget_gib, resolution, compile_layers, split, json_out, check, scale) -> None:
     """Torch engine vs plain forward on random-weight 7–8B models (MFU), and MIL with/without hybrid.
 
     Example (on a GPU machine):
@@ -473,8 +495,13 @@ def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget,
             click.echo(f"check row {check_line(row)}")
             save(done)
 
+        from batchscore.engines.torch.compiled_layers import read_compile_record
+
+        config = config_of(names[0])
+        warm = read_compile_record(config, dtype, device) is not None  # before this check compiles
+        click.echo(f"inductor cache: {'warm (these layers were compiled here before)' if warm else 'cold'}")
         rows = check_rows(names[0], device, dtype, token_budget, plain_batch, scale, on_row=row_done)
-        auto_projection(rows, device, dtype)
+        auto_projection(rows, device, dtype, config if warm else None)
         mil = None
         if device.startswith("cuda"):
             try:
@@ -493,8 +520,16 @@ def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget,
         if any("error" in r for r in rows):
             raise click.ClickException("some shapes failed (see above)")
         return
-    results = [throughput(n, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, compile_layers)
-               for n in names]
+    splits: list | None = [] if split else None
+    results = [throughput(n, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, compile_layers,
+                          splits) for n in names]
+    if splits:
+        from batchscore.bench.time_split import markdown
+
+        click.echo("\nwhere the time goes (torch.profiler" + (", device time; overhead = GPU idle)" if
+                                                             device.startswith("cuda") else ")"))
+        for line in markdown(splits):
+            click.echo(line)
     click.echo("")
     click.echo("| model | plain req/s | engine req/s | speedup | ideal | fraction of ideal | engine TFLOP/s | "
                "MFU (datasheet) | MFU (measured matmul) | plain TFLOP/s | max abs dP |")

@@ -11,6 +11,10 @@ time by the self time of the operators the calling thread ran:
 
 Self times are the calling thread's (an operator's intra-op worker threads run inside it), so the
 four shares add up to the wall time. The profiler itself adds a little to every operator call.
+
+On a GPU (`device="cuda"`) the split is of the device's time: each operator's kernels' self
+device time, and overhead is the wall time the GPU was not running a kernel (launches, Python,
+synchronisation: a launch-bound forward shows here).
 """
 
 from __future__ import annotations
@@ -56,19 +60,25 @@ def kind_of(op_name: str) -> str:
     return "elementwise"
 
 
-def time_split(work: Callable[[], object]) -> TimeSplit:
+def time_split(work: Callable[[], object], device: str = "cpu") -> TimeSplit:
     """Run `work()` once under torch.profiler and split its wall time (see the module docstring)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    gpu = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         work()
+        if gpu:
+            torch.cuda.synchronize()
         wall = time.perf_counter() - start
     seconds = {"matmuls": 0.0, "attention": 0.0, "elementwise": 0.0}
     for event in prof.key_averages():
         if not event.key.startswith("aten::"):
             continue
-        seconds[kind_of(event.key)] += event.self_cpu_time_total / 1e6
+        spent = event.self_device_time_total if gpu else event.self_cpu_time_total
+        seconds[kind_of(event.key)] += spent / 1e6
     return TimeSplit(wall, seconds["matmuls"], seconds["attention"], seconds["elementwise"])
 
 

@@ -56,15 +56,17 @@ def resolve_engine(engine: EngineConfig, *, compile_decision: bool = True) -> Re
     return ResolvedEngine(kind, device, dtype, compile_layers, why)
 
 
-def decide_compile(resolved: ResolvedEngine, engine: EngineConfig, work_flops: float) -> ResolvedEngine:
+def decide_compile(resolved: ResolvedEngine, engine: EngineConfig, work_flops: float,
+                   model_config: dict | None = None) -> ResolvedEngine:
     """`resolved` with `engine.compile: auto` decided from the job's plan (`work_flops`: the FLOPs
-    still to run); an explicit true/false, or another engine kind, is returned as it is."""
+    still to run; `model_config`: the model's config.json, to find an earlier compile of its layers
+    here); an explicit true/false, or another engine kind, is returned as it is."""
     if resolved.kind != "torch" or engine.compile is not None:
         return resolved
     from batchscore.engines.torch.compiled_layers import should_compile
 
     compile_layers, why = should_compile(None, resolved.dtype, resolved.device, engine.hybrid_chunk is not None,
-                                         work_flops=work_flops)
+                                         work_flops=work_flops, model_config=model_config)
     return replace(resolved, compile=compile_layers, compile_reason=why)
 
 

@@ -298,9 +298,9 @@ def _decide_compile(resolved: ResolvedEngine, engine: EngineConfig, job: Prepare
     """`engine.compile: auto` decided from the plan: the FLOPs of the rows still to score."""
     if resolved.kind != "torch" or engine.compile is not None or rows_left <= 0:
         return resolved
-    rows = sum(len(g.members) for g in plan.groups)
-    work = forward_flops(read_model_config(job.model_dir), plan.groups, shared=True) * rows_left / max(rows, 1)
-    return decide_compile(resolved, engine, work)
+    rows, model_config = sum(len(g.members) for g in plan.groups), read_model_config(job.model_dir)
+    work = forward_flops(model_config, plan.groups, shared=True) * rows_left / max(rows, 1)
+    return decide_compile(resolved, engine, work, model_config)
 
 
 def _check_shard_count(store: PartStore, shard: Shard) -> None:

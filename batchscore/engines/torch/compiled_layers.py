@@ -24,7 +24,10 @@ the FLOP ideal eager, 1.03 compiled) are candidates; for them the plan's FLOPs o
 engine's estimated FLOP/s (`EAGER_GEMM_SHARE` of a GEMM peak timed in the process) give the eager
 time, and the layers are compiled when `COMPILED_SAVING` of it exceeds `COMPILE_SECONDS` — so a
 short job never waits for a compiler, and a long one compiles from its first token instead of
-running eagerly for minutes first. `engine.compile: true` compiles at engine start, `false` never.
+running eagerly for minutes first. The compile cost counted is a cold one until this machine has
+compiled the same layer shapes before: each compile leaves a small record beside inductor's cache
+(`compile_record`), and with it the cost is the warm one (inductor's cache turns minutes into
+seconds: the next night's job compiles where tonight's would not have paid). `engine.compile: true` compiles at engine start, `false` never.
 float32 stays eager unless asked for (within 1e-6 of eager on the sample model). Hybrid
 prefilling drives the layers itself and is never compiled.
 """
@@ -32,8 +35,12 @@ prefilling drives the layers itself and is never compiled.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
+import time
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -51,12 +58,17 @@ log = logging.getLogger("batchscore")
 COMPILED_ATTN_IMPLEMENTATION = "batchscore_cascade_compiled"
 WARMUP_TOKENS = 37  # the first compiled pass: a length no model dimension has (no size specialization)
 # auto (should_compile): a first compile with a cold inductor cache (SmolLM2-135M on 2 cores:
-# 10-30 s; Llama-3.1-8B on an H200: 77 s), the share of eager time compiled layers save in
-# bfloat16 (CPU 1.25x: 0.2; H200 1.19x: 0.16), and the eager engine's FLOP/s as a share of the
-# GEMM peak (bfloat16: CPU 0.14 and GPU 0.45, measured on the microbenchmark)
-COMPILE_SECONDS = {"cpu": 30.0, "cuda": 80.0}
-COMPILED_SAVING = {"cpu": 0.2, "cuda": 0.16}
-EAGER_GEMM_SHARE = {"cpu": 0.14, "cuda": 0.45}
+# 10-30 s; random-weight Llama-3.1-8B on an H200 machine's 16 cores: 61 s, `bench gpu --check`),
+# one with a warm cache when no measured one is recorded yet (SmolLM2-135M: 5.3 s), the share of
+# eager time compiled layers save in bfloat16 (CPU 1.25x: 0.2; H200: 0.14-0.15 on every check
+# shape), and the eager engine's FLOP/s as a share of the GEMM peak timed at start (bfloat16: CPU
+# 0.14 on the microbenchmark; H200 0.57-0.67 of a 4096^3 GEMM on the check's shapes)
+COMPILE_SECONDS = {"cpu": 30.0, "cuda": 70.0}
+WARM_COMPILE_SECONDS = {"cpu": 8.0, "cuda": 20.0}
+COMPILED_SAVING = {"cpu": 0.2, "cuda": 0.14}
+EAGER_GEMM_SHARE = {"cpu": 0.14, "cuda": 0.6}
+LAYER_SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                    "head_dim")
 
 
 def _eager_cascade_attention(module, query, key, value, attention_mask, **kwargs):
@@ -68,11 +80,13 @@ def _eager_cascade_attention(module, query, key, value, attention_mask, **kwargs
 
 
 def should_compile(requested: bool | None, dtype: str, device: str, hybrid: bool = False,
-                   work_flops: float | None = None) -> tuple[bool, str]:
+                   work_flops: float | None = None, model_config: dict | None = None) -> tuple[bool, str]:
     """(compile the layers at engine start, a line saying why) for `engine.compile` = `requested`
     (None: auto). Auto compiles a candidate (bfloat16 on a GPU or on a CPU with native bfloat16)
     when the job's `work_flops` take long enough eagerly that compiling pays (module docstring);
-    with `work_flops` None (benchmarks: compiled before timing) every candidate compiles."""
+    with `work_flops` None (benchmarks: compiled before timing) every candidate compiles.
+    `model_config` (the model's config.json) finds the record of an earlier compile of the same
+    layers on this machine: then the cost counted is a warm compile's."""
     if hybrid:
         return False, "eager layers (hybrid prefilling runs the layers itself)"
     if requested is not None:
@@ -84,11 +98,68 @@ def should_compile(requested: bool | None, dtype: str, device: str, hybrid: bool
     if work_flops is None:
         return True, f"compiled layers (auto: bfloat16 on {where})"
     eager = work_flops / eager_flops_per_second(device, dtype)
-    saving, cost = eager * COMPILED_SAVING[kind], COMPILE_SECONDS[kind]
+    saving, (cost, cache) = eager * COMPILED_SAVING[kind], compile_cost(model_config, dtype, device)
     estimate = f"the plan's {work_flops / 1e12:,.2f} TFLOP take ~{eager:,.0f} s eager on {where}"
     if saving > cost:
-        return True, f"compiled layers (auto: {estimate}; compiling, ~{cost:.0f} s, saves ~{saving:,.0f} s)"
-    return False, f"eager layers (auto: {estimate}; compiling, ~{cost:.0f} s, would save only ~{saving:,.0f} s)"
+        return True, f"compiled layers (auto: {estimate}; compiling, ~{cost:.0f} s with {cache}, saves ~{saving:,.0f} s)"
+    return False, (f"eager layers (auto: {estimate}; compiling, ~{cost:.0f} s with {cache}, "
+                   f"would save only ~{saving:,.0f} s)")
+
+
+def compile_cost(model_config: dict | None, dtype: str, device: str) -> tuple[float, str]:
+    """(seconds a compile of these layers is expected to take here, "a cold cache" or "a warm
+    cache"): warm once `compile_record` shows this machine compiled them before (its measured warm
+    compile when one was recorded, else `WARM_COMPILE_SECONDS`), else `COMPILE_SECONDS`."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    record = read_compile_record(model_config, dtype, device) if model_config else None
+    if record is None:
+        return COMPILE_SECONDS[kind], "a cold cache"
+    return float(record.get("warm_seconds") or WARM_COMPILE_SECONDS[kind]), "a warm cache"
+
+
+def compile_record(model_config: dict, dtype: str, device: str) -> Path:
+    """Where a compile of these layer shapes, dtype, device and torch is recorded: in a folder of
+    inductor's cache directory, so a cleared cache takes the record with it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    shape = {key: model_config.get(key) for key in LAYER_SHAPE_KEYS}
+    if not shape["head_dim"] and model_config.get("hidden_size") and model_config.get("num_attention_heads"):
+        shape["head_dim"] = model_config["hidden_size"] // model_config["num_attention_heads"]
+    key = {"torch": torch.__version__, "dtype": dtype, "device": kind, **shape}
+    if kind == "cuda" and torch.cuda.is_available():
+        key["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir()) / "batchscore" / f"compiled-layers-{digest}.json"
+
+
+def read_compile_record(model_config: dict, dtype: str, device: str) -> dict | None:
+    """The record of an earlier compile of these layers here, or None."""
+    try:
+        return json.loads(compile_record(model_config, dtype, device).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+_RECORDED_IN_THIS_PROCESS: set[Path] = set()
+
+
+def write_compile_record(model_config: dict, dtype: str, device: str, seconds: float) -> None:
+    """Record a compile that took `seconds`: the first as cold, a later one as warm (the record
+    existed, so inductor's cache held these layers). Only a process's first compile of the layers
+    counts: later ones reuse dynamo's code in memory, which a new process does not have. Best
+    effort: an unwritable cache is skipped."""
+    path = compile_record(model_config, dtype, device)
+    if path in _RECORDED_IN_THIS_PROCESS:
+        return
+    _RECORDED_IN_THIS_PROCESS.add(path)
+    earlier = read_compile_record(model_config, dtype, device)
+    record = {"cold_seconds": seconds} if earlier is None else {**earlier, "warm_seconds": seconds}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+    except OSError as exc:
+        log.debug("engine.compile: could not record the compile in %s: %s", path, exc)
 
 
 def eager_flops_per_second(device: str, dtype: str) -> float:
@@ -129,6 +200,7 @@ class LayerCompilation:
         self.after_tokens = after_tokens
         self.tokens = 0
         self.state = "pending"  # pending | compiled | eager (torch.compile does not work here)
+        self.seconds = 0.0  # the compile and its warm-up pass, once compiled
         self._hook = None
         if after_tokens > 0:
             self._hook = model.get_decoder().register_forward_pre_hook(self._count, with_kwargs=True)
@@ -155,6 +227,7 @@ class LayerCompilation:
         `COMPILED_ATTN_IMPLEMENTATION` and switches the model to it; wraps each layer's call with
         `nn.Module.compile`; the warm-up pass compiles (seconds, less with inductor's disk cache).
         """
+        started = time.perf_counter()  # the cost auto counts: the probe compile as well
         model = self._model()
         problem = compile_problem() if model is not None else "the model was freed"
         if problem is not None:
@@ -170,6 +243,10 @@ class LayerCompilation:
             layer.compile(dynamic=True)
         _warm_up(decoder)
         self.state = "compiled"
+        self.seconds = time.perf_counter() - started
+        parameter = next(model.parameters())
+        write_compile_record(model.config.to_dict(), str(parameter.dtype).removeprefix("torch."),
+                             str(parameter.device), self.seconds)
 
 
 def compile_decoder_layers(model: torch.nn.Module, when: bool | int = True) -> LayerCompilation:
@@ -197,5 +274,5 @@ def _warm_up(decoder: torch.nn.Module) -> None:
             cascade=CascadeBatch([part]))
 
 
-__all__ = ["COMPILED_ATTN_IMPLEMENTATION", "COMPILE_SECONDS", "LayerCompilation", "should_compile",
+__all__ = ["COMPILED_ATTN_IMPLEMENTATION", "COMPILE_SECONDS", "LayerCompilation", "compile_cost", "should_compile",
            "compile_problem", "compile_decoder_layers"]
