@@ -81,13 +81,15 @@ def test_compile_policy():
 def test_compile_is_decided_from_the_plan():
     """A short job stays eager, a long one compiles at start: where the estimated saving of the
     eager time passes the compile cost (the estimate's FLOP/s timed in this process)."""
-    from batchscore.engines.torch.compiled_layers import COMPILE_SECONDS, COMPILED_SAVING, eager_flops_per_second
+    from batchscore.engines.torch.compiled_layers import (
+        COMPILE_MARGIN, COMPILE_SECONDS, COMPILED_SAVING, eager_flops_per_second)
 
     rate = eager_flops_per_second("cpu", "bfloat16")
-    pays = COMPILE_SECONDS["cpu"] / COMPILED_SAVING["cpu"] * rate  # the FLOPs whose eager time's saving pays
-    short, why_short = should_compile(None, "bfloat16", "cpu", work_flops=pays / 4)
-    long, why_long = should_compile(None, "bfloat16", "cpu", work_flops=pays * 4)
-    assert (short, long) == (False, True)
+    breaks_even = COMPILE_SECONDS["cpu"] / COMPILED_SAVING["cpu"] * rate  # the FLOPs whose saving equals the cost
+    short, why_short = should_compile(None, "bfloat16", "cpu", work_flops=breaks_even / 4)
+    even = should_compile(None, "bfloat16", "cpu", work_flops=breaks_even * 1.1)[0]  # not a clear win
+    long, why_long = should_compile(None, "bfloat16", "cpu", work_flops=breaks_even * COMPILE_MARGIN * 1.5)
+    assert (short, even, long) == (False, False, True)
     assert "would save only" in why_short and "saves" in why_long and "TFLOP" in why_long
 
 

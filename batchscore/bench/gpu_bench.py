@@ -23,8 +23,9 @@ groups, degree 1, degree 16, decisions), each plain, eager and compiled, then MI
 and one table. Each row is printed (and written to `--json-out`) as soon as it is measured, and a
 failing shape does not stop the others. The last column projects the default `engine.compile:
 auto` onto a job of the row's shape lasting 5 minutes eagerly: its decision and the job's time
-from this check's own cold compile and rates (sized for at most ~8 minutes on an H100 with Llama-3.1-8B; `--scale` shrinks
-every length and count, e.g. to try it on a CPU with `--models tiny-llama`).
+from this check's own compile and rates. With Llama-3.1-8B it took 169 s on an H200, a 61 s compile
+included; `--scale` shrinks every length and count, e.g. to try it on a CPU with `--models
+tiny-llama`.
 
 Weights are random (`from_config`), so scores are meaningless but shapes, FLOPs and memory are
 the real model's. Example (on a GPU machine):
