@@ -161,6 +161,44 @@ def test_gpu_check_runs_every_shape_on_cpu(tmp_path):
     assert all(r["compile_seconds"] > 0 for r in rows)
 
 
+def test_attention_floor_times_the_kernel_and_its_products():
+    result = CliRunner().invoke(main_cli(), ["bench", "attention", "--queries", "64", "--keys", "48", "--repeats", "2"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split("|")[1].strip(): line for line in result.output.splitlines() if line.startswith("| ")}
+    assert {"engine's kernel (softmax included)", "QKᵀ alone", "PV alone", "both products, no softmax (floor)"} <= set(rows)
+    bad = CliRunner().invoke(main_cli(), ["bench", "attention", "--heads", "9", "--kv-heads", "4"])
+    assert bad.exit_code == 2 and "not a multiple" in bad.output
+
+
+def main_cli():
+    from batchscore.cli import main
+
+    return main
+
+
+def test_time_split_sorts_operators_by_kind():
+    """The profiler split: a matmul-heavy run is mostly matmuls, sdpa lands in attention, and the
+    four shares cover the wall time."""
+    import torch
+
+    from batchscore.bench.time_split import kind_of, time_split
+
+    assert kind_of("aten::mm") == "matmuls" and kind_of("aten::_scaled_dot_product_flash_attention_for_cpu") == \
+        "attention" and kind_of("aten::add") == "elementwise"
+    a = torch.randn(512, 512)
+    q = torch.randn(1, 4, 256, 64)
+
+    def work():
+        for _ in range(20):
+            a @ a
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    split = time_split(work)
+    shares = split.shares()
+    assert shares["matmuls"] > 0.3 and shares["attention"] > 0
+    assert sum(shares.values()) == pytest.approx(1.0)
+
+
 def test_flop_ideal_is_below_the_token_ideal_when_attention_matters():
     """Linear FLOPs scale with tokens, attention with query-key pairs: sharing a 2000-token prefix
     saves fewer FLOPs than tokens on a small model, and about as many on a wide one."""
@@ -205,7 +243,7 @@ def test_bench_commands_are_registered_and_production_does_not_import_them():
     from batchscore.cli import main
 
     names = {c.name for c in COMMANDS}
-    assert names == {"workloads", "plan", "engine", "vllm", "gpu", "mil", "scale", "placement", "dtype-parity",
+    assert names == {"workloads", "plan", "engine", "attention", "vllm", "gpu", "mil", "scale", "placement", "dtype-parity",
                      "specprefill", "labels", "decisions"}
     for name in sorted(names):
         result = CliRunner().invoke(main, ["bench", name, "--help"])

@@ -6,6 +6,7 @@ The modules import torch, transformers and vLLM only inside the commands, so `--
 
 from __future__ import annotations
 
+from batchscore.bench.attention_floor import attention
 from batchscore.bench.command import workloads
 from batchscore.bench.decisions_bench import decisions
 from batchscore.bench.dtype_parity import dtype_parity
@@ -19,7 +20,7 @@ from batchscore.bench.scale_bench import scale
 from batchscore.bench.specprefill import specprefill
 from batchscore.bench.vllm_bench import vllm
 
-COMMANDS = [workloads, plan, engine, vllm, gpu, mil, scale, placement, dtype_parity, specprefill, labels,
+COMMANDS = [workloads, plan, engine, attention, vllm, gpu, mil, scale, placement, dtype_parity, specprefill, labels,
             decisions]
 
 __all__ = ["COMMANDS"]
