@@ -142,7 +142,7 @@ def test_gpu_check_runs_every_shape_on_cpu(tmp_path):
     the engine exact against the plain forward, the MIL line saying it needs a GPU."""
     from click.testing import CliRunner
 
-    from batchscore.bench.gpu_bench import CHECK_SHAPES
+    from batchscore.bench.gpu_check import CHECK_SHAPES
     from batchscore.cli import main
 
     out = tmp_path / "check.json"

@@ -11,7 +11,7 @@ from batchscore.bench.command import workloads
 from batchscore.bench.decisions_bench import decisions
 from batchscore.bench.dtype_parity import dtype_parity
 from batchscore.bench.engine_bench import engine
-from batchscore.bench.gpu_bench import gpu
+from batchscore.bench.gpu_command import gpu
 from batchscore.bench.labels_bench import labels
 from batchscore.bench.mil_bench import mil
 from batchscore.bench.placement_bench import placement

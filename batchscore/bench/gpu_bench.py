@@ -18,7 +18,7 @@ Two parts, one process, one GPU:
 With `--compile`, the engine runs a third time with its decoder layers compiled (torch.compile,
 as `engine.compile: true`), in the same run after the eager sides (compilation is in place).
 
-`--check`: the one short GPU check — on the first model, the shapes of `CHECK_SHAPES` (many small
+`--check` (gpu_check.py): the one short GPU check — on the first model, the shapes of `CHECK_SHAPES` (many small
 groups, degree 1, degree 16, decisions), each plain, eager and compiled, then MIL at 32k tokens,
 and one table. Each row is printed (and written to `--json-out`) as soon as it is measured, and a
 failing shape does not stop the others. The last column projects the default `engine.compile:
@@ -36,7 +36,6 @@ the real model's. Example (on a GPU machine):
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -44,21 +43,10 @@ from functools import partial
 import click
 import numpy as np
 
-from batchscore.bench.common import int_list
 from batchscore.bench.results import Throughput
-from batchscore.engines.shape import DTYPE_BYTES, forward_flops
+from batchscore.engines.shape import forward_flops
 
 GIB = 2**30
-# --check: (shape, prefix, distinct, degree, requests), each timed plain, eager and compiled
-# (most telling first: a check cut short still answers the questions that matter most)
-CHECK_SHAPES = (
-    ("small groups", 400, 15, 5, 1000),  # a news-topic job: articles × 5 short topic questions
-    ("degree 1", 2000, 200, 1, 64),
-    ("degree 16", 2000, 200, 16, 256),
-    ("decisions", 1000, 30, 8, 512),  # 64 states × 8 questions
-)
-CHECK_AUTO_EAGER_SECONDS = 300.0  # the job `engine.compile: auto` is projected for: 5 minutes eager
-CHECK_MIL_TOKENS = 32768
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM parts
 
 # Public model configs (shapes only). `tiny-llama` is for checking the script on a CPU.
@@ -311,100 +299,6 @@ def mil_points(name: str, device: str, dtype_name: str, lengths: list[int], hybr
     }
 
 
-def check_rows(name: str, device: str, dtype_name: str, token_budget: int, plain_batch: int,
-               scale: float = 1.0, on_row=None) -> list[dict]:
-    """`--check`'s throughput rows: every shape of CHECK_SHAPES (lengths and counts × `scale`),
-    plain, eager and compiled; each row a `ModelThroughput.to_dict()` plus its shape and FLOP ideal,
-    or {"shape", "error"} when that shape failed (the others still run). `on_row(row)` is called
-    as each row is done, so a check cut short keeps what it measured."""
-    rows = []
-    for shape, prefix, distinct, degree, requests in CHECK_SHAPES:
-        prefix, distinct = max(1, round(prefix * scale)), max(1, round(distinct * scale))
-        requests = max(degree, round(requests * scale) // degree * degree)
-        click.echo(f"check {shape}: prefix {prefix}, distinct {distinct}, degree {degree}, {requests} requests")
-        try:
-            result = throughput(name, device, dtype_name, requests, prefix, distinct, degree, token_budget,
-                                plain_batch, compile_layers=True)
-            record = {"shape": shape, **result.to_dict(), "flop_ideal": result.plain.flops / result.engine.flops,
-                      "plain_seconds": result.plain.seconds, "eager_seconds": result.engine.seconds,
-                      "compiled_seconds": result.compiled.seconds, "engine_flops": result.engine.flops}
-        except Exception as exc:  # noqa: BLE001 - one failing shape must not lose the others' numbers
-            import traceback
-
-            traceback.print_exc()
-            record = {"shape": shape, "error": f"{type(exc).__name__}: {exc}"}
-        _free_device_memory(device)
-        rows.append(record)
-        if on_row is not None:
-            on_row(record)
-    return rows
-
-
-def _free_device_memory(device: str) -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-def auto_projection(rows: list[dict], device: str, dtype_name: str, model_config: dict | None = None,
-                    eager_seconds: float = CHECK_AUTO_EAGER_SECONDS) -> None:
-    """Adds to each measured row what the default `engine.compile: auto` would do on a job of that
-    shape lasting `eager_seconds` eagerly (the row's work scaled up): its decision, and the job's
-    projected time from this check's own measurements — the cold compile (the longest compile of
-    the check: the first one, before dynamo and inductor reuse it) plus the compiled rate, or the
-    eager rate — as a fraction of the FLOP ideal and against staying eager. `model_config` (None:
-    decide as with a cold inductor cache) lets the decision find an earlier compile's record."""
-    from batchscore.engines.torch.compiled_layers import should_compile
-
-    measured = [r for r in rows if "error" not in r]
-    cold_compile = max((r["compile_seconds"] for r in measured), default=0.0)
-    for r in measured:
-        times = eager_seconds / r["eager_seconds"]
-        compiles, why = should_compile(None, dtype_name, device, work_flops=r["engine_flops"] * times,
-                                       model_config=model_config)
-        seconds = cold_compile + r["compiled_seconds"] * times if compiles else eager_seconds
-        r["auto"] = {"eager_seconds": eager_seconds, "compiles": compiles, "why": why, "cold_compile_s": cold_compile,
-                     "projected_seconds": seconds,
-                     "fraction_of_ideal": r["plain_seconds"] * times / seconds / r["flop_ideal"],
-                     "vs_eager": eager_seconds / seconds}
-
-
-def check_table(rows: list[dict], mil: dict | None) -> list[str]:
-    """`--check`'s one table (markdown), then the MIL line."""
-    lines = ["| shape | plain req/s | eager × plain | compiled × plain | FLOP ideal | eager: fraction of ideal "
-             "| compiled: fraction of ideal | eager TFLOP/s | compiled TFLOP/s | plain TFLOP/s | max abs dP "
-             "| auto, 5-min job: fraction of ideal (vs eager) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(check_line(r))
-    if mil is None:
-        lines.append("MIL: measured on a GPU only (activation peaks from torch.cuda)")
-    else:
-        ratio = mil["activation_ratio_at_longest"]
-        lines.append(f"MIL at N={max(p['tokens'] for p in mil['points']['hybrid'])}: activation plain/hybrid "
-                     + (f"{ratio:.2f}x" if ratio else "no ratio (out of memory)")
-                     + f"; longest prompt in the hybrid peak: plain {mil['mil']['plain']}, hybrid {mil['mil']['hybrid']}")
-    return lines
-
-
-def check_line(r: dict) -> str:
-    """One row of `--check`'s table."""
-    if "error" in r:
-        return f"| {r['shape']} | failed: {r['error'][:200]} |"
-    auto = r.get("auto")
-    projected = ("-" if auto is None else f"{'compiles' if auto['compiles'] else 'eager'}: "
-                 f"{auto['fraction_of_ideal']:.2f} ({auto['vs_eager']:.2f}x)")
-    return (f"| {r['shape']} | {r['plain_req_s']:.2f} | {r['speedup']:.2f}x | {r['compiled_speedup']:.2f}x "
-            f"| {r['flop_ideal']:.2f}x | {r['speedup'] / r['flop_ideal']:.2f} "
-            f"| {r['compiled_speedup'] / r['flop_ideal']:.2f} | {r['engine_tflops']:.1f} "
-            f"| {r['compiled_tflops']:.1f} | {r['plain_tflops']:.1f} "
-            f"| {max(r['max_abs_dp'], r['compiled_max_abs_dp']):.1e} | {projected} |")
-
-
 def check_attention(device: str, dtype_name: str) -> float:
     """Max |difference| of `attention_with_lse` (the engine's kernel path) vs float32 math, GQA shapes,
     causal and not; raises when it is off by more than the dtype allows."""
@@ -430,138 +324,3 @@ def gpu_name(device: str) -> str:
     import torch
 
     return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-
-
-@click.command("gpu")
-@click.option("--models", default="llama-3.1-8b,qwen-2.5-7b", show_default=True,
-              help=f"Comma-separated model shapes: {', '.join(CONFIGS)}.")
-@click.option("--device", default="cuda", show_default=True)
-@click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="bfloat16", show_default=True)
-@click.option("--requests", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--prefix", type=click.IntRange(min=1), default=2000, show_default=True)
-@click.option("--distinct", type=click.IntRange(min=1), default=200, show_default=True)
-@click.option("--degree", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--token-budget", type=click.IntRange(min=16), default=16384, show_default=True)
-@click.option("--plain-batch", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Full prompts per plain forward.")
-@click.option("--mil-lengths", default="", callback=int_list,
-              help="Comma-separated prompt lengths for the MIL part (empty: skip).")
-@click.option("--hybrid-chunk", type=click.IntRange(min=16), default=2048, show_default=True)
-@click.option("--budget-gib", type=float, default=None, help="Activation budget for the MIL search.")
-@click.option("--resolution", type=click.IntRange(min=1), default=4096, show_default=True)
-@click.option("--compile", "compile_layers", is_flag=True,
-              help="Also time the engine with torch.compile'd decoder layers (engine.compile: true), same run.")
-@click.option("--time-split", "split", is_flag=True,
-              help="Also profile each side once more and print where its time goes (matmuls, attention, "
-                   "elementwise, GPU idle).")
-@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
-@click.option("--check", is_flag=True,
-              help="The one short GPU check on the first model: degree 16, degree 1, small groups and decisions "
-                   "shapes (plain, eager, compiled) and MIL at 32k, one table.")
-@click.option("--scale", type=click.FloatRange(min=0.0, min_open=True, max=1.0), default=1.0, show_default=True,
-              help="--check: multiply every length and count (to try the check on a CPU).")
-def gpu(models, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, mil_lengths,
-        hybrid_chunk, budget_gib, resolution, compile_layers, split, json_out, check, scale) -> None:
-    """Torch engine vs plain forward on random-weight 7–8B models (MFU), and MIL with/without hybrid.
-
-    Example (on a GPU machine):
-
-        batchscore bench gpu --models llama-3.1-8b,qwen-2.5-7b --requests 128 --mil-lengths 8192,32768,131072
-
-        batchscore bench gpu --check --models llama-3.1-8b
-    """
-    import torch
-
-    names = [n for n in models.split(",") if n]
-    name_of_gpu = gpu_name(device)
-    measured = measured_matmul_tflops(device) if device.startswith("cuda") else None
-    datasheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name_of_gpu), None)
-    click.echo(f"device {name_of_gpu}, torch {torch.__version__}, {dtype}; bf16 matmul measured "
-               f"{measured or 0:.0f} TFLOP/s, datasheet {datasheet or 'unknown'}")
-    click.echo(f"attention kernel vs float32 math (GQA, causal and not): max |diff| {check_attention(device, dtype):.1e}")
-    if check:
-        started = time.perf_counter()
-        header = {"device": name_of_gpu, "torch": torch.__version__, "dtype": dtype, "model": names[0],
-                  "token_budget": token_budget, "measured_bf16_tflops": measured}
-
-        def save(rows: list[dict], mil: dict | None = None) -> None:
-            if json_out:
-                with open(json_out, "w") as out:
-                    json.dump({**header, "check": rows, "mil": mil}, out, indent=2)
-
-        done: list[dict] = []
-
-        def row_done(row: dict) -> None:
-            done.append(row)
-            click.echo(f"check row {check_line(row)}")
-            save(done)
-
-        from batchscore.engines.torch.compiled_layers import read_compile_record
-
-        config = config_of(names[0])
-        warm = read_compile_record(config, dtype, device) is not None  # before this check compiles
-        click.echo(f"inductor cache: {'warm (these layers were compiled here before)' if warm else 'cold'}")
-        rows = check_rows(names[0], device, dtype, token_budget, plain_batch, scale, on_row=row_done)
-        auto_projection(rows, device, dtype, config if warm else None)
-        mil = None
-        if device.startswith("cuda"):
-            try:
-                mil = mil_points(names[0], device, dtype, [max(64, round(CHECK_MIL_TOKENS * scale))], hybrid_chunk,
-                                 None, resolution)
-            except Exception as exc:  # noqa: BLE001 - keep the throughput table
-                click.echo(f"MIL failed: {type(exc).__name__}: {exc}", err=True)
-        click.echo(f"\n{names[0]} on {name_of_gpu}, {dtype}, token budget {token_budget}, "
-                   f"{time.perf_counter() - started:.0f} s:")
-        for line in check_table(rows, mil):
-            click.echo(line)
-        for r in rows:
-            if "auto" in r:
-                click.echo(f"auto on a {r['auto']['eager_seconds']:.0f}-s {r['shape']} job: {r['auto']['why']}")
-        save(rows, mil)
-        if any("error" in r for r in rows):
-            raise click.ClickException("some shapes failed (see above)")
-        return
-    splits: list | None = [] if split else None
-    results = [throughput(n, device, dtype, requests, prefix, distinct, degree, token_budget, plain_batch, compile_layers,
-                          splits) for n in names]
-    if splits:
-        from batchscore.bench.time_split import markdown
-
-        click.echo("\nwhere the time goes (torch.profiler" + (", device time; overhead = GPU idle)" if
-                                                             device.startswith("cuda") else ")"))
-        for line in markdown(splits):
-            click.echo(line)
-    click.echo("")
-    click.echo("| model | plain req/s | engine req/s | speedup | ideal | fraction of ideal | engine TFLOP/s | "
-               "MFU (datasheet) | MFU (measured matmul) | plain TFLOP/s | max abs dP |")
-    click.echo("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in (result.to_dict() for result in results):
-        mfu_d = f"{r['engine_tflops'] / datasheet:.1%}" if datasheet else "-"
-        mfu_m = f"{r['engine_tflops'] / measured:.1%}" if measured else "-"
-        click.echo(f"| {r['model']} | {r['plain_req_s']:.2f} | {r['engine_req_s']:.2f} | {r['speedup']:.2f}x "
-                   f"| {r['ideal_speedup']:.2f}x | {r['fraction_of_ideal']:.2f} | {r['engine_tflops']:.0f} | {mfu_d} "
-                   f"| {mfu_m} | {r['plain_tflops']:.0f} | {r['max_abs_dp']:.1e} |")
-        if "compiled_req_s" in r:
-            mfu_d = f"{r['compiled_tflops'] / datasheet:.1%}" if datasheet else "-"
-            mfu_m = f"{r['compiled_tflops'] / measured:.1%}" if measured else "-"
-            click.echo(f"| {r['model']} + compile | {r['plain_req_s']:.2f} | {r['compiled_req_s']:.2f} "
-                       f"| {r['compiled_speedup']:.2f}x | {r['ideal_speedup']:.2f}x | {r['compiled_fraction_of_ideal']:.2f} "
-                       f"| {r['compiled_tflops']:.0f} | {mfu_d} | {mfu_m} | {r['plain_tflops']:.0f} "
-                       f"| {r['compiled_max_abs_dp']:.1e} |")
-    mil = None
-    if mil_lengths:
-        mil = mil_points(names[0], device, dtype, mil_lengths, hybrid_chunk, budget_gib, resolution)
-        ratio = mil["activation_ratio_at_longest"]
-        click.echo(f"MIL {mil['model']}: activation ratio plain/hybrid at N={mil_lengths[-1]}: "
-                   f"{ratio:.2f}x" if ratio else "MIL: no ratio (out of memory)")
-        click.echo(f"  longest prompt within {mil['budget_bytes'] / GIB:.2f} GiB of activations: "
-                   f"plain {mil['mil']['plain']}, hybrid {mil['mil']['hybrid']}")
-    if json_out:
-        with open(json_out, "w") as out:
-            json.dump({"device": name_of_gpu, "torch": torch.__version__, "dtype": dtype,
-                       "measured_bf16_tflops": measured, "datasheet_bf16_tflops": datasheet,
-                       "throughput": [r.to_dict() for r in results], "mil": mil}, out, indent=2)
-
-
-if __name__ == "__main__":
-    gpu()
