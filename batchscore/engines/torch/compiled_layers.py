@@ -24,11 +24,11 @@ the FLOP ideal eager, 1.03 compiled) are candidates; for them the plan's FLOPs o
 engine's estimated FLOP/s (`EAGER_GEMM_SHARE` of a GEMM peak timed in the process) give the eager
 time, and the layers are compiled when `COMPILED_SAVING` of it exceeds `COMPILE_SECONDS` — so a
 short job never waits for a compiler, and a long one compiles from its first token instead of
-running eagerly for minutes first. The compile cost counted is a cold one until this machine has
-compiled the same layer shapes before: each compile leaves a small record beside inductor's cache
-(`compile_record`), and with it the cost is the warm one; the estimated saving must beat the cost
-by `COMPILE_MARGIN` (inductor's cache turns minutes into
-seconds: the next night's job compiles where tonight's would not have paid). `engine.compile: true` compiles at engine start, `false` never.
+running eagerly for minutes first. The estimated saving must beat the cost by `COMPILE_MARGIN`.
+The cost counted is a cold compile's until this machine has compiled the same layer shapes: each
+compile leaves a small record beside inductor's cache (`compile_record`), and from then on the
+cost is a warm compile's (inductor's cache cuts it: the next night's job may compile where
+tonight's would not have paid). `engine.compile: true` compiles at engine start, `false` never.
 float32 stays eager unless asked for (within 1e-6 of eager on the sample model). Hybrid
 prefilling drives the layers itself and is never compiled.
 """
@@ -105,7 +105,8 @@ def should_compile(requested: bool | None, dtype: str, device: str, hybrid: bool
     saving, (cost, cache) = eager * COMPILED_SAVING[kind], compile_cost(model_config, dtype, device)
     estimate = f"the plan's {work_flops / 1e12:,.2f} TFLOP take ~{eager:,.0f} s eager on {where}"
     if saving > cost * COMPILE_MARGIN:
-        return True, f"compiled layers (auto: {estimate}; compiling, ~{cost:.0f} s with {cache}, saves ~{saving:,.0f} s)"
+        return True, (f"compiled layers (auto: {estimate}; compiling, ~{cost:.0f} s with {cache}, "
+                      f"saves ~{saving:,.0f} s)")
     return False, (f"eager layers (auto: {estimate}; compiling, ~{cost:.0f} s with {cache}, "
                    f"would save only ~{saving:,.0f} s)")
 
