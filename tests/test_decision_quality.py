@@ -248,6 +248,23 @@ def test_a_real_run_writes_batch_calibrated_columns_of_its_own_raw_columns(batch
     assert table["team.choice"] == [team.options[i] for i in cal.argmax(axis=1)]
 
 
+def test_the_report_of_a_real_run_reads_each_question_and_its_calibration(batch_run):
+    """`batchscore report` on the questions output: one section per question, the answered counts,
+    the out-of-scope counts of the output's own columns and the summary's ECE before and after."""
+    from batchscore.report.questions import read_questions
+
+    result = CliRunner().invoke(main, ["report", str(batch_run / "out.parquet")])
+    assert result.exit_code == 0, result.output
+    html = (batch_run / "out.parquet.report.html").read_text()
+    table = pq.read_table(batch_run / "out.parquet")
+    summary = json.loads((batch_run / "out.parquet.complete.json").read_text())["summary"]
+    for question in read_questions(table):
+        assert f'id="q-{question.key}"' in html and question.answered == 12
+        assert question.out_of_scope == sum(table.column(f"{question.key}.out_of_scope").to_pylist())
+        info = summary["calibration"]["questions"][question.key]
+        assert f"{info['before']['ece']:.4f} → {info['after']['ece']:.4f}" in html
+
+
 @pytest.mark.slow  # a second real run
 def test_calibrate_from_reuses_the_fitted_values(batch_run, tmp_path):
     path = write_job(tmp_path, score={"calibrate": "batch"}, calibrate={"from": str(batch_run / "out.parquet")})

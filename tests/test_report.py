@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from batchscore.cli import main
 from batchscore.errors import EXIT_ERROR_RATE, EXIT_INPUT
 from batchscore.output.table import results_table
-from batchscore.report import load_output, write_report
+from batchscore.report import ReportError, load_output, write_report
 from batchscore.report.drift import PSI_EPSILON, bin_shares, compare, psi
 from batchscore.report.html import SECTION_IDS
 from batchscore.report.stats import error_kind, error_kinds
@@ -409,3 +409,54 @@ def test_quality_section_of_labels_matplotlib_would_read_as_tex(tmp_path):
     assert result.exit_code == 0, result.output
     quality = " ".join(_Page((tmp_path / "r.html").read_text()).sections["quality"].split())
     assert "accuracy 66.7%" in quality and "$x^$ 1 0 No 1 1" in quality  # c said $x^$, truly No
+
+
+# ---------------------------------------------------------------------------- questions outputs
+
+def questions_table() -> pa.Table:
+    """A questions job's output: a choice, a yes/no and a score question; record d's team failed."""
+    return pa.table({
+        "id": ["a", "b", "c", "d"],
+        "team.choice": ["billing", "billing", "shipping", None],
+        "team.p.billing": [0.7, 0.6, 0.2, None], "team.p.shipping": [0.3, 0.4, 0.8, None],
+        "team.confidence": [0.5, 0.3, 0.7, None], "team.label_mass": [0.9, 0.4, 0.8, None],
+        "team.argmax_is_label": [True, False, True, None], "team.needs_review": [False, True, False, None],
+        "team.status": ["ok", "ok", "ok", "error"], "team.error": [None, None, None, "not scored: boom"],
+        "refund.p_yes": [0.9, 0.2, 0.6, 0.4], "refund.confidence": pa.array([None] * 4, pa.float64()),
+        "refund.label_mass": [0.95] * 4, "refund.argmax_is_label": [True] * 4,
+        "refund.status": ["ok"] * 4, "refund.error": pa.array([None] * 4, pa.string()),
+        "mood.score": [0.2, 1.9, 1.1, 0.4], "mood.p.0": [0.8, 0.05, 0.1, 0.6], "mood.p.1": [0.2, 0.05, 0.7, 0.4],
+        "mood.p.2": [0.0, 0.9, 0.2, 0.0], "mood.confidence": [0.6, 0.8, 0.5, 0.2],
+        "mood.label_mass": [0.9, 0.9, 0.9, 0.3], "mood.argmax_is_label": [True, True, True, False],
+        "mood.status": ["ok"] * 4, "mood.error": pa.array([None] * 4, pa.string()),
+        "status": ["ok", "ok", "ok", "error"], "error": [None, None, None, "team: not scored: boom"]})
+
+
+def test_a_questions_output_is_read_question_by_question():
+    from batchscore.report.questions import read_questions
+
+    team, refund, mood = read_questions(questions_table())
+    assert (team.key, team.kind, team.answered, team.failed) == ("team", "choice", 3, 1)
+    assert team.answers == {"billing": 2, "shipping": 1} and team.errors == {"not scored: boom": 1}
+    assert (team.low_mass, team.top_not_answer, team.needs_review, team.out_of_scope) == (1, 1, 1, None)
+    assert team.sureness.tolist() == [0.5, 0.3, 0.7]
+    assert (refund.kind, refund.answers, refund.answered) == ("yes/no", {"yes": 2, "no": 2}, 4)
+    assert refund.sureness.tolist() == [0.9, 0.2, 0.6, 0.4]  # P(yes): TypeSafe gives yes/no no confidence
+    assert (mood.kind, mood.answers) == ("score", {"0": 2, "2": 1, "1": 1})  # the most probable level
+    assert (mood.low_mass, mood.top_not_answer) == (1, 1)
+
+
+def test_report_of_a_questions_output_has_a_section_per_question(tmp_path):
+    path = tmp_path / "decisions.parquet"
+    pq.write_table(questions_table(), path)
+    metrics = {"calibration": {"questions": {"team": {"before": {"ece": 0.2, "brier": 0.3}, "after": {
+        "ece": 0.05, "brier": 0.25}, "eval_rows": 3, "truth_column": "true_team", "source": "batch"}}}}
+    html = write_report(path, metrics=metrics).read_text()
+    for key in ("team", "refund", "mood"):
+        assert f'id="q-{key}"' in html
+    assert "0.2000 → 0.0500" in html and "(failed)" in html and "not scored: boom" in html
+    with pytest.raises(ReportError, match="--previous"):
+        write_report(path, previous=path)
+    result = CliRunner().invoke(main, ["report", str(path)])  # no run summary beside it: still a report
+    assert result.exit_code == 0, result.output
+    assert 'id="q-mood"' in (tmp_path / "decisions.parquet.report.html").read_text()

@@ -3,7 +3,8 @@
     write_report("out/2026-01-02.parquet", previous="out/2026-01-01.parquet")
 
 Computation lives in `stats` and `drift` (numpy only); `html` draws the plots (matplotlib,
-optional: `pip install 'batchscore[report]'`) and writes the page.
+optional: `pip install 'batchscore[report]'`) and writes the page. A questions job's output
+(`<id>.…` columns per question) gets its own page, `questions`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 from batchscore.errors import ReportError, ReportUnavailable
 from batchscore.io.storage import as_path
 from batchscore.output.layout import OutputFiles
-from batchscore.report.data import ScoredOutput, find_metrics, load_metrics, load_output, metrics_candidates
+from batchscore.report.data import (ScoredOutput, find_metrics, load_metrics, load_output, metrics_candidates,
+                                    read_questions_output)
 
 __all__ = ["write_report", "default_report_path", "require_matplotlib", "ReportError", "ReportUnavailable",
            "ScoredOutput", "load_output"]
@@ -54,8 +56,6 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
     from batchscore.report.html import render, write_html
     from batchscore.report.quality import truth_column
 
-    current = load_output(output, id_column)
-    before = load_output(previous, id_column or current.id_column) if previous is not None else None
     if isinstance(metrics, dict):
         metrics_data, note = metrics, "this run's summary"
     elif metrics is not None:
@@ -66,5 +66,15 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
                                          "next to it (looked for " + ", ".join(
                                              p.name for p in metrics_candidates(output)) + ")")
     target = as_path(html_path) if html_path is not None else default_report_path(output)
+    questions_output = read_questions_output(output)
+    if questions_output is not None:  # a questions job: one section per question
+        from batchscore.report.questions import render_questions
+
+        if previous is not None or truth is not None:
+            raise ReportError("the report of a questions output has no drift or truth section yet: "
+                              "leave out --previous and --truth (per-question calibration is read from the run summary)")
+        return write_html(render_questions(as_path(output), questions_output, metrics_data, note), target)
+    current = load_output(output, id_column)
+    before = load_output(previous, id_column or current.id_column) if previous is not None else None
     truth = truth_column(current, truth, metrics_data)
     return write_html(render(current, before, metrics_data, note, truth), target)

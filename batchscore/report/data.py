@@ -96,6 +96,21 @@ def load_output(path: str | os.PathLike, id_column: str | None = None) -> Scored
     )
 
 
+def question_keys(names: list[str]) -> list[str]:
+    """The question ids of a questions output, in column order ([] for another output)."""
+    return [n[: -len(".status")] for n in names if n.endswith(".status") and n != "status"]
+
+
+def read_questions_output(path: str | os.PathLike):
+    """The table of a questions job's output (its `<id>.status` columns), or None for another
+    output. Raises ReportError for a missing or unreadable file."""
+    path = as_path(path)
+    if file_size(path) is None:
+        raise ReportError(f"output not found: {path}")
+    table = _read_table(path)
+    return table if question_keys(table.column_names) else None
+
+
 def _read_table(path: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -1,0 +1,167 @@
+"""The report of a questions job's output (`questions:` in the job, `<id>.…` columns per question).
+
+One section per question, numbers first: how many records it answered and how many failed, the
+answers' distribution, how sure the model was, the signs of a prompt the model did not follow
+(label mass under one half: most of its probability went to tokens that are no answer; the top
+token not an answer at all), the records routed to review or marked out of scope, and the
+calibration the run summary recorded. Columns are found by name (output/decisions.py writes
+them): a question is every `<id>.status` column beside the record's own `status`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from batchscore.report.data import question_keys
+from batchscore.report.page import escape, figure, img, num, pct, section, table
+
+LOW_MASS = 0.5  # label mass under this: the model mostly answered something else
+BINS = np.linspace(0.0, 1.0, 11)
+
+
+@dataclass
+class QuestionReport:
+    """What one question's columns say."""
+
+    key: str
+    kind: str  # choice | yes/no | score
+    records: int
+    answered: int
+    answers: dict[str, int]  # the answer (choice option, yes/no, most probable score level) -> records
+    sureness: np.ndarray  # per answered record: confidence (choice, score) or P(yes) (yes/no)
+    low_mass: int
+    top_not_answer: int
+    needs_review: int | None = None
+    out_of_scope: int | None = None
+    errors: dict[str, int] = field(default_factory=dict)  # error message -> records
+
+    @property
+    def failed(self) -> int:
+        return self.records - self.answered
+
+
+def read_questions(table) -> list[QuestionReport]:
+    """Each question's report from the output table."""
+    names = set(table.column_names)
+    values = {name: table.column(name).to_pylist() for name in table.column_names}
+    return [_question(key, names, values, table.num_rows) for key in question_keys(table.column_names)]
+
+
+def _question(key: str, names: set[str], values: dict[str, list], rows: int) -> QuestionReport:
+    ok = np.array([s == "ok" for s in values[f"{key}.status"]])
+    mass = np.array([np.nan if v is None else v for v in values[f"{key}.label_mass"]], dtype=float)
+    top_is_answer = values.get(f"{key}.argmax_is_label", [None] * rows)
+    answers: dict[str, int] = {}
+    if f"{key}.choice" in names:
+        kind, picked = "choice", values[f"{key}.choice"]
+    elif f"{key}.p_yes" in names:
+        column = f"{key}.p_cal.yes" if f"{key}.p_cal.yes" in names else f"{key}.p_yes"
+        kind, picked = "yes/no", [None if p is None else ("yes" if p >= 0.5 else "no") for p in values[column]]
+    else:
+        levels = sorted((n for n in names if n.startswith(f"{key}.p.")), key=lambda n: int(n.rsplit(".", 1)[1]))
+        p = np.array([[np.nan if v is None else v for v in values[n]] for n in levels], dtype=float).T
+        kind = "score"
+        picked = [None if np.isnan(row).any() else str(int(np.argmax(row))) for row in p]
+    for answer, good in zip(picked, ok):
+        if good and answer is not None:
+            answers[answer] = answers.get(answer, 0) + 1
+    sure_column = f"{key}.p_yes" if kind == "yes/no" else f"{key}.confidence"
+    sureness = np.array([v for v, good in zip(values[sure_column], ok) if good and v is not None], dtype=float)
+    errors: dict[str, int] = {}
+    for message, good in zip(values[f"{key}.error"], ok):
+        if not good:
+            errors[str(message)] = errors.get(str(message), 0) + 1
+    counted = {flag: int(sum(1 for v, good in zip(values[f"{key}.{flag}"], ok) if good and v))
+               for flag in ("needs_review", "out_of_scope") if f"{key}.{flag}" in names}
+    return QuestionReport(
+        key=key, kind=kind, records=rows, answered=int(ok.sum()), answers=answers, sureness=sureness,
+        low_mass=int(np.sum(ok & (mass < LOW_MASS))),
+        top_not_answer=int(sum(1 for v, good in zip(top_is_answer, ok) if good and v is False)),
+        needs_review=counted.get("needs_review"), out_of_scope=counted.get("out_of_scope"), errors=errors)
+
+
+def render_questions(path: Path, output, metrics: dict | None, metrics_note: str) -> str:
+    """The whole HTML document for a questions output (`output`: its table)."""
+    from matplotlib import rc_context
+
+    from batchscore.report.html import _CSS, _PLAIN_TEXT
+
+    questions = read_questions(output)
+    calibration = ((metrics or {}).get("calibration") or {}).get("questions") or {}
+    with rc_context(_PLAIN_TEXT):
+        sections = [_overview(output, questions, calibration, metrics_note)]
+        sections += [_question_section(q, calibration.get(q.key)) for q in questions]
+    title = f"batchscore report — {path.name}"
+    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    nav = "".join(f'<a href="#q-{escape(q.key)}">{escape(q.key)}</a>' for q in questions)
+    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f"<title>{escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+            f"<h1>{escape(title)}</h1>\n<p class=\"note\">{escape(str(path))}, generated {generated}</p>\n"
+            f"<nav><a href=\"#summary\">summary</a>{nav}</nav>\n" + "\n".join(sections) + "\n</body>\n</html>\n")
+
+
+def _overview(output, questions: list[QuestionReport], calibration: dict, metrics_note: str) -> str:
+    statuses = output.column("status").to_pylist() if "status" in output.column_names else []
+    failed = sum(1 for s in statuses if s != "ok")
+    rows = []
+    for q in questions:
+        top = max(q.answers.items(), key=lambda item: item[1], default=None)
+        rows.append((q.key, q.kind, f"{q.answered:,}", f"{q.failed:,}",
+                     "–" if top is None else f"{top[0]} ({pct(top[1] / q.answered)})",
+                     "–" if q.kind == "yes/no" or not len(q.sureness) else num(float(np.mean(q.sureness))),
+                     f"{q.low_mass:,}", f"{q.top_not_answer:,}",
+                     "–" if q.needs_review is None else f"{q.needs_review:,}",
+                     "–" if q.out_of_scope is None else f"{q.out_of_scope:,}",
+                     _ece(calibration.get(q.key))))
+    head = table(["", ""], [("records", f"{output.num_rows:,}"), ("records with a failed question", f"{failed:,}"),
+                            ("questions", ", ".join(q.key for q in questions)), ("run summary", metrics_note)],
+                 header=False)
+    return section("summary", "Summary", head, table(
+        ["question", "kind", "answered", "failed", "most common answer", "mean confidence",
+         f"label mass < {LOW_MASS}", "top token not an answer", "needs review", "out of scope",
+         "ECE before → after calibration"], rows,
+        note=f"Label mass under {LOW_MASS} or a top token that is no answer: the model mostly wanted to say "
+             "something else — read the prompt and the question's instructions for these records. "
+             "Needs review and out of scope: the output's own columns (output.review, output.out_of_scope)."))
+
+
+def _ece(info: dict | None) -> str:
+    if not info or not info.get("before"):
+        return "–"
+    after = info.get("after") or {}
+    return f"{num(info['before'].get('ece'), 4)} → {num(after.get('ece'), 4)}"
+
+
+def _question_section(q: QuestionReport, calibration: dict | None) -> str:
+    answers = (sorted(q.answers, key=int) if q.kind == "score"  # levels in order, others most common first
+               else sorted(q.answers, key=lambda a: (-q.answers[a], a)))
+    rows = [(a, f"{q.answers[a]:,}", pct(q.answers[a] / q.answered if q.answered else 0.0)) for a in answers]
+    rows.append(("(failed)", f"{q.failed:,}", pct(q.failed / q.records if q.records else 0.0)))
+    fig, (left, right) = figure(9, 2.6, 1, 2)
+    left.bar(answers + ["(failed)"], [q.answers[a] for a in answers] + [q.failed],
+             color=["#1f77b4"] * len(answers) + ["#bbbbbb"])
+    left.set_ylabel("records")
+    left.set_title("answers" + (" (most probable level)" if q.kind == "score" else ""), fontsize=9)
+    right.hist(q.sureness, bins=BINS, color="#2ca02c")
+    right.set_xlabel("P(yes)" if q.kind == "yes/no" else "confidence (TypeSafe)")
+    right.set_title("P(yes) per answered record" if q.kind == "yes/no" else "confidence per answered record",
+                    fontsize=9)
+    parts = [table(["answer", "records", "share"], rows), img(fig, f"answers and confidence of {q.key}")]
+    if q.errors:
+        parts.append(table(["error", "records"], sorted(((m, f"{n:,}") for m, n in q.errors.items()),
+                                                         key=lambda r: r[0])[:10]))
+    if calibration and calibration.get("before"):
+        measures = [m for m in ("ece", "brier", "nll", "accuracy") if m in calibration["before"]]
+        after = calibration.get("after") or {}
+        parts.append(table(["", *measures], [("before", *(num(calibration["before"][m], 4) for m in measures)),
+                                              ("after", *(num(after.get(m), 4) for m in measures))],
+                           note=f"calibration {calibration.get('source') or ''} on {calibration.get('eval_rows', 0):,}"
+                                f" held-out records with true answers ({calibration.get('truth_column')})"))
+    return section(f"q-{q.key}", f"{q.key} ({q.kind})", *parts)
+
+
+__all__ = ["QuestionReport", "read_questions", "render_questions"]
