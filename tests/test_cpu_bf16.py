@@ -116,6 +116,35 @@ def test_an_earlier_compile_here_makes_the_cost_a_warm_one(tmp_path, monkeypatch
     assert compile_cost({**config, "hidden_size": 128}, "bfloat16", "cpu")[1] == "a cold cache"
     assert compile_cost(config, "float32", "cpu")[1] == "a cold cache"
     assert compile_cost(None, "bfloat16", "cpu")[1] == "a cold cache"
+    assert compile_cost({**config, "num_key_value_heads": None, "num_attention_heads": 2}, "bfloat16", "cpu") == \
+        compile_cost({**config, "num_key_value_heads": 2, "num_attention_heads": 2}, "bfloat16", "cpu")
+
+
+def test_a_broken_compile_record_or_cache_never_fails_a_run(tmp_path, monkeypatch):
+    """A record that is not an object, a warm time that is not a number, a cache that cannot be
+    written: the cost is counted as without a record, and recording is skipped."""
+    from batchscore.engines.torch.compiled_layers import (
+        COMPILE_SECONDS, WARM_COMPILE_SECONDS, compile_cost, compile_record, write_compile_record)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_layers, "_RECORDED_IN_THIS_PROCESS", set())
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4}
+    path = compile_record(config, "bfloat16", "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text("[]")
+    assert compile_cost(config, "bfloat16", "cpu") == (COMPILE_SECONDS["cpu"], "a cold cache")
+    path.write_text('{"warm_seconds": "soon"}')
+    assert compile_cost(config, "bfloat16", "cpu") == (WARM_COMPILE_SECONDS["cpu"], "a warm cache")
+    path.write_text("not json")
+    write_compile_record(config, "bfloat16", "cpu", 12.0)  # an unreadable record is replaced
+    assert compile_cost(config, "bfloat16", "cpu") == (WARM_COMPILE_SECONDS["cpu"], "a warm cache")
+
+    def unwritable(*args):
+        raise PermissionError("read-only cache")
+
+    monkeypatch.setattr(compiled_layers, "compile_record", unwritable)
+    write_compile_record({**config, "hidden_size": 128}, "bfloat16", "cpu", 3.0)  # no exception
+    assert compile_cost(config, "bfloat16", "cpu") == (COMPILE_SECONDS["cpu"], "a cold cache")
 
 
 @pytest.mark.skipif(not cpu_bf16().native, reason="bfloat16 compiles by default only on a CPU with native bfloat16")
@@ -172,6 +201,9 @@ def test_lazy_compile_starts_after_the_token_count():
     model = tiny_model("llama")
     groups = make_groups(seed=5)
     reference = reference_log_probs(model, groups, LABELS)
+    record = compiled_layers.compile_record(model.config.to_dict(), "float32", "cpu")
+    record.unlink(missing_ok=True)  # this compile must write it (an earlier process's would pass too)
+    compiled_layers._RECORDED_IN_THIS_PROCESS.discard(record)
     engine = TorchEngine(model, token_budget=BUDGET, compile_layers=100)
     assert not engine.compiled
     assert _max_error(engine, reference, groups[:1]) <= 1e-5
@@ -179,7 +211,7 @@ def test_lazy_compile_starts_after_the_token_count():
     assert _max_error(engine, reference, groups) <= 1e-5
     assert engine.compiled and engine.compiled.tokens >= 100
     assert engine.compiled.seconds > 0  # and the compile is recorded for the next process's decision
-    assert compiled_layers.read_compile_record(model.config.to_dict(), "float32", "cpu") is not None
+    assert record.exists() and compiled_layers.read_compile_record(model.config.to_dict(), "float32", "cpu")
 
 
 @pytest.mark.slow  # another torch.compile build

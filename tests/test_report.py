@@ -457,6 +457,30 @@ def test_report_of_a_questions_output_has_a_section_per_question(tmp_path):
     assert "0.2000 → 0.0500" in html and "(failed)" in html and "not scored: boom" in html
     with pytest.raises(ReportError, match="--previous"):
         write_report(path, previous=path)
+    labels = tmp_path / "labels.parquet"  # a labels output with a kept `order.status` column keeps its report
+    pq.write_table(pa.table({"id": ["a"], "order.status": ["shipped"], "p_yes": [0.6], "p_no": [0.4],
+                             "label": ["yes"], "label_mass": [0.9], "status": ["ok"], "error": [None]}), labels)
+    assert 'id="label-distribution"' in write_report(labels).read_text()
     result = CliRunner().invoke(main, ["report", str(path)])  # no run summary beside it: still a report
     assert result.exit_code == 0, result.output
     assert 'id="q-mood"' in (tmp_path / "decisions.parquet.report.html").read_text()
+
+
+def test_question_columns_are_told_from_kept_columns_and_edge_cases_read():
+    """A kept `order.status` column makes no question; a predicate's answers follow its calibrated
+    true/false columns; a record that failed as a whole counts under its own error; no rows is fine."""
+    from batchscore.report.data import question_keys
+    from batchscore.report.questions import read_questions
+
+    assert question_keys(["id", "order.status", "p_yes", "p_no", "label", "status"]) == []
+    null = pa.array([None, None], pa.float64())
+    table = pa.table({
+        "id": ["a", "b"], "spam.p_yes": [0.7, None], "spam.p_cal.false": [0.9, None], "spam.p_cal.true": [0.1, None],
+        "spam.confidence": null, "spam.label_mass": [0.8, None], "spam.argmax_is_label": [True, None],
+        "spam.status": ["ok", None], "spam.error": pa.array([None, None], pa.string()),
+        "status": ["ok", "error"], "error": [None, "line 2: not JSON"]})
+    (spam,) = read_questions(table)
+    assert spam.answers == {"false": 1}  # calibrated P(true) 0.1, though the raw P(yes) is 0.7
+    assert spam.errors == {"line 2: not JSON": 1} and spam.failed == 1
+    (empty,) = read_questions(table.slice(0, 0))
+    assert (empty.answered, empty.answers, empty.low_mass) == (0, {}, 0)

@@ -16,7 +16,7 @@ from batchscore.errors import ReportError, ReportUnavailable
 from batchscore.io.storage import as_path
 from batchscore.output.layout import OutputFiles
 from batchscore.report.data import (ScoredOutput, find_metrics, load_metrics, load_output, metrics_candidates,
-                                    read_questions_output)
+                                    question_keys, read_output_table)
 
 __all__ = ["write_report", "default_report_path", "require_matplotlib", "ReportError", "ReportUnavailable",
            "ScoredOutput", "load_output"]
@@ -66,15 +66,15 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
                                          "next to it (looked for " + ", ".join(
                                              p.name for p in metrics_candidates(output)) + ")")
     target = as_path(html_path) if html_path is not None else default_report_path(output)
-    questions_output = read_questions_output(output)
-    if questions_output is not None:  # a questions job: one section per question
+    table = read_output_table(output)
+    if question_keys(table.column_names):  # a questions job: one section per question
         from batchscore.report.questions import render_questions
 
         if previous is not None or truth is not None:
             raise ReportError("the report of a questions output has no drift or truth section yet: "
                               "leave out --previous and --truth (per-question calibration is read from the run summary)")
-        return write_html(render_questions(as_path(output), questions_output, metrics_data, note), target)
-    current = load_output(output, id_column)
+        return write_html(render_questions(as_path(output), table, metrics_data, note), target)
+    current = load_output(output, id_column, table)
     before = load_output(previous, id_column or current.id_column) if previous is not None else None
     truth = truth_column(current, truth, metrics_data)
     return write_html(render(current, before, metrics_data, note, truth), target)

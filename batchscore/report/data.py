@@ -37,16 +37,17 @@ class ScoredOutput:
         return len(self.ids)
 
 
-def load_output(path: str | os.PathLike, id_column: str | None = None) -> ScoredOutput:
+def load_output(path: str | os.PathLike, id_column: str | None = None, table=None) -> ScoredOutput:
     """Read an output file: Parquet, JSON Lines, or an OpenAI Batch output (with the failed rows
     from its error file next to it, `<stem>.errors.jsonl`, if there). The labels are the `p_*`
     columns just before `label` (the writer's layout); the id column is `id_column` or the first
     column; the other columns are keep columns. Raises ReportError for a missing file or one that
-    is not a batchscore output."""
+    is not a batchscore output. `table`: the file's table when the caller has read it already."""
     path = as_path(path)
-    if file_size(path) is None:
-        raise ReportError(f"output not found: {path}")
-    table = _read_table(path)
+    if table is None:
+        if file_size(path) is None:
+            raise ReportError(f"output not found: {path}")
+        table = _read_table(path)
     names = table.column_names
     if layout.P_CHOICES in names and layout.LABEL not in names:
         raise ReportError(f"{path}: an output of per-row choices (input.choices_column); the report covers "
@@ -96,19 +97,24 @@ def load_output(path: str | os.PathLike, id_column: str | None = None) -> Scored
     )
 
 
+QUESTION_COLUMNS = (".status", ".error", ".label_mass", ".argmax_is_label")  # every question has these
+
+
 def question_keys(names: list[str]) -> list[str]:
-    """The question ids of a questions output, in column order ([] for another output)."""
-    return [n[: -len(".status")] for n in names if n.endswith(".status") and n != "status"]
+    """The question ids of a questions output, in column order ([] for another output; a kept
+    input column such as `order.status` alone makes no question)."""
+    present = set(names)
+    return [n[: -len(".status")] for n in names if n.endswith(".status") and n != "status"
+            and all(n[: -len(".status")] + suffix in present for suffix in QUESTION_COLUMNS)]
 
 
-def read_questions_output(path: str | os.PathLike):
-    """The table of a questions job's output (its `<id>.status` columns), or None for another
-    output. Raises ReportError for a missing or unreadable file."""
+def read_output_table(path: str | os.PathLike):
+    """The output's table (Parquet, JSON Lines or an OpenAI Batch output with its error file).
+    Raises ReportError for a missing or unreadable file."""
     path = as_path(path)
     if file_size(path) is None:
         raise ReportError(f"output not found: {path}")
-    table = _read_table(path)
-    return table if question_keys(table.column_names) else None
+    return _read_table(path)
 
 
 def _read_table(path: Path):

@@ -5,7 +5,8 @@ answers' distribution, how sure the model was, the signs of a prompt the model d
 (label mass under one half: most of its probability went to tokens that are no answer; the top
 token not an answer at all), the records routed to review or marked out of scope, and the
 calibration the run summary recorded. Columns are found by name (output/decisions.py writes
-them): a question is every `<id>.status` column beside the record's own `status`.
+them): a question is an `<id>` with `<id>.status`, `.error`, `.label_mass` and `.argmax_is_label`
+(`data.question_keys`). Answers follow calibration where the output has `<id>.p_cal.…` columns.
 """
 
 from __future__ import annotations
@@ -52,35 +53,42 @@ def read_questions(table) -> list[QuestionReport]:
 
 
 def _question(key: str, names: set[str], values: dict[str, list], rows: int) -> QuestionReport:
-    ok = np.array([s == "ok" for s in values[f"{key}.status"]])
+    status = values[f"{key}.status"]
+    ok = np.array([s == "ok" for s in status], dtype=bool)
     mass = np.array([np.nan if v is None else v for v in values[f"{key}.label_mass"]], dtype=float)
-    top_is_answer = values.get(f"{key}.argmax_is_label", [None] * rows)
     answers: dict[str, int] = {}
-    if f"{key}.choice" in names:
+    if f"{key}.choice" in names:  # follows calibration already
         kind, picked = "choice", values[f"{key}.choice"]
-    elif f"{key}.p_yes" in names:
-        column = f"{key}.p_cal.yes" if f"{key}.p_cal.yes" in names else f"{key}.p_yes"
-        kind, picked = "yes/no", [None if p is None else ("yes" if p >= 0.5 else "no") for p in values[column]]
+    elif f"{key}.p_yes" in names:  # noul (options yes, no) or predicate (false, true)
+        words = ("true", "false") if f"{key}.p_cal.true" in names else ("yes", "no")
+        calibrated = f"{key}.p_cal.{words[0]}"
+        column = calibrated if calibrated in names else f"{key}.p_yes"
+        kind = "yes/no"
+        picked = [None if p is None else (words[0] if p >= 0.5 else words[1]) for p in values[column]]
     else:
-        levels = sorted((n for n in names if n.startswith(f"{key}.p.")), key=lambda n: int(n.rsplit(".", 1)[1]))
-        p = np.array([[np.nan if v is None else v for v in values[n]] for n in levels], dtype=float).T
         kind = "score"
-        picked = [None if np.isnan(row).any() else str(int(np.argmax(row))) for row in p]
+        prefix = f"{key}.p_cal." if any(n.startswith(f"{key}.p_cal.") for n in names) else f"{key}.p."
+        levels = sorted((n for n in names if n.startswith(prefix)), key=lambda n: int(n.rsplit(".", 1)[1]))
+        p = np.array([[np.nan if v is None else v for v in values[n]] for n in levels], dtype=float).T
+        picked = [None if not len(row) or np.isnan(row).any() else str(int(np.argmax(row))) for row in
+                  p.reshape(rows, len(levels))]
     for answer, good in zip(picked, ok):
         if good and answer is not None:
             answers[answer] = answers.get(answer, 0) + 1
     sure_column = f"{key}.p_yes" if kind == "yes/no" else f"{key}.confidence"
     sureness = np.array([v for v, good in zip(values[sure_column], ok) if good and v is not None], dtype=float)
     errors: dict[str, int] = {}
-    for message, good in zip(values[f"{key}.error"], ok):
-        if not good:
-            errors[str(message)] = errors.get(str(message), 0) + 1
+    record_errors = values.get("error", [None] * rows)
+    for message, own, record_error, good in zip(values[f"{key}.error"], status, record_errors, ok):
+        if not good:  # a record that failed as a whole leaves its questions' columns null
+            text = str(message if own is not None else record_error)
+            errors[text] = errors.get(text, 0) + 1
     counted = {flag: int(sum(1 for v, good in zip(values[f"{key}.{flag}"], ok) if good and v))
                for flag in ("needs_review", "out_of_scope") if f"{key}.{flag}" in names}
     return QuestionReport(
         key=key, kind=kind, records=rows, answered=int(ok.sum()), answers=answers, sureness=sureness,
         low_mass=int(np.sum(ok & (mass < LOW_MASS))),
-        top_not_answer=int(sum(1 for v, good in zip(top_is_answer, ok) if good and v is False)),
+        top_not_answer=int(sum(1 for v, good in zip(values[f"{key}.argmax_is_label"], ok) if good and v is False)),
         needs_review=counted.get("needs_review"), out_of_scope=counted.get("out_of_scope"), errors=errors)
 
 

@@ -119,7 +119,8 @@ def compile_cost(model_config: dict | None, dtype: str, device: str) -> tuple[fl
     record = read_compile_record(model_config, dtype, device) if model_config else None
     if record is None:
         return COMPILE_SECONDS[kind], "a cold cache"
-    return float(record.get("warm_seconds") or WARM_COMPILE_SECONDS[kind]), "a warm cache"
+    warm = record.get("warm_seconds")
+    return (float(warm) if isinstance(warm, (int, float)) and warm >= 0 else WARM_COMPILE_SECONDS[kind]), "a warm cache"
 
 
 def compile_record(model_config: dict, dtype: str, device: str) -> Path:
@@ -129,8 +130,10 @@ def compile_record(model_config: dict, dtype: str, device: str) -> Path:
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
     shape = {key: model_config.get(key) for key in LAYER_SHAPE_KEYS}
-    if not shape["head_dim"] and model_config.get("hidden_size") and model_config.get("num_attention_heads"):
-        shape["head_dim"] = model_config["hidden_size"] // model_config["num_attention_heads"]
+    heads = model_config.get("num_attention_heads")
+    if not shape["head_dim"] and model_config.get("hidden_size") and heads:  # as transformers fills them in
+        shape["head_dim"] = model_config["hidden_size"] // heads
+    shape["num_key_value_heads"] = shape["num_key_value_heads"] or heads
     key = {"torch": torch.__version__, "dtype": dtype, "device": kind, **shape}
     if kind == "cuda" and torch.cuda.is_available():
         key["gpu"] = torch.cuda.get_device_name(torch.device(device))
@@ -139,11 +142,13 @@ def compile_record(model_config: dict, dtype: str, device: str) -> Path:
 
 
 def read_compile_record(model_config: dict, dtype: str, device: str) -> dict | None:
-    """The record of an earlier compile of these layers here, or None."""
+    """The record of an earlier compile of these layers here, or None (also for a record or cache
+    directory that cannot be read: the cost is then counted cold)."""
     try:
-        return json.loads(compile_record(model_config, dtype, device).read_text())
-    except (OSError, ValueError):
+        record = json.loads(compile_record(model_config, dtype, device).read_text())
+    except Exception:  # noqa: BLE001 - no usable record: count a cold compile
         return None
+    return record if isinstance(record, dict) else None
 
 
 _RECORDED_IN_THIS_PROCESS: set[Path] = set()
@@ -153,18 +158,18 @@ def write_compile_record(model_config: dict, dtype: str, device: str, seconds: f
     """Record a compile that took `seconds`: the first as cold, a later one as warm (the record
     existed, so inductor's cache held these layers). Only a process's first compile of the layers
     counts: later ones reuse dynamo's code in memory, which a new process does not have. Best
-    effort: an unwritable cache is skipped."""
-    path = compile_record(model_config, dtype, device)
-    if path in _RECORDED_IN_THIS_PROCESS:
-        return
-    _RECORDED_IN_THIS_PROCESS.add(path)
-    earlier = read_compile_record(model_config, dtype, device)
-    record = {"cold_seconds": seconds} if earlier is None else {**earlier, "warm_seconds": seconds}
+    effort: a record that cannot be written is skipped (logged at debug level), never an error."""
     try:
+        path = compile_record(model_config, dtype, device)
+        if path in _RECORDED_IN_THIS_PROCESS:
+            return
+        _RECORDED_IN_THIS_PROCESS.add(path)
+        earlier = read_compile_record(model_config, dtype, device)
+        record = {"cold_seconds": seconds} if earlier is None else {**earlier, "warm_seconds": seconds}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))
-    except OSError as exc:
-        log.debug("engine.compile: could not record the compile in %s: %s", path, exc)
+    except Exception as exc:  # noqa: BLE001 - the record only informs the next decision
+        log.debug("engine.compile: could not record the compile: %s", exc)
 
 
 def eager_flops_per_second(device: str, dtype: str) -> float:
