@@ -115,7 +115,7 @@ def compile_cost(model_config: dict | None, dtype: str, device: str) -> tuple[fl
     """(seconds a compile of these layers is expected to take here, "a cold cache" or "a warm
     cache"): warm once `compile_record` shows this machine compiled them before (its measured warm
     compile when one was recorded, else `WARM_COMPILE_SECONDS`), else `COMPILE_SECONDS`."""
-    kind = "cuda" if device.startswith("cuda") else "cpu"
+    kind = _device_kind(device)
     record = read_compile_record(model_config, dtype, device) if model_config else None
     if record is None:
         return COMPILE_SECONDS[kind], "a cold cache"
@@ -128,7 +128,7 @@ def compile_record(model_config: dict, dtype: str, device: str) -> Path:
     inductor's cache directory, so a cleared cache takes the record with it."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    kind = "cuda" if device.startswith("cuda") else "cpu"
+    kind = _device_kind(device)
     shape = {key: model_config.get(key) for key in LAYER_SHAPE_KEYS}
     heads = model_config.get("num_attention_heads")
     if not shape["head_dim"] and model_config.get("hidden_size") and heads:  # as transformers fills them in
@@ -145,10 +145,23 @@ def read_compile_record(model_config: dict, dtype: str, device: str) -> dict | N
     """The record of an earlier compile of these layers here, or None (also for a record or cache
     directory that cannot be read: the cost is then counted cold)."""
     try:
-        record = json.loads(compile_record(model_config, dtype, device).read_text())
-    except Exception:  # noqa: BLE001 - no usable record: count a cold compile
+        return _load_record(compile_record(model_config, dtype, device))
+    except Exception:  # noqa: BLE001 - no usable cache directory: count a cold compile
+        return None
+
+
+def _load_record(path: Path) -> dict | None:
+    """The record at `path`, or None where there is none or it is not a JSON object."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def _device_kind(device: str) -> str:
+    """"cuda" or "cpu": the key of the per-device constants above."""
+    return "cuda" if device.startswith("cuda") else "cpu"
 
 
 _RECORDED_IN_THIS_PROCESS: set[Path] = set()
@@ -164,7 +177,7 @@ def write_compile_record(model_config: dict, dtype: str, device: str, seconds: f
         if path in _RECORDED_IN_THIS_PROCESS:
             return
         _RECORDED_IN_THIS_PROCESS.add(path)
-        earlier = read_compile_record(model_config, dtype, device)
+        earlier = _load_record(path)
         record = {"cold_seconds": seconds} if earlier is None else {**earlier, "warm_seconds": seconds}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))
