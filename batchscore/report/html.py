@@ -7,7 +7,6 @@ or figure state is touched). Every section has a stable id (SECTION_IDS).
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -17,26 +16,14 @@ import batchscore.report.stats as stats
 from batchscore.report import quality, quality_html
 from batchscore.report.data import ScoredOutput
 from batchscore.report.page import escape as _e, figure as _figure, img as _img, num as _num, pct as _pct
-from batchscore.report.page import section as _section, short as _short, table as _table
+from batchscore.report.page import PLAIN_TEXT, document as _document, section as _section, short as _short
+from batchscore.report.page import table as _table
 
 SECTION_IDS = ("summary", "quality", "prevalence", "audit", "label-distribution", "probabilities", "label-mass",
                "errors", "throughput", "drift")  # the numbers to act on first
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 PREVIOUS_COLOR, CURRENT_COLOR = "#9e9e9e", "#1f77b4"
 
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
-h1 { font-size: 1.5em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
-table { border-collapse: collapse; margin: .8em 0; font-size: .92em; }
-th, td { border: 1px solid #ddd; padding: .25em .6em; text-align: left; vertical-align: top; }
-td.n { text-align: right; font-variant-numeric: tabular-nums; }
-th { background: #f4f4f4; }
-img { max-width: 100%; }
-.note { color: #555; font-size: .92em; }
-.warn { color: #a04000; }
-code, .mono { font-family: ui-monospace, monospace; font-size: .9em; }
-nav a { margin-right: 1em; }
-"""
 
 
 def render(current: ScoredOutput, previous: ScoredOutput | None, metrics: dict | None,
@@ -45,21 +32,16 @@ def render(current: ScoredOutput, previous: ScoredOutput | None, metrics: dict |
     `truth`: the output's column of true labels (None: the quality section says how to add one)."""
     from matplotlib import rc_context
 
-    # Labels, ids and errors are data: `$x^$` is a label, not TeX for matplotlib to parse (and fail on).
-    with rc_context(_PLAIN_TEXT):
+    with rc_context(PLAIN_TEXT):
         return _render(current, previous, metrics, metrics_note, truth)
 
 
-_PLAIN_TEXT = {"text.usetex": False, "text.parse_math": False}
 
 
 def _render(current: ScoredOutput, previous: ScoredOutput | None, metrics: dict | None, metrics_note: str,
             truth: str | None) -> str:
     summary = stats.summarize(current)
     assessed = quality.assess(current, truth, metrics) if truth is not None else None
-    title = f"batchscore report — {current.path.name}"
-    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    nav = "".join(f'<a href="#{s}">{s.replace("-", " ")}</a>' for s in SECTION_IDS)
     body = [
         _summary_section(current, summary, previous),
         quality_html.quality_section(assessed, metrics),
@@ -72,12 +54,7 @@ def _render(current: ScoredOutput, previous: ScoredOutput | None, metrics: dict 
         _throughput_section(current, metrics, metrics_note),
         _drift_section(current, previous),
     ]
-    return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-        f"<title>{_e(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
-        f"<h1>{_e(title)}</h1>\n<p class=\"note\">{_e(str(current.path))}, generated {generated}</p>\n"
-        f"<nav>{nav}</nav>\n" + "\n".join(body) + "\n</body>\n</html>\n"
-    )
+    return _document(current.path, [(s, s.replace("-", " ")) for s in SECTION_IDS], body)
 
 
 # --- sections ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The report page's building blocks: sections, tables, figures as embedded PNG, and number
-formats. Every text is HTML-escaped here; plots are drawn under html.py's plain-text settings."""
+"""The report page's building blocks: the page itself, sections, tables, figures as embedded PNG,
+and number formats. Every text is HTML-escaped here; plots are drawn under `PLAIN_TEXT`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,38 @@ import base64
 import html
 import io
 import math
+from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.5em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
+table { border-collapse: collapse; margin: .8em 0; font-size: .92em; }
+th, td { border: 1px solid #ddd; padding: .25em .6em; text-align: left; vertical-align: top; }
+td.n { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f4f4f4; }
+img { max-width: 100%; }
+.note { color: #555; font-size: .92em; }
+.warn { color: #a04000; }
+code, .mono { font-family: ui-monospace, monospace; font-size: .9em; }
+nav a { margin-right: 1em; }
+"""
+# labels, ids and errors are data: `$x^$` is a label, not TeX for matplotlib to parse (and fail on)
+PLAIN_TEXT = {"text.usetex": False, "text.parse_math": False}
+
+
+def document(output: Path, nav: list[tuple[str, str]], sections: list[str]) -> str:
+    """The whole HTML page about `output`: title, source line, a link per (section id, text) in
+    `nav`, then the sections."""
+    title = f"batchscore report — {output.name}"
+    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    links = "".join(f'<a href="#{escape(target)}">{escape(text)}</a>' for target, text in nav)
+    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f"<title>{escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+            f"<h1>{escape(title)}</h1>\n<p class=\"note\">{escape(str(output))}, generated {generated}</p>\n"
+            f"<nav>{links}</nav>\n" + "\n".join(sections) + "\n</body>\n</html>\n")
 
 
 def section(section_id: str, heading: str, *parts: str) -> str:

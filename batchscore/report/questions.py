@@ -12,13 +12,12 @@ them): a question is an `<id>` with `<id>.status`, `.error`, `.label_mass` and `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 from batchscore.report.data import question_keys
-from batchscore.report.page import escape, figure, img, num, pct, section, table
+from batchscore.report.page import PLAIN_TEXT, document, figure, img, num, pct, section, table
 
 LOW_MASS = 0.5  # label mass under this: the model mostly answered something else
 BINS = np.linspace(0.0, 1.0, 11)
@@ -47,9 +46,11 @@ class QuestionReport:
 
 def read_questions(table) -> list[QuestionReport]:
     """Each question's report from the output table."""
+    keys = question_keys(table.column_names)
     names = set(table.column_names)
-    values = {name: table.column(name).to_pylist() for name in table.column_names}
-    return [_question(key, names, values, table.num_rows) for key in question_keys(table.column_names)]
+    wanted = [n for n in table.column_names if n == "error" or any(n.startswith(f"{key}.") for key in keys)]
+    values = {name: table.column(name).to_pylist() for name in wanted}  # not the kept input columns
+    return [_question(key, names, values, table.num_rows) for key in keys]
 
 
 def _question(key: str, names: set[str], values: dict[str, list], rows: int) -> QuestionReport:
@@ -96,20 +97,12 @@ def render_questions(path: Path, output, metrics: dict | None, metrics_note: str
     """The whole HTML document for a questions output (`output`: its table)."""
     from matplotlib import rc_context
 
-    from batchscore.report.html import _CSS, _PLAIN_TEXT
-
     questions = read_questions(output)
     calibration = ((metrics or {}).get("calibration") or {}).get("questions") or {}
-    with rc_context(_PLAIN_TEXT):
+    with rc_context(PLAIN_TEXT):
         sections = [_overview(output, questions, calibration, metrics_note)]
         sections += [_question_section(q, calibration.get(q.key)) for q in questions]
-    title = f"batchscore report — {path.name}"
-    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    nav = "".join(f'<a href="#q-{escape(q.key)}">{escape(q.key)}</a>' for q in questions)
-    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-            f"<title>{escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
-            f"<h1>{escape(title)}</h1>\n<p class=\"note\">{escape(str(path))}, generated {generated}</p>\n"
-            f"<nav><a href=\"#summary\">summary</a>{nav}</nav>\n" + "\n".join(sections) + "\n</body>\n</html>\n")
+    return document(path, [("summary", "summary")] + [(f"q-{q.key}", q.key) for q in questions], sections)
 
 
 def _overview(output, questions: list[QuestionReport], calibration: dict, metrics_note: str) -> str:
