@@ -128,6 +128,14 @@ class _RunFiles:
         path = self.write_report(summary)  # a report that cannot be written fails the run, recorded below
         self.write({"status": "ok", "exit_code": 0, **summary.to_dict()})
         return path
+def _time_split(summary) -> str:
+    """Where a run's wall time went: plan (read, tokenize, plan), scoring, write, audit."""
+    audit = (f"audit {summary.audit_seconds:.1f} s ({summary.audit_seconds / summary.seconds:.1%} of the run, "
+             f"{summary.audit_rows} rows)" if summary.audit_rows and summary.seconds > 0 else "audit off")
+    return (f"  plan {summary.prepare_seconds:.1f} s, scoring {summary.score_seconds:.1f} s, "
+            f"write {summary.write_seconds:.1f} s, {audit}")
+
+
 
     @contextmanager
     def on_every_exit(self):
@@ -249,7 +257,8 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors\n"
         f"tokens: {summary.logical_tokens:,} logical, {summary.processed_tokens:,} processed "
         f"(saving {summary.saving_ratio:.1%})\n"
-        f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}"
+        f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}\n"
+        f"{_time_split(summary)}"
         + (f"\nreport: {report_path}" if report_path else "")
     )
 

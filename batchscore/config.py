@@ -183,7 +183,7 @@ class OutputConfig:
     part_rows: int = 20000  # rows per durable part file (a part always holds whole prefix groups)
     part_seconds: float = 120.0  # ...or fewer, when this many seconds passed since the last part
     logprobs: bool = False  # add each option's raw total log-probability (logp_<label> / logp_choices)
-    audit_rows: int = 32  # the exactness audit: rows re-scored by a plain float32 forward after the run (0: off)
+    audit_rows: int | None = None  # the exactness audit: rows re-scored by a plain float32 forward after the run (0: off; null: within 5% of the scoring's tokens, 1 to 32 rows)
     audit_seed: int = 0  # seeds which scored rows the audit picks
     audit_max_dp: float | None = None  # above this max |ΔP| the run exits 7; null: 1e-4 in float32, 0.07 in bfloat16/float16
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options of an object-store path

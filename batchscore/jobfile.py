@@ -297,7 +297,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("output.part_rows: must be ≥ 1")
     if config.output.part_seconds <= 0:
         problems.append("output.part_seconds: must be > 0")
-    if config.output.audit_rows < 0:
+    if config.output.audit_rows is not None and config.output.audit_rows < 0:
         problems.append(f"output.audit_rows: must be ≥ 0 (0 turns the exactness audit off), "
                         f"got {config.output.audit_rows}")
     if config.output.audit_seed < 0:

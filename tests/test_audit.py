@@ -17,7 +17,7 @@ from batchscore.cli import main
 from batchscore.engines.factory import create_engine
 from batchscore.errors import EXIT_AUDIT, AuditFailed, JobConfigError
 from batchscore.jobfile import config_from_dict, load_job
-from batchscore.run.audit import DTYPE_BOUNDS, max_abs_dp, pick_rows
+from batchscore.run.audit import AUDIT_SHARE, AUTO_MAX_ROWS, DTYPE_BOUNDS, budget_rows, max_abs_dp, pick_rows
 from tests.conftest import write_job, write_sample_subset
 
 
@@ -124,6 +124,49 @@ def test_audit_covers_decision_reads(tmp_path):
     summary = run_job(job, progress=False)
     assert summary.reads == 36 and summary.audit_rows == 6
     assert summary.audit_max_dp <= 1e-4
+
+
+class ShiftEveryRow(ShiftOneRow):
+    """The real engine with every row's first label shifted: whichever rows the audit picks differ."""
+
+    def score(self, groups, label_token_ids):
+        for result in self.engine.score(groups, label_token_ids):
+            result.logp = result.logp + np.eye(len(result.logp))[0] * self.shift
+            yield result
+
+
+def test_the_default_audit_stays_within_its_share_and_still_fails_a_tampered_engine(tmp_path, job_factory,
+                                                                                      small_input):
+    job = load_job(job_factory(small_input, output={"audit_rows": None}))
+    assert job.output.audit_rows is None  # the default: within AUDIT_SHARE of the scoring's tokens
+
+    def factory(resolved, model_dir, engine):
+        return ShiftEveryRow(create_engine(resolved, model_dir, engine), row=-1, shift=0.5)
+
+    with pytest.raises(AuditFailed) as caught:
+        run_job(job, progress=False, engine_factory=factory)
+    assert caught.value.exit_code == EXIT_AUDIT == 7
+    summary = caught.value.summary
+    assert 1 <= summary.audit_rows < 12 and summary.audit_max_dp > 0.05
+    # within the share, unless one row alone is more (the audit always checks at least one)
+    assert summary.audit_tokens <= AUDIT_SHARE * summary.processed_tokens or summary.audit_rows == 1
+    assert summary.audit_tokens > 0 and summary.prepare_seconds > 0 and summary.write_seconds > 0
+
+
+def test_budget_rows_spreads_across_groups_within_the_budget():
+    rows = np.arange(40)
+    group_of = {r: r // 10 for r in range(40)}  # 4 groups of 10 rows
+    costs = {r: 100 for r in range(40)}
+    picked = budget_rows(rows, costs, group_of, budget=400, seed=0)
+    assert len(picked) == 4 and sorted(group_of[r] for r in picked) == [0, 1, 2, 3]  # one row per group
+    assert picked.tolist() == sorted(picked.tolist())
+    assert budget_rows(rows, costs, group_of, budget=400, seed=0).tolist() == picked.tolist()  # seeded
+    assert len(budget_rows(rows, costs, group_of, budget=10, seed=0)) == 1  # at least one row
+    assert len(budget_rows(rows, costs, group_of, budget=1e9, seed=0)) == AUTO_MAX_ROWS  # at most 32
+    # rows of one group too dear for the budget are passed over for cheaper ones of the others
+    costs.update({r: 10**6 for r in range(10)})
+    again = budget_rows(rows, costs, group_of, budget=10**6 + 300, seed=0)
+    assert sum(costs[r] for r in again.tolist()) <= 10**6 + 300 and len(again) >= 3
 
 
 def test_audit_rows_zero_turns_it_off(tmp_path, job_factory):

@@ -11,6 +11,13 @@ reads of a decision job by their sum, as their answers are) and compared label b
 
 Above the bound (`output.audit_max_dp`, default the one the docs state for the run's dtype) the
 run still writes its output, then stops with `AuditFailed` (exit 7) naming the rows that differ.
+
+Cost: by default (`output.audit_rows: null`) the audit takes rows, spread across the plan's prefix
+groups, while their plain forwards stay within AUDIT_SHARE of the tokens the run processed — at
+least one row, at most AUTO_MAX_ROWS. A row's cost counts its real forwards: its prompt, and
+prompt + option for every multi-token option. A number in `output.audit_rows` forces that many.
+The run holds the output's lock through the audit: the completion marker records the audit's
+result, and until it is written another run would assemble the same output again.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ log = logging.getLogger("batchscore")
 # than bfloat16, so bfloat16's bound holds for it too.
 DTYPE_BOUNDS = {"float32": 1e-4, "bfloat16": 0.07, "float16": 0.07}
 SHOWN_ROWS = 10  # rows named in the summary and the error (largest |ΔP| first)
+AUDIT_SHARE = 0.05  # the default audit's plain-forward tokens, at most this share of the run's processed tokens
+AUTO_MAX_ROWS = 32  # ...and at most this many rows (at least one)
 
 
 @dataclass
@@ -46,10 +55,12 @@ class AuditResult:
     seconds: float = 0.0
     differing: list[str] = field(default_factory=list)  # rows above the bound, largest |ΔP| first
     skipped: str | None = None  # why no row was re-scored
+    tokens: int = 0  # tokens of the plain forwards it ran
 
     def summary_fields(self) -> dict:
         return {"audit_rows": self.rows, "audit_max_dp": self.max_dp, "audit_bound": self.bound,
-                "audit_seconds": self.seconds, "audit_differing": self.differing, "audit_skipped": self.skipped}
+                "audit_seconds": self.seconds, "audit_differing": self.differing, "audit_skipped": self.skipped,
+                "audit_tokens": self.tokens}
 
 
 def audit_bound(config, dtype: str) -> float | None:
@@ -71,10 +82,45 @@ def pick_rows(candidates: np.ndarray, count: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(candidates, size=count, replace=False))
 
 
-def audit_output(job, store, manifests) -> AuditResult:
-    """Re-score `output.audit_rows` random scored rows of `job` (a PreparedJob whose output was
-    just assembled from `store`'s parts) through the plain float32 reference; returns what it
-    found. Loads a fresh model (freed before returning); changes nothing on disk."""
+def reference_cost(request, label_ids) -> int:
+    """Tokens of the plain forwards `reference_totals` runs for `request`: its prompt, and prompt +
+    option[:-1] for each option longer than one token."""
+    prompt = len(request.token_ids)
+    if request.options is None or label_ids is not None:
+        return prompt
+    lengths = np.asarray(request.options.lengths, dtype=np.int64)
+    return prompt + int(np.sum(prompt + lengths[lengths > 1] - 1))
+
+
+def budget_rows(candidates: np.ndarray, costs: dict[int, int], group_of: dict[int, int], budget: float,
+                seed: int, max_rows: int = AUTO_MAX_ROWS) -> np.ndarray:
+    """Rows of `candidates` whose `costs` sum to at most `budget` (the first one always), at most
+    `max_rows`, in row order: a seeded shuffle taken round-robin over the prefix groups
+    (`group_of`: row -> group), so a few rows still come from different groups."""
+    order = np.random.default_rng(seed).permutation(np.sort(np.asarray(candidates, dtype=np.int64)))
+    seen: dict[int, int] = {}
+    rank = []
+    for row in order.tolist():  # a row's rank among the rows of its group drawn before it
+        group = group_of.get(row, -1 - row)
+        rank.append(seen.get(group, 0))
+        seen[group] = rank[-1] + 1
+    picked, spent = [], 0
+    for row in order[np.argsort(rank, kind="stable")].tolist():
+        if len(picked) >= max_rows:
+            break
+        if picked and spent + costs[row] > budget:
+            continue
+        picked.append(row)
+        spent += costs[row]
+    return np.sort(np.array(picked, dtype=np.int64))
+
+
+def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0) -> AuditResult:
+    """Re-score a sample of the scored rows of `job` (a PreparedJob whose output was just assembled
+    from `store`'s parts) through the plain float32 reference; returns what it found. The sample:
+    `output.audit_rows` seeded rows, or by default rows of `plan`'s groups within AUDIT_SHARE of
+    `processed_tokens` (see the module docstring). Loads a fresh model (freed before returning);
+    changes nothing on disk."""
     config = job.config
     bound = audit_bound(config, job.source.engine.dtype)
     if config.output.audit_rows == 0:
@@ -87,15 +133,22 @@ def audit_output(job, store, manifests) -> AuditResult:
     scored = np.setdiff1d(scored, scores.unscored())
     if len(scored) == 0:
         return AuditResult(bound=bound, skipped="no row was scored")
-    rows = pick_rows(scored, config.output.audit_rows, config.output.audit_seed)
+    if config.output.audit_rows is not None:
+        rows = pick_rows(scored, config.output.audit_rows, config.output.audit_seed)
+    else:
+        by_row = {r.row_id: r for r in job.input.requests}
+        costs = {int(row): reference_cost(by_row[int(row)], job.label_ids) for row in scored}
+        group_of = {m.row_id: g for g, group in enumerate(plan.groups) for m in group.members} if plan else {}
+        rows = budget_rows(scored, costs, group_of, AUDIT_SHARE * processed_tokens, config.output.audit_seed)
     wanted = set(rows.tolist())
     requests = {r.row_id: r for r in job.input.requests if r.row_id in wanted}
+    tokens = sum(reference_cost(requests[row], job.label_ids) for row in wanted)
     try:
         reference = load_reference(job.model_dir, job.source.engine.device)
     except _load_errors() as exc:  # the output is written: a missing reference is recorded, not fatal
         reason = f"the float32 reference model could not be loaded on {job.source.engine.device}: {exc}"
         log.warning("exactness audit skipped: %s", reason)
-        return AuditResult(bound=bound, seconds=time.perf_counter() - started, skipped=reason)
+        return AuditResult(bound=bound, seconds=time.perf_counter() - started, skipped=reason, tokens=0)
     on_gpu = next(reference.parameters()).is_cuda
     try:
         deltas = {}
@@ -110,11 +163,11 @@ def audit_output(job, store, manifests) -> AuditResult:
     max_dp = max(deltas.values())
     over = sorted((r for r, d in deltas.items() if bound is not None and d > bound), key=lambda r: -deltas[r])
     result = AuditResult(rows=len(rows), max_dp=max_dp, bound=bound, seconds=time.perf_counter() - started,
-                         differing=[f"{row_name(job, r)}: |ΔP| {deltas[r]:.3g}" for r in over[:SHOWN_ROWS]])
+                         tokens=tokens, differing=[f"{row_name(job, r)}: |ΔP| {deltas[r]:.3g}" for r in over[:SHOWN_ROWS]])
     if len(over) > SHOWN_ROWS:
         result.differing.append(f"... and {len(over) - SHOWN_ROWS} more")
-    log.info("exactness audit: %d rows re-scored in %.1f s, max |ΔP| %.3g (bound %s)", result.rows,
-             result.seconds, max_dp, "none" if bound is None else f"{bound:g}")
+    log.info("exactness audit: %d rows re-scored (%d plain-forward tokens) in %.1f s, max |ΔP| %.3g (bound %s)",
+             result.rows, tokens, result.seconds, max_dp, "none" if bound is None else f"{bound:g}")
     return result
 
 

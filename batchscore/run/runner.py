@@ -109,6 +109,9 @@ class RunSummary:
     audit_differing: list[str] = field(default_factory=list)  # rows above the bound, largest |ΔP| first
     audit_skipped: str | None = None  # why no row was re-scored
 
+    audit_tokens: int = 0  # tokens of the audit's plain forwards (by default within 5% of processed_tokens)
+    prepare_seconds: float = 0.0  # reading, tokenizing and planning, before scoring starts
+    write_seconds: float = 0.0  # assembling and writing the output (calibration and review included)
     @property
     def rows_per_second(self) -> float:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
@@ -223,8 +226,6 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     complete = all(m is not None and m.complete and m.job_hash == manifest.job_hash for m in manifests)
     if complete:
         store.guard()  # the output is written only by the holder of the lock
-    errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
-    audit = audit_output(job, store, manifests) if complete else AuditResult()
     processed = plan.stats.processed_tokens + placement.split_extra_tokens
     return RunSummary(
         output_path=str(store.files.output),
@@ -245,6 +246,10 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         workers=num_workers,
         batch_token_counts=batch_tokens,
         approx_keep=_approx_keep(config),
+    write_started = time.perf_counter()
+    errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
+    write_seconds = time.perf_counter() - write_started
+    audit = audit_output(job, store, manifests, plan, processed) if complete else AuditResult()
         reads=job.input.num_rows if job.input.decisions is not None else None,
         decisions=run_metadata(job.input.decisions) if job.input.decisions is not None else None,
         **quality.summary_fields(),
@@ -260,6 +265,8 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     Raises ResumeMismatch naming the shards that are missing or unfinished.
     """
     started = time.perf_counter()
+        prepare_seconds=score_started - started,
+        write_seconds=write_seconds,
     use_job_storage(config)
     files = OutputFiles.for_job(config)
     if not files.parts.exists() and file_size(files.path) is not None:
