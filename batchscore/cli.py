@@ -7,14 +7,13 @@ import logging
 import os
 import signal
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
 from batchscore import __version__
-from batchscore.errors import (EXIT_CONFIG, EXIT_ENGINE, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OUTPUT,
-                               BatchscoreError)
+from batchscore.errors import EXIT_CONFIG
+from batchscore.run.run_files import exit_status  # also the CLI's: every escaped exception gets its exit code
 
 
 def _fail(message: str, code: int) -> None:
@@ -26,137 +25,6 @@ def _load(job: str, sets: tuple[str, ...], output: str | None = None, allow_code
     from batchscore.jobfile import load_job, parse_set_options
 
     return load_job(job, parse_set_options(sets), output=output, allow_code=allow_code)
-
-
-# Commands whose object-store and file errors are about what they read (exit 3), not what they write (6).
-_READING_COMMANDS = ("plan", "report")
-
-
-def exit_status(exc: BaseException, command: str | None = None) -> tuple[int, str]:
-    """The documented exit code and the message for an exception that ended `command` (README,
-    errors.py): the library's own errors carry theirs; a third-party error that escaped the
-    library is mapped by kind (an object store that cannot be reached, a YAML error, a full
-    disk); anything else is a bug, exit 1."""
-    from batchscore.io.storage import store_error_types
-
-    if isinstance(exc, BatchscoreError):
-        return exc.exit_code, str(exc)
-    if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED, "interrupted"
-    reading = command in _READING_COMMANDS
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    if isinstance(exc, store_error_types()):
-        return ((EXIT_INPUT, f"the input's object store cannot be reached or refused: {text}") if reading
-                else (EXIT_OUTPUT, f"the output's object store cannot be reached or refused: {text}"))
-    if _is_yaml_error(exc):
-        return EXIT_CONFIG, f"malformed YAML: {text}"
-    if isinstance(exc, OSError):
-        return (EXIT_INPUT if reading else EXIT_OUTPUT), f"{type(exc).__name__}: {text}"
-    if isinstance(exc, MemoryError):
-        return EXIT_ENGINE, "out of memory"
-    return EXIT_INTERNAL, (f"unexpected {type(exc).__name__}: {text} (a bug in batchscore; "
-                           "`batchscore -v` shows where)")
-
-
-def _is_yaml_error(exc: BaseException) -> bool:
-    yaml = sys.modules.get("yaml")
-    return yaml is not None and isinstance(exc, yaml.YAMLError)
-
-
-class _RunFiles:
-    """`run`'s --metrics JSON, --metrics-prom file and --report, written however the run ends:
-    the summary with `status: ok`, or the error, its exit code and (after an error-rate failure)
-    the summary; the report of a written output (also after an error-rate failure). A path that
-    may not be written (output/write_paths.py) is refused before the run, and nothing is written."""
-
-    def __init__(self, metrics: str | None, metrics_prom: str | None, report: bool, job: str):
-        self.metrics, self.metrics_prom, self.report, self.job = metrics, metrics_prom, report, job
-        self.refused = False
-        self.checked = False  # against the job's input and output (the job file could be read)
-
-    def check(self, config=None) -> None:
-        """Refuse the paths before any work: against the job file alone, or against `config`'s
-        input and output. Raises WritePathError; afterwards nothing is written."""
-        from batchscore.errors import WritePathError
-        from batchscore.output.write_paths import Protected, check_run_files
-
-        try:
-            if config is None:
-                protected = Protected(inputs=(self.job,))
-                protected.check("--metrics", self.metrics)
-                protected.check("--metrics-prom", self.metrics_prom)
-            else:
-                check_run_files(config, metrics=self.metrics, metrics_prom=self.metrics_prom)
-                self.checked = True
-        except WritePathError:
-            self.refused = True
-            raise
-
-    def write(self, data: dict) -> None:
-        from batchscore.io.atomic import atomic_write
-        from batchscore.output.write_paths import METRICS_MARK, PROM_MARK
-
-        if self.refused:
-            return
-        if self.metrics and self._may_write(self.metrics, METRICS_MARK):
-            atomic_write(self.metrics, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2)))
-        if self.metrics_prom and self._may_write(self.metrics_prom, PROM_MARK):
-            from batchscore.output.prometheus import write_prometheus
-
-            write_prometheus(data, self.metrics_prom, job=Path(self.job).stem)
-
-    def _may_write(self, path: str, mark: bytes) -> bool:
-        """A path checked against the job's files, or (the job file could not be read, so its
-        input and output are unknown) one that is new or holds an earlier run's metrics."""
-        from batchscore.output.write_paths import replaceable
-
-        if self.checked or replaceable(path, mark):
-            return True
-        click.echo(f"warning: {path} not written: it holds something else, and without a readable job "
-                   "file its input and output are unknown", err=True)
-        return False
-
-    def write_report(self, summary) -> Path | None:
-        if not (self.report and summary is not None and summary.complete):
-            return None
-        from batchscore.report import write_report as write_html
-
-        return write_html(summary.output_path, metrics=summary.to_dict())
-
-    def ok(self, summary) -> Path | None:
-        """Record a run that ended well; returns the report's path (None without --report)."""
-        path = self.write_report(summary)  # a report that cannot be written fails the run, recorded below
-        self.write({"status": "ok", "exit_code": 0, **summary.to_dict()})
-        return path
-def _time_split(summary) -> str:
-    """Where a run's wall time went: plan (read, tokenize, plan), scoring, write, audit."""
-    audit = (f"audit {summary.audit_seconds:.1f} s ({summary.audit_seconds / summary.seconds:.1%} of the run, "
-             f"{summary.audit_rows} rows)" if summary.audit_rows and summary.seconds > 0 else "audit off")
-    return (f"  plan {summary.prepare_seconds:.1f} s, scoring {summary.score_seconds:.1f} s, "
-            f"write {summary.write_seconds:.1f} s, {audit}")
-
-
-
-    @contextmanager
-    def on_every_exit(self):
-        try:
-            yield self
-        except (Exception, KeyboardInterrupt) as exc:
-            code, message = exit_status(exc, "run")
-            summary = getattr(exc, "summary", None)
-            try:
-                self.write({"status": "failed", "exit_code": code, "error": message,
-                            **(summary.to_dict() if summary is not None else {})})
-            except Exception as write_exc:  # noqa: BLE001 — the run's own error is the one to exit with
-                click.echo(f"warning: no metrics written: {exit_status(write_exc, 'run')[1]}", err=True)
-            try:  # the output was written (error rate): its report matters most now
-                path = self.write_report(summary)
-            except Exception as report_exc:  # noqa: BLE001
-                click.echo(f"warning: no report: {exit_status(report_exc, 'run')[1]}", err=True)
-            else:
-                if path:
-                    click.echo(f"report: {path}", err=True)
-            raise
 
 
 class _Main(click.Group):
@@ -225,6 +93,7 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
 
         batchscore run jobs/sample.yaml --set engine.dtype=bfloat16 -o scores.parquet
     """
+    from batchscore.run.run_files import RunFiles
     from batchscore.run.runner import Shard, run_job
 
     try:
@@ -233,13 +102,9 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         _fail(str(exc), EXIT_CONFIG)
     if quiet:
         os.environ.setdefault("TQDM_DISABLE", "1")  # also the model loader's bars
-    files = _RunFiles(metrics, metrics_prom, report, job)
-    with files.on_every_exit():
+    files = RunFiles(metrics, metrics_prom, report, job, warn=lambda text: click.echo(f"warning: {text}", err=True))
+    with files.on_every_exit(report_written=lambda path: click.echo(f"report: {path}", err=True)):
         files.check()  # not over the job file, before it is even read
-        if report:
-            from batchscore.report import require_matplotlib
-
-            require_matplotlib()  # before the run, not after hours of scoring
         config = _load(job, sets, output, allow_code=allow_code)
         files.check(config)  # not over an input, the output or the output's own files
         summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
@@ -261,6 +126,14 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         f"{_time_split(summary)}"
         + (f"\nreport: {report_path}" if report_path else "")
     )
+
+
+def _time_split(summary) -> str:
+    """Where a run's wall time went: plan (read, tokenize, plan), scoring, write, audit."""
+    audit = (f"audit {summary.audit_seconds:.1f} s ({summary.audit_seconds / summary.seconds:.1%} of the run, "
+             f"{summary.audit_rows} rows)" if summary.audit_rows and summary.seconds > 0 else "audit off")
+    return (f"  plan {summary.prepare_seconds:.1f} s, scoring {summary.score_seconds:.1f} s, "
+            f"write {summary.write_seconds:.1f} s, {audit}")
 
 
 @main.command()
@@ -418,6 +291,36 @@ def schema(out: str | None) -> None:
     else:
         Path(out).write_text(text, encoding="utf-8")
         click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.option("--state-dir", required=True, type=click.Path(file_okay=False),
+              help="Where files, batches and their runs are kept (survives restarts).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="The model every batch runs on; a request naming another is that request's error.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="A job key for every batch, e.g. --set engine.dtype=bfloat16 (repeatable).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), help="Read the bearer key from this file "
+              "(else BATCHSCORE_API_KEY).")
+@click.option("--no-auth", is_flag=True, help="No key (only with --host 127.0.0.1).")
+@click.option("--max-file-mb", default=200, show_default=True, type=click.IntRange(1), help="Largest upload.")
+@click.option("--max-requests", default=50_000, show_default=True, type=click.IntRange(1),
+              help="Most requests (lines) in one batch.")
+def serve(state_dir: str, host: str, port: int, model: str, sets: tuple[str, ...], api_key_file: str | None,
+          no_auth: bool, max_file_mb: int, max_requests: int) -> None:
+    """Serve an OpenAI-compatible Batch API (/v1/files, /v1/batches) that runs each batch as a job.
+
+    Example:
+
+        BATCHSCORE_API_KEY=secret batchscore serve --state-dir /var/lib/batchscore --host 0.0.0.0
+    """
+    from batchscore.serve.server import ServeOptions, run_server
+
+    run_server(ServeOptions(state_dir=state_dir, host=host, port=port, model=model, sets=list(sets),
+                            api_key_file=api_key_file, no_auth=no_auth, max_file_mb=max_file_mb,
+                            max_requests=max_requests))
 
 
 if __name__ == "__main__":

