@@ -280,3 +280,46 @@ def test_compiled_layers_score_options_exactly():
     assert engine.compiled
     results = list(engine.score(groups, None))
     assert max(float(np.abs(r.logp - expected[r.row_id]).max()) for r in results) <= TOLERANCE
+
+
+@pytest.fixture
+def cpu_features_faked(monkeypatch):
+    """Fake this CPU's bfloat16 features: `fake(native)` makes /proc/cpuinfo's flags and torch's
+    probes say AVX512-BF16/AMX (native) or AVX2 only; the GEMM measurement stays real."""
+    def fake(native: bool) -> None:
+        flags = {"avx", "avx2", "fma"} | ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"} if native else set())
+        monkeypatch.setattr(cpu_features, "_cpuinfo_flags", lambda path="/proc/cpuinfo": flags)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native, raising=False)
+        cpu_bf16.cache_clear()
+
+    yield fake
+    cpu_bf16.cache_clear()
+
+
+def test_bfloat16_on_a_cpu_without_it_warns_at_the_default_level(cpu_features_faked, caplog, tiny_llama):
+    """engine.dtype: bfloat16 on an AVX2-only CPU: one warning (shown without -v) with the GEMM
+    rates measured here, the whole-job ratio and the advice; auto stays float32 and silent, and a
+    CPU with native bfloat16 is not warned."""
+    from batchscore.config import EngineConfig
+    from batchscore.engines.factory import create_engine, resolve_engine
+
+    def warnings_for(dtype: str) -> list[str]:
+        caplog.clear()
+        engine = EngineConfig(kind="torch", device="cpu", dtype=dtype)
+        resolved = resolve_engine(engine)
+        with caplog.at_level(logging.WARNING, logger="batchscore"):
+            create_engine(resolved, tiny_llama, engine)
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "dtype" in r.getMessage()]
+
+    cpu_features_faked(native=False)
+    assert not cpu_bf16().native
+    (message,) = warnings_for("bfloat16")
+    assert "bfloat16 on a CPU without native bfloat16 (no AVX512-BF16 or AMX)" in message
+    assert message.count("GFLOP/s") == 2 and "GFLOP/s in float32 here (bfloat16 " in message
+    assert f"{cpu_features.SLOW_BF16_JOB_RATIO:.1f}x slower in bfloat16" in message
+    assert "Use engine.dtype: float32" in message
+    assert resolve_engine(EngineConfig(kind="torch", device="cpu")).dtype == "float32"  # auto unchanged
+    assert warnings_for("auto") == [] and warnings_for("float32") == []
+    cpu_features_faked(native=True)
+    assert warnings_for("bfloat16") == []
