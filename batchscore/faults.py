@@ -1,12 +1,13 @@
 """Failpoints for the fault-injection tests: kill this process at a named point of a run.
 
-`BATCHSCORE_FAULT=point` (or `point:N`, the N-th time, 1-based) sends SIGKILL to the process the
+`BATCHSCORE_FAULT=point` (or `point:N`, the N-th time, 1-based; `point:N:TERM` sends SIGTERM
+instead) sends SIGKILL to the process the
 moment it reaches `fault_point("point")` — no cleanup, no flush, exactly like `kill -9` or the
 OOM killer at that instant. Unset (always, outside the tests), a fault point costs one dict
 lookup. Points: start, engine, result (each scored row), part (a part file is written, its
 manifest entry not yet), atomic (a temporary file is written, not yet renamed), assemble (before
-the output is written), output (after the output, before its completion marker), marker (after
-the marker, before the parts are removed).
+the output is written), output (after the output, before its completion marker), audit (the
+exactness audit's reference model is loaded), marker (after the marker, before the parts are removed).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import os
 import signal
 
 _SPEC = os.environ.get("BATCHSCORE_FAULT", "")
-_POINT, _, _NTH = _SPEC.partition(":")
+_POINT, _, _REST = _SPEC.partition(":")
+_NTH, _, _SIGNAL = _REST.partition(":")  # point:N:TERM sends SIGTERM instead (a polite stop at that point)
 _COUNTS: dict[str, int] = {}
 
 
@@ -25,4 +27,4 @@ def fault_point(name: str) -> None:
         return
     _COUNTS[name] = _COUNTS.get(name, 0) + 1
     if _COUNTS[name] >= int(_NTH or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGTERM if _SIGNAL == "TERM" else signal.SIGKILL)

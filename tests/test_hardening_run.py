@@ -60,3 +60,45 @@ def test_run_job_writes_the_run_files_like_the_cli(tmp_path, small_input):
     data = json.loads(metrics.read_text())
     assert data["status"] == "ok" and data["rows"] == summary.rows == 12
     assert "batchscore_rows" in prom.read_text()
+
+
+# ---------------------------------------------------------------------------- lock, SIGTERM
+
+
+def test_a_run_refused_by_the_lock_writes_none_of_the_holders_files(tmp_path, small_input):
+    from batchscore.output.layout import OutputFiles
+    from batchscore.output.lock import OutputLock
+
+    job = write_job(tmp_path, small_input)
+    output = tmp_path / "out.parquet"
+    metrics, prom = tmp_path / "shared.json", tmp_path / "shared.prom"
+    metrics.write_text(json.dumps({"status": "ok", "exit_code": 0, "rows": 99}, indent=2))
+    prom.write_text("# HELP batchscore_rows rows\nbatchscore_rows{job=\"holder\"} 99\n")
+    before = metrics.read_bytes(), prom.read_bytes()
+    with OutputLock(OutputFiles(str(output))):  # the holder, healthy
+        result = invoke("run", job, "-q", "-o", output, "--metrics", metrics, "--metrics-prom", prom)
+    assert result.exit_code == EXIT_LOCKED, result.output
+    assert (metrics.read_bytes(), prom.read_bytes()) == before
+    assert not output.exists()
+
+
+def run_with_fault(job, output, fault, *extra):
+    env = dict(os.environ, PYTHONPATH=str(REPO), BATCHSCORE_FAULT=fault)
+    proc = subprocess.run([sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "-o", str(output), *extra],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
+    return proc.returncode, proc.stdout
+
+
+@pytest.mark.slow  # two subprocess runs, one with the audit's reference model
+@pytest.mark.parametrize("point", ["start", "audit"])
+def test_sigterm_at_any_moment_exits_130_and_writes_the_metrics(tmp_path, small_input, point):
+    job = write_job(tmp_path, small_input, output={"audit_rows": 2})
+    output, metrics = tmp_path / "out.parquet", tmp_path / "m.json"
+    code, out = run_with_fault(job, output, f"{point}:1:TERM", "--metrics", str(metrics))
+    assert code == EXIT_INTERRUPTED, out
+    assert "Traceback" not in out
+    recorded = json.loads(metrics.read_text())
+    assert recorded["status"] == "failed" and recorded["exit_code"] == EXIT_INTERRUPTED
+    code, out = run_with_fault(job, output, "none")  # the rerun finishes the job
+    assert code == 0, out
+    assert pq.read_table(output).num_rows == 12

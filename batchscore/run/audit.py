@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchscore.errors import AuditFailed
+from batchscore.faults import fault_point
 from batchscore.output.quality import content_free_rows
 from batchscore.output.scores import RowScores
 from batchscore.prepare.options import choices_problem
@@ -151,6 +152,7 @@ def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0) ->
         return AuditResult(bound=bound, seconds=time.perf_counter() - started, skipped=reason, tokens=0)
     on_gpu = next(reference.parameters()).is_cuda
     try:
+        fault_point("audit")
         deltas = {}
         for row in rows.tolist():
             request = requests[row]
