@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
+from batchscore.engines.torch.invariant import BlockPlan, OwnSequence, invariant_attention
+
 ATTN_IMPLEMENTATION = "batchscore_cascade"
 
 _flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -201,6 +203,7 @@ class OptionLayout:
     unpad_index: torch.Tensor  # [R] query slot of each part row
     key_index: torch.Tensor  # [B * K_max] packed-row token of each key slot
     mask: torch.Tensor  # [B, 1, R_max, K_max] float32, 0 or -inf
+    sequences: list[OwnSequence] | None = None  # per option: its rows and its keys (batch-invariant attention)
 
     @classmethod
     def build(cls, suffix_starts: list[int], suffix_lengths: list[int], option_rows: list[list[int]],
@@ -230,12 +233,21 @@ class OptionLayout:
         key_index = np.where(slots < suffix[:, None], starts + slots,
                              np.where(slots < (suffix + rows)[:, None], own_rows, part_offset + first_row[:, None]))
         unpad_index = np.concatenate([b * max_rows + np.arange(r) for b, r in enumerate(rows)])
+        sequences = []  # one per option: its rows see the member's suffix, then their own option causally
+        for b, lengths in enumerate(option_rows):
+            suffix_rows = suffix_starts[b] + np.arange(suffix_lengths[b])
+            for start, n in zip(np.cumsum(lengths) - lengths, lengths):
+                local = first_row[b] + start + np.arange(n)
+                sequences.append(OwnSequence(local, suffix_lengths[b] + np.arange(n),
+                                             np.concatenate([suffix_rows, part_offset + local])))
         return cls(count, max_rows, max_keys, torch.from_numpy(query_index.reshape(-1)),
-                   torch.from_numpy(unpad_index), torch.from_numpy(key_index.reshape(-1)), torch.from_numpy(mask))
+                   torch.from_numpy(unpad_index), torch.from_numpy(key_index.reshape(-1)), torch.from_numpy(mask),
+                   sequences)
 
     def to(self, device: torch.device | str) -> OptionLayout:
         return OptionLayout(self.num_members, self.max_rows, self.max_keys, self.query_index.to(device),
-                            self.unpad_index.to(device), self.key_index.to(device), self.mask.to(device))
+                            self.unpad_index.to(device), self.key_index.to(device), self.mask.to(device),
+                            self.sequences)
 
 
 def attend_option_rows(
@@ -274,6 +286,7 @@ class CascadePart:
     layout: SequenceLayout | None
     record_into: PrefixKV | None = None
     options: OptionLayout | None = None
+    blocks: BlockPlan | None = None  # batch-invariant attention: built on the first layer (see `invariant.py`)
 
     def own_attention(self, query, key, value, row_key, row_value, scale: float):
         """Attention over the part's own tokens (and, for option rows, their members' suffixes)."""
@@ -292,6 +305,7 @@ class CascadeBatch:
     """
 
     parts: list[CascadePart]
+    invariant: bool = False  # attend in position-aligned blocks (`invariant.py`): bit-identical whatever the batch
 
 
 def merge_partial_attention(
@@ -370,8 +384,11 @@ def cascade_attention_forward(
     outputs, start = [], 0
     for part in cascade.parts:
         span = slice(start, start + part.num_tokens)
-        outputs.append(_attend_part(query[:, :, span], key[:, :, span], value[:, :, span], part, layer_idx, scale,
-                                    key, value))
+        if cascade.invariant:
+            outputs.append(_attend_part_invariant(query[:, :, span], key, value, part, layer_idx, scale, start))
+        else:
+            outputs.append(_attend_part(query[:, :, span], key[:, :, span], value[:, :, span], part, layer_idx,
+                                        scale, key, value))
         start += part.num_tokens
     if start != query.shape[2]:
         raise ValueError(f"cascade parts cover {start} tokens, the batch has {query.shape[2]}")
@@ -396,6 +413,27 @@ def _attend_part(
     if part.record_into is not None:  # own copy: a view would keep the whole batch's K/V alive
         part.record_into.layers[layer_idx].append((key.contiguous(), value.contiguous()))
     return out.to(query.dtype)
+
+
+def _attend_part_invariant(query: torch.Tensor, row_key: torch.Tensor, row_value: torch.Tensor, part: CascadePart,
+                           layer_idx: int, scale: float, offset: int) -> torch.Tensor:
+    """`_attend_part` in position-aligned blocks (`invariant.py`); the part starts at packed row
+    `offset`. Side effect: builds `part.blocks` on first use; records K/V like `_attend_part`."""
+    segments = part.prefix.layers[layer_idx]
+    if part.blocks is None:
+        prefix_len = sum(k.shape[2] for k, _ in segments)  # this pass's earlier parts may have recorded some
+        if part.options is not None:
+            sequences = part.options.sequences
+        else:
+            starts = np.cumsum(part.layout.lengths) - np.asarray(part.layout.lengths)
+            sequences = [OwnSequence(s + np.arange(n), np.arange(n), offset + s + np.arange(n))
+                         for s, n in zip(starts.tolist(), part.layout.lengths)]
+        part.blocks = BlockPlan.build(part.num_tokens, prefix_len, sequences).to(query.device)
+    out = invariant_attention(query, segments, row_key, row_value, part.blocks, scale)
+    if part.record_into is not None:
+        span = slice(offset, offset + part.num_tokens)
+        part.record_into.layers[layer_idx].append((row_key[:, :, span].contiguous(), row_value[:, :, span].contiguous()))
+    return out
 
 
 def attend_query_rows(

@@ -63,6 +63,7 @@ from batchscore.engines.torch.cascade_attention import (
 from batchscore.engines.torch.cascade_attention import OptionLayout
 from batchscore.engines.torch.compiled_layers import compile_decoder_layers
 from batchscore.engines.torch.hybrid import HybridDecoder
+from batchscore.engines.torch.invariant import ROW_MULTIPLE, pad_rows
 from batchscore.engines.speculative.kept_tokens import PrunedGroup, SpecPrefillOptions
 from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape, dtype_bytes
@@ -148,6 +149,7 @@ class TorchEngine:
         speculative: SpecPrefillOptions | None = None,
         special_token_ids: Sequence[int] = (),
         speculator_decoder: tuple | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be at least 1, got {token_budget}")
@@ -156,6 +158,10 @@ class TorchEngine:
         if memory_budget is not None and memory_budget < 1:
             raise ValueError(f"memory_budget must be a positive number of bytes (or None: off), got {memory_budget}")
         _check_full_attention(model.config)
+        if batch_invariant and (hybrid_chunk is not None or compile_layers or speculative is not None):
+            raise ValueError("batch_invariant: not with hybrid_chunk, compile or speculative prefill "
+                             "(their kernels and chunks follow the batch)")
+        self.batch_invariant = batch_invariant
         self.model = model.to(device).eval().requires_grad_(False)  # no autograd graph, whatever the caller's mode
         self.model.set_attn_implementation(register_cascade_attention())
         self.token_budget = token_budget
@@ -193,6 +199,7 @@ class TorchEngine:
         hybrid_chunk: int | None = None,
         memory_budget: int | None = None,
         speculative: SpecPrefillOptions | None = None,
+        batch_invariant: bool = False,
     ) -> TorchEngine:
         """Load a local Hugging Face causal-LM folder (never downloads) and wrap it. With
         `speculative`, the special tokens to keep are read from the folder's tokenizer files."""
@@ -206,7 +213,7 @@ class TorchEngine:
             special = special_token_ids(path)
         return cls(model, token_budget=token_budget, device=device, compile_layers=compile_layers,
                    hybrid_chunk=hybrid_chunk, memory_budget=memory_budget, speculative=speculative,
-                   special_token_ids=special)
+                   special_token_ids=special, batch_invariant=batch_invariant)
 
     @property
     def max_context(self) -> int:
@@ -457,7 +464,8 @@ class TorchEngine:
             lo, hi = np.searchsorted(pair_source, [first, last])
             if lo == hi and (tops is None or first >= len(tops)):
                 continue
-            logits = self._lm_head(sources[first:last]).float()  # [C, V]
+            chunk = sources[first:last]
+            logits = self._lm_head(pad_rows(chunk) if self.batch_invariant else chunk).float()  # [C (padded), V]
             lse = torch.logsumexp(logits, dim=-1)  # [C]
             if tops is not None and first < len(tops):
                 upto = min(last, len(tops))
@@ -552,6 +560,9 @@ class TorchEngine:
 
         Side effects: counts the pass in `self.metrics`; parts may record K/V (`record_into`).
         """
+        real_tokens = sum(len(p.token_ids) for p in parts)
+        if self.batch_invariant and real_tokens % ROW_MULTIPLE:  # a GEMM's rows are independent only then
+            parts = parts + [_padding_part(-real_tokens % ROW_MULTIPLE, self._num_layers)]
         token_ids = np.concatenate([p.token_ids for p in parts]).astype(np.int64)  # [T]
         positions = np.concatenate([p.positions for p in parts])  # [T]
         input_ids = torch.from_numpy(token_ids).to(self.device)  # [T]
@@ -562,7 +573,7 @@ class TorchEngine:
                     part.cascade.layout = part.cascade.layout.to(self.device)
                 if part.cascade.options is not None:
                     part.cascade.options = part.cascade.options.to(self.device)
-        cascade = CascadeBatch([p.cascade for p in parts])
+        cascade = CascadeBatch([p.cascade for p in parts], invariant=self.batch_invariant)
         if self._hybrid is not None:
             hidden = self._hybrid.forward(input_ids, position_ids, cascade)  # [T, hidden]
         else:
@@ -570,10 +581,10 @@ class TorchEngine:
                 input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, cascade=cascade
             )
             hidden = output.last_hidden_state[0]  # [T, hidden]
-        self.metrics.processed_tokens += len(token_ids)
+        self.metrics.processed_tokens += real_tokens
         self.metrics.batches += 1
-        self.metrics.batch_token_counts.append(len(token_ids))
-        return hidden
+        self.metrics.batch_token_counts.append(real_tokens)
+        return hidden[:real_tokens]
 
     @torch.inference_mode()
     def _label_logp(self, last_hidden: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
@@ -582,8 +593,9 @@ class TorchEngine:
         rows at a time, which bounds the float32 logits."""
         out = []
         for first in range(0, last_hidden.shape[0], LM_HEAD_ROWS):
-            logits = self._lm_head(last_hidden[first : first + LM_HEAD_ROWS]).float()  # [C, V]
-            log_probs = torch.log_softmax(logits, dim=-1)  # [C, V]
+            rows = last_hidden[first : first + LM_HEAD_ROWS]
+            logits = self._lm_head(pad_rows(rows) if self.batch_invariant else rows).float()  # [C, V]
+            log_probs = torch.log_softmax(logits, dim=-1)[: rows.shape[0]]  # [C, V]
             out.append(log_probs[:, labels].cpu().numpy().astype(np.float64))
         return np.concatenate(out)
 
@@ -691,6 +703,14 @@ def _prefix_part(tokens: np.ndarray, kv: PrefixKV, positions: np.ndarray | None 
         positions = np.arange(kv.length, kv.length + len(tokens), dtype=np.int64)  # [C]
     layout = SequenceLayout.from_lengths([len(tokens)])
     return PackedPart(tokens, positions, CascadePart(len(tokens), prefix=kv, layout=layout, record_into=kv))
+
+
+def _padding_part(tokens: int, num_layers: int) -> PackedPart:
+    """Tokens that only fill a pass up to `ROW_MULTIPLE` rows (batch-invariant mode): one causal
+    sequence of token 0 at positions 0.., attending to nothing else; their outputs are dropped."""
+    layout = SequenceLayout.from_lengths([tokens])
+    return PackedPart(np.zeros(tokens, np.int64), np.arange(tokens, dtype=np.int64),
+                      CascadePart(tokens, prefix=PrefixKV.empty(num_layers), layout=layout))
 
 
 def _suffix_part(suffixes: list[np.ndarray], prefix_kv: PrefixKV,
