@@ -119,7 +119,7 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
-    kind: str = "torch"  # torch (exact PyTorch engine) | vllm | auto (vLLM when a GPU and vLLM are present)
+    kind: str = "torch"  # a registered kind (engines/registry.py): torch | vllm | auto (torch wherever it can run the job)
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     device: str = "auto"  # torch engine: cpu | cuda | auto (cuda when a GPU is visible)
     token_budget: int = 4096  # tokens per forward batch
@@ -127,7 +127,7 @@ class EngineConfig:
     threads: int | None = None  # torch CPU threads; default: torch's (all cores)
     compile: bool | None = None  # torch: torch.compile the decoder layers; null: on for bfloat16 on a CPU with native bf16
     hybrid_chunk: int | None = None  # run norms/projections/MLP (vllm: MLP) this many tokens at a time
-    memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch
+    memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch; vllm: the KV-cache bytes
     speculative: SpeculativeConfig | None = None  # torch: drop unimportant prompt tokens (approximate)
     vllm_args: dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM arguments (an allow-list)
 

@@ -17,6 +17,7 @@ import yaml
 from batchscore.config import (CalibrateConfig, EngineConfig, ExecutorConfig, InputConfig, JobConfig, OutOfScopeConfig,
                                OutputConfig, PlanConfig, PromptConfig, ReviewConfig, ScoreConfig, SpeculativeConfig,
                                SyntheticInput, safe_load_yaml)
+from batchscore.engines.registry import kind_names as engine_kind_names
 from batchscore.engines.shape import DTYPE_BYTES
 from batchscore.engines.speculative.kept_tokens import options_problems
 from batchscore.errors import JobConfigError, PromptTemplateError
@@ -41,7 +42,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "score.normalize": NORMALIZE,
     "score.calibrate": CALIBRATION_METHODS,
     "score.confidence": CONFIDENCE_METHODS,
-    "engine.kind": ("torch", "vllm", "auto"),
+    "engine.kind": engine_kind_names(),
     "engine.dtype": (*DTYPE_BYTES, "auto"),
     "engine.device": ("cpu", "cuda", "auto"),
     "plan.order": ORDER_POLICIES,
@@ -312,7 +313,7 @@ def _not_allowed(config: JobConfig, key: str) -> list[str]:
     """The problem of the job's value of `key` when it is not one of ALLOWED[key] (else none)."""
     section, name = key.split(".")
     value = getattr(getattr(config, section), name)
-    allowed = ALLOWED[key]
+    allowed = engine_kind_names() if key == "engine.kind" else ALLOWED[key]  # kinds registered since import too
     return [] if value in allowed else [f"{key}: must be one of {', '.join(allowed)}, got {value!r}"]
 
 

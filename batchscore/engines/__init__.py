@@ -1,6 +1,7 @@
 """Scoring backends behind one small interface (`base.py`): `torch/` (our exact shared-prefix
 engine), `vllm/` (plan-driven vLLM), `speculative/` (Speculative Prefill, an approximate mode).
-`device.py` resolves `auto`; `factory.py` resolves an engine once and builds it. Engines return
+`registry.py` holds every engine kind (each registered by its own module) and decides
+`engine.kind: auto`; `device.py` resolves devices; `factory.py` resolves an engine once and builds it. Engines return
 raw label log-probabilities only; normalization lives in `batchscore.output.scores`.
 
 A face only: modules inside batchscore import from the defining module, never from here.

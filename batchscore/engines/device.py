@@ -1,4 +1,5 @@
-"""Which device and dtype a run uses: `auto` resolved from what this machine has.
+"""Which device and dtype a run uses: `auto` resolved from what this machine has (the engine
+kind's `auto` is decided in registry.py).
 
 Imports neither torch nor vllm at import time (torch only when asked whether a GPU is visible).
 """
@@ -21,13 +22,13 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_engine_kind(kind: str) -> str:
-    """Turn `auto` into `vllm` (a GPU and vLLM present) or `torch`."""
-    if kind != "auto":
-        return kind
-    if gpu_available() and importlib.util.find_spec("vllm") is not None:
-        return "vllm"
-    return "torch"
+def gpu_count() -> int:
+    """CUDA GPUs torch sees (0 without torch)."""
+    if not gpu_available():
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def resolve_device(name: str) -> str:

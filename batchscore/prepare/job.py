@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from batchscore.config import CalibrateConfig, JobConfig
 from batchscore.engines.factory import ResolvedEngine, kv_block_size, resolve_engine
+from batchscore.engines.registry import get_kind
 from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import BatchscoreError, InputError, LabelError, OutputError, RowRenderError
 from batchscore.output.write_paths import check_job_write_paths
@@ -103,8 +104,9 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
     if for_output:
         _check_output_outside_input(config, [f for f, _ in files])
         check_job_write_paths(config, [f for f, _ in files])  # the job file, output.error_path
-    engine = resolve_engine(config.engine, compile_decision=for_output)
     model_dir = Path(resolve_model(config.model, download=config.model_download)) if with_model else None
+    engine = resolve_engine(config.engine, compile_decision=for_output,
+                            model_config=read_model_config(model_dir) if model_dir else None)
     if not for_output:
         return JobSource(config, engine, files, model_dir, {})
     identity = {
@@ -270,8 +272,7 @@ def prompt_limits(config: JobConfig, kind: str, model_dir, tokenizer) -> tuple[i
     """(longest prompt scored, vocabulary size) for this model, engine and job."""
     model_config = read_model_config(model_dir)
     context = context_length(model_config)
-    if kind == "vllm":
-        context -= 1  # vLLM counts the one output token against max_model_len
+    context -= get_kind(kind).output_tokens  # vLLM counts the one output token against max_model_len
     max_length = min(config.engine.max_length or context, context)
     return max_length, int(model_config.get("vocab_size") or len(tokenizer))
 

@@ -1,0 +1,146 @@
+"""Every engine kind, registered by its own module: its name, the packages it needs, how `auto`
+ranks it, its KV block size and how it is built.
+
+A kind is one module that builds an `EngineKind` and calls `register` (the built-in ones are
+listed in `BUILT_IN` and imported on first use); `factory.py` and the job file's allowed values
+read this table and never name a kind. Importing this module imports neither torch nor vllm.
+
+`engine.kind: auto` is decided by evidence (`choose_auto`): the kinds the machine has the
+packages for are tried in rank order (lower first), and the first whose `refuses` finds nothing
+against the job runs it; the reason is kept and recorded in the run summary.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from batchscore.config import EngineConfig
+from batchscore.errors import EngineUnavailable
+
+BUILT_IN = ("batchscore.engines.torch.kind", "batchscore.engines.vllm.kind")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What `auto` may rely on: visible GPUs and the importable top-level packages asked about."""
+
+    gpus: int
+    installed: frozenset[str]
+
+    @classmethod
+    def detect(cls, packages: set[str]) -> Machine:
+        from batchscore.engines.device import gpu_count
+
+        return cls(gpu_count(), frozenset(p for p in packages if importlib.util.find_spec(p) is not None))
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What `auto` knows of the job: its `engine:` section and the model's config.json (None when
+    the model is not at hand, e.g. merging parts)."""
+
+    engine: EngineConfig
+    model_config: dict[str, Any] | None
+    machine: Machine
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One engine kind.
+
+    `packages`: top-level imports it needs; `install_hint`: how to get them. `auto_rank`: lower is
+    tried first by `auto`; `refuses(facts)`: why this kind cannot run the job (None: it can).
+    `choose_reason(facts)`: one line saying why `auto` picked it. `block_size()`: KV block a
+    shared prefix is aligned to. `device(engine)`: the device it runs on. `build(resolved,
+    model_dir, engine)`: the engine. `distributions`: package names whose versions join the run
+    identity. `output_tokens`: tokens the engine counts against the context besides the prompt.
+`decide_compile`: whether to compile its layers (kinds that never compile leave it None).
+    """
+
+    name: str
+    packages: tuple[str, ...]
+    install_hint: str
+    auto_rank: int
+    refuses: Callable[[JobFacts], str | None]
+    build: Callable[[Any, str | Path, EngineConfig], Any]  # (ResolvedEngine, model dir, engine:) -> Engine
+    block_size: Callable[[], int] = lambda: 1
+    device: Callable[[EngineConfig], str] | None = None
+    choose_reason: Callable[[JobFacts], str] = lambda facts: "it can run the job"
+    distributions: tuple[str, ...] = ()
+    output_tokens: int = 0
+    decide_compile: Callable[..., tuple[bool, str]] | None = None  # (engine, dtype, device, **plan) -> (on, why)
+    explicit_only: bool = field(default=False)  # never chosen by auto (e.g. a test kind)
+
+
+_KINDS: dict[str, EngineKind] = {}
+_loaded = False
+
+
+def register(kind: EngineKind) -> EngineKind:
+    """Add (or replace) an engine kind; returns it. `auto` is not a kind name."""
+    if kind.name == "auto":
+        raise ValueError("'auto' is not an engine kind name")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def unregister(name: str) -> None:
+    _KINDS.pop(name, None)
+
+
+def _load_built_in() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILT_IN:
+            importlib.import_module(module)
+
+
+def kinds() -> dict[str, EngineKind]:
+    """Every registered kind by name (the built-in ones first)."""
+    _load_built_in()
+    return dict(_KINDS)
+
+
+def kind_names() -> tuple[str, ...]:
+    """The values `engine.kind` takes: every registered kind, then `auto`."""
+    return (*kinds(), "auto")
+
+
+def get_kind(name: str) -> EngineKind:
+    found = kinds().get(name)
+    if found is None:
+        raise EngineUnavailable(f"unknown engine kind {name!r} (known: {', '.join(kinds())})")
+    return found
+
+
+def missing_packages(kind: EngineKind, machine: Machine) -> list[str]:
+    return [p for p in kind.packages if p not in machine.installed]
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    kind: str
+    reason: str
+
+
+def choose_auto(facts: JobFacts) -> AutoChoice:
+    """The kind `auto` runs: the best-ranked kind that is installed and does not refuse the job.
+    Raises EngineUnavailable (every kind's reason) when none can."""
+    passed_over = []
+    for kind in sorted(kinds().values(), key=lambda k: (k.auto_rank, k.name)):
+        if kind.explicit_only:
+            continue
+        missing = missing_packages(kind, facts.machine)
+        why_not = f"{', '.join(missing)} not installed" if missing else kind.refuses(facts)
+        if why_not is None:
+            reason = kind.choose_reason(facts)
+            if passed_over:
+                reason += f" ({'; '.join(passed_over)})"
+            return AutoChoice(kind.name, f"engine.kind auto -> {kind.name}: {reason}")
+        passed_over.append(f"{kind.name}: {why_not}")
+    raise EngineUnavailable(f"engine.kind auto: no engine kind can run this job ({'; '.join(passed_over)})")
