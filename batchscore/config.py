@@ -129,6 +129,7 @@ class EngineConfig:
     hybrid_chunk: int | None = None  # run norms/projections/MLP (vllm: MLP) this many tokens at a time
     memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch; vllm: the KV-cache bytes
     speculative: SpeculativeConfig | None = None  # torch: drop unimportant prompt tokens (approximate)
+    batch_invariant: bool = False  # torch: a row's scores are the same bits whatever else the job holds
     vllm_args: dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM arguments (an allow-list)
 
 
