@@ -277,6 +277,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         if config.engine.kind != "torch":
             problems.append(f"engine.speculative: speculative prefill runs on the torch engine; set engine.kind: torch "
                             f"(got {config.engine.kind!r})")
+    problems.extend(_batch_invariant_problems(config.engine))
     if config.engine.threads is not None and config.engine.threads < 1:
         problems.append("engine.threads: must be ≥ 1")
     if config.engine.max_length is not None and config.engine.max_length < 1:
@@ -402,6 +403,22 @@ def _openai_batch_problems(config: JobConfig) -> list[str]:
         problems.append("input.token_ids_column: not used with input.format openai_batch")
     if config.input.id_column not in (None, "custom_id"):
         problems.append(f"input.id_column: an openai_batch input is keyed by custom_id, got {config.input.id_column!r}")
+    return problems
+
+
+def _batch_invariant_problems(engine) -> list[str]:
+    """`engine.batch_invariant` holds on the torch engine's eager layers only."""
+    if not engine.batch_invariant:
+        return []
+    problems = []
+    if engine.kind == "vllm":
+        problems.append("engine.batch_invariant: bit-identical scores whatever the batch hold on the torch engine "
+                        "only (vLLM's kernels and prefix cache follow the batch); set engine.kind: torch")
+    for key, value in (("hybrid_chunk", engine.hybrid_chunk), ("speculative", engine.speculative)):
+        if value is not None:
+            problems.append(f"engine.batch_invariant: not with engine.{key} (its chunks follow the batch)")
+    if engine.compile:
+        problems.append("engine.batch_invariant: not with engine.compile: true (compiled kernels follow the shapes)")
     return problems
 
 

@@ -149,6 +149,8 @@ def scoring_config(config: JobConfig) -> dict:
             del data[section][key]  # the decision keys at their defaults: identities from before them hold
     if data["questions"] is None:
         del data["questions"]
+    if not data["engine"].get("batch_invariant"):
+        data["engine"].pop("batch_invariant", None)  # the default: identities from before the key hold
     for key, default in (("calibrate", "none"), ("confidence", "top")):
         if data["score"][key] == default:
             del data["score"][key]  # the calibration keys at their defaults: identities from before them hold
