@@ -97,9 +97,11 @@ class Manifest:
 
 
 def write_completion_marker(files: OutputFiles, output_hash: str, summary: dict) -> None:
-    """Record that the output is the complete output of the job `output_hash` identifies."""
+    """Record that the output is the complete output of the job `output_hash` identifies; the
+    output is named by its content (sha256), so another file of the same size never passes."""
     size = file_size(files.path)
-    text = json.dumps({"output_hash": output_hash, "output_size": size, "summary": summary}, indent=2)
+    text = json.dumps({"output_hash": output_hash, "output_size": size, "output_sha256": _digest(files.path),
+                       "summary": summary}, indent=2)
     atomic_write(files.marker, lambda tmp: Path(tmp).write_text(text))
 
 
@@ -119,7 +121,8 @@ def recorded_summary(files: OutputFiles) -> dict | None:
 def _read_marker(files: OutputFiles) -> dict | None:
     try:
         marker = json.loads(files.marker.read_text())
-        if file_size(files.path) == marker["output_size"] and isinstance(marker["summary"], dict):
+        if (file_size(files.path) == marker["output_size"] and isinstance(marker["summary"], dict)
+                and _digest(files.path) == marker["output_sha256"]):  # the size first: it costs no read
             return marker
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -127,7 +130,12 @@ def _read_marker(files: OutputFiles) -> dict | None:
 
 
 def _digest(path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """sha256 of a file (local or in an object store), read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _read_parquet(path):
