@@ -334,3 +334,21 @@ def test_every_escaping_error_maps_to_a_documented_code():
     assert exit_status(OSError(5, "I/O error"), "report")[0] == EXIT_INPUT
     code, message = exit_status(RuntimeError("boom\nsecond line"), "run")
     assert code == 1 and "\n" not in message and "-v" in message
+
+
+def test_a_repeated_per_row_option_is_that_rows_error(tmp_path):
+    """Two copies of one option would split its probability between them: the row is refused,
+    naming its line and both copies; the other rows are scored."""
+    from batchscore.jobfile import load_job
+    from batchscore.prepare.job import locate_job, prepare_job
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "q": "Capital of France?", "c": c}) + "\n" for i, c in
+                            enumerate([[" Paris", " Lyon"], [" Paris", " Lyon", " Paris"], [" Lyon", " Nice"]])))
+    job = write_job(tmp_path, labels=[], input={"path": str(data), "id_column": "id", "choices_column": "c"},
+                    prompt={"template": "Q: {q}\nA:"}, output={"path": str(tmp_path / "out.parquet")})
+    config = load_job(job)
+    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    assert sorted(r.row_id for r in prepared.requests) == [0, 2]
+    assert list(prepared.errors) == [1]
+    assert "in.jsonl:2" in prepared.errors[1] and "field 'c' option 2 ' Paris' repeats option 0" in prepared.errors[1]

@@ -397,6 +397,26 @@ def _without_surrogates(row: dict, error: str | None, path: Path, number: int, c
     return clean, error
 
 
+def lone_surrogate_field(value) -> str | None:
+    """Where a value parsed from JSON holds a lone UTF-16 surrogate, which is not text: the path of
+    the first such string (`questions.team.criteria`, `input[0].content`; a key: its object's path
+    and "(a key)"), or None. Iterative, so JSON nested as deep as the parser allows is fine."""
+    stack = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return path or "the value"
+        elif isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return f"{path or 'the object'} (a key)"
+            stack.extend((f"{path}.{key}" if path else str(key), v) for key, v in reversed(list(item.items())))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return None
+
+
 def _escaped(value):
     """(value with lone surrogates as `\\uXXXX` text, whether it had any); recursive."""
     if isinstance(value, str):

@@ -28,7 +28,7 @@ from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
 from batchscore.plan.validate import prompt_problem
 from batchscore.prepare.decisions import (API_OPENAI, API_SYSTEMONE, DecisionRequest, check_question,
-                                          parse_openai_decisions, parse_systemone, render_read)
+                                          parse_openai_decisions, parse_systemone, read_prompt)
 from batchscore.prepare.options import OptionEncoder, RowOptionSource
 from batchscore.prepare.prompts import PromptRenderer, RenderedPrompt, RequestRenderer
 from batchscore.prepare.rows import (DecisionInput, PreparedInput, Record, batch_ids, check_unique_ids, concat_arrays,
@@ -107,13 +107,10 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
                     if problem:
                         errors[read] = f"{where}: {problem}"
                         continue
-                    text = render_read(tokenizer, record.request, question)
+                    text, spans = read_prompt(tokenizer, record.request, question)
                 except (DecisionRequestError, ValueError, TypeError) as exc:  # a template that refuses the read
                     errors[read] = f"{at}: {exc}"
                     continue
-                state = record.request.state_text
-                start = text.find(state) if state else -1
-                spans = [(start, start + len(state))] if start >= 0 else []
                 pending.append((read, RenderedPrompt(text, spans, chat=True), list(question.labels), at))
         if pending:
             _tokenize_reads(pending, chat_renderer, options, max_length, vocab_size, requests, errors, read_tokens)

@@ -15,12 +15,14 @@ Nothing here imports torch: a tokenizer object (transformers-like) is passed in.
 from __future__ import annotations
 
 import json
+import re
 import string
 import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from batchscore.errors import DecisionRequestError
+from batchscore.io.readers import lone_surrogate_field
 
 LAYOUT = "vllm-nexttoken-v1"  # vLLM v0.32.0's NextTokenStrategy read, pinned (docs/jobs.md#decisions)
 WIDE_LAYOUT = "vllm-nexttoken-v1+wide"  # the same read with two-letter labels from 27 options on
@@ -54,6 +56,9 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "documents", "ch
                                        "continue_final_message", "tokenize", "padding", "truncation", "max_length",
                                        "return_tensors", "return_dict", "return_assistant_tokens_mask",
                                        "tokenizer_kwargs", "enable_thinking"})
+# The fields of a body that are read (System One ignores any other top-level field).
+_SYSTEMONE_READ_FIELDS = ("state", "instructions", "questions", "model", "chat_template_kwargs")
+_OPENAI_READ_FIELDS = ("model", "input", "questions")
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,16 @@ def option_labels(count: int) -> tuple[tuple[str, ...], str]:
 # ---------------------------------------------------------------------------- System One
 
 
+def _check_text(body: dict, fields: Sequence[str]) -> None:
+    """Every string the request is read from must be text: JSON can write a lone UTF-16 surrogate
+    (`"\\ud83d"`), which no tokenizer takes; it makes this request's error, as it does a chat
+    line's (io/readers.py), never the batch's."""
+    field = lone_surrogate_field({name: body[name] for name in fields if name in body})
+    if field is not None:
+        raise DecisionRequestError(f"{field}: holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without "
+                                   "its pair), which is not text")
+
+
 def _text(value: Any) -> str:
     """vLLM's rule for instructions and descriptions: strings as is, null as "", anything else str()."""
     if isinstance(value, str):
@@ -136,6 +151,7 @@ def parse_systemone(body: Any) -> DecisionRequest:
     are refused (vLLM)."""
     if not isinstance(body, dict):
         raise DecisionRequestError(f"the request body must be a JSON object, not {_kind(body)}")
+    _check_text(body, _SYSTEMONE_READ_FIELDS)
     if "state" not in body:
         raise DecisionRequestError("state: missing; give the text or JSON the questions are about")
     if body.get("images"):
@@ -247,6 +263,7 @@ def parse_openai_decisions(body: Any) -> DecisionRequest:
     are refused, as the upstream schema does. No system message."""
     if not isinstance(body, dict):
         raise DecisionRequestError(f"the request body must be a JSON object, not {_kind(body)}")
+    _check_text(body, _OPENAI_READ_FIELDS)
     extra = sorted(set(body) - _OPENAI_REQUEST_FIELDS)
     if extra:
         raise DecisionRequestError(f"unknown field(s) {extra}; a decisions request has "
@@ -318,6 +335,8 @@ def _openai_question(index: int, spec: Any) -> Question:
         if not isinstance(level, dict) or not set(level) <= {"label", "description"} \
                 or not isinstance(level.get("label"), str) or not isinstance(level.get("description", ""), str):
             raise fail(f"levels[{lv}]: must be {{\"label\": string, \"description\"?: string}}")
+        if level["label"] in names:  # two copies would split one answer's probability
+            raise fail(f"level labels must be distinct; {json.dumps(level['label'])} appears twice")
         names.append(level["label"])
         descriptions.append(level.get("description") or None)
     labels, layout = option_labels(len(names))
@@ -377,6 +396,50 @@ def render_read(tokenizer, request: DecisionRequest, question: Question) -> str:
         raise DecisionRequestError("decision reads need a model whose tokenizer has a chat template")
     return tokenizer.apply_chat_template(read_messages(request, question),
                                          **_template_kwargs(request.chat_template_kwargs))
+
+
+_PLACEHOLDER = "\ue000batchscore-message-{}\ue001"  # private-use characters: never in a template's own text
+_PLACEHOLDER_RE = re.compile("\ue000batchscore-message-(\\d+)\ue001")
+
+
+def read_prompt(tokenizer, request: DecisionRequest, question: Question) -> tuple[str, list[tuple[int, int]]]:
+    """The read's prompt text (render_read) and the [start, end) spans of its messages in it: the
+    request's text (instructions, state, the question's instructions, options, descriptions) is
+    data, so special-token text there is tokenized as plain text, never as a control token.
+
+    The spans are taken from the render: the template is rendered with a placeholder for each
+    message's content and each placeholder gives its message's place. Where the template changes
+    a content (strips it, say), so that this is not the real render, each content is found in
+    the render in message order instead; raises DecisionRequestError when one is not there."""
+    text = render_read(tokenizer, request, question)
+    messages = read_messages(request, question)
+    marked = tokenizer.apply_chat_template([{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)],
+                                           **_template_kwargs(request.chat_template_kwargs))
+    pieces, spans, length = [], [], 0
+    at = 0
+    for match in _PLACEHOLDER_RE.finditer(marked):
+        content = messages[int(match.group(1))]["content"]
+        pieces += [marked[at:match.start()], content]
+        length += match.start() - at
+        spans.append((length, length + len(content)))
+        length += len(content)
+        at = match.end()
+    pieces.append(marked[at:])
+    if "".join(pieces) == text:
+        return text, spans
+    spans, at = [], 0
+    for message in messages:  # the template changed a content: find each one, in order
+        content = message["content"]
+        found = text.find(content, at)
+        if found < 0:
+            content = content.strip()
+            found = text.find(content, at)
+        if found < 0:
+            raise DecisionRequestError(f"the model's chat template changes the text of the {message['role']} "
+                                       "message; the request's text cannot be told from the template's own tokens")
+        spans.append((found, found + len(content)))
+        at = found + len(content)
+    return text, spans
 
 
 # ---------------------------------------------------------------------------- label checks

@@ -56,7 +56,7 @@ def label_problems(labels: Sequence[str], choices_column: str | None, normalize:
 
 
 def choices_problem(value: Any) -> tuple[list[str] | None, str | None]:
-    """(the row's options, None), or (None, why the value is not a non-empty list of non-empty strings).
+    """(the row's options, None), or (None, why the value is not a non-empty list of distinct non-empty strings).
 
     A string holding a JSON list of strings is accepted as that list: the JSONL reader turns a
     column whose rows mix types into text, lists included.
@@ -81,6 +81,11 @@ def choices_problem(value: Any) -> tuple[list[str] | None, str | None]:
             return None, f"option {index} is {kind}, not a string"
         if option == "":
             return None, f"option {index} is empty; every option needs some text"
+    first: dict[str, int] = {}
+    for index, option in enumerate(value):
+        if first.setdefault(option, index) != index:  # two copies would split one option's probability
+            return None, (f"option {index} {_short(option)} repeats option {first[option]}; "
+                          "a row's options must be distinct")
     return list(value), None
 
 
