@@ -193,3 +193,16 @@ class AuditFailed(BatchscoreError, RuntimeError):
     def __init__(self, message: str, summary=None):
         super().__init__(message)
         self.summary = summary
+
+
+class APIError(BatchscoreError):
+    """A request `batchscore serve` refuses, answered as the OpenAI API shapes its errors:
+    `{"error": {message, type, param, code}}` with the HTTP `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

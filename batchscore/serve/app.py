@@ -1,0 +1,195 @@
+"""The HTTP routes of `batchscore serve`, shaped as the OpenAI Files and Batch API: the same
+objects, statuses, list pagination and `{"error": {message, type, param, code}}` bodies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchscore.errors import APIError
+from batchscore.io.readers import CHAT_URLS, DECISION_URLS
+from batchscore.serve.auth import authorized
+from batchscore.serve.requests import metadata_labels
+from batchscore.serve.store import Store, new_id, now
+from batchscore.serve.worker import Worker, stage_input
+
+ENDPOINTS = CHAT_URLS + DECISION_URLS
+COMPLETION_WINDOW = "24h"
+WINDOW_S = 24 * 3600
+CHUNK = 1 << 20
+
+
+@dataclass
+class Limits:
+    max_file_bytes: int = 200 * 1024 * 1024  # as the OpenAI Batch API: 200 MB per input file
+    max_requests: int = 50_000  # as the OpenAI Batch API: 50,000 requests per batch
+
+
+def create_app(store: Store, worker: Worker, key: str | None, model: str, limits: Limits) -> FastAPI:
+    app = FastAPI(title="batchscore", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if not authorized(key, request.url.path, request.headers.get("authorization")):
+            given = bool(request.headers.get("authorization"))
+            return _error(APIError(401, "Incorrect API key provided." if given else
+                                   "You didn't provide an API key: send it as 'Authorization: Bearer KEY'.",
+                                   code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error(APIError(400, f"{where or 'request'}: {first.get('msg', 'invalid request')}", param=where))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _error(APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None))
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    # --- files ------------------------------------------------------------------------------
+
+    @app.post("/v1/files")
+    async def upload(request: Request, file: UploadFile = File(...), purpose: str = Form(...)):
+        if purpose != "batch":
+            raise APIError(400, f"purpose: {purpose!r} is not accepted; this server takes 'batch' files",
+                           param="purpose", code="invalid_value")
+        declared = int(request.headers.get("content-length") or 0)
+        if declared > limits.max_file_bytes + CHUNK:  # the multipart envelope adds a little
+            raise _too_large(limits)
+        target, size, lines = store.incoming_path(), 0, 0
+        try:
+            with target.open("wb") as out:
+                while chunk := await file.read(CHUNK):
+                    size += len(chunk)
+                    lines += chunk.count(b"\n")
+                    if size > limits.max_file_bytes:
+                        raise _too_large(limits)
+                    out.write(chunk)
+            if lines > limits.max_requests + 1:  # + 1: a last line without its newline is not counted
+                raise APIError(400, f"file: {lines} lines; a batch takes at most {limits.max_requests} requests",
+                               param="file", code="too_many_requests")
+            return store.add_file(target, file.filename or "input.jsonl", purpose)
+        finally:
+            target.unlink(missing_ok=True)
+
+    @app.get("/v1/files/{file_id}")
+    def get_file(file_id: str):
+        return store.file(file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    def file_content(file_id: str):
+        return FileResponse(store.file_path(file_id), media_type="application/jsonl",
+                            filename=store.file(file_id)["filename"])
+
+    @app.delete("/v1/files/{file_id}")
+    def delete_file(file_id: str):
+        return store.delete_file(file_id)
+
+    # --- batches ----------------------------------------------------------------------------
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request):
+        body = await _json_object(request)
+        input_file_id = _required_text(body, "input_file_id")
+        endpoint = _required_text(body, "endpoint")
+        if endpoint not in ENDPOINTS:
+            raise APIError(400, f"endpoint: {endpoint!r} is not one this server runs ({', '.join(ENDPOINTS)})",
+                           param="endpoint", code="invalid_value")
+        if body.get("completion_window") != COMPLETION_WINDOW:
+            raise APIError(400, f"completion_window: must be {COMPLETION_WINDOW!r}", param="completion_window",
+                           code="invalid_value")
+        metadata = _metadata(body.get("metadata"))
+        if store.file(input_file_id)["purpose"] != "batch":
+            raise APIError(400, f"input_file_id: {input_file_id} was not uploaded with purpose 'batch'",
+                           param="input_file_id", code="invalid_value")
+        created = now()
+        batch = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "model": model, "errors": None,
+                 "input_file_id": input_file_id, "completion_window": COMPLETION_WINDOW, "status": "validating",
+                 "output_file_id": None, "error_file_id": None, "created_at": created, "in_progress_at": None,
+                 "expires_at": created + WINDOW_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                 "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+        stage_input(store, batch["id"], input_file_id)
+        store.add_batch(batch)
+        worker.wake()
+        return batch
+
+    @app.get("/v1/batches/{batch_id}")
+    def get_batch(batch_id: str):
+        return store.batch(batch_id)
+
+    @app.get("/v1/batches")
+    def list_batches(limit: int = 20, after: str | None = None):
+        if not 1 <= limit <= 100:
+            raise APIError(400, "limit: must be between 1 and 100", param="limit", code="invalid_value")
+        items, has_more = store.list_batches(limit, after)
+        return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    def cancel_batch(batch_id: str):
+        batch = store.update_batch(batch_id, only_from=("validating", "in_progress", "finalizing"), status="cancelling")
+        if batch is None:
+            batch = store.batch(batch_id)
+            if batch["status"] not in ("cancelling", "cancelled"):
+                raise APIError(409, f"Cannot cancel a batch with status {batch['status']!r}.", param="batch_id",
+                               code="batch_not_cancellable")
+        worker.wake()
+        return batch
+
+    return app
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _too_large(limits: Limits) -> APIError:
+    return APIError(413, f"file: larger than this server's limit of {limits.max_file_bytes:,} bytes",
+                    param="file", code="file_too_large")
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _required_text(body: dict, name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{name}: missing or not a string", param=name, code="missing_required_parameter")
+    return value
+
+
+def _metadata(metadata) -> dict | None:
+    """As the API: up to 16 pairs, keys up to 64 characters, values strings up to 512."""
+    if metadata is None:
+        return None
+    if (not isinstance(metadata, dict) or len(metadata) > 16
+            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                       for k, v in metadata.items())):
+        raise APIError(400, "metadata: up to 16 pairs of string keys (at most 64 characters) and string values "
+                            "(at most 512)", param="metadata", code="invalid_value")
+    try:
+        metadata_labels(metadata)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="metadata", code="invalid_value") from None
+    return metadata

@@ -1,0 +1,135 @@
+"""A batch's input file sorted into what runs and what is answered at once.
+
+The server checks what only it knows — the batch's endpoint, the model it serves, the labels a
+chat line is scored over — and answers a line that fails those with a 400 line of its own. The
+other lines go to one job per label set (`batchscore run` scores a job over one set of labels),
+each job's input a copy of the file with every other line blanked, so that a message from the
+reader names the same line number as the uploaded file."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchscore.io.readers import CHAT_URLS
+
+LABELS_KEY = "labels"  # batch metadata key: a JSON list of label texts, in a string value
+
+
+@dataclass
+class JobLines:
+    labels: list[str] | None  # None: decision lines, which carry their own options
+    lines: set[int] = field(default_factory=set)  # 1-based line numbers of the input file
+
+
+@dataclass
+class SortedInput:
+    total: int = 0  # requests (non-blank lines)
+    jobs: list[JobLines] = field(default_factory=list)
+    answered: list[str] = field(default_factory=list)  # error-file lines written by the server itself
+    problems: list[dict] = field(default_factory=list)  # batch-level errors: the batch fails
+
+
+def metadata_labels(metadata: dict | None) -> list[str] | None:
+    """The labels in a batch's metadata (`{"labels": "[\\"Yes\\", \\"No\\"]"}`); raises ValueError."""
+    raw = (metadata or {}).get(LABELS_KEY)
+    if raw is None:
+        return None
+    try:
+        labels = json.loads(raw)
+    except (TypeError, json.JSONDecodeError):
+        raise ValueError(f"metadata.{LABELS_KEY}: must be a JSON list of label texts in a string, "
+                         f"e.g. '[\"Yes\", \"No\"]'") from None
+    if (not isinstance(labels, list) or len(labels) < 2 or len(set(labels)) != len(labels)
+            or not all(isinstance(x, str) and x for x in labels)):
+        raise ValueError(f"metadata.{LABELS_KEY}: must list two or more distinct non-empty label texts")
+    return labels
+
+
+def sort_lines(path: Path, shown_as: str, endpoint: str, model: str, labels: list[str] | None,
+               max_requests: int) -> SortedInput:
+    """Read the batch's input file once and sort each request line (see the module doc)."""
+    out = SortedInput()
+    ids: Counter = Counter()
+    jobs: dict[tuple | None, JobLines] = {}
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            out.total += 1
+            custom_id, problem = _check_line(raw, endpoint, model, labels)
+            if custom_id is not None:
+                ids[custom_id] += 1
+            if problem is not None:
+                out.answered.append(error_line(custom_id, f"{shown_as}:{number}: {problem}", number))
+                continue
+            key = tuple(labels) if endpoint in CHAT_URLS else None
+            jobs.setdefault(key, JobLines(list(key) if key else None)).lines.add(number)
+    if out.total > max_requests:
+        out.problems.append({"code": "too_many_requests", "line": None, "param": None,
+                             "message": f"the input file has {out.total} requests; this server takes at most "
+                                        f"{max_requests} per batch"})
+    for custom_id, count in ids.items():
+        if count > 1:
+            out.problems.append({"code": "duplicate_custom_id", "line": None, "param": "custom_id",
+                                 "message": f"custom_id {custom_id!r} appears {count} times; each must be unique"})
+            break
+    if out.total == 0:
+        out.problems.append({"code": "empty_file", "line": None, "param": None, "message": "the input file has no requests"})
+    out.jobs = list(jobs.values())
+    return out
+
+
+def _check_line(raw: bytes, endpoint: str, model: str, labels: list[str] | None) -> tuple[str | None, str | None]:
+    """(the line's custom_id, why the server answers it at once; None: the job reads it)."""
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"not valid JSON ({exc})"
+    except RecursionError:
+        return None, "JSON nested too deeply to read"
+    if not isinstance(value, dict):
+        return None, f"expected a JSON object, got {type(value).__name__}"
+    custom_id = value.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return None, "custom_id: missing or not a string"
+    url = value.get("url")
+    if url != endpoint:
+        return custom_id, f"url: {json.dumps(url)[:80]} is not this batch's endpoint {endpoint!r}"
+    body = value.get("body")
+    if not isinstance(body, dict):
+        return custom_id, "body: missing or not an object"
+    asked = body.get("model")
+    if asked is not None and asked != model:
+        return custom_id, f"body.model: {json.dumps(asked)[:80]} is not the model this server runs ({model!r})"
+    if endpoint in CHAT_URLS and labels is None:
+        return custom_id, (f"no labels to score: create the batch with metadata {{\"{LABELS_KEY}\": "
+                           f"\"[\\\"Yes\\\", \\\"No\\\"]\"}}")
+    return custom_id, None
+
+
+def error_line(custom_id: str | None, message: str, number: int) -> str:
+    """One error-file line, shaped as the job's own error lines (output/formats.py)."""
+    key = f"line{number}"
+    response = {"status_code": 400, "request_id": key,
+                "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": "invalid_request"}}}
+    return json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response, "error": None},
+                      ensure_ascii=False)
+
+
+def write_job_input(source: Path, target: Path, lines: set[int]) -> None:
+    """`source` with every line not in `lines` blank (line numbers stay those of `source`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with source.open("rb") as src, target.open("wb") as dst:
+        for number, raw in enumerate(src, start=1):
+            dst.write(raw if number in lines else b"\n")
+
+
+def safe_name(filename: str | None) -> str:
+    """An uploaded file's name as a plain file name (no folders, no odd characters)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(filename or "").name).lstrip(".")
+    return name[:100] or "input.jsonl"

@@ -1,0 +1,65 @@
+"""Starting `batchscore serve`: check the key and the job settings, open the state, start the
+worker, then serve HTTP with uvicorn until SIGTERM/SIGINT (the running batch saves its parts)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from batchscore.serve.auth import resolve_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeOptions:
+    state_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "smollm2-135m-instruct"
+    sets: list[str] = field(default_factory=list)
+    api_key_file: str | None = None
+    no_auth: bool = False
+    max_file_mb: int = 200
+    max_requests: int = 50_000
+
+
+def check_job_settings(state_dir: Path, model: str, sets: list[str]) -> None:
+    """Refuse `--model`/`--set` the jobs would refuse, before serving (JobConfigError, exit 2)."""
+    from batchscore.jobfile import load_job, parse_set_options
+
+    probe = state_dir / "settings-check.yaml"
+    probe.write_text(yaml.safe_dump({"input": {"path": str(state_dir / "x.jsonl"), "format": "openai_batch"},
+                                     "labels": ["Yes", "No"], "model": model,
+                                     "output": {"path": str(state_dir / "x.out.jsonl")}}), encoding="utf-8")
+    try:
+        load_job(probe, parse_set_options(sets))
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def run_server(options: ServeOptions) -> None:
+    import uvicorn
+
+    from batchscore.serve.app import Limits, create_app
+    from batchscore.serve.store import Store
+    from batchscore.serve.worker import Worker, WorkerSettings
+
+    key = resolve_key(options.api_key_file, options.no_auth, options.host)
+    state_dir = Path(options.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    check_job_settings(state_dir, options.model, options.sets)
+    limits = Limits(max_file_bytes=options.max_file_mb * 1024 * 1024, max_requests=options.max_requests)
+    store = Store(state_dir)
+    worker = Worker(store, WorkerSettings(model=options.model, sets=list(options.sets),
+                                          max_requests=options.max_requests))
+    app = create_app(store, worker, key, options.model, limits)
+    worker.start()
+    try:
+        uvicorn.run(app, host=options.host, port=options.port, log_level="warning")
+    finally:
+        worker.stop()
+        store.close()

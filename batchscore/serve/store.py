@@ -1,0 +1,149 @@
+"""The server's durable state: File and Batch objects in SQLite, file contents as blobs, all
+under `--state-dir`. A row is written only after its blob is on disk, so a restart never sees a
+file it cannot read; batches keep their whole OpenAI object as JSON beside the columns queried."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from batchscore.errors import APIError
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Store:
+    """Files and batches of one server; safe to use from the HTTP threads and the worker."""
+
+    def __init__(self, state_dir: str | os.PathLike):
+        self.root = Path(state_dir)
+        self.blobs = self.root / "files"
+        self.incoming = self.root / "incoming"  # uploads being received; emptied at start
+        self.work = self.root / "batches"  # each batch's job files, parts and outputs
+        for folder in (self.blobs, self.incoming, self.work):
+            folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.incoming.iterdir():
+            stale.unlink(missing_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.root / "state.db", check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS files (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                         "id TEXT UNIQUE NOT NULL, object TEXT NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                         "id TEXT UNIQUE NOT NULL, status TEXT NOT NULL, object TEXT NOT NULL)")
+
+    # --- files ------------------------------------------------------------------------------
+
+    def incoming_path(self) -> Path:
+        return self.incoming / uuid.uuid4().hex
+
+    def add_file(self, received: Path, filename: str, purpose: str, file_id: str | None = None) -> dict:
+        """Keep `received` (a finished upload or a batch result) as a File object. A fixed
+        `file_id` replaces an earlier file of that id (a result written again after a restart)."""
+        file_id = file_id or new_id("file-")
+        with open(received, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(received, self.blobs / file_id)
+        _fsync_dir(self.blobs)
+        obj = {"id": file_id, "object": "file", "bytes": (self.blobs / file_id).stat().st_size,
+               "created_at": now(), "filename": filename, "purpose": purpose, "status": "processed",
+               "expires_at": None, "status_details": None}
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO files (id, object) VALUES (?, ?)", (file_id, json.dumps(obj)))
+        return obj
+
+    def file(self, file_id: str) -> dict:
+        with self._lock:
+            row = self._db.execute("SELECT object FROM files WHERE id = ?", (file_id,)).fetchone()
+        if row is None:
+            raise APIError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
+        return json.loads(row[0])
+
+    def file_path(self, file_id: str) -> Path:
+        self.file(file_id)
+        return self.blobs / file_id
+
+    def delete_file(self, file_id: str) -> dict:
+        self.file(file_id)
+        with self._lock:
+            self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        (self.blobs / file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # --- batches ----------------------------------------------------------------------------
+
+    def add_batch(self, obj: dict) -> dict:
+        with self._lock:
+            self._db.execute("INSERT INTO batches (id, status, object) VALUES (?, ?, ?)",
+                             (obj["id"], obj["status"], json.dumps(obj)))
+        return obj
+
+    def batch(self, batch_id: str) -> dict:
+        with self._lock:
+            row = self._db.execute("SELECT object FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        if row is None:
+            raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
+        return json.loads(row[0])
+
+    def update_batch(self, batch_id: str, only_from: tuple[str, ...] | None = None, **fields) -> dict | None:
+        """Set `fields` on a batch (a new `status` stamps its `<status>_at`) and return it; with
+        `only_from`, only while its status is one of those (else None: someone moved it first)."""
+        with self._lock:
+            row = self._db.execute("SELECT object FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None:
+                raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
+            obj = json.loads(row[0])
+            if only_from is not None and obj["status"] not in only_from:
+                return None
+            status = fields.get("status")
+            if status is not None and status != obj["status"] and f"{status}_at" in obj:
+                obj[f"{status}_at"] = now()
+            obj.update(fields)
+            self._db.execute("UPDATE batches SET status = ?, object = ? WHERE id = ?",
+                             (obj["status"], json.dumps(obj), batch_id))
+        return obj
+
+    def list_batches(self, limit: int, after: str | None) -> tuple[list[dict], bool]:
+        """Newest first; `after`: the id of the last batch of the previous page."""
+        with self._lock:
+            if after is None:
+                rows = self._db.execute("SELECT object FROM batches ORDER BY seq DESC LIMIT ?", (limit + 1,)).fetchall()
+            else:
+                cursor = self._db.execute("SELECT seq FROM batches WHERE id = ?", (after,)).fetchone()
+                if cursor is None:
+                    raise APIError(400, f"after: no such batch {after!r}", param="after", code="invalid_value")
+                rows = self._db.execute("SELECT object FROM batches WHERE seq < ? ORDER BY seq DESC LIMIT ?",
+                                        (cursor[0], limit + 1)).fetchall()
+        items = [json.loads(r[0]) for r in rows]
+        return items[:limit], len(items) > limit
+
+    def batches_in(self, statuses: tuple[str, ...]) -> list[dict]:
+        """Batches in any of `statuses`, oldest first (the queue's order)."""
+        marks = ",".join("?" * len(statuses))
+        with self._lock:
+            rows = self._db.execute(f"SELECT object FROM batches WHERE status IN ({marks}) ORDER BY seq",
+                                    statuses).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
