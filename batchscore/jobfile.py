@@ -88,6 +88,7 @@ def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code:
     config = _build(JobConfig, raw, "", problems)
     config.source = source
     if not problems:
+        problems.extend(_question_key_problems(config))
         problems.extend(_semantic_problems(config))
         problems.extend(_vllm_args_problems(config.engine.vllm_args, allow_code))
     if problems:
@@ -434,13 +435,87 @@ def _output_column_problems(config: JobConfig) -> list[str]:
             problems.append(f"labels: {labels} would all be written to the column {column!r}; make them differ "
                             "by more than surrounding spaces")
     id_name = config.input.id_column or DEFAULT_ID
-    generated = set(output_columns(config.labels, config.input.choices_column is not None, config.output.logprobs))
-    generated |= set(quality.column_names(config))
+    if is_decision_job(config):
+        generated, question_problems = _question_output_columns(config)
+        problems.extend(question_problems)
+    else:
+        generated = set(output_columns(config.labels, config.input.choices_column is not None, config.output.logprobs))
+        generated |= set(quality.column_names(config))
     generated |= {id_name} if config.input.id_column is None else set()
-    for name in config.output.keep_columns:
+    truths = config.calibrate.truth_columns if isinstance(config.calibrate.truth_columns, dict) else {}
+    kept = {name: "output.keep_columns" for name in config.output.keep_columns}
+    kept.update({v: f"calibrate.truth_columns.{k}" for k, v in truths.items() if isinstance(v, str)})
+    for name, key in kept.items():
         if name in generated and name != config.input.id_column:
-            problems.append(f"output.keep_columns: {name!r} is also a column batchscore writes (the scores: "
-                            f"{', '.join(sorted(generated))}); rename the input column or drop it from keep_columns")
+            shown = sorted(generated)
+            shown = ", ".join(shown[:12]) + (f", … ({len(shown)} in all)" if len(shown) > 12 else "")
+            problems.append(f"{key}: {name!r} is also a column batchscore writes ({shown}); rename the input "
+                            "column or drop it from the job")
+    return problems
+
+
+def _question_output_columns(config: JobConfig) -> tuple[set[str], list[str]]:
+    """(the columns a questions job writes besides the id and kept columns, the problems of two of
+    them sharing a name). Questions that do not parse are left to decision_job_problems."""
+    from batchscore.errors import DecisionRequestError
+    from batchscore.output.decision_files import ANSWERS
+    from batchscore.output.decision_quality import column_types
+    from batchscore.output.decisions import table_column_types
+    from batchscore.output.layout import ERROR, STATUS
+    from batchscore.prepare.decisions import parse_systemone
+
+    generated = {STATUS, ERROR} | ({ANSWERS} if config.input.questions_column else set())
+    if not isinstance(config.questions, dict) or not config.questions:
+        return generated, []
+    try:
+        questions = parse_systemone({"state": "", "questions": config.questions}).questions
+    except DecisionRequestError:
+        return generated, []
+    problems = []
+    try:
+        columns = table_column_types(questions)
+    except ValueError as exc:
+        problems.append(f"questions: {exc}; rename a question id or an option")
+        columns = {}
+    judged = column_types(config, questions)
+    both = [name for name in judged if name in columns]
+    if both:
+        problems.append(f"questions: {both[0]!r} is both a question's answer column and a calibration or review "
+                        "column of another; rename a question id or an option")
+    return generated | set(columns) | set(judged), problems
+
+
+def _question_key_problems(config: JobConfig) -> list[str]:
+    """YAML reads `1:` and `true:` as a number and a boolean: question ids and option names are
+    text, so such keys are written as text here (`1` -> "1", `true` -> "true", as JSON writes
+    them; noul's `{true: ..., false: ...}` as docs/jobs.md shows it). Any other key (a float, a
+    date, null) is refused, to be quoted. Changes `config.questions` and the keys of
+    `calibrate.truth_columns` in place."""
+    problems: list[str] = []
+
+    def text_keys(mapping: dict, where: str) -> dict:
+        result: dict = {}
+        for key, value in mapping.items():
+            if isinstance(key, bool):
+                name = "true" if key else "false"
+            elif isinstance(key, (str, int)):
+                name = str(key)
+            else:
+                problems.append(f"{where}: the key {key!r} is a {type(key).__name__}, not text; quote it (e.g. "
+                                f"'{key}')")
+                name = str(key)
+            if name in result:
+                problems.append(f"{where}: the keys {name!r} and {key!r} are the same once written as text")
+            result[name] = value
+        return result
+
+    if isinstance(config.questions, dict):
+        config.questions = text_keys(config.questions, "questions")
+        for qid, spec in config.questions.items():
+            if isinstance(spec, dict) and isinstance(spec.get("criteria"), dict):
+                config.questions[qid] = {**spec, "criteria": text_keys(spec["criteria"], f"questions.{qid}.criteria")}
+    if isinstance(config.calibrate.truth_columns, dict):
+        config.calibrate.truth_columns = text_keys(config.calibrate.truth_columns, "calibrate.truth_columns")
     return problems
 
 
@@ -554,19 +629,22 @@ def _question_quality_problems(config: JobConfig, asked: list[str]) -> list[str]
     not_names = [f"{k}: {v!r}" for k, v in cal.truth_columns.items() if not isinstance(v, str) or not v]
     if not_names:
         problems.append(f"calibrate.truth_columns: each value is an input column name; got {', '.join(not_names)}")
-    missing = [q for q in ids if q not in {str(k) for k in cal.truth_columns}]
-    if method in FITTED and cal.from_ is None and missing:
-        problems.append(f"score.calibrate {method}: fitted on labeled records — calibrate.truth_columns has no column "
-                        f"for the question(s) {missing}; add them, or reuse fitted values with calibrate.from")
-    if config.output.review is not None and missing:
-        problems.append(f"output.review: needs a truth column for every question (the threshold is chosen where the "
-                        f"accepted records' error is known); calibrate.truth_columns lacks {missing}")
+    # questions without a truth column stay uncalibrated and unreviewed (stated per question); none at all is refused
+    given = [q for q in ids if q in {str(k) for k in cal.truth_columns}]
+    if method in FITTED and cal.from_ is None and not given:
+        problems.append(f"score.calibrate {method}: fitted on labeled records — calibrate.truth_columns names no "
+                        f"question (its questions: {ids}); give a truth column for the questions to calibrate, or "
+                        "reuse fitted values with calibrate.from")
+    if config.output.review is not None and not given:
+        problems.append(f"output.review: needs a truth column for the questions to review (the threshold is chosen "
+                        f"where the accepted records' error is known); calibrate.truth_columns names none of {ids}")
     if method == "platt":
         try:
             questions = parse_systemone({"state": "", "questions": config.questions}).questions
         except Exception:  # noqa: BLE001 — decision_job_problems names what is wrong with them
             questions = ()
-        wide = [f"{q.key} ({len(q.options)} options)" for q in questions if len(q.options) != 2]
+        wide = [f"{q.key} ({len(q.options)} options)" for q in questions
+                if len(q.options) != 2 and (cal.from_ is not None or str(q.key) in given)]
         if wide:
             problems.append(f"score.calibrate platt: two-option questions only (noul, or a choice of two); "
                             f"{', '.join(wide)} — use temperature or vector")

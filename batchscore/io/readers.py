@@ -149,11 +149,13 @@ def _filter_partitions(files: list[tuple[Path, str]], base: Path | None, filter:
 
 
 def iter_batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None = None,
-                 base: Path | None = None) -> Iterator[InputBatch]:
+                 base: Path | None = None, json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
     """Yield record batches of every file in order, with only `columns` (None: all) and the hive
     partition columns of folders below `base`; raises InputError for unreadable files (an object
-    store that cannot be reached included)."""
-    batches = _batches(files, batch_rows, columns, base)
+    store that cannot be reached included). `json_columns`: JSONL columns read per line as JSON
+    text (an object or array written back with `json.dumps`), never unified across lines into one
+    struct that would give each row the other rows' keys."""
+    batches = _batches(files, batch_rows, columns, base, tuple(json_columns))
     while True:
         try:
             batch = next(batches, None)
@@ -169,7 +171,7 @@ def _where(files: list[tuple[Path, str]]) -> str:
 
 
 def _batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None,
-             base: Path | None) -> Iterator[InputBatch]:
+             base: Path | None, json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
     partitions = partition_values([f for f, _ in files], base)
     parquet = [(f, p) for (f, fmt), p in zip(files, partitions) if fmt == "parquet"]
     scan = _ParquetScan(parquet, base, columns) if parquet else None
@@ -178,7 +180,7 @@ def _batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] 
             yield from scan.batches(path, batch_rows)
             continue
         lines = _jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA, columns) \
-            if fmt == "openai_batch" else _jsonl_batches(path, batch_rows, columns=columns)
+            if fmt == "openai_batch" else _jsonl_batches(path, batch_rows, columns=columns, json_columns=json_columns)
         for batch in lines:
             yield _with_partitions(batch, values, columns)
 
@@ -328,11 +330,12 @@ def _unify(schemas: list[pa.Schema]) -> pa.Schema:
 
 
 def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema | None = None,
-                   columns: list[str] | None = None) -> Iterator[InputBatch]:
+                   columns: list[str] | None = None, json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
     """Parse JSON Lines one line at a time so a bad line becomes a row error, not a lost file.
     `convert(value) -> (row, problem)` turns each parsed object into a row of `schema`.
     `columns`: the columns the job reads (None: all); a value that is not text (a lone UTF-16
-    surrogate) is that row's error in those, and written as its `\\uXXXX` escape elsewhere."""
+    surrogate) is that row's error in those, and written as its `\\uXXXX` escape elsewhere.
+    `json_columns`: kept as each line's own JSON text (see iter_batches)."""
     rows: list[dict] = []
     errors: list[str | None] = []
     first_line = 1
@@ -355,6 +358,9 @@ def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema 
             if bad_bytes or _MAY_HOLD_SURROGATE.search(raw):
                 row, error = _without_surrogates(row, error, path, number, columns,
                                                  _OPENAI_FIELDS if convert is not None else {}, bad_bytes)
+            for name in json_columns:
+                if isinstance(row.get(name), (dict, list)):
+                    row[name] = json.dumps(row[name], ensure_ascii=False)
             rows.append(row)
             errors.append(error)
             if len(rows) >= batch_rows:

@@ -39,6 +39,22 @@ def wanted(config) -> bool:
     return quality_wanted(config) or bool(config.calibrate.truth_columns)
 
 
+def calibrated(config, question) -> bool:
+    """Whether `question` is calibrated: every question with `batch` or `calibrate.from`; with a
+    fitted method, the questions that have a truth column (the others stay uncalibrated)."""
+    method = config.score.calibrate
+    if method == "none":
+        return False
+    if method in calibration.FITTED and config.calibrate.from_ is None:
+        return str(question.key) in config.calibrate.truth_columns
+    return True
+
+
+def reviewed(config, question) -> bool:
+    """Whether `question` gets a review threshold: with output.review, where it has a truth column."""
+    return config.output.review is not None and str(question.key) in config.calibrate.truth_columns
+
+
 def column_types(config, questions: Sequence) -> dict[str, str]:
     """The columns this module adds, per question in order, with their kind."""
     if not wanted(config):
@@ -46,9 +62,9 @@ def column_types(config, questions: Sequence) -> dict[str, str]:
     columns: dict[str, str] = {}
     for question in questions:
         q = str(question.key)
-        if config.score.calibrate != "none":
+        if calibrated(config, question):
             columns.update({f"{q}.p_cal.{option}": "float64" for option in question.options})
-        if config.output.review is not None:
+        if reviewed(config, question):
             columns[f"{q}.needs_review"] = "bool"
         if config.output.out_of_scope is not None:
             columns[f"{q}.out_of_scope"] = "bool"
@@ -59,14 +75,14 @@ def truth_index(question, value: Any) -> int | None:
     """The option index `value` names for `question`, or None when it names none. Accepted: the
     option's name (choice; score "0".."n-1"), a score's level text or integer level, and for noul
     (yes/no) and predicate (false/true) a boolean or yes/no/true/false/1/0."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 1.0 from a pandas column of 1/0 with nulls (float64) is 1
     if isinstance(value, bool) or question.type in ("noul", "predicate"):
         word = TRUE_WORDS.get(str(value).strip().lower())
         if word is None or question.type not in ("noul", "predicate"):
             return None
         return (0 if word else 1) if question.type == "noul" else (1 if word else 0)
     text = str(value).strip()
-    if isinstance(value, float) and value.is_integer():
-        text = str(int(value))
     names = {option.strip(): i for i, option in enumerate(question.options)}
     if question.type == "score" and question.levels:
         names.update({str(level).strip(): i for i, level in enumerate(question.levels)})
@@ -86,7 +102,7 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
     columns: dict[str, list] = {}
     choices: dict[str, list] = {}
     result = QualityResult(confidence_method=config.score.confidence)
-    calibrated, reviewed, scoped = {}, {}, {}
+    calibrated_, reviewed_, scoped = {}, {}, {}
     for j, question in enumerate(questions):
         q = str(question.key)
         p, mass, ok = _matrix(question, [None if a is None else a[j] for a in answers])
@@ -106,6 +122,10 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
             log.warning("score.calibrate: question %r has no answered record; its p_cal columns are null", q)
             for option in question.options:
                 columns[f"{q}.p_cal.{option}"] = [None] * len(ok)
+        elif method != "none" and not calibrated(config, question):
+            info["source"] = "no truth column: uncalibrated"
+            log.warning("score.calibrate %s: question %r has no truth column (calibrate.truth_columns); it stays "
+                        "uncalibrated", method, q)
         elif method != "none":
             params, info["source"] = _params(config, question, method, log_p, ok, truth, fit_rows, previous)
             info["params"] = params
@@ -115,22 +135,27 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
             if question.type == "choice":
                 best = np.argmax(np.nan_to_num(final_p, nan=-np.inf), axis=1)
                 choices[f"{q}.choice"] = [question.options[b] if good else None for b, good in zip(best, ok)]
-        calibrated[q] = info
+        info["calibrated"] = method != "none" and bool(info["params"])
+        calibrated_[q] = info
         num_options = np.full(len(ok), len(question.options))
-        if config.output.review is not None:
+        if config.output.review is not None and not reviewed(config, question):
+            reviewed_[q] = {"reviewed": False, "reason": "no truth column (calibrate.truth_columns)"}
+            log.warning("output.review: question %r has no truth column (calibrate.truth_columns); it is not "
+                        "reviewed", q)
+        elif config.output.review is not None:
             conf = review.confidence(np.nan_to_num(final_p, nan=0.0), num_options, mass, config.score.confidence)
-            array, reviewed[q] = review_column(config, final_p, num_options, mass, conf, ok, truth, eval_rows,
+            array, reviewed_[q] = review_column(config, final_p, num_options, mass, conf, ok, truth, eval_rows,
                                                f"calibrate.truth_columns.{q} ({column!r})")
             columns[f"{q}.needs_review"] = array.to_pylist()
         if config.output.out_of_scope is not None:
             array, scoped[q] = out_of_scope_column(config, mass, ok, eval_rows)
             columns[f"{q}.out_of_scope"] = array.to_pylist()
     if method != "none" or config.calibrate.truth_columns:
-        result.calibration = {"method": method, "normalize": config.score.normalize, "questions": calibrated,
+        result.calibration = {"method": method, "normalize": config.score.normalize, "questions": calibrated_,
                               "holdout_fraction": config.calibrate.holdout_fraction
                               if method in calibration.FITTED and config.calibrate.from_ is None else None,
                               "seed": config.calibrate.seed}
-    result.review = {"questions": reviewed} if reviewed else None
+    result.review = {"questions": reviewed_} if reviewed_ else None
     result.out_of_scope = {"questions": scoped} if scoped else None
     return columns, choices, result
 
@@ -192,8 +217,8 @@ def _truth(question, column: str | None, kept: pa.Table, ok: np.ndarray, ids: pa
     values = kept.column(column).to_pylist()
     bad = []
     for row in np.flatnonzero(ok):
-        if values[row] is None:
-            continue
+        if values[row] is None or isinstance(values[row], float) and np.isnan(values[row]):
+            continue  # unlabeled (NaN: a pandas float column's missing value)
         index = truth_index(question, values[row])
         if index is None:
             bad.append(row)

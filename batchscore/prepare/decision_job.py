@@ -31,8 +31,8 @@ from batchscore.prepare.decisions import (API_OPENAI, API_SYSTEMONE, DecisionReq
                                           parse_openai_decisions, parse_systemone, read_prompt)
 from batchscore.prepare.options import OptionEncoder, RowOptionSource
 from batchscore.prepare.prompts import PromptRenderer, RenderedPrompt, RequestRenderer
-from batchscore.prepare.rows import (DecisionInput, PreparedInput, Record, batch_ids, check_unique_ids, concat_arrays,
-                                     concat_tables, select_kept)
+from batchscore.prepare.rows import (DecisionInput, PreparedInput, Record, batch_ids, check_columns, check_unique_ids,
+                                     concat_arrays, concat_tables, select_kept)
 
 CHAT = "chat"  # a chat/completions line of an openai_batch file: one read over the job's labels
 TABLE = "table"  # a row of a table job with `questions:`
@@ -66,16 +66,22 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
     table = None if batch_file else _TableRecords(config, tokenizer)
     needed = list(dict.fromkeys(([id_column] if id_column else []) + keep + (
         ["custom_id", "url", "messages", "prompt", "decision"] if batch_file else table.columns)))
+    uses = _column_uses(config, table)
     encoder = OptionEncoder(tokenizer) if tokenizer is not None else None
     options = RowOptionSource(None, "labels", encoder, max_length) if encoder is not None else None
     chat_renderer = RequestRenderer(tokenizer) if tokenizer is not None else None
     records: list[Record] = []
     ids, kept, requests, errors, read_tokens = [], [], [], {}, {}
     reads = 0
-    for batch in iter_batches(files, config.input.batch_rows, columns=needed, base=input_base(config.input.path)):
+    json_columns = (config.input.questions_column,) if config.input.questions_column and not batch_file else ()
+    for batch in iter_batches(files, config.input.batch_rows, columns=needed, base=input_base(config.input.path),
+                              json_columns=json_columns):
         n = batch.table.num_rows
         if n == 0:
             continue
+        check_columns(batch, [c for c in needed if c in uses], uses)  # as a labels job does, before any work
+        if table is not None:
+            table.check_types(batch)
         ids.append(batch_ids(batch, id_column, len(records)))
         kept.append(select_kept(batch.table, keep))
         rows = batch.table.select([c for c in needed if c in batch.table.column_names]).to_pylist()
@@ -150,6 +156,22 @@ def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource,
         requests.append(Request(read, np.asarray(read_ids, dtype=np.int32), read_options))
 
 
+def _column_uses(config: JobConfig, table: "_TableRecords | None") -> dict[str, str]:
+    """Each input column the job names -> the job key that names it (for a missing column's error).
+    An openai_batch file's own fields (custom_id, url, ...) are always there and not listed."""
+    uses: dict[str, str] = {}
+    if table is not None:
+        for name in table.columns:
+            uses[name] = "input.questions_column" if name == table.questions_column else \
+                "prompt.state_columns" if table.state_columns else "prompt.template"
+    truths = {column: f"calibrate.truth_columns.{q}" for q, column in config.calibrate.truth_columns.items()}
+    for name in config.output.keep_columns:
+        uses.setdefault(name, truths.get(name, "output.keep_columns"))
+    if config.input.id_column and not (config.input.format == "openai_batch" and config.input.id_column == "custom_id"):
+        uses[config.input.id_column] = "input.id_column"
+    return uses
+
+
 def _record(row: dict, read_error: str | None, where: str, batch_file: bool, table: "_TableRecords | None",
             config: JobConfig) -> Record:
     """The record of one input row (its reads not yet made)."""
@@ -196,9 +218,25 @@ class _TableRecords:
         state = list(self.state_columns) if self.state_columns else list(self.template.columns)
         return state + ([self.questions_column] if self.questions_column else [])
 
+    def check_types(self, batch) -> None:
+        """Refuse, before any work, the columns no row could be read from: a binary state column
+        (bytes are not text), and a struct or map questions column (Parquet unifies every row's
+        objects into one type, so each row would see the other rows' question ids and options)."""
+        schema = batch.table.schema
+        for name in self.state_columns or ():
+            if name in schema.names and _holds_binary(schema.field(name).type):
+                raise InputError(f"{batch.file}: prompt.state_columns {name!r} is a binary column "
+                                 f"({schema.field(name).type}); a state is text — decode it to a string column")
+        column = self.questions_column
+        if column and column in schema.names and (pa.types.is_struct(schema.field(column).type)
+                                                  or pa.types.is_map(schema.field(column).type)):
+            raise InputError(f"{batch.file}: input.questions_column {column!r} is a {schema.field(column).type} "
+                             "column: one type for every row's questions, so a row would see the other rows' "
+                             "question ids and options; write each row's questions as JSON text (a string column)")
+
     def request(self, row: dict[str, Any]) -> DecisionRequest:
         if self.state_columns:
-            state: Any = {name: row.get(name) for name in self.state_columns}
+            state: Any = {name: _json_value(row.get(name)) for name in self.state_columns}
         else:
             try:
                 state = self.template.render_spans(row)[0]
@@ -218,6 +256,29 @@ class _TableRecords:
         if self.system:
             body["instructions"] = self.system
         return parse_systemone(body)
+
+
+def _json_value(value: Any) -> Any:
+    """A column value as JSON can hold it: a date, time, timestamp, duration or decimal (which
+    JSON has no type for) as its text (ISO 8601 for dates and times), inside lists and structs too."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {key: _json_value(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if hasattr(value, "isoformat"):  # datetime, date, time
+        return value.isoformat()
+    return str(value)  # Decimal, timedelta, ...
+
+
+def _holds_binary(kind: pa.DataType) -> bool:
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind) \
+            or pa.types.is_binary_view(kind):
+        return True
+    if pa.types.is_dictionary(kind):
+        return _holds_binary(kind.value_type)
+    return any(_holds_binary(kind.field(i).type) for i in range(kind.num_fields))
 
 
 def _row_questions(value: Any, column: str) -> dict:

@@ -39,8 +39,8 @@ from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
 from batchscore.plan.validate import token_ids_problem
 from batchscore.plan.types import Request
 from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
-from batchscore.prepare.rows import (PreparedInput, batch_ids, check_unique_ids, concat_arrays, concat_tables,
-                                     select_kept)
+from batchscore.prepare.rows import (PreparedInput, batch_ids, check_columns, check_unique_ids, concat_arrays,
+                                     concat_tables, select_kept)
 
 log = logging.getLogger("batchscore")
 
@@ -346,7 +346,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
         if n == 0:
             continue
         saw_rows = True
-        _check_columns(batch, needed)
+        check_columns(batch, needed)
         ids.append(batch_ids(batch, id_column, row_id))
         kept_tables.append(select_kept(batch.table, keep_columns))
         if choices_column:
@@ -423,20 +423,6 @@ def _prepare_synthetic(config: JobConfig, options: RowOptionSource | None = None
     requests = [Request(i, s, o) for i, (s, o) in enumerate(zip(sequences, row_options)) if i not in errors]
     n = len(sequences)
     return PreparedInput(n, pa.array(np.arange(n, dtype=np.int64)), pa.table({}), requests, errors)
-
-
-def _check_columns(batch: InputBatch, needed: list[str]) -> None:
-    names = set(batch.table.column_names)
-    missing = [c for c in needed if c not in names]
-    if missing and all(e is None for e in batch.row_errors):
-        raise InputError(
-            f"{batch.file}: column(s) {missing} not found (used by the template, id_column, "
-            f"token_ids_column or keep_columns); the file has columns {sorted(batch.available or names)}"
-        )
-
-
-
-
 
 
 def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int) -> tuple[list, list]:

@@ -91,6 +91,22 @@ def concat_tables(tables: list[pa.Table]) -> pa.Table:
         return pa.concat_tables([t.cast(pa.schema([(n, pa.string()) for n in t.column_names])) for t in tables])
 
 
+def check_columns(batch: InputBatch, needed: list[str], uses: dict[str, str] | None = None) -> None:
+    """Refuse a batch that lacks a column the job reads (a misspelt name), naming the file, each
+    missing column and the job key that asks for it (`uses`: column -> key). A batch whose rows
+    could not all be read is let through: its bad lines are row errors, and may be what hid it."""
+    names = set(batch.table.column_names)
+    missing = [c for c in needed if c not in names]
+    if not missing or any(e is not None for e in batch.row_errors):
+        return
+    if uses:
+        what = "; ".join(f"{c!r}: {uses.get(c, 'the job')}" for c in missing)
+        raise InputError(f"{batch.file}: column(s) not found ({what}); the file has columns "
+                         f"{sorted(batch.available or names)}")
+    raise InputError(f"{batch.file}: column(s) {missing} not found (used by the template, id_column, "
+                     f"token_ids_column or keep_columns); the file has columns {sorted(batch.available or names)}")
+
+
 def check_unique_ids(ids: pa.Array, id_column: str) -> None:
     """Ids must be unique; a null id (a line that could not be read has none) is not a duplicate:
     its row keeps its place and its error names the file and line."""
