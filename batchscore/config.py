@@ -32,17 +32,22 @@ _JobYamlLoader.add_implicit_resolver(
 
 MAX_JOB_FILE_BYTES = 1 << 20
 MAX_YAML_VALUES = 100_000  # after expanding aliases: a few hundred in any real job file
+MAX_YAML_DEPTH = 100  # values inside values; under 10 in any real job file, and far from Python's recursion limit
 
 
 def safe_load_yaml(text: str):
     """Parse YAML safely (no Python objects), with YAML 1.2 booleans; refuses documents over
-    1 MiB or whose aliases expand to more than MAX_YAML_VALUES values (an "alias bomb" costs
-    exponential time in anything that walks the result) or refer to themselves."""
+    1 MiB, nested more than MAX_YAML_DEPTH deep, or whose aliases expand to more than
+    MAX_YAML_VALUES values (an "alias bomb" costs exponential time in anything that walks the
+    result) or refer to themselves."""
     if len(text) > MAX_JOB_FILE_BYTES:
         raise yaml.YAMLError(f"the job file is {len(text):,} characters; at most {MAX_JOB_FILE_BYTES:,}")
     loader = _JobYamlLoader(text)
     try:
-        node = loader.get_single_node()
+        try:
+            node = loader.get_single_node()
+        except RecursionError:  # PyYAML composes nested values recursively
+            raise yaml.YAMLError(f"values nested more than {MAX_YAML_DEPTH} deep") from None
         if node is None:
             return None
         _check_expanded_size(node)
@@ -54,7 +59,9 @@ def safe_load_yaml(text: str):
 def _check_expanded_size(root: yaml.Node) -> None:
     sizes: dict[int, int] = {}
 
-    def size(node: yaml.Node) -> int:
+    def size(node: yaml.Node, depth: int = 1) -> int:
+        if depth > MAX_YAML_DEPTH:
+            raise yaml.YAMLError(f"values nested more than {MAX_YAML_DEPTH} deep (line {node.start_mark.line + 1})")
         key = id(node)
         if key in sizes:
             if sizes[key] < 0:
@@ -62,9 +69,9 @@ def _check_expanded_size(root: yaml.Node) -> None:
             return sizes[key]
         sizes[key] = -1
         if isinstance(node, yaml.MappingNode):
-            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+            total = 1 + sum(size(k, depth + 1) + size(v, depth + 1) for k, v in node.value)
         elif isinstance(node, yaml.SequenceNode):
-            total = 1 + sum(size(v) for v in node.value)
+            total = 1 + sum(size(v, depth + 1) for v in node.value)
         else:
             total = 1
         if total > MAX_YAML_VALUES:

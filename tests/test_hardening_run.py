@@ -127,3 +127,48 @@ def test_another_parquet_of_the_same_size_is_not_taken_for_the_finished_output(t
     assert result.exit_code == 0, result.output
     assert "already the complete output" not in result.output
     assert pq.read_table(output).column("pair_id").to_pylist() == ids  # scored and written again
+
+
+# ---------------------------------------------------------------------------- hostile inputs
+
+
+def yaml_job(folder, **job):
+    import yaml
+
+    job = {"model": "smollm2-135m-instruct", "labels": ["Yes", "No"],
+           "engine": {"kind": "torch", "dtype": "float32", "token_budget": 256}, **job}
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job, allow_unicode=True))
+    return path
+
+
+def test_a_bad_value_in_one_token_id_list_fails_only_that_row(tmp_path):
+    values = {"ok": [1, 2, 3], "nan": [1, float("nan"), 3], "float": [1, 2.5, 3], "string": [1, "7", 3],
+              "nested": [[1, 2], [3]], "bool": [1, True, 3], "text": "1 2 3", "also-ok": [4, 5, 6]}
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": k, "t": v}) + "\n" for k, v in values.items()))  # NaN as JSON allows
+    out = tmp_path / "out.parquet"
+    job = yaml_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
+                   output={"path": str(out), "max_error_rate": 1.0, "audit_rows": 0})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out).to_pandas().set_index("id")
+    assert list(rows.index) == list(values)  # every row exactly once, in order
+    assert set(rows.index[rows["status"] == "ok"]) == {"ok", "also-ok"}
+    for number, key in enumerate(values, start=1):
+        if key not in ("ok", "also-ok"):
+            assert rows.loc[key, "error"].startswith(f"{data}:{number}: field 't'"), rows.loc[key, "error"]
+
+
+@pytest.mark.parametrize("style", ["flow", "block"])
+def test_a_job_file_nested_5000_deep_is_exit_2_naming_the_depth(tmp_path, style):
+    head = "labels: [Yes, No]\nprompt: {template: '{q}'}\ninput: {path: in.parquet}\n"
+    if style == "flow":
+        body = "engine: {vllm_args: {a: " + "[" * 5000 + "]" * 5000 + "}}\n"
+    else:  # one space per level keeps it under the 1 MiB limit
+        body = "".join(" " * i + f"k{i}:\n" for i in range(1200)) + " " * 1200 + "k: 1\n"
+    job = tmp_path / "deep.yaml"
+    job.write_text(head + body)
+    result = invoke("run", job, "-q")
+    assert result.exit_code == EXIT_CONFIG, result.output
+    assert "nested more than 100 deep" in result.output and "bug" not in result.output

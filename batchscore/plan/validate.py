@@ -62,6 +62,11 @@ def token_ids_problem(tokens) -> tuple[np.ndarray | None, str | None]:
     `input.token_ids_column`): flat, integers (not floats, strings or bools), not negative,
     within int32. An empty list passes here; `prompt_problem` refuses it.
     """
+    if isinstance(tokens, (list, tuple)):  # numpy would make [True, 1] integers and [1, 2.0] one float array
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer))][:1]
+        if bad:
+            shown = "a list" if isinstance(bad[0], (list, tuple, dict)) else repr(bad[0])
+            return None, f"token ids must be integers, got {shown} ({type(bad[0]).__name__})"
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError) as exc:  # ragged nested lists and the like

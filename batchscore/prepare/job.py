@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -341,7 +342,9 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     ids, kept_tables, choice_arrays, requests, errors = [], [], [], [], {}
     row_id = 0
     saw_rows = False
-    for batch in iter_batches(files, config.input.batch_rows, columns=needed, base=input_base(config.input.path)):
+    # token lists are read per JSONL line: one line's NaN or string must not retype every row's list
+    for batch in iter_batches(files, config.input.batch_rows, columns=needed, base=input_base(config.input.path),
+                              json_columns=(token_column,) if token_column else ()):
         n = batch.table.num_rows
         if n == 0:
             continue
@@ -454,11 +457,22 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
     return result, rendered
 
 
+def _json_list(text: str):
+    """The list a JSON text holds (NaN and Infinity included, as JSON readers allow), else the text."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, list) else text
+
+
 def _token_rows(batch: InputBatch, column: str, errors: dict[int, str], first_row_id: int) -> list:
     values = batch.table.column(column).to_pylist() if column in batch.table.column_names else [None] * batch.table.num_rows
     result: list = []
     for offset, (value, read_error) in enumerate(zip(values, batch.row_errors)):
         rid = first_row_id + offset
+        if isinstance(value, str):  # a JSONL line's own list, kept as its JSON text (iter_batches)
+            value = _json_list(value)
         tokens, problem = (None, read_error) if read_error else (None, "is null") if value is None \
             else (None, "must be a list of integer token ids") if not isinstance(value, (list, tuple)) \
             else token_ids_problem(value)
