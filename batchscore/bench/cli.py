@@ -12,6 +12,7 @@ from batchscore.bench.decisions_bench import decisions
 from batchscore.bench.dtype_parity import dtype_parity
 from batchscore.bench.engine_bench import engine
 from batchscore.bench.gpu_command import gpu
+from batchscore.bench.invariance import invariance
 from batchscore.bench.labels_bench import labels
 from batchscore.bench.mil_bench import mil
 from batchscore.bench.placement_bench import placement
@@ -21,6 +22,6 @@ from batchscore.bench.specprefill import specprefill
 from batchscore.bench.vllm_bench import vllm
 
 COMMANDS = [workloads, plan, engine, attention, vllm, gpu, mil, scale, placement, dtype_parity, specprefill, labels,
-            decisions]
+            decisions, invariance]
 
 __all__ = ["COMMANDS"]
