@@ -172,3 +172,57 @@ def test_a_job_file_nested_5000_deep_is_exit_2_naming_the_depth(tmp_path, style)
     result = invoke("run", job, "-q")
     assert result.exit_code == EXIT_CONFIG, result.output
     assert "nested more than 100 deep" in result.output and "bug" not in result.output
+
+
+# ---------------------------------------------------------------------------- calibrate.from, compiler cache
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished labels run (12 rows): its output and completion marker."""
+    from tests.conftest import write_sample_subset
+
+    folder = tmp_path_factory.mktemp("finished")
+    data = write_sample_subset(folder / "input.parquet", queries=4, product_ids=("P001", "P002", "P004"))
+    job = write_job(folder, data)
+    result = invoke("run", job, "-q")
+    assert result.exit_code == 0, result.output
+    return folder / "out.parquet"
+
+
+@pytest.mark.parametrize("calibration, named", [
+    ([1.0], "calibration is list"),
+    ({"method": "temperature", "labels": ["Yes", "No"], "normalize": "sum", "params": [1.0]}, "not a mapping"),
+    ({"method": "temperature", "labels": ["Yes", "No"], "normalize": "sum", "params": {"temperature": 0}},
+     "temperature is 0; expected a finite number above 0"),
+    ({"method": "temperature", "labels": ["Yes", "No"], "normalize": "sum", "params": {"temperature": "1"}},
+     "temperature is '1'"),
+])
+def test_a_hand_edited_calibrate_from_marker_is_refused_before_scoring(tmp_path, finished_run, calibration, named):
+    import shutil
+
+    previous = tmp_path / "previous.parquet"
+    shutil.copy(finished_run, previous)
+    marker = json.loads(Path(f"{finished_run}.complete.json").read_text())
+    marker["summary"]["calibration"] = calibration
+    Path(f"{previous}.complete.json").write_text(json.dumps(marker))
+    data = pq.read_table(finished_run.parent / "input.parquet")
+    pq.write_table(data, tmp_path / "input.parquet")
+    job = write_job(tmp_path, tmp_path / "input.parquet", score={"calibrate": "temperature"},
+                    calibrate={"from": str(previous)})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == EXIT_CONFIG, result.output
+    assert named in result.output and "calibrate.from" in result.output
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_a_compiler_cache_path_that_is_a_file_does_not_fail_a_run(tmp_path, small_input):
+    job = write_job(tmp_path, small_input)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(blocker))
+    proc = subprocess.run([sys.executable, "-m", "batchscore.cli", "run", str(job), "-q"], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout
+    assert "TORCHINDUCTOR_CACHE_DIR" in proc.stdout and "starts cold" in proc.stdout  # said, not fatal
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == 12

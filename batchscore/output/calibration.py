@@ -162,6 +162,38 @@ def fit(method: str, log_p: np.ndarray, truth: np.ndarray) -> dict:
     raise ValueError(f"not a fitted method: {method!r}")
 
 
+def params_problem(method: str, params, num_options: int | None) -> str | None:
+    """Why `params` (fitted values read back from a completion marker, which a person may have
+    edited) cannot be applied with `method` to `num_options` options (None: any number), or None.
+    A temperature must be a finite number above 0 (T = 0 divides by zero: NaN for every row)."""
+    if not isinstance(params, dict):
+        return f"the fitted values are {type(params).__name__}, not a mapping"
+
+    def number(key, positive=False) -> str | None:
+        value = params.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+        if not ok or (positive and value <= 0):
+            return f"{key} is {value!r}; expected a finite number{' above 0' if positive else ''}"
+        return None
+
+    def vector(key) -> str | None:
+        value = params.get(key)
+        if not (isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                and np.isfinite(v) for v in value)):
+            return f"{key} is {value!r}; expected a list of finite numbers"
+        if num_options is not None and len(value) != num_options:
+            return f"{key} has {len(value)} values for {num_options} options"
+        return None
+
+    if method == "temperature":
+        return number("temperature", positive=True)
+    if method == "vector":
+        return vector("w") or vector("b")
+    if method == "platt":
+        return number("a") or number("b")
+    return None
+
+
 def apply(method: str, log_p: np.ndarray, params: dict) -> np.ndarray:
     """Calibrated log probabilities of `log_p` under `method` with its values `params`
     (bias for batch, log_p_content_free for contextual, the fitted values otherwise)."""

@@ -179,16 +179,21 @@ def previous_calibration(config, questions: Sequence) -> dict[str, dict]:
                                "give the output of a finished run")
     recorded = summary.get("calibration") or {}
     method = config.score.calibrate
-    if recorded.get("method") != method or not isinstance(recorded.get("questions"), dict):
+    if not isinstance(recorded, dict) or recorded.get("method") != method \
+            or not isinstance(recorded.get("questions"), dict):
         raise CalibrationError(f"calibrate.from: {path} recorded no per-question values of score.calibrate {method} "
-                               f"(it recorded {recorded.get('method') or 'no calibration'})")
+                               f"(it recorded {(recorded.get('method') if isinstance(recorded, dict) else None) or 'no calibration'})")
     params = {}
     for question in questions:
         q = str(question.key)
         entry = recorded["questions"].get(q) or {}
-        if entry.get("params") is None or entry.get("options") != list(question.options):
+        if not isinstance(entry, dict) or entry.get("params") is None or entry.get("options") != list(question.options):
             raise CalibrationError(f"calibrate.from: {path} holds no fitted values for question {q!r} with the "
                                    f"options {list(question.options)} (it has {sorted(recorded['questions'])})")
+        problem = calibration.params_problem(method, entry["params"], len(question.options))
+        if problem:
+            raise CalibrationError(f"calibrate.from: {path}.complete.json: question {q!r}: the {method} "
+                                   f"calibration cannot be applied: {problem}")
         params[q] = entry["params"]
     return params
 

@@ -110,6 +110,9 @@ def previous_calibration(config) -> dict:
         raise CalibrationError(f"calibrate.from: {path} has no completion marker matching it ({path}.complete.json); "
                                "give the output of a finished run")
     recorded = summary.get("calibration") or {}
+    if not isinstance(recorded, dict):
+        raise CalibrationError(f"calibrate.from: {path}.complete.json: calibration is {type(recorded).__name__}, "
+                               "not a mapping; give the output of a finished run")
     method = config.score.calibrate
     if recorded.get("method") != method or recorded.get("params") is None:
         raise CalibrationError(f"calibrate.from: {path} recorded no fitted values of score.calibrate {method} "
@@ -119,6 +122,10 @@ def previous_calibration(config) -> dict:
         raise CalibrationError(f"calibrate.from: {path} was fitted for labels {recorded.get('labels')} with "
                                f"score.normalize {recorded.get('normalize')}; this job has {labels} with "
                                f"{config.score.normalize}")
+    problem = calibration.params_problem(method, recorded["params"], len(labels) if labels else None)
+    if problem:
+        raise CalibrationError(f"calibrate.from: {path}.complete.json: the {method} calibration cannot be "
+                               f"applied: {problem}")
     if summary.get("model") not in (None, str(config.model)):
         log.warning("calibrate.from: %s was fitted with the model %s; this job uses %s", path, summary.get("model"),
                     config.model)

@@ -26,6 +26,7 @@ from typing import Callable
 from batchscore.config import EngineConfig, JobConfig
 from batchscore.engines.base import Engine
 from batchscore.engines.factory import ResolvedEngine, create_engine, decide_compile
+from batchscore.engines.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
 from batchscore.run.audit import AuditResult, audit_output, raise_if_inexact
@@ -139,6 +140,7 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
     `<output>.report.html`, or a path) are written however the run ends, as `batchscore run`
     writes them (run/run_files.py); SIGTERM at any moment raises RunInterrupted.
     """
+    use_usable_inductor_cache()  # the Python API's callers too: before the engine imports torch's compiler
     files = RunFiles(metrics, metrics_prom, report, job=config.source)
     with files.on_every_exit():
         if files.any:
