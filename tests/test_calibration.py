@@ -19,7 +19,7 @@ from batchscore.jobfile import ALLOWED, config_from_dict, load_job
 from batchscore.output import calibration, review
 from batchscore.output.layout import OutputFiles
 from batchscore.output.parts import recorded_summary
-from batchscore.prepare.job import scoring_config
+from batchscore.prepare.job import assembly_config, scoring_config
 from batchscore.run.runner import run_job
 
 from .conftest import SAMPLE, write_job
@@ -204,10 +204,11 @@ def test_keys_parse_and_the_truth_column_is_kept():
 def test_scoring_config_is_unchanged_for_jobs_without_the_new_keys():
     plain = scoring_config(config_from_dict(_job()))
     assert "calibrate" not in plain and "score" not in plain and set(plain["output"]) == {"keep_columns"}
-    asked = scoring_config(config_from_dict(_job(score={"calibrate": "batch"}, output={"review": {}},
-                                                 calibrate={"truth_column": "gold"})))
-    assert asked["score"] == {"normalize": "sum", "calibrate": "batch"}
-    assert asked["calibrate"]["truth_column"] == "gold" and asked["output"]["review"]["max_error"] == 0.05
+    asked = config_from_dict(_job(score={"calibrate": "batch"}, output={"review": {}}, calibrate={"truth_column": "gold"}))
+    assert scoring_config(asked) == plain  # post-processing: re-derived from the raw scores, never re-scored
+    assembly = assembly_config(asked)
+    assert assembly["calibrate"] == "batch" and assembly["calibrate_section"]["truth_column"] == "gold"
+    assert assembly["review"]["max_error"] == 0.05
 
 
 def test_schema_lists_the_new_keys():

@@ -129,10 +129,12 @@ def use_job_storage(config: JobConfig) -> None:
 
 
 def scoring_config(config: JobConfig) -> dict:
-    """The job keys the output's rows depend on: not where the output goes or how often parts
-    are written, not how workers run (their number is part of a parts folder's identity)."""
+    """The job keys the output's raw scores depend on: not where the output goes or how often parts
+    are written, not how workers run (their number is part of a parts folder's identity), not the
+    post-processing (`assembly_config`: it is re-derived from the raw scores, run/rederive.py)."""
     data = config.to_dict()
-    data["output"] = {"keep_columns": data["output"]["keep_columns"]}
+    truths = {config.calibrate.truth_column, *config.calibrate.truth_columns.values()}
+    data["output"] = {"keep_columns": [c for c in data["output"]["keep_columns"] if c not in truths]}
     if config.output_format != "parquet":  # parquet: the identity outputs had before the key existed
         data["output"].update(format=config.output_format, error_path=OutputFiles.for_job(config).errors)
     data.pop("executor")
@@ -152,18 +154,30 @@ def scoring_config(config: JobConfig) -> dict:
         del data["questions"]
     if not data["engine"].get("batch_invariant"):
         data["engine"].pop("batch_invariant", None)  # the default: identities from before the key hold
-    for key, default in (("calibrate", "none"), ("confidence", "top")):
-        if data["score"][key] == default:
-            del data["score"][key]  # the calibration keys at their defaults: identities from before them hold
+    del data["score"]["confidence"]
+    if not content_free_rows(config):  # contextual calibration scores a content-free input: the rest is assembly
+        del data["score"]["calibrate"]
     if data["score"] == {"normalize": "sum"}:
         del data["score"]
-    if data["calibrate"] == dataclasses.asdict(CalibrateConfig()):
-        del data["calibrate"]
-    for key in ("review", "out_of_scope"):  # their columns are part of the output
-        if getattr(config.output, key) is not None:
-            data["output"][key] = dataclasses.asdict(getattr(config.output, key))
+    del data["calibrate"]
     if config.output.logprobs:
         data["output"]["logprobs"] = True
+    return data
+
+
+def assembly_config(config: JobConfig) -> dict:
+    """The job keys that act on the raw scores after scoring (calibration, confidence, review,
+    out-of-scope); {} at their defaults. Changing only these re-derives the output without scoring."""
+    data = {}
+    if config.score.calibrate != "none":
+        data["calibrate"] = config.score.calibrate
+    if config.score.confidence != "top":
+        data["confidence"] = config.score.confidence
+    if config.calibrate != CalibrateConfig():
+        data["calibrate_section"] = dataclasses.asdict(config.calibrate)
+    for key in ("review", "out_of_scope"):
+        if getattr(config.output, key) is not None:
+            data[key] = dataclasses.asdict(getattr(config.output, key))
     return data
 
 

@@ -2,9 +2,10 @@
 forward and records how far the run's probabilities are from it (`audit_max_dp`).
 
 The reference is deliberately naive and shares nothing with the engines: a fresh transformers
-`AutoModelForCausalLM` in float32 (whatever dtype the run used), one forward per sequence — a
-row's whole prompt, and the prompt followed by each multi-token option — no KV cache, no prefix
-sharing, no batching; every read position goes through a full-vocabulary log-softmax in float64.
+`AutoModelForCausalLM` in float32 (whatever dtype the run used), one plain forward of a row's
+whole prompt — no prefix sharing with other rows, no batching, no padding — and the row's
+multi-token options as a continuation of that forward's own transformers KV cache; every read
+position goes through a full-vocabulary log-softmax in float64.
 One-token labels are read at the prompt's last position; an option of n tokens is the sum of its
 tokens' log-probabilities. Both sides are then normalized the same way (`score.normalize`; the
 reads of a decision job by their sum, as their answers are) and compared label by label.
@@ -14,14 +15,15 @@ run still writes its output, then stops with `AuditFailed` (exit 7) naming the r
 
 Cost: by default (`output.audit_rows: null`) the audit takes rows, spread across the plan's prefix
 groups, while their plain forwards stay within AUDIT_SHARE of the tokens the run processed — at
-least one row, at most AUTO_MAX_ROWS. A row's cost counts its real forwards: its prompt, and
-prompt + option for every multi-token option. A number in `output.audit_rows` forces that many.
+least one row, at most AUTO_MAX_ROWS. A row's cost counts its real forwards: its prompt, and the
+tokens of its multi-token options. A number in `output.audit_rows` forces that many.
 The run holds the output's lock through the audit: the completion marker records the audit's
 result, and until it is written another run would assemble the same output again.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from contextlib import contextmanager
@@ -84,13 +86,13 @@ def pick_rows(candidates: np.ndarray, count: int, seed: int) -> np.ndarray:
 
 
 def reference_cost(request, label_ids) -> int:
-    """Tokens of the plain forwards `reference_totals` runs for `request`: its prompt, and prompt +
-    option[:-1] for each option longer than one token."""
+    """Tokens of the forwards `reference_totals` runs for `request`: its prompt, and option[:-1] of
+    each option longer than one token (continuing the prompt's cache)."""
     prompt = len(request.token_ids)
     if request.options is None or label_ids is not None:
         return prompt
     lengths = np.asarray(request.options.lengths, dtype=np.int64)
-    return prompt + int(np.sum(prompt + lengths[lengths > 1] - 1))
+    return prompt + int(np.sum(lengths[lengths > 1] - 1))
 
 
 def budget_rows(candidates: np.ndarray, costs: dict[int, int], group_of: dict[int, int], budget: float,
@@ -207,21 +209,17 @@ AUDIT_BATCH = 16  # option sequences of one length per plain forward
 
 def reference_totals(model, prompt: np.ndarray, label_ids, options) -> np.ndarray:
     """[K] each label's (`label_ids`, read at the prompt's last position) or option's total
-    log-probability after `prompt` under `model`: one plain forward per sequence, float64
+    log-probability after `prompt` under `model`: one plain forward of the prompt (no padding, no
+    batching with other rows; the LM head at its last position only), then the multi-token options
+    as a continuation of that forward's own transformers KV cache (nothing of the engines'); float64
     log-softmax over the whole vocabulary at every read position."""
     import torch
 
     device = next(model.parameters()).device
-
-    def log_probs(sequences: np.ndarray, read: int) -> torch.Tensor:  # [S, read, V] float64
-        """The last `read` positions' next-token log-probabilities of sequences of one length [S, T]
-        (a plain batch: no padding, no cache; the LM head runs on those positions only)."""
-        ids = torch.as_tensor(np.asarray(sequences, dtype=np.int64), device=device)  # [S, T]
-        with torch.inference_mode(), _full_float32():
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=read).logits  # [S, read, V]
-        return torch.log_softmax(logits.double(), dim=-1)
-
-    last = log_probs(np.asarray(prompt)[None], 1)[0, 0]  # [V] the next token after the prompt
+    ids = torch.as_tensor(np.asarray(prompt, dtype=np.int64)[None], device=device)  # [1, T]
+    with torch.inference_mode(), _full_float32():
+        out = model(input_ids=ids, use_cache=options is not None, logits_to_keep=1)
+    last = torch.log_softmax(out.logits[0, -1].double(), dim=-1)  # [V] the next token after the prompt
     if options is None:
         return last[torch.as_tensor(list(label_ids), device=device)].cpu().numpy()
     totals = np.empty(options.count)
@@ -232,15 +230,19 @@ def reference_totals(model, prompt: np.ndarray, label_ids, options) -> np.ndarra
         if length == 1:
             totals[indices] = [float(last[int(options.option(i)[0])]) for i in indices]
             continue
-        # options of one length run as one batch of prompt + option[:-1], a few at a time (memory);
-        # each reads at the prompt's last position and the option's first n - 1
+        # options of one length continue the prompt's cache as one batch, a few at a time (memory): each
+        # reads its first token at the prompt's last position and the others after option[:-1]
         for start in range(0, len(indices), AUDIT_BATCH):
             chunk = indices[start : start + AUDIT_BATCH]
-            opts = np.stack([np.asarray(options.option(i), dtype=np.int64) for i in chunk])  # [S, n]
-            rows = log_probs(np.concatenate((np.broadcast_to(prompt, (len(chunk), len(prompt))), opts[:, :-1]), 1),
-                             length)  # [S, n, V]
-            picked = rows.gather(2, torch.as_tensor(opts, device=device)[:, :, None])[:, :, 0]  # [S, n]
-            totals[chunk] = picked.sum(dim=1).cpu().numpy()
+            opts = torch.as_tensor(np.stack([np.asarray(options.option(i), dtype=np.int64) for i in chunk]),
+                                   device=device)  # [S, n]
+            cache = copy.deepcopy(out.past_key_values)
+            cache.batch_repeat_interleave(len(chunk))
+            with torch.inference_mode(), _full_float32():
+                logits = model(input_ids=opts[:, :-1], past_key_values=cache, use_cache=True).logits  # [S, n-1, V]
+            rest = torch.log_softmax(logits.double(), dim=-1).gather(2, opts[:, 1:, None])[:, :, 0]  # [S, n-1]
+            totals[chunk] = (last[opts[:, 0]] + rest.sum(dim=1)).cpu().numpy()
+            del cache
     return totals
 
 

@@ -47,7 +47,8 @@ from batchscore.output.quality import (QualityResult, add_quality_columns, check
 from batchscore.output.scores import choices_for_output, score_columns
 from batchscore.output.table import ok_rows, scores_table
 from batchscore.plan.placement import place_groups
-from batchscore.prepare.job import JobSource, PreparedJob, locate_job, prepare_job, use_job_storage
+from batchscore.prepare.job import JobSource, PreparedJob, assembly_config, locate_job, prepare_job, use_job_storage
+from batchscore.run.rederive import rederive_output, rederive_problem
 
 log = logging.getLogger("batchscore")
 
@@ -113,6 +114,8 @@ class RunSummary:
     audit_tokens: int = 0  # tokens of the audit's plain forwards (by default within 5% of processed_tokens)
     prepare_seconds: float = 0.0  # reading, tokenizing and planning, before scoring starts
     write_seconds: float = 0.0  # assembling and writing the output (calibration and review included)
+    assembly_hash: str | None = None  # the post-processing keys' hash (prepare/job.assembly_config)
+    rederived: bool = False  # True: only the post-processing changed; re-derived from the raw scores, nothing scored
 
     @property
     def rows_per_second(self) -> float:
@@ -172,6 +175,15 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
         store = PartStore(files, writer, guard=lock.check)
         output_hash = identity_hash(source.identity)
         done = None if fresh else completed_summary(files, output_hash)
+        if done is not None and done.get("assembly_hash", NO_ASSEMBLY) != _assembly_hash(config):
+            summary = _rederive(source, store, done, started)  # only the post-processing changed
+            if summary is not None:
+                lock.check()
+                write_completion_marker(files, output_hash, summary.to_dict(stored=True))
+                store.finish()
+                lock.release(remove=True)
+                return _checked(summary, config)
+            done = None
         if done is not None:
             log.info("%s is already the complete output of this job: nothing to do", files.output)
             store.finish()  # parts left by a run killed after its marker
@@ -184,10 +196,46 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
                 fault_point("marker")
                 store.finish()
         lock.release(remove=summary.complete)
-    if summary.complete:
-        raise_if_inexact(summary)  # wrong scores first: they concern every row, not just the failed ones
-        _check_error_rate(summary, config)
+    return _checked(summary, config) if summary.complete else summary
+
+
+def _checked(summary: RunSummary, config: JobConfig) -> RunSummary:
+    """`summary` of a written output, after raising what its audit and error rate call for."""
+    raise_if_inexact(summary)  # wrong scores first: they concern every row, not just the failed ones
+    _check_error_rate(summary, config)
     return summary
+
+
+NO_ASSEMBLY = identity_hash({})  # the post-processing at its defaults (and of markers older than the key)
+
+
+def _assembly_hash(config: JobConfig) -> str:
+    return identity_hash(assembly_config(config))
+
+
+def _rederive(source: JobSource, store: PartStore, done: dict, started: float) -> RunSummary | None:
+    """The output written again from its finished raw columns with this job's post-processing
+    (run/rederive.py): no row scored, no model loaded; None when that cannot be done."""
+    config = source.config
+    problem = rederive_problem(config, source)
+    if problem is not None:
+        log.info("only the post-processing changed, but %s: scoring again", problem)
+        return None
+    (check_question_calibration_source if config.questions is not None else check_calibration_source)(config)
+    write_started = time.perf_counter()
+    job = prepare_job(config, tokenize=False, source=source)
+    store.guard()
+    result = rederive_output(job, store.files)
+    if result is None:
+        return None
+    errors, quality = result
+    log.info("re-derived %s from its raw scores with this job's calibration and review: nothing scored",
+             store.files.output)
+    return RunSummary(**{**done, **quality.summary_fields(), "rows_ok": job.input.num_records - len(errors),
+                         "rows_error": len(errors), "seconds": time.perf_counter() - started, "skipped": False,
+                         "rederived": True, "prepare_seconds": 0.0, "score_seconds": 0.0, "plan_seconds": 0.0,
+                         "write_seconds": time.perf_counter() - write_started,
+                         "assembly_hash": _assembly_hash(config)})
 
 
 def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard: Shard | None,
@@ -269,6 +317,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         score_seconds=score_seconds,
         prepare_seconds=score_started - started,
         write_seconds=write_seconds,
+        assembly_hash=_assembly_hash(config),
         resumed_rows=resumed,
         workers=num_workers,
         batch_token_counts=batch_tokens,
@@ -312,8 +361,8 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
                              rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
                              logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
                              seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
-                             workers=count, audit_skipped="batchscore merge reads no prompts; the shards' scores "
-                                                         "are not audited")
+                             workers=count, assembly_hash=_assembly_hash(config),
+                             audit_skipped="batchscore merge reads no prompts; the shards' scores are not audited")
         lock.check()
         write_completion_marker(files, identity_hash(source.identity), summary.to_dict(stored=True))
         store.finish()

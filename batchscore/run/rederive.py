@@ -1,0 +1,100 @@
+"""Post-processing without re-scoring: a finished output's calibration, confidence, review and
+out-of-scope columns derived again from the raw score columns it already holds.
+
+A run's scoring identity (`prepare/job.scoring_config`) covers only what changes a raw score; the
+keys that act after scoring (`score.calibrate` except contextual's content-free input,
+`score.confidence`, the `calibrate` section, `output.review`, `output.out_of_scope`) have their own
+hash, `assembly_hash`, recorded in the run summary. When a rerun finds its output complete for the
+same scoring identity but another assembly hash, `run_job` comes here: the id and kept columns are
+read again from the input (no tokenizing), the raw columns (`p_<label>` or `p_choices`,
+`label_mass`, `logp_*`, `status`, `error`) are copied from the finished output as they are, the
+chosen label is taken again from the raw probabilities, and `output/quality.py` adds the rest.
+Nothing is scored and no model is loaded.
+
+`rederive_problem` names what this cannot do (the run then scores again): a decision or
+questions job, an output that is not Parquet, contextual calibration (its content-free input is
+scored beside the rows), an output whose rows are not the input's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchscore.output import layout
+from batchscore.output.formats import write_output
+from batchscore.output.quality import QualityResult, add_quality_columns, content_free_rows
+from batchscore.output.scores import choices_for_output
+from batchscore.output.table import ok_rows, scores_table
+from batchscore.prepare.job import PreparedJob, is_decision_input
+
+log = logging.getLogger("batchscore")
+
+
+def rederive_problem(config, source) -> str | None:
+    """Why the job's output cannot be re-derived from its raw columns (None: it can)."""
+    if config.questions is not None or is_decision_input(config, source.files):
+        return "a decision or questions job's answers are re-derived only from its parts"
+    if config.output_format != "parquet":
+        return f"a {config.output_format} output keeps no raw columns to re-derive from"
+    if content_free_rows(config):
+        return "contextual calibration scores a content-free input beside the rows"
+    return None
+
+
+def rederive_output(job: PreparedJob, files) -> tuple[dict[int, str], QualityResult] | None:
+    """Write `job`'s output again from the raw columns of the finished output at `files`, with the
+    job's post-processing; returns (the row errors, what calibration and review did), or None
+    (with the reason logged) when the finished output does not hold this job's rows."""
+    config, prepared = job.config, job.input
+    id_name = config.input.id_column or layout.DEFAULT_ID
+    with files.path.open("rb") as handle:
+        finished = pq.read_table(handle)
+    labels = list(config.labels) if config.labels else None
+    raw = layout.score_column_names(labels or [], labels is None, config.output.logprobs)
+    raw = [name for name in raw if name not in (layout.LABEL, layout.CHOICE, layout.CHOICE_INDEX)]
+    missing = [name for name in raw + [id_name, layout.STATUS, layout.ERROR] if name not in finished.column_names]
+    if finished.num_rows != prepared.num_rows or missing or not finished.column(id_name).equals(
+            pa.chunked_array([prepared.ids])):
+        log.info("the finished output does not hold this job's rows and raw columns%s: scoring again",
+                 f" (no {missing})" if missing else "")
+        return None
+    status = finished.column(layout.STATUS).to_pylist()
+    messages = finished.column(layout.ERROR).to_pylist()
+    errors = {row: messages[row] or "not scored" for row, value in enumerate(status) if value != layout.STATUS_OK}
+    ok = ok_rows(prepared.num_rows, errors)
+    columns = {name: finished.column(name).combine_chunks() for name in raw}
+    choices = choices_for_output(prepared.choices, ok)
+    columns = _with_raw_choice(columns, labels, choices, ok)
+    columns = {name: columns[name] for name in layout.score_column_names(labels or [], labels is None,
+                                                                          config.output.logprobs)}
+    columns, quality = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids, choices, None)
+    approx = config.engine.speculative.keep if config.engine.speculative is not None else None
+    table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=approx)
+    write_output(table, files.output, config.output_format, id_name=id_name, labels=config.labels,
+                 model=str(config.model), error_path=files.errors)
+    return errors, quality
+
+
+def _with_raw_choice(columns: dict[str, pa.Array], labels: list[str] | None, choices: list | None,
+                     ok: np.ndarray) -> dict[str, pa.Array]:
+    """`label` (or `choice`, `choice_index`) from the raw probabilities, the first of equal ones, as
+    `scores.score_columns` chooses (the finished output's may follow a calibration)."""
+    columns = dict(columns)
+    mask = ~ok
+    if labels is not None:
+        p = np.column_stack([np.asarray(columns[layout.label_column(label)].to_numpy(zero_copy_only=False),
+                                        dtype=np.float64) for label in labels])
+        best = np.argmax(np.nan_to_num(p, nan=-np.inf), axis=1)
+        columns[layout.LABEL] = pa.array([labels[b] if good else None for b, good in zip(best, ok)], type=pa.string())
+        return columns
+    lists = columns[layout.P_CHOICES].to_pylist()
+    best = np.array([int(np.argmax(values)) if good and values else 0 for values, good in zip(lists, ok)],
+                    dtype=np.int64)
+    columns[layout.CHOICE] = pa.array([choices[i][b] if good else None for i, (b, good) in enumerate(zip(best, ok))],
+                                      type=pa.string())
+    columns[layout.CHOICE_INDEX] = pa.array(best, mask=mask, type=pa.int64())
+    return columns

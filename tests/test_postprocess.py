@@ -1,0 +1,107 @@
+"""Post-processing never re-scores (run/rederive.py): changing only the calibration or the review
+of a finished output re-derives it from its raw columns without a single forward, and a job
+stopped at assembly by bad truth data resumes from its kept parts once the job is fixed."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchscore import run_job
+from batchscore.errors import CalibrationError
+from batchscore.jobfile import config_from_dict, load_job
+from batchscore.prepare.job import assembly_config, scoring_config
+from tests.conftest import SAMPLE, write_job
+
+RAW = ["pair_id", "product_id", "p_Yes", "p_No", "label_mass", "logp_Yes", "logp_No", "status", "error"]
+
+
+@pytest.fixture
+def forwards():
+    """Counts every torch module forward in this process (the engines' and the audit's alike)."""
+    import torch
+
+    count = [0]
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: count.__setitem__(
+        0, count[0] + 1))
+    yield count
+    handle.remove()
+
+
+def _labelled(path, products=("P001", "P002", "P003")):
+    """Sample rows with `relevant` (Yes when the query's number is the product's − 1) and `bad`
+    (the same, with one value that is not a label)."""
+    rows = [r for r in pq.read_table(SAMPLE).to_pylist() if r["product_id"] in products]
+    for i, r in enumerate(rows):
+        r["relevant"] = "Yes" if int(r["product_id"][1:]) - 1 == int(r["pair_id"][-2:]) else "No"
+        r["bad"] = "Maybe" if i == 3 else r["relevant"]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _job(folder, data, **sections):
+    output = {"path": str(folder / "out.parquet"), "keep_columns": ["product_id"], "audit_rows": 0,
+              "logprobs": True, **sections.pop("output", {})}
+    return load_job(write_job(folder, data, output=output, **sections))
+
+
+def test_changing_review_or_calibration_rederives_without_a_forward(tmp_path, forwards):
+    data = _labelled(tmp_path / "in.parquet")
+    first = run_job(_job(tmp_path, data, output={"audit_rows": 2}), progress=False)
+    assert forwards[0] > 0 and not first.rederived and first.audit_rows == 2
+    before = pq.read_table(tmp_path / "out.parquet")
+
+    forwards[0] = 0
+    job = _job(tmp_path, data, score={"calibrate": "temperature"}, calibrate={"truth_column": "relevant"},
+               output={"audit_rows": 2, "review": {"max_error": 0.3, "confidence": 0.8}})
+    second = run_job(job, progress=False)
+    assert forwards[0] == 0  # no engine, no audit, no model loaded
+    assert second.rederived and not second.skipped and second.rows == 30
+    after = pq.read_table(tmp_path / "out.parquet")
+    assert after.select(RAW).equals(before.select(RAW))  # the raw columns, bit for bit
+    assert {"p_cal_Yes", "p_cal_No", "confidence", "needs_review", "relevant"} <= set(after.column_names)
+    assert second.calibration["method"] == "temperature" and second.review["max_error"] == 0.3
+    assert (second.audit_rows, second.audit_max_dp) == (first.audit_rows, first.audit_max_dp)  # the same scores
+    label = after.column("label").to_pylist()
+    cal = zip(after.column("p_cal_Yes").to_pylist(), after.column("p_cal_No").to_pylist())
+    assert label == ["Yes" if y >= n else "No" for y, n in cal]  # label follows the calibrated probabilities
+
+    # back to no calibration: the label is the raw one again, and the rerun after that is a no-op
+    again = run_job(_job(tmp_path, data, output={"audit_rows": 2}), progress=False)
+    assert forwards[0] == 0 and again.rederived
+    assert pq.read_table(tmp_path / "out.parquet").equals(before)
+    assert run_job(_job(tmp_path, data, output={"audit_rows": 2}), progress=False).skipped
+
+
+def test_a_truth_problem_is_fixed_and_rerun_from_the_kept_parts(tmp_path, forwards):
+    data = _labelled(tmp_path / "in.parquet")
+    with pytest.raises(CalibrationError) as caught:
+        run_job(_job(tmp_path, data, calibrate={"truth_column": "bad"}, output={"review": {"max_error": 0.3}}),
+                progress=False)
+    assert caught.value.exit_code == 2 and "'Maybe'" in str(caught.value)
+    assert (tmp_path / "out.parquet.parts").is_dir() and not (tmp_path / "out.parquet").exists()
+
+    forwards[0] = 0  # the fix: another truth column; no --fresh, no row scored again
+    summary = run_job(_job(tmp_path, data, calibrate={"truth_column": "relevant"},
+                           output={"review": {"max_error": 0.3}}), progress=False)
+    assert forwards[0] == 0 and summary.resumed_rows == 30 and summary.review is not None
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == 30
+
+
+def test_the_scoring_identity_leaves_out_the_post_processing():
+    def config(**sections):
+        raw = {"input": {"path": "x.parquet"}, "prompt": {"template": "{q}"}, "labels": ["Yes", "No"],
+               "output": {"path": "out.parquet", **sections.pop("output", {})}, **sections}
+        return config_from_dict(raw)
+
+    plain = config()
+    for changed in (config(score={"calibrate": "batch"}), config(score={"confidence": "margin"}),
+                    config(calibrate={"truth_column": "gold"}, output={"review": {}}),
+                    config(output={"out_of_scope": {"min_label_mass": 0.2}}),
+                    config(score={"calibrate": "temperature"}, calibrate={"truth_column": "gold", "seed": 3})):
+        assert scoring_config(changed) == scoring_config(plain)
+        assert assembly_config(changed) != assembly_config(plain) == {}
+    # what changes a raw score stays: contextual calibration scores a content-free input
+    assert scoring_config(config(score={"calibrate": "contextual"})) != scoring_config(plain)
+    assert scoring_config(config(score={"normalize": "token"})) != scoring_config(plain)
