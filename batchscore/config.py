@@ -133,7 +133,7 @@ class EngineConfig:
     max_length: int | None = None  # longest prompt scored; default: the model's context
     threads: int | None = None  # torch CPU threads; default: torch's (all cores)
     compile: bool | None = None  # torch: torch.compile the decoder layers; null: on for bfloat16 on a CPU with native bf16
-    hybrid_chunk: int | None = None  # run norms/projections/MLP (vllm: MLP) this many tokens at a time
+    hybrid_chunk: int | None = None  # run norms/projections/rotary/MLP this many tokens at a time (torch and vllm)
     memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch; vllm: the KV-cache bytes
     speculative: SpeculativeConfig | None = None  # torch: drop unimportant prompt tokens (approximate)
     batch_invariant: bool = False  # torch: a row's scores are the same bits whatever else the job holds

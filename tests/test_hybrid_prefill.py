@@ -181,33 +181,3 @@ def test_suffix_kv_dropped_after_its_layer_hybrid(monkeypatch):
     list(TorchEngine(tiny_model("llama"), token_budget=64, hybrid_chunk=16).score(groups, LABELS))
     gc.collect()
     assert alive and all(ref() is None for ref, _ in alive)  # prefix KV too, after the group
-
-
-def test_vllm_mlp_chunking_is_row_wise_and_reversible():
-    """`chunk_mlps` (what the vLLM engine sends into vLLM's worker) on transformers' own MLP modules:
-    [T, hidden] inputs run in row chunks with the same result, other shapes pass through, and
-    `chunk=None` restores the original forwards."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from batchscore.engines.vllm.hybrid import chunk_mlps
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
-    mlp = model.model.layers[0].mlp
-    x = torch.randn(50, 32)  # [T, hidden], the layout vLLM passes
-    with torch.inference_mode():
-        expected = mlp(x)
-        assert chunk_mlps(model, 16) == 3
-        calls = []
-        handle = mlp.down_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
-        got = mlp(x)
-        handle.remove()
-        assert calls == [16, 16, 16, 2]  # four chunks of rows
-        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(mlp(x[None])[0], expected, atol=1e-6, rtol=1e-6)  # [1, T, hidden]: whole
-        assert chunk_mlps(model, None) == 3
-        assert "forward" not in mlp.__dict__
-    with pytest.raises(ValueError, match="at least 1"):
-        chunk_mlps(model, 0)

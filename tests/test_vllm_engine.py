@@ -74,14 +74,18 @@ def _groups_by_hand(requests, size=10):
     return groups
 
 
+KV_BUDGET = 256 << 20  # engine.memory_budget: vLLM's KV-cache bytes
+
+
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the hybrid test patches this engine's MLPs
-    eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=2048,
-                     vllm_args={"kv_cache_memory_bytes": 256 << 20})
+    from batchscore.config import EngineConfig
+    from batchscore.engines.factory import build_engine
+
+    eng = build_engine("vllm", model_dir, EngineConfig(kind="vllm", dtype=DTYPE, token_budget=2048,
+                                                       memory_budget=KV_BUDGET))
     yield eng
     eng.close()
-    del os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"]
 
 
 @pytest.fixture(scope="module")
@@ -161,23 +165,78 @@ def test_parity_with_torch_engine(sample_scores, sample, model_dir):
     assert agree >= 0.99 and max_dp <= 0.02, f"agreement {agree:.3f}, max |ΔP| {max_dp:.4f}"
 
 
+def test_memory_budget_is_the_kv_cache_vllm_gets(engine, sample):
+    _, labels, groups = sample
+    engine.start(groups)
+    per_token = kv_bytes_per_token(engine.model_config, DTYPE)
+    assert engine.settings.extra["kv_cache_memory_bytes"] == KV_BUDGET
+    assert KV_BUDGET // per_token - 2 * engine.settings.block_size <= engine.kv_capacity_tokens <= KV_BUDGET // per_token
+    assert engine.longest_admitted_prompt() == min(engine.settings.max_model_len, engine.kv_capacity_tokens) - 1
+
+
 @pytest.mark.slow  # needs the 60-row vLLM run
-def test_hybrid_mlp_chunking_inside_vllm_keeps_scores(engine, sample, sample_scores):
-    """Hybrid prefilling inside vLLM (every MLP 32 tokens at a time, via apply_model) gives the
-    same label log-probs as whole-batch MLPs on prompts longer than the chunk."""
+def test_hybrid_prefilling_inside_vllm_keeps_scores(engine, sample, sample_scores):
+    """Hybrid prefilling inside vLLM (every projection, norm, rotary and MLP 32 tokens at a time,
+    through the worker extension) gives the same log-probs as whole steps, for one-token labels
+    (the sample job) and multi-token labels (option trie, prefill requests)."""
+    from batchscore.plan.options import OptionTokens
+
     requests, labels, _ = sample
-    plain = PrefixGroup(np.zeros(0, np.int32), [GroupMember(r.row_id, r.token_ids) for r in requests[:6]])
     assert min(len(r.token_ids) for r in requests[:6]) > 32
+    plain = PrefixGroup(np.zeros(0, np.int32), [GroupMember(r.row_id, r.token_ids) for r in requests[:6]])
+    options = OptionTokens.from_lists([[5, 17, 230], [5, 99], [1044, 3, 8, 12]])  # three multi-token labels
+    shortest = sorted(requests, key=lambda r: len(r.token_ids))[:3]  # + option paths: within max_model_len
+    multi = PrefixGroup(np.zeros(0, np.int32), [GroupMember(r.row_id, r.token_ids, options=options)
+                                                for r in shortest])
+    counts = engine.llm.collective_rpc("batchscore_rowwise_modules")[0]
+    assert counts["LlamaMLP"] == 30 and counts["QKVParallelLinear"] == 30 and counts["RowParallelLinear"] == 30
+    assert counts["RMSNorm"] == 61 and sum(v for k, v in counts.items() if "Rotary" in k) >= 1, counts
     scores = {}
+    engine.option_mode = "prefill"  # the fixture's vLLM has no forcing processor; the trie is exact too
     try:
         for chunk in (32, None):
-            assert engine.set_hybrid_chunk(chunk) == 30  # SmolLM2: one MLP per layer, 30 layers
+            assert engine.set_hybrid_chunk(chunk) == sum(counts.values())
             engine.reset_prefix_cache()  # recompute every prompt
-            scores[chunk] = np.stack([r.logp for r in engine.score([plain], labels)])
+            one = [r.logp for r in engine.score([plain], labels)]
+            many = [r.logp for r in engine.score([multi], None)]
+            scores[chunk] = np.concatenate([np.stack(one).ravel(), np.stack(many).ravel()])
     finally:
         engine.set_hybrid_chunk(None)
+        engine.option_mode = "decode"
+    assert np.isfinite(scores[32]).all()
     diff = float(np.abs(scores[32] - scores[None]).max())
     assert diff <= {"float32": 1e-5, "bfloat16": 0.05}[DTYPE], f"max |Δ log P| hybrid on/off = {diff:.2e}"
+
+
+@pytest.mark.slow  # a second vLLM engine, and the 60-row run on the first
+def test_group_aware_scheduler_keeps_the_scores_of_stock_scheduling(model_dir, sample, sample_scores):
+    """The plan through vLLM with the group-aware scheduler, in a KV cache that holds a few prefixes
+    only: every row, in plan order, the same log-probs as vLLM's own scheduler."""
+    _, labels, groups = sample
+    eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=2048, vllm_args={"kv_cache_memory_bytes": 32 << 20},
+                     group_scheduling=True)
+    try:
+        got = list(eng.score(groups, labels))
+        assert eng.kv_capacity_tokens < sum(g.prefix_len + len(m.suffix) for g in groups for m in g.members) / 4
+        again = list(eng.score(groups, labels))  # held blocks were released: a second pass runs too
+    finally:
+        eng.close()
+    assert [r.row_id for r in got] == [r.row_id for r in sample_scores] == [r.row_id for r in again]
+    assert all(r.error is None for r in got)
+    diff = float(np.abs(np.stack([r.logp for r in got]) - np.stack([r.logp for r in sample_scores])).max())
+    assert diff <= {"float32": 1e-5, "bfloat16": 0.05}[DTYPE], f"max |Δ log P| group-aware vs stock = {diff:.2e}"
+
+
+def test_batchscore_never_allows_vllm_insecure_serialization():
+    """Everything batchscore runs inside vLLM is a method called by name (worker.py)."""
+    from pathlib import Path
+
+    import batchscore
+
+    name = "VLLM_ALLOW_INSECURE" + "_SERIALIZATION"
+    hits = [f"{p}:{i}" for p in Path(batchscore.__file__).parent.rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if name in line]
+    assert not hits, hits
 
 
 # ---------------------------------------------------------------------------- errors
@@ -265,12 +324,3 @@ def test_cli_runs_vllm_on_cpu_with_no_vllm_args_and_matches_torch(tmp_path, smal
     torch_out, vllm_out = (pq.read_table(outputs[k]).to_pandas() for k in ("torch", "vllm"))
     assert (vllm_out["status"] == "ok").all() and len(vllm_out) == 12
     assert (vllm_out[["p_Yes", "p_No"]] - torch_out[["p_Yes", "p_No"]]).abs().max().max() <= 1e-4
-
-
-def test_the_serialization_setting_lives_only_as_long_as_a_hybrid_engine(model_dir, monkeypatch):
-    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
-    eng = VllmEngine(model_dir, hybrid_chunk=64)
-    eng._allow_serialization()  # what start() does for hybrid prefilling, before creating vLLM
-    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
-    eng.close()
-    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ

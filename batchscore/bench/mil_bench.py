@@ -132,8 +132,9 @@ def throughput(
 @click.option("--token-budget", type=click.IntRange(min=16), default=2048, show_default=True,
               help="Chunk size of the chunked-prefill mode.")
 @click.option("--engine", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True,
-              help="torch: a fresh process per measurement; vllm: one vLLM engine, MLPs chunked inside it "
-                   "(plain = one-pass prefill without chunking), peak RSS of vLLM's engine process.")
+              help="torch: a fresh process per measurement; vllm: one vLLM engine, every row-wise op chunked "
+                   "inside it (plain = one-pass prefill without chunking), the peak read inside vLLM's worker, "
+                   "then the torch engine's at the longest length beside it.")
 @click.option("--kv-space-gib", type=click.IntRange(min=1), default=1, show_default=True,
               help="vllm: the fixed KV cache (VLLM_CPU_KVCACHE_SPACE, GiB).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the numbers as JSON.")
@@ -158,8 +159,13 @@ def mil(model, dtype, lengths, hybrid_chunk, budget_mib, resolution, chunked_pre
     probe = None
     if engine == "vllm":
         from batchscore.bench.vllm_mil import VllmMemoryProbe
+        from batchscore.engines.shape import context_length, read_model_config
         from batchscore.models import resolve_model
 
+        most = context_length(read_model_config(resolve_model(model))) - 1  # vLLM: the output token counts too
+        if grid[-1] > most:
+            click.echo(f"vLLM takes prompts up to {most} tokens with this model: lengths above it measured at {most}")
+            grid = sorted({min(n, most) for n in grid})
         probe = VllmMemoryProbe(resolve_model(model), dtype, grid[-1], hybrid_chunk, kv_space_gib)
         click.echo(f"vLLM engine process: KV cache {kv_space_gib} GiB ({probe.touched / MIB:.0f} MiB written "
                    f"before measuring), one-pass prefill up to {grid[-1]} tokens")
@@ -204,6 +210,12 @@ def _mil(model, dtype, grid, hybrid_chunk, budget_mib, resolution, chunked_prefi
     ratio = known["plain"][longest].activation / max(known["hybrid"][longest].activation, 1)
     click.echo(f"activation peak at N={longest}: plain {known['plain'][longest].activation / MIB:.1f} MiB, "
                f"hybrid {known['hybrid'][longest].activation / MIB:.1f} MiB -> {ratio:.2f}x lower")
+    beside = None
+    if probe is not None:  # the torch engine's, same prompt length, each in a fresh process
+        beside = {mode: measure(model, mode, longest, dtype, hybrid_chunk, token_budget) for mode in ("plain", "hybrid")}
+        torch_ratio = beside["plain"].activation / max(beside["hybrid"].activation, 1)
+        click.echo(f"beside it, the torch engine at N={longest}: plain {beside['plain'].activation / MIB:.1f} MiB, "
+                   f"hybrid {beside['hybrid'].activation / MIB:.1f} MiB -> {torch_ratio:.2f}x lower")
     budget = int(budget_mib * MIB) if budget_mib is not None else known["hybrid"][longest].activation
     def fits_budget(mode: str) -> Callable[[int], bool]:
         def fits(n: int) -> bool:
@@ -221,6 +233,8 @@ def _mil(model, dtype, grid, hybrid_chunk, budget_mib, resolution, chunked_prefi
     if json_out:
         payload = {"engine": "vllm" if probe is not None else "torch", "model": model, "dtype": dtype, "hybrid_chunk": hybrid_chunk, "budget_bytes": budget,
                    "activation_ratio_at_longest": ratio, "mil": mil_by_mode,
+                   "torch_engine_at_longest": {m: asdict(r) | {"activation": r.activation} for m, r in beside.items()}
+                   if beside else None,
                    "measurements": {m: {n: asdict(r) | {"activation": r.activation} for n, r in sorted(known[m].items())}
                                     for m in modes}}
         with open(json_out, "w") as out:

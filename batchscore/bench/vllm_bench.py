@@ -1,8 +1,13 @@
-"""`batchscore bench vllm`: BatchLLM's baseline vs batchscore's plan order, both driving the same vLLM engine.
+"""`batchscore bench vllm`: honest baselines against batchscore's plan, all on vLLM with the same KV cache.
 
-Baseline (BatchLLM §2): the requests shuffled, each submitted whole, vLLM with automatic prefix
-caching and chunked prefill. batchscore: the planner's groups in plan order. Same engine, same
-settings, one process; the prefix cache is reset before every run. The workload's shared
+Runs, each with the prefix cache reset first:
+  shuffled       BatchLLM's baseline (§2): the requests shuffled, each submitted whole, vLLM with
+                 automatic prefix caching and chunked prefill;
+  sorted         the requests sorted by their token ids (what batch gateways do, e.g. ordering by
+                 system-prompt hash): shared prefixes end up adjacent without any planning;
+  plan           batchscore's groups in plan order on stock vLLM;
+  plan+scheduler the plan with the group-aware scheduler (engines/vllm/scheduler.py), a second
+                 vLLM engine (its scheduler is chosen at start) with the same settings. The workload's shared
 prefixes together are far larger than the KV cache, so only an order that keeps a group's
 members together reuses its prefix before it is evicted. A second engine with an ample cache
 shows that ordering costs nothing when every prefix fits.
@@ -56,6 +61,13 @@ def shuffled_plain(requests: list[Request], seed: int) -> list[PrefixGroup]:
     return [plain_group(requests[i] for i in order)]
 
 
+def sorted_plain(requests: list[Request]) -> list[PrefixGroup]:
+    """Every request whole, sorted by its token ids (lexicographically)."""
+    from batchscore.bench.scoring import plain_group
+
+    return [plain_group(sorted(requests, key=lambda r: r.token_ids.tolist()))]
+
+
 def planned(requests: list[Request], block_size: int) -> list[PrefixGroup]:
     """batchscore's plan (prefix groups in R_group order), aligned to vLLM's block size."""
     from batchscore.plan import PlanOptions, build_plan
@@ -89,28 +101,44 @@ def run_once(engine, name: str, groups: list[PrefixGroup], labels: list[int]) ->
 
 
 def compare(model_dir, requests: list[Request], labels: list[int], *, dtype: str, token_budget: int, kv_bytes: int,
-            repeats: int, seed: int, title: str) -> list[VllmRun]:
-    """One engine: warm-up, then the shuffled baseline and the plan order (`repeats` each)."""
+            repeats: int, seed: int, title: str, scheduler: bool = True) -> list[VllmRun]:
+    """Stock vLLM: warm-up, then shuffled, sorted and plan order (`repeats` each); with
+    `scheduler`, a second engine with the group-aware scheduler runs the plan."""
+    results = _compare_on(model_dir, requests, labels, dtype=dtype, token_budget=token_budget, kv_bytes=kv_bytes,
+                          repeats=repeats, seed=seed, title=title, group_scheduling=False)
+    if scheduler:
+        results += _compare_on(model_dir, requests, labels, dtype=dtype, token_budget=token_budget, kv_bytes=kv_bytes,
+                               repeats=repeats, seed=seed, title=title, group_scheduling=True)
+    return results
+
+
+def _compare_on(model_dir, requests, labels, *, dtype, token_budget, kv_bytes, repeats, seed, title,
+                group_scheduling: bool) -> list[VllmRun]:
     from batchscore.bench.scoring import plain_group
     from batchscore.engines.vllm.engine import VllmEngine
     from batchscore.engines.vllm.settings import default_block_size
 
     vllm_args = {"kv_cache_memory_bytes": kv_bytes, "disable_log_stats": False}
-    engine = VllmEngine(model_dir, dtype=dtype, token_budget=token_budget, vllm_args=vllm_args)
+    engine = VllmEngine(model_dir, dtype=dtype, token_budget=token_budget, vllm_args=vllm_args,
+                        group_scheduling=group_scheduling)
     try:
         # Size vLLM for the real workload, then warm it up on a few requests.
         engine.start(planned(requests, default_block_size()))  # sizes max_num_seqs for this workload
         list(engine.score([plain_group(requests[:2])], labels))
         block = engine.settings.block_size
         plan_groups = planned(requests, block)
-        base_groups = shuffled_plain(requests, seed)
+        runs = [("batchscore plan + group-aware scheduler", plan_groups)] if group_scheduling else [
+            ("shuffled (BatchLLM baseline)", shuffled_plain(requests, seed)),
+            ("sorted by token ids", sorted_plain(requests)),
+            ("batchscore plan order, stock vLLM", plan_groups)]
         results = []
         for _ in range(repeats):
-            results.append(run_once(engine, f"{title}: shuffled (BatchLLM baseline)", base_groups, labels))
-            results.append(run_once(engine, f"{title}: batchscore plan order", plan_groups, labels))
+            for name, groups in runs:
+                results.append(run_once(engine, f"{title}: {name}", groups, labels))
         log.info("%s: KV cache %d tokens, block %d, max_num_seqs %d", title, engine.kv_capacity_tokens, block,
                  engine.settings.max_num_seqs)
-        click.echo(f"\n{title}: vLLM KV cache {engine.kv_capacity_tokens:,} tokens (block {block}), "
+        click.echo(f"\n{title}{' (group-aware scheduler)' if group_scheduling else ''}: vLLM KV cache "
+                   f"{engine.kv_capacity_tokens:,} tokens (block {block}), "
                    f"max_num_seqs {engine.settings.max_num_seqs}, max_num_batched_tokens "
                    f"{engine.settings.max_num_batched_tokens}, dtype {dtype}; shared prefixes "
                    f"{sum(g.prefix_len for g in plan_groups):,} tokens in {len(plan_groups)} groups")
@@ -120,19 +148,22 @@ def compare(model_dir, requests: list[Request], labels: list[int], *, dtype: str
 
 
 def markdown_table(results: list[VllmRun]) -> str:
-    lines = ["| run | requests/s | speedup | logical tokens | processed (measured) | processed (predicted) "
-             "| vLLM prefix-cache hit rate | seconds |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    baseline: dict[str, VllmRun] = {}
+    lines = ["| run | requests/s | vs shuffled | vs sorted | logical tokens | processed (measured) "
+             "| processed (predicted) | vLLM prefix-cache hit rate | seconds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    shuffled: dict[str, VllmRun] = {}
+    ordered: dict[str, VllmRun] = {}
     for r in results:
         key = r.name.split(":")[0]
         if "shuffled" in r.name:
-            baseline[key] = r
-        speedup = r.requests_per_s / baseline[key].requests_per_s if key in baseline else float("nan")
+            shuffled[key] = r
+        if "sorted" in r.name:
+            ordered[key] = r
+        ratio = lambda base: f"{r.requests_per_s / base[key].requests_per_s:.2f}x" if key in base else "n/a"  # noqa: E731
         pred = f"{r.predicted_tokens:,}" if r.predicted_tokens is not None else "n/a"
         hit = f"{r.vllm_hit_rate:.1%}" if r.vllm_hit_rate is not None else "n/a"
-        lines.append(f"| {r.name} | {r.requests_per_s:.2f} | {speedup:.2f}x | {r.logical_tokens:,} | "
-                     f"{r.processed_tokens:,} | {pred} | {hit} | {r.seconds:.1f} |")
+        lines.append(f"| {r.name} | {r.requests_per_s:.2f} | {ratio(shuffled)} | {ratio(ordered)} | "
+                     f"{r.logical_tokens:,} | {r.processed_tokens:,} | {pred} | {hit} | {r.seconds:.1f} |")
     return "\n".join(lines)
 
 
@@ -173,7 +204,7 @@ def vllm(model, groups, degree, prefix, distinct, dtype, token_budget, kv_mib, a
     click.echo(markdown_table(results))  # the small-cache comparison, before the ample one
     if ample_kv_mib:
         results += compare(model_dir, requests, labels, kv_bytes=ample_kv_mib << 20, title=f"KV {ample_kv_mib} MiB",
-                           **settings)
+                           scheduler=False, **settings)
     for r in results[1:]:
         diff = r.max_abs_dp(results[0])
         if diff is not None and diff > 0.05:

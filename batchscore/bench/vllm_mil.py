@@ -1,12 +1,13 @@
-"""Maximum input length on vLLM with and without hybrid prefilling (MLPs chunked inside vLLM).
+"""Maximum input length on vLLM with and without hybrid prefilling (every row-wise op chunked inside vLLM).
 
 One vLLM engine with a fixed KV cache (`VLLM_CPU_KVCACHE_SPACE`, whole GiB) and one-pass prefill
 (`max_num_batched_tokens` ≥ the longest prompt, no chunked prefill: PrefillOnly's setting). The
 KV cache is written over once first, so its memory counts in the baseline. Then, per prompt
-length N and mode (plain: whole-batch MLPs; hybrid: `chunk_mlps`, switched inside the same
-engine), in vLLM's engine process: release freed allocator memory and reset the peak RSS, score
-one random N-token prompt (prefix cache reset, so it is computed in full), read the peak. The
-activation peak is that peak minus the RSS before the pass. The longest prompt under a budget
+length N and mode (plain: whole steps; hybrid: projections, norms, rotary and MLPs chunked,
+switched inside the same engine), inside vLLM's worker (the worker extension's methods, called
+by name): release freed allocator memory and reset the peak (CPU: peak RSS; GPU:
+`torch.cuda.max_memory_allocated`), score one random N-token prompt (prefix cache reset, so it is
+computed in full), read the peak. The activation peak is that peak minus the memory before the pass. The longest prompt under a budget
 (default: hybrid's peak at the longest length) is found per mode by bisection.
 """
 
@@ -16,7 +17,7 @@ import os
 
 import numpy as np
 
-from batchscore.bench.peak_memory import Measurement, process_memory, reset_peak_memory
+from batchscore.bench.peak_memory import Measurement
 from batchscore.bench.scoring import plain_group
 from batchscore.plan.types import Request
 
@@ -35,7 +36,7 @@ class VllmMemoryProbe:
         self.hybrid_chunk = hybrid_chunk
         self.engine = VllmEngine(model_dir, dtype=dtype, token_budget=longest, hybrid_chunk=hybrid_chunk)
         self.engine.start([self._group(np.zeros(longest, np.int32))])  # sized for the longest prompt
-        self.touched = sum(self.engine.llm.collective_rpc(touch_kv_cache))
+        self.touched = sum(self.engine.llm.collective_rpc("batchscore_touch_kv_cache"))
         self.vocab = self.engine.vocab_size
 
     def _group(self, prompt: np.ndarray):
@@ -47,23 +48,13 @@ class VllmMemoryProbe:
         self.engine.set_hybrid_chunk(self.hybrid_chunk if mode == "hybrid" else None)
         self.engine.reset_prefix_cache()
         prompt = self._rng.integers(0, self.vocab, tokens, dtype=np.int32)
-        before = self.engine.llm.collective_rpc(reset_peak_memory)[0]
+        before = self.engine.reset_worker_peak()
         (result,) = self.engine.score([self._group(prompt)], [0, 1])
         if result.error:
             raise RuntimeError(f"vLLM refused the {tokens}-token prompt: {result.error}")
-        after = self.engine.llm.collective_rpc(process_memory)[0]
-        return Measurement(mode, tokens, before["rss"], after["hwm"])
+        after = self.engine.worker_peak()
+        return Measurement(mode, tokens, before["now"], after["peak"])
 
     def close(self) -> None:
         self.engine.close()
 
-
-def touch_kv_cache(worker) -> int:
-    """Write zeros over a vLLM worker's whole KV cache (no request may be running) so its memory is
-    resident; returns the bytes touched. Runs in vLLM's engine process (`LLM.collective_rpc`)."""
-    caches = getattr(worker.model_runner, "kv_caches", None) or []
-    total = 0
-    for cache in caches:
-        cache.zero_()
-        total += cache.numel() * cache.element_size()
-    return total

@@ -24,7 +24,6 @@ also collected in `VllmEngine.errors` (row_id -> message).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +112,7 @@ class VllmEngine:
         vllm_args: dict[str, Any] | None = None,
         hybrid_chunk: int | None = None,
         option_mode: str = "decode",
+        group_scheduling: bool = False,
     ) -> None:
         import_vllm()
         if hybrid_chunk is not None and hybrid_chunk < 1:
@@ -120,6 +120,7 @@ class VllmEngine:
         if option_mode not in OPTION_MODES:
             raise ValueError(f"option_mode must be one of {OPTION_MODES}, got {option_mode!r}")
         self.option_mode = option_mode  # how multi-token options are requested (vllm_options.py)
+        self.group_scheduling = group_scheduling  # vLLM runs scheduler.GroupAwareScheduler
         self.model_dir = Path(model_dir)
         self.model_config = read_model_config(self.model_dir)
         self.vocab_size = int(self.model_config["vocab_size"])
@@ -128,10 +129,6 @@ class VllmEngine:
         self.max_length = max_length
         self.vllm_args = dict(vllm_args or {})
         self.hybrid_chunk = hybrid_chunk
-        # vLLM's engine process accepts a patch function only when it was started allowing one:
-        # with hybrid prefilling, or when the caller allowed it for the whole process.
-        self._patchable = hybrid_chunk is not None or os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1"
-        self._serialization_before: str | None = None  # set while this engine allows pickled calls
         self.metrics = EngineMetrics(batch_token_counts=[])
         self.errors: dict[int, str] = {}
         self.settings: VllmSettings | None = None
@@ -162,12 +159,14 @@ class VllmEngine:
                  s.dtype, s.block_size, s.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
                  s.enable_chunked_prefill, s.kv_capacity_tokens, s.kv_capacity_source, s.extra)
         started = time.perf_counter()
-        if self.hybrid_chunk is not None and not s.llm_kwargs()["enforce_eager"]:
-            raise EngineUnavailable("engine.hybrid_chunk with vLLM needs enforce_eager (do not set it false in "
-                                    "engine.vllm_args): a compiled model would not run the chunked MLPs")
-        if self.hybrid_chunk is not None:
-            self._allow_serialization()
         kwargs = s.llm_kwargs()
+        if self.group_scheduling:
+            from batchscore.engines.vllm.scheduler_name import SCHEDULER
+
+            kwargs["scheduler_cls"] = SCHEDULER
+        if self.hybrid_chunk is not None and not kwargs["enforce_eager"]:
+            raise EngineUnavailable("engine.hybrid_chunk with vLLM needs enforce_eager (do not set it false in "
+                                    "engine.vllm_args): a compiled model would not run the chunked ops")
         if self.option_mode == "decode" and any(m.options is not None and not m.options.single_token
                                                 for g in groups for m in g.members):
             from batchscore.engines.vllm.forcing import ForceTokens  # loaded by vLLM's engine process too
@@ -176,7 +175,6 @@ class VllmEngine:
         try:
             self._llm = vllm.LLM(model=str(self.model_dir), **kwargs)
         except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; the job needs one clear line
-            self._restore_serialization()
             raise EngineUnavailable(f"vLLM failed to start: {_root_cause(exc)} (settings: max_model_len="
                                     f"{s.max_model_len}, KV cache {s.kv_capacity_source}); run with -v for "
                                     "vLLM's log") from exc
@@ -185,45 +183,42 @@ class VllmEngine:
         log.info("vLLM started in %.1f s: KV cache %d tokens (%d blocks of %d)",
                  time.perf_counter() - started, self.kv_capacity_tokens, cache.num_gpu_blocks or 0,
                  cache.block_size)
+        log.info("vLLM admits prompts up to %d tokens here (the KV cache and max_model_len %d, less the output "
+                 "token); it keeps a prompt's KV of every layer while it runs (no suffix-KV discarding), so the "
+                 "torch engine with engine.hybrid_chunk scores longer prompts in the same memory",
+                 self.longest_admitted_prompt(), s.max_model_len)
         if self.hybrid_chunk is not None:
             self.set_hybrid_chunk(self.hybrid_chunk)
 
+    def longest_admitted_prompt(self) -> int:
+        """The longest prompt vLLM accepts once started: within max_model_len and the KV cache
+        (whole blocks), less the one output token."""
+        if self.kv_capacity_tokens is None or self.settings is None:
+            raise RuntimeError("start the engine first")
+        return max(0, min(self.settings.max_model_len, self.kv_capacity_tokens) - 1)
+
     def set_hybrid_chunk(self, chunk: int | None) -> int:
-        """Run every decoder layer's MLP inside vLLM `chunk` tokens at a time (None: whole batches
-        again). Returns the number of MLPs changed per worker. The engine must have been created
-        with a hybrid_chunk (vLLM only accepts the patch function then)."""
-        from functools import partial
-
-        from batchscore.engines.vllm.hybrid import chunk_mlps
-
+        """Run every row-wise op (projections, norms, rotary, MLP) inside vLLM `chunk` tokens at a
+        time (None: whole steps again), through the worker extension (`worker.py`). Returns the
+        number of modules changed per worker."""
         if self._llm is None:
             raise RuntimeError("start the engine before changing its hybrid chunk")
-        if not self._patchable:
-            raise RuntimeError("hybrid prefilling on vLLM needs the engine to be created with a hybrid_chunk")
-        changed = min(self._llm.apply_model(partial(chunk_mlps, chunk=chunk)))
+        if chunk is not None and not self.settings.eager:
+            raise RuntimeError("hybrid prefilling on vLLM needs an eager model: create the engine with a hybrid_chunk")
+        changed = min(self._llm.collective_rpc("batchscore_set_hybrid_chunk", args=(chunk,)))
         if chunk is not None and changed == 0:
-            raise ValueError("engine.hybrid_chunk: found no MLP module (named *MLP with a down_proj) in vLLM's "
+            raise ValueError("engine.hybrid_chunk: found no row-wise module (linear, norm, rotary, *MLP) in vLLM's "
                              "model to chunk; this model family is not supported by hybrid prefilling on vLLM")
         self.hybrid_chunk = chunk
-        log.info("vLLM hybrid prefilling: %s", f"{changed} MLPs run {chunk} tokens at a time" if chunk else "off")
+        log.info("vLLM hybrid prefilling: %s", f"{changed} modules run {chunk} tokens at a time" if chunk else "off")
         return changed
 
-    def _allow_serialization(self) -> None:
-        """Let this process send a function (`chunk_mlps`) to vLLM's engine process, pickled over
-        vLLM's local IPC: needed by hybrid prefilling only, and only while this engine lives —
-        `close` restores the setting (vLLM's client and engine process must agree on it for every
-        message, so it cannot be narrower than the engine's life)."""
-        self._serialization_before = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "")
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    def worker_peak(self) -> dict[str, int]:
+        """vLLM worker's memory now and at its peak since `reset_worker_peak` (bytes; first worker)."""
+        return self._llm.collective_rpc("batchscore_peak")[0]
 
-    def _restore_serialization(self) -> None:
-        before, self._serialization_before = self._serialization_before, None
-        if before is None:
-            return
-        if before:
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = before
-        else:
-            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    def reset_worker_peak(self) -> dict[str, int]:
+        return self._llm.collective_rpc("batchscore_reset_peak")[0]
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (benchmarks call it between runs)."""
@@ -252,7 +247,6 @@ class VllmEngine:
         """Shut the vLLM engine core down and free its memory (idempotent)."""
         llm, self._llm = self._llm, None
         if llm is None:
-            self._restore_serialization()
             return
         try:
             llm.llm_engine.engine_core.shutdown()
@@ -262,7 +256,6 @@ class VllmEngine:
         import gc
 
         gc.collect()
-        self._restore_serialization()
 
     def __enter__(self) -> VllmEngine:
         return self
@@ -302,7 +295,10 @@ class VllmEngine:
         max_len = self.settings.max_model_len
         self.cache_stats = PrefixCacheStats()
         self.order_inversions = 0
-        members = _members_in_order(groups)  # (member seq, member, prompt)
+        members = _members_in_order(groups)  # (member seq, member, prompt, group index)
+        tags = _group_tags(groups, labels, self.option_mode, max_len, self.settings.block_size) \
+            if self.group_scheduling else None
+        group_params: dict[int, object] = {}  # group -> its shared SamplingParams, tagged
         lengths: dict[int, int] = {}  # request seq -> prompt length, for requests in vLLM
         owner: dict[int, tuple[int, OptionRequest]] = {}  # request seq -> (member seq, what it reads)
         running: dict[int, _Member] = {}  # member seq -> member with requests in vLLM
@@ -316,7 +312,7 @@ class VllmEngine:
                     if item is None:
                         exhausted = True
                         break
-                    member_seq, member, prompt = item
+                    member_seq, member, prompt, group_index = item
                     state = _Member(member, labels)
                     work = [OptionRequest(targets=tuple(labels))] if labels is not None else \
                         option_requests(member.options, self.option_mode)
@@ -324,6 +320,8 @@ class VllmEngine:
                         tokens = np.concatenate([prompt, np.asarray(request.path, dtype=np.int32)]) \
                             if request.path else prompt
                         params = shared or _params(request)
+                        if tags is not None:
+                            params = _tagged(params, tags[group_index], group_params, group_index, shared)
                         refusal = self._add(engine, next_request, tokens, params, max_len, request.max_tokens)
                         if refusal is not None:
                             state.error = state.error or refusal
@@ -439,13 +437,43 @@ def _params(request: OptionRequest):
     return SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=list(request.targets), detokenize=False)
 
 
-def _members_in_order(groups: list[PrefixGroup]) -> Iterator[tuple[int, GroupMember, np.ndarray]]:
-    """(sequence number, member, full prompt) for every member, in plan order."""
+def _members_in_order(groups: list[PrefixGroup]) -> Iterator[tuple[int, GroupMember, np.ndarray, int]]:
+    """(sequence number, member, full prompt, group index) for every member, in plan order."""
     seq = 0
-    for group in groups:
+    for index, group in enumerate(groups):
         for member in group.members:
-            yield seq, member, group.full_prompt(member)
+            yield seq, member, group.full_prompt(member), index
             seq += 1
+
+
+def _group_tags(groups: list[PrefixGroup], labels, option_mode: str, max_len: int, block: int) -> list[list[int]]:
+    """Per group, what the group-aware scheduler reads from each request: [group, requests vLLM
+    will get for it (rows it refuses by length are never added), whole blocks of its prefix]."""
+    tags = []
+    for index, group in enumerate(groups):
+        count = 0
+        for member in group.members:
+            work = [OptionRequest()] if labels is not None else option_requests(member.options, option_mode)
+            prompt = group.prefix_len + len(member.suffix)
+            if prompt_problem(prompt + len(work[0].path), max_len - work[0].max_tokens):
+                continue
+            count += len(work)
+        tags.append([index, count, group.prefix_len // block])
+    return tags
+
+
+def _tagged(params, tag: list[int], cache: dict, group: int, shared):
+    """`params` with the group's tag in extra_args (shared label params: one copy per group)."""
+    from batchscore.engines.vllm.scheduler_name import GROUP_KEY
+
+    if shared is not None and group in cache:
+        return cache[group]
+    tagged = params.clone()
+    tagged.extra_args = {**(params.extra_args or {}), GROUP_KEY: tag}
+    if shared is not None:
+        cache.clear()  # groups come in order: one copy alive at a time
+        cache[group] = tagged
+    return tagged
 
 
 def _weight_bytes(model_dir: Path) -> int:

@@ -1,16 +1,16 @@
-"""Hybrid prefilling inside vLLM: every decoder layer's MLP runs `chunk` tokens at a time.
+"""Hybrid prefilling inside vLLM: every row-wise op of the model runs `chunk` tokens at a time.
 
-A long prefill's memory peak is the MLP's `[T, 2 × intermediate]` gate/up activation. vLLM
-flattens a step's tokens to `[T, hidden]`, so wrapping each MLP module's `forward` to run over
-row chunks (into one preallocated `[T, hidden]` output) bounds that peak by the chunk, while
-attention still sees the whole sequence. Row-wise work only: results are the same up to float
-rounding of the matrix kernels.
+vLLM flattens a step's tokens to `[T, hidden]`. Everything but attention works on each token's
+row alone: the q/k/v and o projections (vLLM linears return `(out, bias)`), the norms (`x` or
+`(x, residual)`, fused add + norm), rotary (`(positions, q, k)` -> `(q, k)`) and the MLP. Each
+of those modules' `forward` is wrapped to run over row chunks and write into one `[T, …]`
+output (or into its input, when the op works in place), so a long prefill's temporaries span
+`chunk` rows instead of T, while attention still sees the whole sequence. Results are the same up
+to the float rounding of the matrix kernels (the torch engine's `hybrid.py` does the same).
 
-The functions here run *inside vLLM's worker process*: `VllmEngine` sends them with
-`LLM.apply_model` / `LLM.collective_rpc`, which pickles them (vLLM needs
-`VLLM_ALLOW_INSECURE_SERIALIZATION=1` for that; the engine sets it only when hybrid prefilling is
-on). Patching `forward` works because the engine runs vLLM with `enforce_eager=True`: there is no
-compiled graph that would keep calling the original.
+Runs *inside vLLM's worker process*, called by name through the worker extension (`worker.py`).
+Patching `forward` needs vLLM to run the model eagerly (`enforce_eager`): a compiled or
+CUDA-graphed model would keep running the original code.
 """
 
 from __future__ import annotations
@@ -20,16 +20,35 @@ import torch
 _ORIGINAL = "_batchscore_unchunked_forward"
 
 
-def chunk_mlps(model: torch.nn.Module, chunk: int | None) -> int:
-    """Make every MLP of `model` (a module named `*MLP` with a `down_proj`) run `chunk` rows at a
-    time; `chunk=None` restores the original forwards. Returns how many MLPs were changed.
-    Idempotent: a second call replaces the first's chunk size."""
+def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, tuple[int, ...]]]:
+    """(name, module, output positions that are not rows) of every row-wise op in `model`: MLPs
+    (`*MLP` with a `down_proj`), linear layers outside them, norms and rotary embeddings."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    found = []
+    inside_mlp: set[str] = set()
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind.endswith("MLP") and hasattr(module, "down_proj"):
+            found.append((name, module, ()))
+            inside_mlp.add(name + ".")
+        elif any(name.startswith(prefix) for prefix in inside_mlp):
+            continue
+        elif isinstance(module, LinearBase):
+            found.append((name, module, (1,)))  # (out, bias): the bias is not rows
+        elif isinstance(module, RotaryEmbeddingBase) or kind.endswith(("RMSNorm", "LayerNorm")):
+            found.append((name, module, ()))
+    return found
+
+
+def chunk_rowwise(model: torch.nn.Module, chunk: int | None) -> int:
+    """Make every row-wise op of `model` run `chunk` rows at a time; `chunk=None` restores the
+    original forwards. Returns how many modules changed. A second call replaces the first's chunk."""
     if chunk is not None and chunk < 1:
         raise ValueError(f"hybrid chunk must be at least 1, got {chunk}")
     changed = 0
-    for module in model.modules():
-        if not (type(module).__name__.endswith("MLP") and hasattr(module, "down_proj")):
-            continue
+    for _, module, not_rows in rowwise_modules(model):
         original = module.__dict__.get(_ORIGINAL) or module.forward
         if chunk is None:
             if _ORIGINAL in module.__dict__:
@@ -37,25 +56,51 @@ def chunk_mlps(model: torch.nn.Module, chunk: int | None) -> int:
                 changed += 1
             continue
         module.__dict__[_ORIGINAL] = original
-        module.forward = _ChunkedForward(original, chunk)
+        module.forward = RowChunked(original, chunk, not_rows)
         changed += 1
     return changed
 
 
-class _ChunkedForward:
-    """`forward(x)` over rows of x [T, hidden] in chunks of `chunk`, written into one output."""
+class RowChunked:
+    """`forward(*args)` over row chunks of its `[T, …]` tensor arguments, its `[T, …]` results
+    gathered into whole outputs (a result that is its input, updated in place, stays that input)."""
 
-    def __init__(self, forward, chunk: int) -> None:
-        self.forward, self.chunk = forward, chunk
+    def __init__(self, forward, chunk: int, not_rows: tuple[int, ...] = ()) -> None:
+        self.forward, self.chunk, self.not_rows = forward, chunk, not_rows
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.dim() != 2 or rows <= self.chunk:
-            return self.forward(x)
-        first = self.forward(x[: self.chunk])  # [C, hidden_out]
-        out = first.new_empty(rows, first.shape[1])  # [T, hidden_out]
-        out[: self.chunk] = first
-        del first
-        for start in range(self.chunk, rows, self.chunk):
-            out[start : start + self.chunk] = self.forward(x[start : start + self.chunk])
-        return out
+    def __call__(self, *args, **kwargs):
+        rows = next((a.shape[0] for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() >= 1), 0)
+        if rows <= self.chunk:
+            return self.forward(*args, **kwargs)
+        whole = lambda a: isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == rows  # noqa: E731
+        inputs = [a for a in (*args, *kwargs.values()) if whole(a)]
+        outputs, single = None, False
+        for start in range(0, rows, self.chunk):
+            end = min(start + self.chunk, rows)
+            cut = lambda a: a[start:end] if whole(a) else a  # noqa: E731
+            pieces = [cut(a) for a in inputs]
+            result = self.forward(*[cut(a) for a in args], **{k: cut(v) for k, v in kwargs.items()})
+            single = not isinstance(result, tuple)
+            items = (result,) if single else result
+            if outputs is None:
+                outputs = [self._whole_output(i, item, end - start, rows, inputs, pieces)
+                           for i, item in enumerate(items)]
+            for out, item in zip(outputs, items):
+                if out is not None and isinstance(out, torch.Tensor) and isinstance(item, torch.Tensor) \
+                        and out is not item and item.dim() >= 1 and item.shape[0] == end - start:
+                    target = out[start:end]
+                    if target.data_ptr() != item.data_ptr():
+                        target.copy_(item)
+        outputs = [out[0] if isinstance(out, tuple) else out for out in outputs]
+        return outputs[0] if single else tuple(outputs)
+
+    def _whole_output(self, index: int, item, chunk_rows: int, rows: int, inputs: list, pieces: list):
+        """The [rows, …] output of result `index` (first chunk's `item`), or `(item,)` for a
+        result that is not rows (returned as the first chunk gave it)."""
+        if index in self.not_rows or not isinstance(item, torch.Tensor) or item.dim() < 1 \
+                or item.shape[0] != chunk_rows:
+            return (item,)
+        for full, piece in zip(inputs, pieces):  # in place: the result is the input chunk itself
+            if item.data_ptr() == piece.data_ptr() and item.shape == piece.shape and item.stride() == piece.stride():
+                return full
+        return item.new_empty((rows, *item.shape[1:]))

@@ -28,6 +28,7 @@ from batchscore.plan.types import PrefixGroup
 GPU_BLOCK_SIZE = 16  # vLLM's default on GPUs; the planner aligns shared prefixes to it
 CPU_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only (its own default is 128)
 GiB = 1 << 30
+WORKER_EXTENSION = "batchscore.engines.vllm.worker.WorkerExtension"  # named, not imported: it imports torch
 
 
 @dataclass
@@ -43,6 +44,7 @@ class VllmSettings:
     kv_capacity_tokens: int  # estimate before the LLM exists; vLLM's real number is logged after
     kv_capacity_source: str  # where the estimate came from
     extra: dict[str, Any] = field(default_factory=dict)  # engine.vllm_args passed through
+    eager: bool = True  # enforce_eager (see llm_kwargs)
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `vllm.LLM(model=..., **kwargs)`; `extra` wins over derived values."""
@@ -54,8 +56,12 @@ class VllmSettings:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "enable_chunked_prefill": self.enable_chunked_prefill,
             "enable_prefix_caching": True,
-            "enforce_eager": True,
+            # Eager where the hybrid patch needs it (a compiled model or a CUDA graph would not run
+            # the chunked ops) and on CPU (compiling costs ~70 s of engine start there); a GPU
+            # without hybrid prefilling keeps vLLM's compiled model and CUDA graphs.
+            "enforce_eager": self.eager,
             "skip_tokenizer_init": True,  # token ids in, log-probs out: no detokenizing
+            "worker_extension_cls": WORKER_EXTENSION,  # batchscore's methods, called by name
         }
         kwargs.update(self.extra)
         return kwargs
@@ -179,7 +185,7 @@ def derive_settings(
     return VllmSettings(dtype=dtype, block_size=block_size, max_model_len=max_model_len,
                         max_num_seqs=cap, max_num_batched_tokens=batched,
                         enable_chunked_prefill=chunked, kv_capacity_tokens=int(capacity),
-                        kv_capacity_source=source, extra=args)
+                        kv_capacity_source=source, extra=args, eager=one_pass_prefill or not gpu_available())
 
 
 def default_block_size() -> int:

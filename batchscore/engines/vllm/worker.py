@@ -1,0 +1,88 @@
+"""batchscore's methods inside vLLM's workers, through vLLM's public plugin point: the engine
+passes `worker_extension_cls="batchscore.engines.vllm.worker.WorkerExtension"` and calls these
+methods by name with `LLM.collective_rpc("batchscore_…", args=…)`. Names and plain arguments
+cross the process boundary, never pickled functions, so vLLM's insecure serialization stays off.
+
+Every method starts with `batchscore_` (vLLM refuses an extension whose names clash with the
+worker's own).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class (`self` is the worker: `self.model_runner.model`)."""
+
+    def batchscore_set_hybrid_chunk(self, chunk: int | None) -> int:
+        """Hybrid prefilling: every row-wise op runs `chunk` tokens at a time (None: off).
+        Returns how many modules changed."""
+        from batchscore.engines.vllm.hybrid import chunk_rowwise
+
+        return chunk_rowwise(self.model_runner.get_model(), chunk)
+
+    def batchscore_rowwise_modules(self) -> dict[str, int]:
+        """How many modules of each class hybrid prefilling chunks (for the log and tests)."""
+        from batchscore.engines.vllm.hybrid import rowwise_modules
+
+        counts: dict[str, int] = {}
+        for _, module, _ in rowwise_modules(self.model_runner.get_model()):
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+        return counts
+
+    def batchscore_reset_peak(self) -> dict[str, int]:
+        """Restart the activation-peak counter; returns the memory in use now (bytes).
+
+        GPU: `torch.cuda.reset_peak_memory_stats`. CPU: freed allocator memory goes back to the
+        OS (vLLM's CPU build preloads tcmalloc, which keeps it resident), then the peak resident
+        set restarts at the current one (Linux `clear_refs`)."""
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return {"now": int(torch.cuda.memory_allocated()), "pid": os.getpid()}
+        process = ctypes.CDLL(None)
+        for name in ("MallocExtension_ReleaseFreeMemory", "malloc_trim"):  # tcmalloc, else glibc
+            release = getattr(process, name, None)
+            if release is not None:
+                release(*([0] if name == "malloc_trim" else []))
+                break
+        with open("/proc/self/clear_refs", "w") as clear:  # "5": VmHWM := VmRSS
+            clear.write("5")
+        return {"now": _status()["rss"], "pid": os.getpid()}
+
+    def batchscore_peak(self) -> dict[str, int]:
+        """The memory in use now and its peak since `batchscore_reset_peak` (bytes)."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            return {"now": int(torch.cuda.memory_allocated()), "peak": int(torch.cuda.max_memory_allocated())}
+        status = _status()
+        return {"now": status["rss"], "peak": status["hwm"]}
+
+    def batchscore_touch_kv_cache(self) -> int:
+        """Write zeros over this worker's whole KV cache (no request may be running), so its memory
+        is resident before a peak is measured; returns the bytes touched."""
+        total = 0
+        for cache in getattr(self.model_runner, "kv_caches", None) or []:
+            cache.zero_()
+            total += cache.numel() * cache.element_size()
+        return total
+
+
+def _status() -> dict[str, int]:
+    values = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                values[line[2:5].lower()] = int(line.split()[1]) * 1024
+    return values
+
+
+EXTENSION = f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}"

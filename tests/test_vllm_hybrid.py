@@ -1,0 +1,82 @@
+"""Row chunking as it runs inside vLLM's worker (engines/vllm/hybrid.py), on real torch modules
+shaped like vLLM's: an MLP, a linear returning (out, bias), an in-place fused add + norm and a
+rotary embedding over non-contiguous q/k views. No vLLM needed (the real one: test_vllm_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from batchscore.engines.vllm.hybrid import RowChunked  # noqa: E402
+
+
+def test_an_mlp_runs_in_row_chunks_with_the_same_result():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=88)).eval()
+    x = torch.randn(50, 32)  # [T, hidden], the layout vLLM passes
+    calls = []
+    mlp.down_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    with torch.inference_mode():
+        expected = mlp(x)
+        calls.clear()
+        got = RowChunked(mlp.forward, 16)(x)
+        assert calls == [16, 16, 16, 2]
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        calls.clear()
+        RowChunked(mlp.forward, 16)(x[None])  # [1, T, hidden]: one row, run whole
+        assert calls == [1]
+    with pytest.raises(ValueError, match="at least 1"):
+        from batchscore.engines.vllm.hybrid import chunk_rowwise
+
+        chunk_rowwise(mlp, 0)
+
+
+def test_a_linear_keeps_its_bias_output_whole():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 16, bias=False)
+    bias = torch.randn(16)  # as many entries as a chunk has rows: still not rows
+
+    def forward(x):  # vLLM linears return (out, bias)
+        return linear(x), bias
+
+    x = torch.randn(40, 8)
+    out, got_bias = RowChunked(forward, 16, not_rows=(1,))(x)
+    assert got_bias is bias
+    torch.testing.assert_close(out, linear(x).detach())
+
+
+def test_an_in_place_fused_add_norm_writes_into_its_inputs():
+    torch.manual_seed(0)
+    weight = torch.randn(8)
+
+    def fused_add_norm(x, residual):  # vLLM's CPU kernel: residual += x; x = norm(residual) * w, in place
+        residual.add_(x)
+        x.copy_(residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * weight)
+        return x, residual
+
+    x, residual = torch.randn(37, 8), torch.randn(37, 8)
+    expected = fused_add_norm(x.clone(), residual.clone())
+    got = RowChunked(fused_add_norm, 10)(x, residual)
+    assert got[0] is x and got[1] is residual  # no [T, hidden] copy
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
+
+
+def test_rotary_over_non_contiguous_q_k_views():
+    torch.manual_seed(0)
+    qkv = torch.randn(45, 3 * 16)
+    q, k, _ = qkv.split([16, 16, 16], dim=-1)
+
+    def rotary(positions, query, key):  # a rotation by position, out of place
+        angle = positions[:, None].float() * 0.1
+        return query * torch.cos(angle) + query.flip(-1) * torch.sin(angle), key * torch.cos(angle)
+
+    positions = torch.arange(100, 145)
+    expected = rotary(positions, q, k)
+    got = RowChunked(rotary, 16)(positions, q, k)
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
