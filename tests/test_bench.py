@@ -153,12 +153,25 @@ def test_gpu_check_runs_every_shape_on_cpu(tmp_path):
     table = [line for line in result.output.splitlines() if line.startswith("| ")]
     assert [line.split("|")[1].strip() for line in table[1:]] == [shape for shape, *_ in CHECK_SHAPES]
     assert "MIL: measured on a GPU only" in result.output
+    assert "vLLM column: measured on a GPU only" in result.output
     rows = json.loads(out.read_text())["check"]
     assert all(r["max_abs_dp"] < 1e-5 and r["compiled_max_abs_dp"] < 1e-5 for r in rows)
     assert rows[1]["degree"] == 1 and rows[1]["flop_ideal"] == pytest.approx(1.0)
     # float32 on a CPU is never a compile candidate: auto's projected job runs eager, as fast as eager
     assert all(not r["auto"]["compiles"] and r["auto"]["vs_eager"] == pytest.approx(1.0) for r in rows)
     assert all(r["compile_seconds"] > 0 for r in rows)
+
+
+def test_gpu_check_vllm_column_says_when_it_does_not_run(monkeypatch, capsys):
+    import importlib.util
+
+    from batchscore.bench.gpu_vllm import vllm_column
+
+    assert vllm_column("tiny-llama", "cpu", "float32", 512, 64, 1.0, []) == []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
+    assert vllm_column("tiny-llama", "cuda", "bfloat16", 512, 64, 1.0, []) == []
+    out = capsys.readouterr().out
+    assert "vLLM column: measured on a GPU only" in out and "vLLM does not import on this machine" in out
 
 
 def test_attention_floor_times_the_kernel_and_its_products():

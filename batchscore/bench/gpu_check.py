@@ -2,7 +2,8 @@
 
 On one model: every shape of `CHECK_SHAPES`, each plain, eager and compiled (`gpu_bench.throughput`),
 each row printed and saved as it is measured; what `engine.compile: auto` would do on a 5-minute job
-of each shape (`auto_projection`); then MIL at `CHECK_MIL_TOKENS`; one table at the end.
+of each shape (`auto_projection`); then MIL at `CHECK_MIL_TOKENS`; one table at the end; then the
+vLLM column (gpu_vllm.py: plain and plan-driven vLLM, or a line saying vLLM does not import).
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ def run_check(name: str, device: str, dtype: str, token_budget: int, plain_batch
     for r in rows:
         if "auto" in r:
             click.echo(f"auto on a {r['auto']['eager_seconds']:.0f}-s {r['shape']} job: {r['auto']['why']}")
-    save(rows, mil)
+    from batchscore.bench.gpu_vllm import vllm_column
+
+    column = vllm_column(name, device, dtype, token_budget, hybrid_chunk, scale, rows)
+    if json_out:
+        with open(json_out, "w") as out:
+            json.dump({**header, "check": rows, "mil": mil, "vllm": column or "vLLM does not import here"}, out, indent=2)
     if any("error" in r for r in rows):
         raise click.ClickException("some shapes failed (see above)")
 
