@@ -145,11 +145,14 @@ class MemoryBudgetError(BatchscoreError, ValueError):
         self.row_id = row_id
         self.needed_bytes = needed_bytes
         self.budget_bytes = budget_bytes
-        super().__init__(
-            f"row {row_id}: needs about {needed_bytes / 2**20:.1f} MiB beyond the weights when scored alone, "
-            f"over engine.memory_budget {budget_bytes / 2**20:.1f} MiB ({budget_bytes} bytes); raise the "
-            "budget, set engine.hybrid_chunk, or shorten the prompt"
-        )
+        super().__init__(f"row {row_id}: {self.reason}")
+
+    @property
+    def reason(self) -> str:
+        """The message without the row's name (the caller may know its file:line)."""
+        return (f"needs about {self.needed_bytes / 2**20:.1f} MiB beyond the weights when scored alone, over "
+                f"engine.memory_budget {self.budget_bytes / 2**20:.1f} MiB ({self.budget_bytes} bytes); raise the "
+                "budget, set engine.hybrid_chunk, or shorten the prompt")
 
 
 class RunInterrupted(BatchscoreError, RuntimeError):

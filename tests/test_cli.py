@@ -153,6 +153,8 @@ def test_rows_over_the_memory_budget_are_row_errors_naming_the_memory(job_factor
     out = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert len(out) == 12 and all(r["status"] == "error" for r in out)
     assert "engine.memory_budget" in out[0]["error"] and "MiB" in out[0]["error"]
+    # named as the reader names a row: the input file and its row number, not an internal row id
+    assert [r["error"].split(": ")[0] for r in out] == [f"{small_input}:{n}" for n in range(1, 13)]
 
 
 @pytest.mark.slow  # two full runs

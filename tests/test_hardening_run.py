@@ -226,3 +226,42 @@ def test_a_compiler_cache_path_that_is_a_file_does_not_fail_a_run(tmp_path, smal
     assert proc.returncode == 0, proc.stdout
     assert "TORCHINDUCTOR_CACHE_DIR" in proc.stdout and "starts cold" in proc.stdout  # said, not fatal
     assert pq.read_table(tmp_path / "out.parquet").num_rows == 12
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+def test_a_prompt_over_engine_max_length_names_engine_max_length(tmp_path, small_input):
+    job = write_job(tmp_path, small_input, engine={"max_length": 64}, output={"max_error_rate": 1.0})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == 0, result.output
+    errors = [e for e in pq.read_table(tmp_path / "out.parquet").column("error").to_pylist() if e]
+    assert errors and all("longer than the maximum 64 (engine.max_length)" in e for e in errors), errors[:1]
+
+
+def test_one_labeled_row_is_not_called_null_in_every_row(tmp_path):
+    from tests.conftest import write_sample_subset
+
+    data = write_sample_subset(tmp_path / "input.parquet", queries=3, product_ids=("P001",))
+    table = pq.read_table(data)
+    table = table.append_column("relevant", pa.array(["Yes"] + [None] * (table.num_rows - 1), pa.string()))
+    pq.write_table(table, data)
+    job = write_job(tmp_path, data, score={"calibrate": "temperature"}, calibrate={"truth_column": "relevant"})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == EXIT_CONFIG, result.output
+    assert "null in every scored row" not in result.output
+    assert "1 scored row is labeled in 'relevant'" in result.output and "at least 2" in result.output
+
+
+def test_a_fit_on_one_class_warns_in_the_log_and_the_summary(tmp_path):
+    from tests.conftest import write_sample_subset
+
+    data = write_sample_subset(tmp_path / "input.parquet", queries=4, product_ids=("P001",))
+    table = pq.read_table(data)
+    table = table.append_column("relevant", pa.array(["No"] * table.num_rows, pa.string()))
+    pq.write_table(table, data)
+    metrics = tmp_path / "m.json"
+    job = write_job(tmp_path, data, score={"calibrate": "temperature"}, calibrate={"truth_column": "relevant"})
+    result = CliRunner().invoke(main, ["run", str(job), "-q", "--metrics", str(metrics)])
+    assert result.exit_code == 0, result.output
+    assert "every fit row has the same true label" in json.loads(metrics.read_text())["calibration"]["source"]

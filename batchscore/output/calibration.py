@@ -19,7 +19,11 @@ applied), -inf for padding (rows with fewer options than K). Methods:
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+
+log = logging.getLogger("batchscore")
 
 METHODS = ("none", "batch", "contextual", "temperature", "vector", "platt")
 LABEL_FREE = ("batch", "contextual")  # need no true labels
@@ -160,6 +164,19 @@ def fit(method: str, log_p: np.ndarray, truth: np.ndarray) -> dict:
         a, b = fit_platt(log_p, truth)
         return {"a": a, "b": b}
     raise ValueError(f"not a fitted method: {method!r}")
+
+
+def one_class_warning(truth: np.ndarray, method: str, prefix: str = "") -> str:
+    """"" when the fit rows' true labels hold two classes or more; else a warning, logged and
+    returned (for the summary's `source`): a fit on one class pushes every row toward it (p_cal
+    of the other labels near 0), which is a property of the labels given, not of the rows."""
+    if len(np.unique(truth)) >= 2:
+        return ""
+    text = (f"; WARNING: every fit row has the same true label, so {method} pushes every row toward it "
+            "(the other labels' calibrated probabilities near 0): label rows of more than one class")
+    log.warning("score.calibrate %s: %severy fit row has the same true label; the calibrated probabilities push "
+                "every row toward it. Label rows of more than one class", method, prefix)
+    return text
 
 
 def params_problem(method: str, params, num_options: int | None) -> str | None:

@@ -247,7 +247,12 @@ def _params(config, question, method: str, log_p: np.ndarray, ok: np.ndarray, tr
     if method == "batch":
         return {"bias": calibration.batch_bias(log_p[ok]).tolist()}, f"the mean over {int(ok.sum())} answered records"
     if not len(fit_rows):
-        raise CalibrationError(f"score.calibrate {method}: question {q!r} has no labeled record to fit on — "
-                               f"calibrate.truth_columns.{q} is null in every answered record; label some, or reuse "
-                               "fitted values with calibrate.from")
-    return calibration.fit(method, log_p[fit_rows], truth[fit_rows]), f"fitted on {len(fit_rows)} labeled records"
+        labeled = int((ok & (truth >= 0)).sum())
+        why = (f"calibrate.truth_columns.{q} is null in every answered record; label some" if not labeled else
+               f"{labeled} answered record{'s are' if labeled > 1 else ' is'} labeled, and calibrate.holdout_fraction "
+               f"{config.calibrate.holdout_fraction:g} keeps {'them' if labeled > 1 else 'it'} all for evaluation; label "
+               "more (at least 2: one fits, one evaluates)")
+        raise CalibrationError(f"score.calibrate {method}: question {q!r} has no labeled record to fit on — {why}, "
+                               "or reuse fitted values with calibrate.from")
+    return (calibration.fit(method, log_p[fit_rows], truth[fit_rows]), f"fitted on {len(fit_rows)} labeled records"
+            + calibration.one_class_warning(truth[fit_rows], method, f"question {q!r}: "))

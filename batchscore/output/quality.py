@@ -273,10 +273,16 @@ def _params(config, method: str, log_p: np.ndarray, ok: np.ndarray, truth: np.nd
         cf_log_p = calibration.log_probs(np.array([_floats(cf[layout.label_column(label)])[0] for label in labels]))
         return {"log_p_content_free": cf_log_p.tolist()}, f"the content-free input ({CONTENT_FREE!r} in every field)"
     if not len(fit_rows):
-        raise CalibrationError(f"score.calibrate {method}: no labeled row to fit on — calibrate.truth_column "
-                               f"{config.calibrate.truth_column!r} is null in every scored row; label some rows, "
-                               "or reuse fitted values with calibrate.from")
-    return calibration.fit(method, log_p[fit_rows], truth[fit_rows]), f"fitted on {len(fit_rows)} labeled rows"
+        labeled = int((ok & (truth >= 0)).sum())
+        why = (f"calibrate.truth_column {config.calibrate.truth_column!r} is null in every scored row; label some rows"
+               if not labeled else
+               f"{labeled} scored row{'s are' if labeled > 1 else ' is'} labeled in {config.calibrate.truth_column!r}, "
+               f"and calibrate.holdout_fraction {config.calibrate.holdout_fraction:g} keeps {'them' if labeled > 1 else 'it'}"
+               " all for evaluation; label more rows (at least 2: one fits, one evaluates)")
+        raise CalibrationError(f"score.calibrate {method}: no labeled row to fit on — {why}, or reuse fitted values "
+                               "with calibrate.from")
+    return (calibration.fit(method, log_p[fit_rows], truth[fit_rows]),
+            f"fitted on {len(fit_rows)} labeled rows" + calibration.one_class_warning(truth[fit_rows], method))
 
 
 def _with_calibrated(columns: dict[str, pa.Array], p: np.ndarray, num_options: np.ndarray, ok: np.ndarray,

@@ -29,7 +29,7 @@ from batchscore.plan.types import Request
 from batchscore.plan.validate import prompt_problem
 from batchscore.prepare.decisions import (API_OPENAI, API_SYSTEMONE, DecisionRequest, check_question,
                                           parse_openai_decisions, parse_systemone, read_prompt)
-from batchscore.prepare.options import OptionEncoder, RowOptionSource
+from batchscore.prepare.options import OptionEncoder, RowOptionSource, max_length_name
 from batchscore.prepare.prompts import PromptRenderer, RenderedPrompt, RequestRenderer
 from batchscore.prepare.rows import (DecisionInput, PreparedInput, Record, batch_ids, check_columns, check_unique_ids,
                                      concat_arrays, concat_tables, select_kept)
@@ -68,7 +68,8 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
         ["custom_id", "url", "messages", "prompt", "decision"] if batch_file else table.columns)))
     uses = _column_uses(config, table)
     encoder = OptionEncoder(tokenizer) if tokenizer is not None else None
-    options = RowOptionSource(None, "labels", encoder, max_length) if encoder is not None else None
+    options = RowOptionSource(None, "labels", encoder, max_length, max_length_name(config.engine.max_length, max_length)) \
+        if encoder is not None else None
     chat_renderer = RequestRenderer(tokenizer) if tokenizer is not None else None
     records: list[Record] = []
     ids, kept, requests, errors, read_tokens = [], [], [], {}, {}
@@ -138,8 +139,8 @@ def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource,
     prompts = [p for _, p, _, _ in pending]
     tokens = renderer.encode(prompts)
     for i, (read, _, _, where) in enumerate(pending):
-        problem = prompt_problem(len(tokens[i]), max_length,
-                                 largest_token=int(np.max(tokens[i])) if len(tokens[i]) else None, vocab_size=vocab_size)
+        problem = prompt_problem(len(tokens[i]), max_length, largest_token=int(np.max(tokens[i])) if len(tokens[i])
+                                 else None, vocab_size=vocab_size, limit_name=options.limit_name)
         if problem:
             errors[read] = f"{where}: {problem}"
             tokens[i] = None

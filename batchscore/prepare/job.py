@@ -34,14 +34,14 @@ from batchscore.io.readers import InputBatch, discover_files, input_base, iter_b
 from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.prepare.decision_job import is_decision_input, prepare_decisions
 from batchscore.prepare.decisions import check_question, parse_systemone
-from batchscore.prepare.options import OptionEncoder, RowOptionSource
+from batchscore.prepare.options import OptionEncoder, RowOptionSource, max_length_name
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
 from batchscore.plan.validate import token_ids_problem
 from batchscore.plan.types import Request
 from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
-from batchscore.prepare.rows import (PreparedInput, batch_ids, check_columns, check_unique_ids, concat_arrays,
-                                     concat_tables, select_kept)
+from batchscore.prepare.rows import (PreparedInput, RowLocations, batch_ids, check_columns, check_unique_ids,
+                                     concat_arrays, concat_tables, select_kept)
 
 log = logging.getLogger("batchscore")
 
@@ -197,7 +197,8 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
         tokenizer = load_tokenizer(source.model_dir)
         max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
         renderer = make_renderer(config, tokenizer)
-        options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length)
+        options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length,
+                                  max_length_name(config.engine.max_length, max_length))
     prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
                              tokenize=tokenize, progress=progress, options=options)
     content_free = None
@@ -354,6 +355,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
                                 + ([choices_column] if choices_column else [])))
 
     ids, kept_tables, choice_arrays, requests, errors = [], [], [], [], {}
+    locations = RowLocations()
     row_id = 0
     saw_rows = False
     # token lists are read per JSONL line: one line's NaN or string must not retype every row's list
@@ -364,6 +366,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
             continue
         saw_rows = True
         check_columns(batch, needed)
+        locations.add(row_id, batch)
         ids.append(batch_ids(batch, id_column, row_id))
         kept_tables.append(select_kept(batch.table, keep_columns))
         if choices_column:
@@ -380,7 +383,8 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
             if tokens is None:
                 continue
             problem = prompt_problem(len(tokens), max_length, largest_token=int(np.max(tokens)) if len(tokens) else None,
-                                     vocab_size=vocab_size)
+                                     vocab_size=vocab_size, limit_name=max_length_name(config.engine.max_length,
+                                                                                       max_length))
             if problem:
                 errors[rid] = problem
                 rows_tokens[offset] = None
@@ -398,7 +402,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
         check_unique_ids(id_array, id_column)
     kept = concat_tables(kept_tables) if keep_columns else pa.table({})
     choices = concat_arrays(choice_arrays) if choices_column else None
-    return PreparedInput(row_id, id_array, kept, requests, errors, choices)
+    return PreparedInput(row_id, id_array, kept, requests, errors, choices, locations=locations)
 
 
 def _row_options(options: RowOptionSource | None, batch: InputBatch, rows_tokens: list, prompts: list | None,

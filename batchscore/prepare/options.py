@@ -198,6 +198,12 @@ class OptionEncoder:
         return results
 
 
+def max_length_name(configured: int | None, max_length: int | None) -> str:
+    """Whose limit `max_length` (the longest prompt scored) is, for messages: the job's
+    engine.max_length when it set that limit, else the model's context."""
+    return "engine.max_length" if configured is not None and configured == max_length else "the model's context"
+
+
 def option_length_problem(options: OptionTokens, texts: Sequence[str], prompt_len: int,
                           max_length: int | None, limit_name: str = "the model's context",
                           name=lambda index, text: f"option {index} {_short(text)}") -> str | None:

@@ -42,6 +42,30 @@ class DecisionInput:
 
 
 @dataclass
+class RowLocations:
+    """Where each input row was read (`file:line`, a Parquet file's row number for line), kept
+    per batch, not per row: messages made far from the reader (the engine's memory check) name
+    the row as the reader's own messages do. Small and picklable (sent to Ray workers)."""
+
+    starts: list[int] = field(default_factory=list)  # the first row id of each batch
+    files: list[str] = field(default_factory=list)
+    first_lines: list[int] = field(default_factory=list)
+
+    def add(self, first_row_id: int, batch: InputBatch) -> None:
+        self.starts.append(first_row_id)
+        self.files.append(str(batch.file))
+        self.first_lines.append(batch.first_line)
+
+    def __call__(self, row_id: int) -> str:
+        import bisect
+
+        index = bisect.bisect_right(self.starts, row_id) - 1
+        if index < 0:
+            return f"row {row_id}"
+        return f"{self.files[index]}:{self.first_lines[index] + row_id - self.starts[index]}"
+
+
+@dataclass
 class PreparedInput:
     """Everything the runner needs from the input, independent of the engine."""
 
@@ -52,6 +76,7 @@ class PreparedInput:
     errors: dict[int, str] = field(default_factory=dict)  # row_id -> message
     choices: pa.Array | None = None  # [num_rows] input.choices_column as read (for the output)
     decisions: DecisionInput | None = None  # decision jobs: the rows are reads; the records behind them
+    locations: RowLocations | None = None  # row id -> file:line (labels jobs read from files)
 
     @property
     def num_records(self) -> int:

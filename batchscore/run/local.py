@@ -6,7 +6,7 @@ import logging
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Sequence
+from typing import Callable, Sequence
 
 from batchscore.engines.base import Engine, RawScores, num_options
 from batchscore.errors import RunInterrupted
@@ -16,14 +16,16 @@ from batchscore.plan.types import PrefixGroup
 log = logging.getLogger("batchscore")
 
 
-def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int] | None, progress: RowProgress) -> None:
+def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int] | None, progress: RowProgress,
+                  where: Callable[[int], str] | None = None) -> None:
     """Score the sink's remaining rows with `engine` in this process.
 
     SIGTERM/SIGINT is checked after every result, i.e. after every forward batch of the engine:
-    the rows scored so far are flushed as a part and RunInterrupted is raised.
+    the rows scored so far are flushed as a part and RunInterrupted is raised. `where` names a
+    row in its error (its file:line; default "row N").
     """
     with stop_signals() as stop:
-        for result in score_with_row_errors(engine, sink.remaining_groups(), label_ids):
+        for result in score_with_row_errors(engine, sink.remaining_groups(), label_ids, where):
             record(result, sink, progress)
             if stop.is_set():
                 sink.flush()
@@ -36,10 +38,13 @@ def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int] | Non
         raise RuntimeError(f"the engine returned results for {sink.position} of {sink.total} rows")
 
 
-def score_with_row_errors(engine: Engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int] | None):
+def score_with_row_errors(engine: Engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int] | None,
+                          where: Callable[[int], str] | None = None):
     """`engine.score`, except that rows the engine says it cannot fit (its `memory_problems`)
-    come out as error results instead of stopping the job. Yields group by group."""
-    bad = {p.row_id: str(p) for p in engine.memory_problems(groups)}
+    come out as error results, named by `where` (file:line), instead of stopping the job.
+    Yields group by group."""
+    bad = {p.row_id: f"{where(p.row_id)}: {p.reason}" if where is not None and hasattr(p, "reason") else str(p)
+           for p in engine.memory_problems(groups)}
     if not bad:
         yield from engine.score(groups, label_ids)
         return

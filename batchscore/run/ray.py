@@ -43,16 +43,17 @@ class ScoringWorker:
         torch.set_num_threads(max(1, threads))
         self.engine = create_engine(resolved, model_dir, engine)
 
-    def score(self, groups, label_ids) -> list[RawScores]:
-        return list(score_with_row_errors(self.engine, groups, label_ids))
+    def score(self, groups, label_ids, where=None) -> list[RawScores]:
+        return list(score_with_row_errors(self.engine, groups, label_ids, where))
 
     def pid(self) -> int:
         return os.getpid()
 
 
 def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: ResolvedEngine, model_dir, sinks: Sequence[PartSink],
-                 label_ids: Sequence[int] | None, progress: RowProgress) -> None:
+                 label_ids: Sequence[int] | None, progress: RowProgress, where=None) -> None:
     """Score every sink's remaining groups on its own Ray actor; results go through the sinks.
+    `where` (prepare/rows.RowLocations) names a row in its error.
 
     Side effects: starts a local Ray (or connects to `executor.address`) unless Ray is already
     initialized, and shuts it down again if it started it. Raises RunInterrupted on
@@ -73,7 +74,7 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: Resol
                 continue
             actors[sink.worker] = actor_cls.remote(resolved, str(model_dir), engine, int(executor.cpus_per_worker))
             pending[sink.worker] = deque(
-                actors[sink.worker].score.remote(chunk, None if label_ids is None else list(label_ids))
+                actors[sink.worker].score.remote(chunk, None if label_ids is None else list(label_ids), where)
                 for chunk in _chunks(sink.remaining_groups(), min(TASK_ROWS, sinks[0].part_rows)))
         log.info("ray: %d workers, %d tasks", len(actors), sum(len(q) for q in pending.values()))
         by_worker = {s.worker: s for s in sinks}

@@ -277,12 +277,13 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
             if use_ray:
                 from batchscore.run.ray import score_on_ray
 
-                score_on_ray(config.executor, config.engine, resolved, job.model_dir, sinks, job.label_ids, bar)
+                score_on_ray(config.executor, config.engine, resolved, job.model_dir, sinks, job.label_ids, bar,
+                             job.input.locations)
             else:
                 fault_point("engine")
                 engine = engine_factory(resolved, job.model_dir, config.engine)
                 try:
-                    score_locally(engine, sinks[0], job.label_ids, bar)
+                    score_locally(engine, sinks[0], job.label_ids, bar, job.input.locations)
                     batch_tokens = list(engine.metrics.batch_token_counts or [])
                 finally:
                     engine.close()
