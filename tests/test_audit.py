@@ -161,7 +161,9 @@ def test_budget_rows_spreads_across_groups_within_the_budget():
     assert len(picked) == 4 and sorted(group_of[r] for r in picked) == [0, 1, 2, 3]  # one row per group
     assert picked.tolist() == sorted(picked.tolist())
     assert budget_rows(rows, costs, group_of, budget=400, seed=0).tolist() == picked.tolist()  # seeded
-    assert len(budget_rows(rows, costs, group_of, budget=10, seed=0)) == 1  # at least one row
+    costs[17] = 60
+    assert budget_rows(rows, costs, group_of, budget=10, seed=0).tolist() == [17]  # at least one row: the cheapest
+    costs[17] = 100
     assert len(budget_rows(rows, costs, group_of, budget=1e9, seed=0)) == AUTO_MAX_ROWS  # at most 32
     # rows of one group too dear for the budget are passed over for cheaper ones of the others
     costs.update({r: 10**6 for r in range(10)})

@@ -105,3 +105,37 @@ def test_the_scoring_identity_leaves_out_the_post_processing():
     # what changes a raw score stays: contextual calibration scores a content-free input
     assert scoring_config(config(score={"calibrate": "contextual"})) != scoring_config(plain)
     assert scoring_config(config(score={"normalize": "token"})) != scoring_config(plain)
+
+
+def test_review_without_a_threshold_says_why_with_the_numbers(tmp_path, caplog):
+    """30 labelled rows, half of them fit a temperature: 15 evaluation rows, where a 5% budget at
+    95% needs at least 59 accepted rows — in the log, the run summary and the report."""
+    import numpy as np
+
+    from batchscore.output.quality import add_quality_columns
+    from batchscore.output.table import scores_table
+    from batchscore.report import write_report
+
+    rng = np.random.default_rng(0)
+    p_yes = rng.uniform(0.05, 0.95, 40)
+    truth = ["Yes" if rng.random() < p else "No" for p in p_yes]
+    columns = {"p_Yes": pa.array(p_yes), "p_No": pa.array(1 - p_yes),
+               "label": pa.array(np.where(p_yes >= 0.5, "Yes", "No")), "label_mass": pa.array(np.full(40, 0.8))}
+    config = config_from_dict({"input": {"path": "in.parquet"}, "prompt": {"template": "{q}"}, "labels": ["Yes", "No"],
+                               "score": {"calibrate": "temperature"}, "calibrate": {"truth_column": "gold"},
+                               "output": {"path": str(tmp_path / "out.parquet"), "review": {"max_error": 0.05}}})
+    kept = pa.table({"gold": truth[:30] + [None] * 10})  # 30 labelled rows
+    ok, ids = np.ones(40, dtype=bool), pa.array([f"r{i}" for i in range(40)])
+    with caplog.at_level("WARNING", logger="batchscore"):
+        out, result = add_quality_columns(config, columns, ok, kept, ids)
+    review = result.review
+    assert result.calibration["eval_rows"] == 15 and review["threshold"] is None and review["min_rows"] == 59
+    assert "15 evaluation rows" in review["reason"] and "at least 59 accepted rows" in review["reason"]
+    assert review["reason"] in caplog.text and "every row needs review" in caplog.text
+    assert out["needs_review"].to_pylist() == [True] * 40
+
+    pq.write_table(scores_table(ids, "id", kept, out, {}), tmp_path / "out.parquet")
+    html = write_report(tmp_path / "out.parquet", metrics={"review": review, "calibration": result.calibration,
+                                                           "rows": 40, "rows_ok": 40, "rows_error": 0},
+                        truth="gold").read_text()
+    assert "15 evaluation rows" in html and "at least 59 accepted rows" in html

@@ -341,6 +341,8 @@ def review_column(config, p: np.ndarray, num_options: np.ndarray, mass: np.ndarr
     log.info("review: threshold %s accepts %d of %d scored rows (coverage %.1f%% of %d evaluation rows)",
              "none" if chosen.threshold is None else f"{chosen.threshold:.4g}", summary["accepted_rows"],
              int(ok.sum()), 100 * chosen.coverage, chosen.rows)
+    if chosen.reason:
+        log.warning("output.review found no threshold, so every row needs review: %s", chosen.reason)
     return pa.array(~accept, mask=~ok, type=pa.bool_()), summary
 
 

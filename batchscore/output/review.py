@@ -72,6 +72,8 @@ class Threshold:
     errors: int  # of them, wrong
     upper_bound: float | None  # the Clopper–Pearson upper bound on their error rate
     rows: int  # evaluation rows
+    min_rows: int = 0  # the fewest accepted rows (all correct) whose bound can meet the budget
+    reason: str | None = None  # why no threshold was found, with the numbers (None: one was)
 
     @property
     def coverage(self) -> float:
@@ -79,7 +81,8 @@ class Threshold:
 
     def to_dict(self) -> dict:
         return {"threshold": self.threshold, "coverage": self.coverage, "accepted": self.accepted,
-                "errors": self.errors, "upper_bound": self.upper_bound, "rows": self.rows}
+                "errors": self.errors, "upper_bound": self.upper_bound, "rows": self.rows,
+                "min_rows": self.min_rows, "reason": self.reason}
 
 
 def first_step(max_error: float, confidence: float) -> int:
@@ -95,16 +98,24 @@ def choose_threshold(conf: np.ndarray, correct: np.ndarray, max_error: float, co
     ranked = conf[order]
     wrong = np.cumsum(~np.asarray(correct, dtype=bool)[order])
     m = len(conf)
-    best = Threshold(None, 0, 0, None, m)
-    k = first_step(max_error, confidence)
+    need = first_step(max_error, confidence)
+    budget = f"a {max_error:g} error budget at {confidence:g} confidence"
+    best = Threshold(None, 0, 0, None, m, need,
+                     f"{m} evaluation rows; {budget} needs at least {need} accepted rows, all of them correct "
+                     "(label more rows, or raise output.review.max_error or lower output.review.confidence)")
+    k = need
     while k <= m:
         t = ranked[k - 1]
         size = int(np.searchsorted(-ranked, -t, side="right"))  # every row tied with the k-th
         errors = int(wrong[size - 1])
         bound = clopper_pearson_upper(errors, size, confidence)
         if bound > max_error:
+            if best.threshold is None:
+                best.reason = (f"the {size} most confident of the {m} evaluation rows hold {errors} wrong answers: "
+                               f"their error bound {bound:.3g} is above {budget} (at least {need} accepted rows "
+                               "are needed even with none wrong)")
             break
-        best = Threshold(float(t), size, errors, bound, m)
+        best = Threshold(float(t), size, errors, bound, m, need)
         if size == m:
             break
         k = min(m, max(size + 1, math.ceil(size * STEP)))

@@ -53,6 +53,7 @@ class Coverage:
     threshold_coverage: float | None = None  # labeled rows with confidence ≥ threshold
     threshold_error: float | None = None  # wrong among them
     max_error: float | None = None  # output.review's error budget
+    reason: str | None = None  # why output.review found no threshold, with the numbers
 
 
 @dataclass
@@ -150,6 +151,7 @@ def coverage_curve(output: ScoredOutput, rows: np.ndarray, correct: np.ndarray, 
     curve = Coverage(accepted / n, wrong / accepted, source)
     review = (metrics or {}).get("review") or {}
     curve.max_error = review.get("max_error")
+    curve.reason = review.get("reason")
     if review.get("threshold") is not None:
         curve.threshold = float(review["threshold"])
         taken = conf >= curve.threshold

@@ -98,7 +98,8 @@ def _coverage_note(curve: q.Coverage) -> str:
         text += f" (budget {page.pct(curve.max_error)})." if curve.max_error is not None else "."
     elif curve.max_error is not None:
         text += (f" output.review found no threshold whose accepted rows stay within the {page.pct(curve.max_error)} "
-                 "error budget: every row needs review.")
+                 "error budget: every row needs review"
+                 + (f" ({curve.reason})." if curve.reason else "."))
     return text
 
 

@@ -97,9 +97,10 @@ def reference_cost(request, label_ids) -> int:
 
 def budget_rows(candidates: np.ndarray, costs: dict[int, int], group_of: dict[int, int], budget: float,
                 seed: int, max_rows: int = AUTO_MAX_ROWS) -> np.ndarray:
-    """Rows of `candidates` whose `costs` sum to at most `budget` (the first one always), at most
-    `max_rows`, in row order: a seeded shuffle taken round-robin over the prefix groups
-    (`group_of`: row -> group), so a few rows still come from different groups."""
+    """Rows of `candidates` whose `costs` sum to at most `budget`, at most `max_rows`, in row order:
+    a seeded shuffle taken round-robin over the prefix groups (`group_of`: row -> group), so a few
+    rows still come from different groups. When no row fits, the cheapest one (the audit always
+    checks at least one)."""
     order = np.random.default_rng(seed).permutation(np.sort(np.asarray(candidates, dtype=np.int64)))
     seen: dict[int, int] = {}
     rank = []
@@ -111,10 +112,12 @@ def budget_rows(candidates: np.ndarray, costs: dict[int, int], group_of: dict[in
     for row in order[np.argsort(rank, kind="stable")].tolist():
         if len(picked) >= max_rows:
             break
-        if picked and spent + costs[row] > budget:
+        if spent + costs[row] > budget:
             continue
         picked.append(row)
         spent += costs[row]
+    if not picked and len(order):
+        picked = [min(order.tolist(), key=lambda row: costs[row])]  # the first drawn of the cheapest
     return np.sort(np.array(picked, dtype=np.int64))
 
 
