@@ -139,3 +139,30 @@ def test_review_without_a_threshold_says_why_with_the_numbers(tmp_path, caplog):
                                                            "rows": 40, "rows_ok": 40, "rows_error": 0},
                         truth="gold").read_text()
     assert "15 evaluation rows" in html and "at least 59 accepted rows" in html
+
+
+def test_batch_calibration_warns_when_it_moves_many_answers_or_the_prior_is_skewed(caplog):
+    """A batch where 'No' is truly common: the raw model says No for 80% of the rows, and batch
+    calibration, which makes the mean answer uniform, turns many of them into Yes."""
+    import numpy as np
+
+    from batchscore.output.quality import add_quality_columns
+
+    rng = np.random.default_rng(1)
+    p_yes = np.clip(rng.normal(0.3, 0.15, 100), 0.01, 0.99)
+    columns = {"p_Yes": pa.array(p_yes), "p_No": pa.array(1 - p_yes),
+               "label": pa.array(np.where(p_yes >= 0.5, "Yes", "No")), "label_mass": pa.array(np.full(100, 0.8))}
+    config = config_from_dict({"input": {"path": "in.parquet"}, "prompt": {"template": "{q}"}, "labels": ["Yes", "No"],
+                               "score": {"calibrate": "batch"}, "output": {"path": "out.parquet"}})
+    with caplog.at_level("WARNING", logger="batchscore"):
+        _, result = add_quality_columns(config, columns, np.ones(100, dtype=bool), pa.table({}),
+                                        pa.array(np.arange(100)))
+    warnings = result.calibration["warnings"]
+    moved = result.calibration["label_counts"]["calibrated"]["Yes"] - result.calibration["label_counts"]["raw"]["Yes"]
+    assert moved > 20 and f"changed the answer of {moved} of 100 rows" in warnings[0]
+    assert all(w in caplog.text for w in warnings)
+    # a balanced batch: nothing to warn about
+    balanced = np.clip(rng.normal(0.5, 0.2, 100), 0.01, 0.99)
+    columns.update({"p_Yes": pa.array(balanced), "p_No": pa.array(1 - balanced)})
+    _, result = add_quality_columns(config, columns, np.ones(100, dtype=bool), pa.table({}), pa.array(np.arange(100)))
+    assert result.calibration["warnings"] == []

@@ -24,8 +24,8 @@ import pyarrow as pa
 from batchscore.errors import CalibrationError
 from batchscore.output import calibration, review
 from batchscore.output.decisions import QuestionAnswer
-from batchscore.output.quality import (SHOWN, QualityResult, calibrate_rows, out_of_scope_column, review_column,
-                                       split_labeled, wanted as quality_wanted)
+from batchscore.output.quality import (SHOWN, QualityResult, batch_warnings, calibrate_rows, out_of_scope_column,
+                                       review_column, split_labeled, wanted as quality_wanted)
 from batchscore.prepare.decisions import parse_systemone
 
 log = logging.getLogger("batchscore")
@@ -130,6 +130,8 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
             params, info["source"] = _params(config, question, method, log_p, ok, truth, fit_rows, previous)
             info["params"] = params
             final_p, info["after"] = calibrate_rows(method, params, log_p, ok, truth, eval_rows)
+            if method == "batch":
+                info["warnings"] = batch_warnings(p, final_p, ok, list(question.options), f"question {q!r}")
             for i, option in enumerate(question.options):
                 columns[f"{q}.p_cal.{option}"] = [float(v) if good else None for v, good in zip(final_p[:, i], ok)]
             if question.type == "choice":

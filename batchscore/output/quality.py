@@ -32,6 +32,8 @@ log = logging.getLogger("batchscore")
 
 CONTENT_FREE = "N/A"  # contextual calibration's content-free value of every template field
 SHOWN = 5  # rows named in an error message
+BATCH_MOVED_SHARE = 0.2  # batch calibration changing more answers than this share is warned about
+PRIOR_SKEW = 2.0  # ...and a raw mean probability this many times above or below uniform (1/K)
 
 
 @dataclass
@@ -169,6 +171,8 @@ def add_quality_columns(config, columns: dict[str, pa.Array], ok: np.ndarray, ke
         columns = _with_calibrated(columns, final_p, num_options, ok, labels, choices)
         if labels is not None:
             info["label_counts"] = {"raw": _counts(p, ok, labels), "calibrated": _counts(final_p, ok, labels)}
+        if method == "batch" and labels is not None:
+            info["warnings"] = batch_warnings(p, final_p, ok, labels)
     if method != "none" or config.calibrate.truth_column is not None:
         result.calibration = info
     conf = review.confidence(np.nan_to_num(final_p, nan=0.0), num_options, mass, config.score.confidence)
@@ -193,6 +197,33 @@ def calibrate_rows(method: str, params: dict, log_p: np.ndarray, ok: np.ndarray,
     cal[ok] = calibration.apply(method, log_p[ok], params)
     after = calibration.measures(cal[eval_rows], truth[eval_rows]) if len(eval_rows) else None
     return np.where(ok[:, None], np.exp(cal), np.nan), after
+
+
+def batch_warnings(p: np.ndarray, cal: np.ndarray, ok: np.ndarray, options: list[str], what: str = "") -> list[str]:
+    """What to warn about after `batch` calibration of [N, K] raw `p` into `cal` (each logged):
+    it changed more than BATCH_MOVED_SHARE of the answers, or a raw mean probability is PRIOR_SKEW
+    times off uniform — batch calibration assumes every answer about equally common in the batch."""
+    rows = np.flatnonzero(ok)
+    if not len(rows):
+        return []
+    where = f"{what}: " if what else ""
+    advice = ("batch calibration assumes every answer is about equally common in the batch; if it is not, fit "
+              "temperature, vector or platt on labelled rows instead")
+    warnings = []
+    moved = np.argmax(np.nan_to_num(p[rows], nan=-np.inf), axis=1) != np.argmax(np.nan_to_num(cal[rows], nan=-np.inf),
+                                                                               axis=1)
+    if moved.mean() > BATCH_MOVED_SHARE:
+        warnings.append(f"{where}score.calibrate batch changed the answer of {int(moved.sum())} of {len(rows)} rows "
+                        f"({moved.mean():.0%}); {advice}")
+    prior, uniform = np.nanmean(p[rows], axis=0), 1.0 / p.shape[1]
+    skewed = [f"{option} {value:.2f}" for option, value in zip(options, prior)
+              if value > PRIOR_SKEW * uniform or value < uniform / PRIOR_SKEW]
+    if skewed:
+        warnings.append(f"{where}the mean raw probability is far from uniform ({uniform:.2f}) for {', '.join(skewed)}; "
+                        f"{advice}")
+    for warning in warnings:
+        log.warning("%s", warning)
+    return warnings
 
 
 def _floats(array: pa.Array) -> np.ndarray:
