@@ -1,49 +1,38 @@
-"""Nightly batchscore job for Apache Airflow (2.x): copy into your DAGs folder and adjust paths.
+"""Nightly batchscore job for Apache Airflow 3 (also 2.x): copy into your DAGs folder.
+
+Airflow's environment needs the operator only: `pip install --no-deps batchscore` there (no
+torch). The job runs in batchscore's own environment, named by BATCHSCORE_BIN. Paths below are
+defaults; the environment variables override them (docs/operations.md, "Airflow").
 
 Retries resume: `batchscore run` keeps the rows already scored next to the output, and a retry
 of the same command scores only the rest; a retry after the output is complete does nothing.
-The task retries only the exit codes a retry can fix (README, "Exit codes"):
-
-    retried:     5 engine did not start, 75 another run still holds the output's lock,
-                 130 interrupted (preemption, SIGTERM), and crashes (1, signals)
-    not retried: 2 invalid job / model / resume of another job, 3 unreadable input,
-                 4 too many row errors (the output is written), 6 output not writable,
-                 7 scores differ from a plain float32 forward (the exactness audit; the output is written)
+The operator retries only the exit codes a retry can fix (75 another run holds the lock, 5, 130,
+crashes) and fails the others at once (2, 3, 4, 6, 7); the run's metrics are the task's XCom
+value (`return_value`, one dict).
 """
 
-import json
-import subprocess
+import os
 from datetime import datetime, timedelta
 
-from airflow.decorators import dag, task
-from airflow.exceptions import AirflowException, AirflowFailException
+try:  # Airflow 3
+    from airflow.sdk import DAG
+except ImportError:  # Airflow 2.x
+    from airflow import DAG
 
-BATCHSCORE = "/opt/batchscore/.venv/bin/batchscore"
-JOB = "/opt/batchscore/jobs/sample.yaml"
-NOT_RETRYABLE = {2: "invalid job", 3: "unreadable input", 4: "error rate exceeded", 6: "output not writable",
-                 7: "exactness audit failed"}
+from batchscore.airflow import BatchscoreOperator
 
+BATCHSCORE_BIN = os.environ.get("BATCHSCORE_BIN", "/opt/batchscore/.venv/bin/batchscore")
+JOB = os.environ.get("BATCHSCORE_JOB", "/opt/batchscore/jobs/sample.yaml")
+OUTPUT_ROOT = os.environ.get("BATCHSCORE_OUTPUT_ROOT", "/data/scores")
+RETRY_DELAY = timedelta(seconds=float(os.environ.get("BATCHSCORE_RETRY_DELAY_S", 600)))
 
-@dag(dag_id="batchscore_nightly", schedule="0 2 * * *", start_date=datetime(2026, 1, 1), catchup=False,
-     default_args={"retries": 3, "retry_delay": timedelta(minutes=10)}, tags=["batchscore"])
-def batchscore_nightly():
-    @task(execution_timeout=timedelta(hours=8))
-    def score(ds=None) -> dict:
-        """Run the job for the logical date; returns the run's metrics (pushed to XCom)."""
-        out = f"/data/scores/{ds}"
-        done = subprocess.run(
-            [BATCHSCORE, "run", JOB, "--quiet", "--output", f"{out}/scores.parquet", "--metrics", f"{out}/metrics.json"],
-            env={"HF_HUB_OFFLINE": "1", "BATCHSCORE_HOME": "/opt/batchscore/cache", "PATH": "/usr/bin:/bin"},
-            capture_output=True, text=True)
-        print(done.stdout, done.stderr)
-        if done.returncode in NOT_RETRYABLE:  # the same command would fail the same way
-            raise AirflowFailException(f"batchscore: {NOT_RETRYABLE[done.returncode]}: {done.stderr.strip()}")
-        if done.returncode != 0:
-            raise AirflowException(f"batchscore exited {done.returncode} (retried; it resumes): {done.stderr.strip()}")
-        with open(f"{out}/metrics.json") as handle:
-            return json.load(handle)
-
-    score()
-
-
-batchscore_nightly()
+with DAG(dag_id="batchscore_nightly", schedule="0 2 * * *", start_date=datetime(2026, 1, 1), catchup=False,
+         default_args={"retries": 3, "retry_delay": RETRY_DELAY}, tags=["batchscore"]) as dag:
+    BatchscoreOperator(
+        task_id="score",
+        job=JOB,
+        output_path=OUTPUT_ROOT + "/{{ ds }}/scores.parquet",
+        metrics_path=OUTPUT_ROOT + "/{{ ds }}/metrics.json",
+        batchscore_bin=BATCHSCORE_BIN,
+        execution_timeout=timedelta(hours=8),
+    )
