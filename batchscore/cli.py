@@ -117,6 +117,11 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
                    "input, model and software): nothing to do. Use --fresh to score it again."
                    + (f"\nreport: {report_path}" if report_path else ""))
         return
+    if summary.rederived:
+        click.echo(f"re-derived {summary.output_path} from its raw scores with this job's calibration and review "
+                   f"in {summary.seconds:.1f} s: nothing scored ({summary.rows_ok} rows ok, {summary.rows_error} errors)"
+                   + (f"\nreport: {report_path}" if report_path else ""))
+        return
     if not summary.complete:
         click.echo(f"shard {shard} done; the output is written when every shard has finished "
                    f"(or run: batchscore merge {job} --shards {parsed_shard.count})")

@@ -261,6 +261,10 @@ def test_the_report_of_a_real_run_reads_each_question_and_its_calibration(batch_
         assert question.out_of_scope == sum(table.column(f"{question.key}.out_of_scope").to_pylist())
         info = summary["calibration"]["questions"][question.key]
         assert f"{info['before']['ece']:.4f} → {info['after']['ece']:.4f}" in html
+    # a score answer is a 0-based level index: the summary names the levels, the report shows them
+    mood = next(q for q in questions() if q.type == "score")
+    assert json.loads(summary["decisions"]["score_levels"]) == {str(mood.key): list(mood.levels)}
+    assert "0-based level indexes" in html and any(f"{i} = {level}" in html for i, level in enumerate(mood.levels))
 
 
 @pytest.mark.slow  # a second real run

@@ -38,7 +38,15 @@ ANSWERS = "answers"  # table jobs with input.questions_column: each row's System
 def run_metadata(decisions: DecisionInput) -> dict[str, str]:
     """What the run summary and the Parquet schema record about how answers were read."""
     wide = any(q.layout == WIDE_LAYOUT for r in decisions.records if r.request for q in r.request.questions)
-    return {"layout": WIDE_LAYOUT if wide else LAYOUT, "confidence_method": CONFIDENCE_METHOD}
+    data = {"layout": WIDE_LAYOUT if wide else LAYOUT, "confidence_method": CONFIDENCE_METHOD}
+    levels = {}  # a score answer is a 0-based level index: which level each index names
+    for record in decisions.records:
+        for question in (record.request.questions if record.request else ()):
+            if question.type == "score" and question.levels:
+                levels.setdefault(str(question.key), list(question.levels))
+    if levels:
+        data["score_levels"] = json.dumps(levels)
+    return data
 
 
 def record_answers(record: Record, logp: list, errors: dict[int, str], tops: list | None = None

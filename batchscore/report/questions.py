@@ -11,6 +11,8 @@ them): a question is an `<id>` with `<id>.status`, `.error`, `.label_mass` and `
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,9 +101,10 @@ def render_questions(path: Path, output, metrics: dict | None, metrics_note: str
 
     questions = read_questions(output)
     calibration = ((metrics or {}).get("calibration") or {}).get("questions") or {}
+    levels = _score_levels(output, metrics)
     with rc_context(PLAIN_TEXT):
         sections = [_overview(output, questions, calibration, metrics_note)]
-        sections += [_question_section(q, calibration.get(q.key)) for q in questions]
+        sections += [_question_section(q, calibration.get(q.key), levels.get(q.key)) for q in questions]
     return document(path, [("summary", "summary")] + [(f"q-{q.key}", q.key) for q in questions], sections)
 
 
@@ -130,6 +133,18 @@ def _overview(output, questions: list[QuestionReport], calibration: dict, metric
              "Needs review and out of scope: the output's own columns (output.review, output.out_of_scope)."))
 
 
+def _score_levels(output, metrics: dict | None) -> dict[str, list[str]]:
+    """Each score question's level names by 0-based index: from the run summary, else the output's
+    Parquet metadata (output/decision_files.run_metadata)."""
+    text = ((metrics or {}).get("decisions") or {}).get("score_levels")
+    if text is None:
+        text = ((output.schema.metadata or {}).get(b"batchscore.score_levels") or b"").decode() or None
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return {}
+
+
 def _ece(info: dict | None) -> str:
     if not info or not info.get("before"):
         return "–"
@@ -137,10 +152,15 @@ def _ece(info: dict | None) -> str:
     return f"{num(info['before'].get('ece'), 4)} → {num(after.get('ece'), 4)}"
 
 
-def _question_section(q: QuestionReport, calibration: dict | None) -> str:
+def _question_section(q: QuestionReport, calibration: dict | None, levels: list[str] | None = None) -> str:
     answers = (sorted(q.answers, key=int) if q.kind == "score"  # levels in order, others most common first
                else sorted(q.answers, key=lambda a: (-q.answers[a], a)))
-    rows = [(a, f"{q.answers[a]:,}", pct(q.answers[a] / q.answered if q.answered else 0.0)) for a in answers]
+
+    def named(answer: str) -> str:  # a score answer is a 0-based level index
+        return f"{answer} = {levels[int(answer)]}" if levels and int(answer) < len(levels) else answer
+
+    rows = [(named(a) if q.kind == "score" else a, f"{q.answers[a]:,}",
+             pct(q.answers[a] / q.answered if q.answered else 0.0)) for a in answers]
     rows.append(("(failed)", f"{q.failed:,}", pct(q.failed / q.records if q.records else 0.0)))
     fig, (left, right) = figure(9, 2.6, 1, 2)
     left.bar(answers + ["(failed)"], [q.answers[a] for a in answers] + [q.failed],
@@ -151,7 +171,9 @@ def _question_section(q: QuestionReport, calibration: dict | None) -> str:
     right.set_xlabel("P(yes)" if q.kind == "yes/no" else "confidence (TypeSafe)")
     right.set_title("P(yes) per answered record" if q.kind == "yes/no" else "confidence per answered record",
                     fontsize=9)
-    parts = [table(["answer", "records", "share"], rows), img(fig, f"answers and confidence of {q.key}")]
+    note = (f"Score answers are 0-based level indexes: {q.key}.score is the expected index and {q.key}.p.0 the "
+            "first level's probability." if q.kind == "score" else None)
+    parts = [table(["answer", "records", "share"], rows, note=note), img(fig, f"answers and confidence of {q.key}")]
     if q.errors:
         parts.append(table(["error", "records"], sorted(((m, f"{n:,}") for m, n in q.errors.items()),
                                                          key=lambda r: r[0])[:10]))
