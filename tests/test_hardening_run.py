@@ -265,3 +265,84 @@ def test_a_fit_on_one_class_warns_in_the_log_and_the_summary(tmp_path):
     result = CliRunner().invoke(main, ["run", str(job), "-q", "--metrics", str(metrics)])
     assert result.exit_code == 0, result.output
     assert "every fit row has the same true label" in json.loads(metrics.read_text())["calibration"]["source"]
+
+
+# ---------------------------------------------------------------------------- the report of decision outputs
+
+
+QUESTION = {"refund": {"type": "noul", "instructions": "Does the customer ask for money back?"},
+            "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "shipping": None}}}
+
+
+@pytest.fixture(scope="module")
+def decision_batch(tmp_path_factory):
+    """A batch of one chat line and 4 answered System One lines (one with a question of its own)."""
+    folder = tmp_path_factory.mktemp("decision_report")
+    chat = {"custom_id": "chat-0", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "Is the sky blue? Yes or No."}]}}
+    decisions = [{"custom_id": f"so-{i}", "method": "POST", "url": "/v1/systemone",
+                  "body": {"model": "m", "state": f"Ticket {i}: my parcel is late, refund me",
+                           "questions": QUESTION if i else {"urgent": {"type": "noul"}}}} for i in range(4)]
+    source = folder / "in.jsonl"
+    source.write_text("".join(json.dumps(x) + "\n" for x in [chat, *decisions]))
+    job = folder / "job.yaml"
+    job.write_text(json.dumps({"input": {"path": str(source), "format": "openai_batch"}, "labels": ["Yes", "No"],
+                               "model": "smollm2-135m-instruct", "engine": {"kind": "torch", "dtype": "float32"},
+                               "output": {"path": str(folder / "out.jsonl"), "audit_rows": 0}}))
+    result = invoke("run", job, "-q")
+    assert result.exit_code == 0, result.output
+    return folder / "out.jsonl"
+
+
+def test_decision_lines_beside_a_chat_line_are_not_reported_as_errors(decision_batch, tmp_path):
+    from batchscore.report import load_output, read_output_table
+
+    output = load_output(decision_batch, table=read_output_table(decision_batch))
+    assert output.rows == 1 and output.ok.all()  # the chat line; the 4 answered lines are not errors
+    assert output.notes and "4 decision line(s)" in output.notes[0]
+    html = tmp_path / "r.html"
+    assert invoke("report", decision_batch, "--html", html).exit_code == 0
+    assert "4 decision line(s)" in html.read_text()
+
+
+def test_a_batch_of_decision_lines_alone_is_reported_per_question(decision_batch, tmp_path):
+    from batchscore.report.data import read_output_table
+    from batchscore.report.questions import read_questions
+
+    alone = tmp_path / "decisions.jsonl"
+    alone.write_text("".join(line + "\n" for line in decision_batch.read_text().splitlines()
+                             if json.loads(line)["custom_id"] != "chat-0"))
+    questions = {q.key: q for q in read_questions(read_output_table(alone))}
+    assert set(questions) == {"urgent", "refund", "team"}
+    assert (questions["refund"].records, questions["refund"].answered) == (3, 3)  # asked of 3 lines, not 4
+    assert (questions["urgent"].records, questions["urgent"].answered) == (1, 1)
+    assert sum(questions["team"].answers.values()) == 3 and set(questions["team"].answers) <= {"billing", "shipping"}
+    result = invoke("report", alone, "--html", tmp_path / "r.html")
+    assert result.exit_code == 0, result.output
+    assert "refund" in (tmp_path / "r.html").read_text()
+
+
+def test_per_row_questions_and_a_question_missing_a_column_are_reported(decision_batch, tmp_path):
+    from batchscore.report.data import read_output_table
+    from batchscore.report.questions import read_questions
+
+    # a per-row-questions table output: each row's answers as JSON in `answers`, no fixed question columns
+    lines = [json.loads(x) for x in decision_batch.read_text().splitlines()]
+    rows = [{"ticket_id": x["custom_id"], "answers": json.dumps(x["response"]["body"]["answers"]), "status": "ok",
+             "error": None} for x in lines if "answers" in x["response"]["body"]]
+    rows.append({"ticket_id": "broken", "answers": None, "status": "error", "error": "field 'subject' is null"})
+    table_path = tmp_path / "per_row.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), table_path)
+    questions = {q.key: q for q in read_questions(read_output_table(table_path))}
+    assert questions["refund"].answered == 3 and questions["refund"].errors == {"field 'subject' is null": 1}
+    assert invoke("report", table_path, "--html", tmp_path / "r.html").exit_code == 0
+
+    # a questions table with one question's label_mass column dropped: reported, naming what is missing
+    table = read_output_table(table_path)
+    cut = table.drop_columns(["team.label_mass"])
+    cut_path = tmp_path / "cut.parquet"
+    pq.write_table(cut, cut_path)
+    questions = {q.key: q for q in read_questions(read_output_table(cut_path))}
+    assert questions["team"].missing == ["team.label_mass"] and questions["team"].answered == 3
+    assert invoke("report", cut_path, "--html", tmp_path / "cut.html").exit_code == 0
+    assert "team.label_mass" in (tmp_path / "cut.html").read_text()

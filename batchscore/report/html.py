@@ -66,6 +66,7 @@ def _summary_section(current: ScoredOutput, summary: stats.Summary, previous: Sc
             ("keep columns", ", ".join(current.kept) or "–")]
     if previous is not None:
         rows.append(("previous output", str(previous.path)))
+    rows += [("note", note) for note in current.notes]
     return _section("summary", "Summary", _table(["", ""], rows, header=False))
 
 

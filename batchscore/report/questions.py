@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchscore.report.data import question_keys
+from batchscore.report.data import NOT_ASKED, missing_question_columns, question_keys
 from batchscore.report.page import PLAIN_TEXT, document, figure, img, num, pct, section, table
 
 LOW_MASS = 0.5  # label mass under this: the model mostly answered something else
@@ -40,6 +40,7 @@ class QuestionReport:
     needs_review: int | None = None
     out_of_scope: int | None = None
     errors: dict[str, int] = field(default_factory=dict)  # error message -> records
+    missing: list[str] = field(default_factory=list)  # columns every question has that this one lacks
 
     @property
     def failed(self) -> int:
@@ -52,10 +53,19 @@ def read_questions(table) -> list[QuestionReport]:
     names = set(table.column_names)
     wanted = [n for n in table.column_names if n == "error" or any(n.startswith(f"{key}.") for key in keys)]
     values = {name: table.column(name).to_pylist() for name in wanted}  # not the kept input columns
-    return [_question(key, names, values, table.num_rows) for key in keys]
+    reports = []
+    for key in keys:
+        missing = missing_question_columns(table.column_names, key)
+        for name in missing:  # read as null: the question is reported with what it has, and what it lacks said
+            values[name] = [None] * table.num_rows
+        asked = [s != NOT_ASKED for s in values[f"{key}.status"]]  # per-row questions: only its own records
+        own = {name: [v for v, a in zip(column, asked) if a] for name, column in values.items()}
+        reports.append(_question(key, names | set(missing), own, sum(asked), missing))
+    return reports
 
 
-def _question(key: str, names: set[str], values: dict[str, list], rows: int) -> QuestionReport:
+def _question(key: str, names: set[str], values: dict[str, list], rows: int,
+              missing: list[str] | None = None) -> QuestionReport:
     status = values[f"{key}.status"]
     ok = np.array([s == "ok" for s in status], dtype=bool)
     mass = np.array([np.nan if v is None else v for v in values[f"{key}.label_mass"]], dtype=float)
@@ -71,7 +81,8 @@ def _question(key: str, names: set[str], values: dict[str, list], rows: int) -> 
     else:
         kind = "score"
         prefix = f"{key}.p_cal." if any(n.startswith(f"{key}.p_cal.") for n in names) else f"{key}.p."
-        levels = sorted((n for n in names if n.startswith(prefix)), key=lambda n: int(n.rsplit(".", 1)[1]))
+        levels = sorted((n for n in names if n.startswith(prefix) and n.rsplit(".", 1)[1].isdigit()),
+                        key=lambda n: int(n.rsplit(".", 1)[1]))
         p = np.array([[np.nan if v is None else v for v in values[n]] for n in levels], dtype=float).T
         picked = [None if not len(row) or np.isnan(row).any() else str(int(np.argmax(row))) for row in
                   p.reshape(rows, len(levels))]
@@ -79,7 +90,8 @@ def _question(key: str, names: set[str], values: dict[str, list], rows: int) -> 
         if good and answer is not None:
             answers[answer] = answers.get(answer, 0) + 1
     sure_column = f"{key}.p_yes" if kind == "yes/no" else f"{key}.confidence"
-    sureness = np.array([v for v, good in zip(values[sure_column], ok) if good and v is not None], dtype=float)
+    sureness = np.array([v for v, good in zip(values.get(sure_column, [None] * rows), ok) if good and v is not None],
+                        dtype=float)
     errors: dict[str, int] = {}
     record_errors = values.get("error", [None] * rows)
     for message, own, record_error, good in zip(values[f"{key}.error"], status, record_errors, ok):
@@ -92,7 +104,8 @@ def _question(key: str, names: set[str], values: dict[str, list], rows: int) -> 
         key=key, kind=kind, records=rows, answered=int(ok.sum()), answers=answers, sureness=sureness,
         low_mass=int(np.sum(ok & (mass < LOW_MASS))),
         top_not_answer=int(sum(1 for v, good in zip(values[f"{key}.argmax_is_label"], ok) if good and v is False)),
-        needs_review=counted.get("needs_review"), out_of_scope=counted.get("out_of_scope"), errors=errors)
+        needs_review=counted.get("needs_review"), out_of_scope=counted.get("out_of_scope"), errors=errors,
+        missing=list(missing or []))
 
 
 def render_questions(path: Path, output, metrics: dict | None, metrics_note: str) -> str:
@@ -174,6 +187,9 @@ def _question_section(q: QuestionReport, calibration: dict | None, levels: list[
     note = (f"Score answers are 0-based level indexes: {q.key}.score is the expected index and {q.key}.p.0 the "
             "first level's probability." if q.kind == "score" else None)
     parts = [table(["answer", "records", "share"], rows, note=note), img(fig, f"answers and confidence of {q.key}")]
+    if q.missing:
+        parts.insert(0, table(["", ""], [("missing columns", ", ".join(q.missing) + " (read as empty: this output was "
+                                          "changed or not written by batchscore)")], header=False))
     if q.errors:
         parts.append(table(["error", "records"], sorted(((m, f"{n:,}") for m, n in q.errors.items()),
                                                          key=lambda r: r[0])[:10]))
