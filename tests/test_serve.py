@@ -114,6 +114,26 @@ def test_lines_are_sorted_into_jobs_and_answers(tmp_path):
             metadata_labels({"labels": bad})
 
 
+def test_a_request_may_bring_its_own_labels_as_token_ids(tmp_path, tokenizer):
+    from batchscore.serve.token_labels import TokenLabels
+
+    labels = TokenLabels(MODEL)
+    ids = [tokenizer.encode(text, add_special_tokens=False)[0] for text in ("True", "False")]
+    assert labels(ids) == (["True", "False"], None)
+    assert "not in the model's vocabulary" in labels([ids[0], 10**7])[1]
+    two_tokens = tokenizer.encode("Strongly", add_special_tokens=False)
+    assert len(two_tokens) > 1 or labels(two_tokens + [ids[0]])[0] is not None  # the word may be one token
+    own = json.loads(chat_line("own", "True or False?"))
+    own["body"]["logprob_token_ids"] = ids
+    bad = json.loads(chat_line("bad", "x"))
+    bad["body"]["logprob_token_ids"] = [ids[0], ids[0]]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([chat_line("a", "Yes or No?"), json.dumps(own), json.dumps(bad)]) + "\n")
+    result = sort_lines(path, "in.jsonl", "/v1/chat/completions", MODEL, ["Yes", "No"], 10, labels)
+    assert [(job.labels, job.lines) for job in result.jobs] == [(["Yes", "No"], {1}), (["True", "False"], {2})]
+    assert "in.jsonl:3: body.logprob_token_ids: must list two or more distinct" in result.answered[0]
+
+
 def test_routes_answer_with_the_api_shapes(tmp_path):
     from fastapi.testclient import TestClient
 
@@ -249,7 +269,7 @@ def long_completions(prefix: str, n: int) -> str:
 
 
 @pytest.mark.slow  # a real server process, five batches on the real model: a few minutes
-def test_openai_client_runs_batches_against_batchscore_serve(tmp_path):
+def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer):
     import httpx
     import openai
 
@@ -268,6 +288,9 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path):
         chat = [chat_line(f"chat-{i}", f"Is a {thing} a fruit? Answer Yes or No.")
                 for i, thing in enumerate(["banana", "hammer", "cherry", "bicycle", "mango", "teapot"])]
         chat += ['{"custom_id": "broken", "body": ', chat_line("other-model", "Is it?", model="gpt-4o-mini")]
+        own = json.loads(chat_line("own-labels", "Is a plum a fruit? Answer True or False."))
+        own["body"]["logprob_token_ids"] = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("True", "False")]
+        chat.append(json.dumps(own))  # its own labels, as vLLM takes them
         chat_file = client.files.create(file=("chat.jsonl", ("\n".join(chat) + "\n").encode()), purpose="batch")
         chat_batch = client.batches.create(input_file_id=chat_file.id, endpoint="/v1/chat/completions",
                                            completion_window="24h", metadata={"labels": LABELS})
@@ -287,14 +310,16 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path):
 
         done = wait_for(client, chat_batch.id, ("completed", "failed"))
         assert done.status == "completed", done.errors
-        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (8, 6, 2)
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (9, 7, 2)
         ok, failed = results(client, done)
-        assert Counter(x["custom_id"] for x in ok + failed) == Counter([f"chat-{i}" for i in range(6)] + ["other-model", None])
+        assert Counter(x["custom_id"] for x in ok + failed) == Counter(
+            [f"chat-{i}" for i in range(6)] + ["own-labels", "other-model", None])
         for line in ok:
             body = line["response"]["body"]
+            labels = {"True", "False"} if line["custom_id"] == "own-labels" else {"Yes", "No"}
             assert line["response"]["status_code"] == 200 and body["object"] == "chat.completion"
-            assert body["model"] == MODEL and set(body["scores"]) == {"Yes", "No"}
-            assert body["choices"][0]["message"]["content"] in ("Yes", "No")
+            assert body["model"] == MODEL and set(body["scores"]) == labels
+            assert body["choices"][0]["message"]["content"] in labels
         errors = {x["custom_id"]: x["response"]["body"]["error"] for x in failed}
         assert errors[None]["message"].startswith("chat.jsonl:7: not valid JSON")
         assert errors["other-model"]["message"].startswith("chat.jsonl:8: body.model")

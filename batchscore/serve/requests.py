@@ -13,10 +13,15 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from batchscore.io.readers import CHAT_URLS
 
 LABELS_KEY = "labels"  # batch metadata key: a JSON list of label texts, in a string value
+TOKEN_IDS_KEY = "logprob_token_ids"  # a request's own labels, as vLLM takes them: token ids
+
+# token ids -> (the label text of each, None) or (None, why they cannot be labels)
+TokenTexts = Callable[[list[int]], tuple[list[str] | None, str | None]]
 
 
 @dataclass
@@ -50,8 +55,10 @@ def metadata_labels(metadata: dict | None) -> list[str] | None:
 
 
 def sort_lines(path: Path, shown_as: str, endpoint: str, model: str, labels: list[str] | None,
-               max_requests: int) -> SortedInput:
-    """Read the batch's input file once and sort each request line (see the module doc)."""
+               max_requests: int, token_texts: TokenTexts | None = None) -> SortedInput:
+    """Read the batch's input file once and sort each request line (see the module doc). A chat
+    line is scored over its own `logprob_token_ids` (read as label texts by `token_texts`), else
+    over the batch's `labels`."""
     out = SortedInput()
     ids: Counter = Counter()
     jobs: dict[tuple | None, JobLines] = {}
@@ -60,13 +67,13 @@ def sort_lines(path: Path, shown_as: str, endpoint: str, model: str, labels: lis
             if not raw.strip():
                 continue
             out.total += 1
-            custom_id, problem = _check_line(raw, endpoint, model, labels)
+            custom_id, problem, line_labels = _check_line(raw, endpoint, model, labels, token_texts)
             if custom_id is not None:
                 ids[custom_id] += 1
             if problem is not None:
                 out.answered.append(error_line(custom_id, f"{shown_as}:{number}: {problem}", number))
                 continue
-            key = tuple(labels) if endpoint in CHAT_URLS else None
+            key = tuple(line_labels) if line_labels is not None else None
             jobs.setdefault(key, JobLines(list(key) if key else None)).lines.add(number)
     if out.total > max_requests:
         out.problems.append({"code": "too_many_requests", "line": None, "param": None,
@@ -83,32 +90,43 @@ def sort_lines(path: Path, shown_as: str, endpoint: str, model: str, labels: lis
     return out
 
 
-def _check_line(raw: bytes, endpoint: str, model: str, labels: list[str] | None) -> tuple[str | None, str | None]:
-    """(the line's custom_id, why the server answers it at once; None: the job reads it)."""
+def _check_line(raw: bytes, endpoint: str, model: str, labels: list[str] | None, token_texts: TokenTexts | None
+                ) -> tuple[str | None, str | None, list[str] | None]:
+    """(the line's custom_id, why the server answers it at once (None: the job reads it), the
+    labels it is scored over (None: a decision line))."""
     try:
         value = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"not valid JSON ({exc})"
+        return None, f"not valid JSON ({exc})", None
     except RecursionError:
-        return None, "JSON nested too deeply to read"
+        return None, "JSON nested too deeply to read", None
     if not isinstance(value, dict):
-        return None, f"expected a JSON object, got {type(value).__name__}"
+        return None, f"expected a JSON object, got {type(value).__name__}", None
     custom_id = value.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return None, "custom_id: missing or not a string"
+        return None, "custom_id: missing or not a string", None
     url = value.get("url")
     if url != endpoint:
-        return custom_id, f"url: {json.dumps(url)[:80]} is not this batch's endpoint {endpoint!r}"
+        return custom_id, f"url: {json.dumps(url)[:80]} is not this batch's endpoint {endpoint!r}", None
     body = value.get("body")
     if not isinstance(body, dict):
-        return custom_id, "body: missing or not an object"
+        return custom_id, "body: missing or not an object", None
     asked = body.get("model")
     if asked is not None and asked != model:
-        return custom_id, f"body.model: {json.dumps(asked)[:80]} is not the model this server runs ({model!r})"
-    if endpoint in CHAT_URLS and labels is None:
-        return custom_id, (f"no labels to score: create the batch with metadata {{\"{LABELS_KEY}\": "
-                           f"\"[\\\"Yes\\\", \\\"No\\\"]\"}}")
-    return custom_id, None
+        return custom_id, f"body.model: {json.dumps(asked)[:80]} is not the model this server runs ({model!r})", None
+    if endpoint not in CHAT_URLS:
+        return custom_id, None, None
+    ids = body.get(TOKEN_IDS_KEY)
+    if ids is not None:
+        if (not isinstance(ids, list) or len(ids) < 2 or len(set(map(repr, ids))) != len(ids)
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            return custom_id, f"body.{TOKEN_IDS_KEY}: must list two or more distinct token ids", None
+        own, problem = token_texts(ids) if token_texts is not None else (None, "token ids cannot be read here")
+        return (custom_id, f"body.{TOKEN_IDS_KEY}: {problem}", None) if problem else (custom_id, None, own)
+    if labels is None:
+        return custom_id, (f"no labels to score: give body.{TOKEN_IDS_KEY}, or create the batch with metadata "
+                           f"{{\"{LABELS_KEY}\": \"[\\\"Yes\\\", \\\"No\\\"]\"}}"), None
+    return custom_id, None, labels
 
 
 def error_line(custom_id: str | None, message: str, number: int) -> str:

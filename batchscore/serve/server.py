@@ -28,15 +28,22 @@ class ServeOptions:
 
 
 def check_job_settings(state_dir: Path, model: str, sets: list[str]) -> None:
-    """Refuse `--model`/`--set` the jobs would refuse, before serving (JobConfigError, exit 2)."""
+    """Refuse `--model`/`--set` the jobs would refuse, and `--set` of what each batch sets
+    itself (its input, labels, model and output files), before serving (JobConfigError, exit 2)."""
+    from batchscore.errors import JobConfigError
     from batchscore.jobfile import load_job, parse_set_options
 
+    overrides = parse_set_options(sets)
+    owned = [key for key in overrides if key.split(".")[0] in ("input", "labels", "model", "questions")
+             or key in ("output", "output.path", "output.format", "output.error_path")]
+    if owned:
+        raise JobConfigError([f"--set {key}: each batch sets this itself (use --model for the model)" for key in owned])
     probe = state_dir / "settings-check.yaml"
     probe.write_text(yaml.safe_dump({"input": {"path": str(state_dir / "x.jsonl"), "format": "openai_batch"},
                                      "labels": ["Yes", "No"], "model": model,
                                      "output": {"path": str(state_dir / "x.out.jsonl")}}), encoding="utf-8")
     try:
-        load_job(probe, parse_set_options(sets))
+        load_job(probe, overrides)
     finally:
         probe.unlink(missing_ok=True)
 
@@ -52,6 +59,9 @@ def run_server(options: ServeOptions) -> None:
     state_dir = Path(options.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     check_job_settings(state_dir, options.model, options.sets)
+    from batchscore.models import resolve_model
+
+    resolve_model(options.model)  # a model that cannot be found refuses the start, not every batch
     limits = Limits(max_file_bytes=options.max_file_mb * 1024 * 1024, max_requests=options.max_requests)
     store = Store(state_dir)
     worker = Worker(store, WorkerSettings(model=options.model, sets=list(options.sets),

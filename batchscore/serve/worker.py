@@ -27,6 +27,7 @@ import yaml
 from batchscore.errors import EXIT_LOCKED
 from batchscore.serve.requests import metadata_labels, sort_lines, write_job_input
 from batchscore.serve.store import Store, now
+from batchscore.serve.token_labels import TokenLabels
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Worker:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._child: subprocess.Popen | None = None
+        self._token_labels = TokenLabels(settings.model)
         self._thread = threading.Thread(target=self._loop, name="batchscore-worker", daemon=True)
 
     def start(self) -> None:
@@ -95,7 +97,8 @@ class Worker:
         source = work / "input.jsonl"
         shown_as = (work / "filename").read_text(encoding="utf-8")
         sorted_input = sort_lines(source, shown_as, batch["endpoint"], self.settings.model,
-                                  metadata_labels(batch.get("metadata")), self.settings.max_requests)
+                                  metadata_labels(batch.get("metadata")), self.settings.max_requests,
+                                  self._token_labels)
         counts = {"total": sorted_input.total, "completed": 0, "failed": 0}
         if sorted_input.problems:
             self.store.update_batch(batch_id, only_from=("validating",), status="failed", request_counts=counts,
