@@ -86,8 +86,11 @@ def _label_section(summary: stats.Summary) -> str:
 
 
 def _probability_section(current: ScoredOutput) -> str:
-    dists = {label: stats.distribution(current.probs[label]) for label in current.labels}
-    rows = [(f"P({label})", _num(d.mean), _num(d.quantiles.get("p10")), _num(d.quantiles.get("p50")),
+    # the answers follow the calibrated probabilities where the run calibrated: show those
+    shown = current.calibrated if current.calibrated else current.probs
+    name = "P_cal" if current.calibrated else "P"
+    dists = {label: stats.distribution(shown[label]) for label in current.labels}
+    rows = [(f"{name}({label})", _num(d.mean), _num(d.quantiles.get("p10")), _num(d.quantiles.get("p50")),
              _num(d.quantiles.get("p90"))) for label, d in dists.items()]
     cols = min(len(dists), 3)
     nrows = math.ceil(len(dists) / cols)
@@ -100,12 +103,15 @@ def _probability_section(current: ScoredOutput) -> str:
         label = current.labels[k]
         ax.bar(centers, dists[label].counts, width=0.05, color=COLORS[k % len(COLORS)], edgecolor="white")
         ax.set_xlim(0, 1)
-        ax.set_title(f"P({label})", fontsize=9)
-        ax.set_xlabel("probability (normalized over the labels)", fontsize=8)
+        ax.set_title(f"{name}({label})", fontsize=9)
+        ax.set_xlabel("calibrated probability (p_cal_<label>, which label follows)" if current.calibrated
+                      else "probability (normalized over the labels)", fontsize=8)
         ax.set_ylabel("rows", fontsize=8)
-    return _section("probabilities", "P(label) per label",
-                    _table(["column", "mean", "10th pct", "median", "90th pct"], rows),
-                    _img(fig, "P(label) histograms"))
+    note = ("The output is calibrated: these are the p_cal_<label> columns, which label follows; the raw "
+            "p_<label> columns are in the quality section's tables." if current.calibrated else None)
+    return _section("probabilities", f"{name}(label) per label",
+                    _table(["column", "mean", "10th pct", "median", "90th pct"], rows, note=note),
+                    _img(fig, f"{name}(label) histograms"))
 
 
 def _mass_section(current: ScoredOutput) -> str:

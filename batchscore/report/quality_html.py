@@ -86,8 +86,13 @@ def _held_out(metrics: dict | None) -> str | None:
         text += (f" before calibration ({calibration.get('method')}), ECE {page.num(after.get('ece'), 4)}, "
                  f"Brier {page.num(after.get('brier'), 4)} after")
     fit = calibration.get("fit_rows") or 0
-    return text + (f". The tables above cover every labeled row, the {fit:,} fit rows included (so they flatter "
-                   "the calibration)." if fit else ".")
+    split = (f" The {fit:,} fit rows are a seeded draw of the {calibration.get('labeled_rows', 0):,} labeled rows "
+             f"(calibrate.seed {calibration.get('seed')}, holdout_fraction {calibration.get('holdout_fraction')}); "
+             "every other labeled row evaluates." if fit else
+             f" Nothing was fitted on these rows ({calibration.get('source') or 'no calibration'}): every labeled "
+             "row evaluates.")
+    return text + "." + split + (f" The tables above cover every labeled row, the {fit:,} fit rows included (so "
+                                 "they flatter the calibration)." if fit else "")
 
 
 def _coverage_note(curve: q.Coverage) -> str:
