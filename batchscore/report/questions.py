@@ -59,7 +59,8 @@ def read_questions(table) -> list[QuestionReport]:
         for name in missing:  # read as null: the question is reported with what it has, and what it lacks said
             values[name] = [None] * table.num_rows
         asked = [s != NOT_ASKED for s in values[f"{key}.status"]]  # per-row questions: only its own records
-        own = {name: [v for v, a in zip(column, asked) if a] for name, column in values.items()}
+        own = values if all(asked) else {name: [v for v, a in zip(column, asked) if a] for name, column in
+                                         values.items() if name == "error" or name.startswith(f"{key}.")}
         reports.append(_question(key, names | set(missing), own, sum(asked), missing))
     return reports
 
