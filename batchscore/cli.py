@@ -65,7 +65,7 @@ def main(verbose: bool) -> None:
     from batchscore.engines.cpu_features import configure_openmp_wait
 
     configure_openmp_wait()  # before torch loads: idle threads spin briefly, then yield the core
-    from batchscore.engines.inductor_cache import use_usable_inductor_cache
+    from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 
     use_usable_inductor_cache()  # before torch's compiler loads: an unusable cache folder must not fail a run
 

@@ -26,7 +26,7 @@ from typing import Callable
 from batchscore.config import EngineConfig, JobConfig
 from batchscore.engines.base import Engine
 from batchscore.engines.factory import ResolvedEngine, create_engine, decide_compile
-from batchscore.engines.inductor_cache import use_usable_inductor_cache
+from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
 from batchscore.run.audit import AuditResult, audit_output, raise_if_inexact
