@@ -3,7 +3,8 @@
 The operator runs `batchscore run` as a subprocess from batchscore's own environment
 (`batchscore_bin`, else `$BATCHSCORE_BIN`, else `batchscore` on PATH), so Airflow's environment
 needs only this module: the standard library, Airflow and `batchscore.errors` (pure Python), no
-torch. Put it there with `pip install --no-deps batchscore` (or the checkout on PYTHONPATH).
+torch. Put it there with `pip install --no-deps /opt/batchscore` (the checkout), or put the
+checkout on PYTHONPATH.
 Nothing else in batchscore imports this module, so batchscore does not depend on Airflow.
 
 Exit codes (README, "Exit codes") decide what Airflow does with a failed try:

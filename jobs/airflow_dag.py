@@ -1,7 +1,7 @@
 """Nightly batchscore job for Apache Airflow 3 (also 2.x): copy into your DAGs folder.
 
-Airflow's environment needs the operator only: `pip install --no-deps batchscore` there (no
-torch). The job runs in batchscore's own environment, named by BATCHSCORE_BIN. Paths below are
+Airflow's environment needs the operator only: `pip install --no-deps /opt/batchscore` (the
+checkout; no torch). The job runs in batchscore's own environment, named by BATCHSCORE_BIN. Paths below are
 defaults; the environment variables override them (docs/operations.md, "Airflow").
 
 Retries resume: `batchscore run` keeps the rows already scored next to the output, and a retry

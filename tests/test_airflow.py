@@ -32,8 +32,9 @@ AIRFLOW_2_VERSION = "2.11.2"  # the DAG still imports under 2.x
 BATCHSCORE_BIN = REPO / ".venv" / "bin" / "batchscore"
 SHIPPED_DAG = REPO / "jobs" / "airflow_dag.py"
 LOGICAL_DATE = "2026-01-02"
+# What pip says when it cannot reach the index (a version that does not exist fails the test instead).
 UNREACHABLE = ("NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
-               "Network is unreachable", "No matching distribution found", "Connection refused")
+               "Network is unreachable", "Connection refused", "ProxyError", "Max retries exceeded")
 
 
 def cache_root() -> Path:
