@@ -191,6 +191,7 @@ class OutputConfig:
     part_rows: int = 20000  # rows per durable part file (a part always holds whole prefix groups)
     part_seconds: float = 120.0  # ...or fewer, when this many seconds passed since the last part
     logprobs: bool = False  # add each option's raw total log-probability (logp_<label> / logp_choices)
+    top_token: bool = False  # add argmax_is_label, top_token and top_p: the most probable token at the read (torch engine)
     audit_rows: int | None = None  # the exactness audit: rows re-scored by a plain float32 forward after the run (0: off; null: within 5% of the scoring's tokens, 1 to 32 rows)
     audit_seed: int = 0  # seeds which scored rows the audit picks
     audit_max_dp: float | None = None  # above this max |ΔP| the run exits 7; null: 1e-4 in float32, 0.07 in bfloat16/float16

@@ -25,7 +25,7 @@ from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
 from batchscore.output import quality
 from batchscore.output.calibration import FITTED, METHODS as CALIBRATION_METHODS, PER_ROW_CHOICES
-from batchscore.output.layout import DEFAULT_ID, calibrated_column, label_column, output_columns
+from batchscore.output.layout import DEFAULT_ID, TOP_COLUMNS, calibrated_column, label_column, output_columns
 from batchscore.output.review import CONFIDENCE_METHODS
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
 from batchscore.prepare.options import NORMALIZE, label_problems
@@ -300,6 +300,9 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("output.part_rows: must be ≥ 1")
     if config.output.part_seconds <= 0:
         problems.append("output.part_seconds: must be > 0")
+    if config.output.top_token and (is_decision_job(config) or config.output_format == "openai_batch"):
+        problems.append("output.top_token: for labels and choices jobs written as Parquet or JSON Lines (questions "
+                        "jobs write <id>.argmax_is_label; an openai_batch response has no such column)")
     if config.output.audit_rows is not None and config.output.audit_rows < 0:
         problems.append(f"output.audit_rows: must be ≥ 0 (0 turns the exactness audit off), "
                         f"got {config.output.audit_rows}")
@@ -440,6 +443,7 @@ def _output_column_problems(config: JobConfig) -> list[str]:
         problems.extend(question_problems)
     else:
         generated = set(output_columns(config.labels, config.input.choices_column is not None, config.output.logprobs))
+        generated |= set(TOP_COLUMNS) if config.output.top_token else set()
         generated |= set(quality.column_names(config))
     generated |= {id_name} if config.input.id_column is None else set()
     truths = config.calibrate.truth_columns if isinstance(config.calibrate.truth_columns, dict) else {}

@@ -122,8 +122,10 @@ def pass_line(name: str, counts: list[int], token_budget: int) -> str:
 @click.option("--step-groups", type=click.IntRange(min=1), default=None,
               help="Groups per alternation step [default: about 4 token budgets of engine work].")
 @click.option("--no-profile", is_flag=True, help="Skip the torch.profiler time split of one step per side.")
+@click.option("--batch-invariant", "invariant", is_flag=True,
+              help="Also time the engine with engine.batch_invariant (eager), alternating, and print its cost.")
 def engine(model, dtypes, requests, prefix, distinct, degree, token_budget, baseline_batch, no_plain, compile_mode,
-           seed, repeats, step_groups, no_profile) -> None:
+           seed, repeats, step_groups, no_profile, invariant) -> None:
     """Torch engine (prefix once per group, many groups per pass) vs a plain batched forward.
 
     Example:
@@ -168,6 +170,10 @@ def engine(model, dtypes, requests, prefix, distinct, degree, token_budget, base
         scorer.metrics = EngineMetrics(batch_token_counts=[])
         sides.append(("torch", dtype, scorer))
         engines.append(scorer)
+        if invariant:
+            scorer = TorchEngine(load_model(path, dtype), token_budget=token_budget, batch_invariant=True)
+            engine_probs(scorer, warmup, labels)
+            sides.append(("torch-bi", dtype, scorer))
     step_groups = step_groups or default_step_groups(groups, token_budget)
     results, per_repeat = run_sides(sides, groups, labels, baseline_batch, step_groups, repeats)
     flop_ideal = flop_ideal_speedup(read_model_config(path), groups)
@@ -201,6 +207,15 @@ def engine(model, dtypes, requests, prefix, distinct, degree, token_budget, base
                     click.echo(f"  {dtype}: engine / plain per repeat ({clock} clock) "
                                + ", ".join(f"{r:.3f}" for r in ratios) + f"; median {statistics.median(ratios):.3f} "
                                f"(of the FLOP ideal {statistics.median(ratios) / flop_ideal:.3f})")
+    for dtype in dtypes if invariant else ():
+        default_i, invariant_i = (next(i for i, (n, d, _) in enumerate(sides) if (n, d) == (name, dtype))
+                                  for name in ("torch", "torch-bi"))
+        for clock in ("wall", "cpu"):
+            costs = [1 / runs[invariant_i].speedup_over(runs[default_i], clock) - 1 for runs in per_repeat]
+            click.echo(f"  {dtype}: batch_invariant cost per repeat ({clock} clock) "
+                       + ", ".join(f"{c:+.1%}" for c in costs) + f"; median {statistics.median(costs):+.1%}")
+        click.echo(f"  {dtype}: max |dP| batch_invariant vs default: "
+                   f"{results[invariant_i].max_abs_dp(results[default_i]):.2e}")
     for line in efficiency.markdown(efficiency.efficiency(results, flop_ideal, peak), dtypes[0]):
         click.echo(line)
     if not no_profile:

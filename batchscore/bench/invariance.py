@@ -185,6 +185,25 @@ def _kill_a_run(job_path: str, overrides: dict, table, workdir: Path) -> None:
                                    f"{done.stderr[-2000:]}")
 
 
+def random_weights_model(folder: str, workdir: Path) -> str:
+    """A model folder like `folder` (its config.json and tokenizer files; weights not needed) with
+    random weights (seed 0), written under `workdir`: the invariance of a model's shape measured
+    where its weights are not at hand (a GPU machine)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source, target = Path(folder), workdir / "random-weights"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source)).save_pretrained(target)
+    for path in source.iterdir():
+        if path.is_file() and (path.name.startswith("tokenizer") or path.name in ("chat_template.jinja",
+                                                                                   "special_tokens_map.json")):
+            shutil.copy(path, target / path.name)
+    return str(target)
+
+
 def markdown(records: list[dict]) -> str:
     """One table row per (mode, dtype) and context."""
     lines = ["| mode | dtype | context | max abs dP | label flips | bit-identical rows |", "|---|---|---|---:|---:|---:|"]
@@ -207,9 +226,12 @@ def markdown(records: list[dict]) -> str:
               help="engine.token_budget of the `budget` context.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--model", default=None, help="Another model (a folder or a registered name) instead of the job's.")
+@click.option("--random-weights", is_flag=True,
+              help="Random weights of --model's shape (a folder with its config.json and tokenizer files).")
 @click.option("--workdir", type=click.Path(file_okay=False), default="out/bench_invariance", show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
-def invariance(job, rows, job_rows, dtypes, modes, contexts, budget, device, model, workdir, json_out) -> None:
+def invariance(job, rows, job_rows, dtypes, modes, contexts, budget, device, model, random_weights, workdir,
+               json_out) -> None:
     """Max |ΔP|, label flips and bit-identical rows across contexts (alone, shuffled, 3 shards,
     another token budget, kill + resume), per engine mode and dtype.
 
@@ -217,8 +239,13 @@ def invariance(job, rows, job_rows, dtypes, modes, contexts, budget, device, mod
 
         batchscore bench invariance jobs/sample.yaml --rows 40 --dtypes float32,bfloat16
 
-        batchscore bench invariance --device cuda --model /path/to/model --dtypes bfloat16,float32
+        batchscore bench invariance --device cuda --model FOLDER --random-weights
     """
+    if random_weights:
+        if model is None:
+            raise click.BadParameter("needs --model: a folder with the model's config.json and tokenizer",
+                                     param_hint="--random-weights")
+        model = random_weights_model(model, Path(workdir))
     records = []
     for dtype in [d for d in dtypes.split(",") if d]:
         for mode in [m for m in modes.split(",") if m]:

@@ -29,6 +29,7 @@ class RawScores:
     option_tokens: np.ndarray | None = None  # [num_options] int32
     error: str | None = None  # set (with NaN totals) when the engine could not score this row
     top_logp: float = float("nan")  # the vocabulary's largest log-probability at the read position (NaN: not read)
+    top_token: int = -1  # that most probable token's id (-1: not read)
 
     @classmethod
     def failed(cls, row_id: int, num_options: int, error: str) -> RawScores:
@@ -37,10 +38,10 @@ class RawScores:
 
     @classmethod
     def of_options(cls, row_id: int, totals: np.ndarray, options: OptionTokens | None = None,
-                   top_logp: float = float("nan")) -> RawScores:
+                   top_logp: float = float("nan"), top_token: int = -1) -> RawScores:
         """Scores of a member's `options` from their totals [K] (token counts from the options)."""
         tokens = None if options is None else np.asarray(options.lengths, dtype=np.int32)
-        return cls(row_id, np.asarray(totals, dtype=np.float64), tokens, top_logp=top_logp)
+        return cls(row_id, np.asarray(totals, dtype=np.float64), tokens, top_logp=top_logp, top_token=top_token)
 
 
 def num_options(member, label_token_ids: Sequence[int] | None) -> int:

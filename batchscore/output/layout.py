@@ -123,6 +123,11 @@ P_CAL_CHOICES = "p_cal_choices"  # list<double>: per-row options' calibrated pro
 CONFIDENCE = "confidence"  # the score.confidence definition, over the calibrated probabilities when calibrated
 NEEDS_REVIEW = "needs_review"  # output.review: confidence below the threshold
 OUT_OF_SCOPE = "out_of_scope"  # output.out_of_scope: label_mass below the floor
+# output.top_token (labels and choices jobs): what the model wanted to say at the read, after the score columns
+ARGMAX_IS_LABEL = "argmax_is_label"  # the most probable token is an option's first token
+TOP_TOKEN = "top_token"  # that token, as text
+TOP_P = "top_p"  # its probability under the full-vocabulary softmax
+TOP_COLUMNS = (ARGMAX_IS_LABEL, TOP_TOKEN, TOP_P)
 
 
 LABEL_PREFIX, LOGP_PREFIX = "p_", "logp_"

@@ -214,13 +214,15 @@ class PartStore:
 
     def write_part(self, manifest: Manifest, row_ids: np.ndarray, logp: list[np.ndarray],
                    option_tokens: list[np.ndarray | None], errors: dict[int, str],
-                   start: int, end: int, worker: int = 0, top_logp: list[float] | None = None) -> None:
+                   start: int, end: int, worker: int = 0, top_logp: list[float] | None = None,
+                   top_token: list[int] | None = None) -> None:
         """Write one part (atomically), then record it in the manifest (atomically).
 
         row_ids: [R]; logp: R arrays of each option's raw total log-probability, as the engine
         returned it (NaN: not scored); option_tokens: R arrays of tokens per option (None: one
         token each); errors: row_id -> engine error message; top_logp: R of the vocabulary's largest
-        log-probability at each row's read position (NaN: not read);
+        log-probability at each row's read position (NaN: not read); top_token: R of that token's id
+        (-1: not read);
         [start, end): the positions of the worker's member order the part covers (R = end - start).
         """
         self.guard()
@@ -233,6 +235,8 @@ class PartStore:
             "error": pa.array([errors.get(int(r)) for r in row_ids], type=pa.string()),
             "top_logp": pa.array(np.full(len(row_ids), np.nan) if top_logp is None else np.asarray(top_logp, np.float64),
                                  type=pa.float64()),
+            "top_token": pa.array(np.full(len(row_ids), -1) if top_token is None else np.asarray(top_token, np.int64),
+                                  type=pa.int64()),
         })
         written = {}
 
@@ -255,7 +259,7 @@ class PartStore:
         before scoring, or by the engine), with the reason. Raises RuntimeError when any row has
         two results (parts that overlap, or a part that scored a row refused before scoring):
         exactly once, or not at all."""
-        row_chunks, logp_chunks, token_chunks, top_chunks = [], [], [], []
+        row_chunks, logp_chunks, token_chunks, top_chunks, top_id_chunks = [], [], [], [], []
         errors: dict[int, str] = {}
         seen = np.zeros(num_rows, dtype=np.int64)
         for name in {m.input_errors_file for m in manifests if m.input_errors_file}:
@@ -273,6 +277,8 @@ class PartStore:
             logp_chunks.append(table.column("logp").combine_chunks())
             token_chunks.append(table.column("option_tokens").combine_chunks())
             top_chunks.append(table.column("top_logp").combine_chunks())
+            top_id_chunks.append(table.column("top_token").combine_chunks() if "top_token" in table.column_names
+                                 else pa.array(np.full(len(rows), -1), type=pa.int64()))  # parts from before the column
             for row_id, message in zip(rows.tolist(), table.column("error").to_pylist()):
                 if message is not None:
                     errors[row_id] = message
@@ -291,8 +297,9 @@ class PartStore:
             return values.take(take)
 
         tops = pa.concat_arrays(top_chunks) if top_chunks else pa.array([], type=pa.float64())
+        top_ids = pa.concat_arrays(top_id_chunks) if top_id_chunks else pa.array([], type=pa.int64())
         scores = RowScores(in_row_order(logp_chunks, pa.float64()), in_row_order(token_chunks, pa.int32()),
-                           tops.take(take))
+                           tops.take(take), top_ids.take(take))
         return scores, errors
 
     def sibling_manifests(self, names: list[str]) -> list[Manifest | None]:

@@ -34,6 +34,7 @@ class RowScores:
     logp: pa.ListArray
     tokens: pa.ListArray | None = None
     top_logp: pa.Array | None = None  # double: the vocabulary's top log-probability at each read position
+    top_token: pa.Array | None = None  # int64: that most probable token's id (-1: not read)
 
     def unscored(self) -> np.ndarray:
         """Rows without a whole result: no part holds them, or one of their totals is NaN."""
@@ -124,6 +125,26 @@ def score_columns(*, labels: Sequence[str] | None, choices: Sequence[Sequence[st
     if logprobs:
         columns[layout.LOGP_CHOICES] = _list_column(list_offsets, flat, validity)
     return columns
+
+
+def top_columns(scores: RowScores, ok: np.ndarray, first_tokens: Sequence[set[int] | None],
+                decode) -> dict[str, pa.Array]:
+    """`output.top_token`'s columns: the most probable token at each row's read (`top_token`, as
+    `decode(id)` gives it), its probability (`top_p`) and whether it is the first token of one of
+    the row's options (`argmax_is_label`). Null where the row was not scored or the engine did not
+    read the top (first_tokens: each row's options' first token ids)."""
+    n = len(ok)
+    ids = (np.full(n, -1, dtype=np.int64) if scores.top_token is None
+           else np.asarray(scores.top_token.fill_null(-1).to_numpy(zero_copy_only=False), dtype=np.int64))
+    tops = (np.full(n, np.nan) if scores.top_logp is None
+            else np.asarray(scores.top_logp.to_numpy(zero_copy_only=False), dtype=np.float64))
+    read = ok & (ids >= 0)
+    texts = [decode([int(ids[i])]) if read[i] else None for i in range(n)]
+    is_label = [bool(int(ids[i]) in first_tokens[i]) if read[i] and first_tokens[i] is not None else None
+                for i in range(n)]
+    return {layout.ARGMAX_IS_LABEL: pa.array(is_label, type=pa.bool_()),
+            layout.TOP_TOKEN: pa.array(texts, type=pa.string()),
+            layout.TOP_P: pa.array(np.exp(tops), mask=~read, type=pa.float64())}
 
 
 def choices_for_output(choices: pa.Array | None, ok: np.ndarray) -> list | None:

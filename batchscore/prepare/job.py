@@ -162,6 +162,8 @@ def scoring_config(config: JobConfig) -> dict:
     del data["calibrate"]
     if config.output.logprobs:
         data["output"]["logprobs"] = True
+    if config.output.top_token:
+        data["output"]["top_token"] = True
     return data
 
 

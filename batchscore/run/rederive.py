@@ -56,6 +56,8 @@ def rederive_output(job: PreparedJob, files) -> tuple[dict[int, str], QualityRes
     labels = list(config.labels) if config.labels else None
     raw = layout.score_column_names(labels or [], labels is None, config.output.logprobs)
     raw = [name for name in raw if name not in (layout.LABEL, layout.CHOICE, layout.CHOICE_INDEX)]
+    top = list(layout.TOP_COLUMNS) if config.output.top_token else []
+    raw += top
     missing = [name for name in raw + [id_name, layout.STATUS, layout.ERROR] if name not in finished.column_names]
     if finished.num_rows != prepared.num_rows or missing or not finished.column(id_name).equals(
             pa.chunked_array([prepared.ids])):

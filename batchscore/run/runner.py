@@ -44,10 +44,11 @@ from batchscore.output.decision_quality import check_calibration_source as check
 from batchscore.output.formats import write_output
 from batchscore.output.quality import (QualityResult, add_quality_columns, check_calibration_source, content_free_rows,
                                        split_content_free)
-from batchscore.output.scores import choices_for_output, score_columns
+from batchscore.output.scores import choices_for_output, score_columns, top_columns
 from batchscore.output.table import ok_rows, scores_table
 from batchscore.plan.placement import place_groups
-from batchscore.prepare.job import JobSource, PreparedJob, assembly_config, locate_job, prepare_job, use_job_storage
+from batchscore.prepare.job import (JobSource, PreparedJob, assembly_config, load_tokenizer, locate_job, prepare_job,
+                                    use_job_storage)
 from batchscore.run.rederive import rederive_output, rederive_problem
 
 log = logging.getLogger("batchscore")
@@ -443,6 +444,8 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
     ok = ok_rows(prepared.num_rows, errors)
     columns = score_columns(labels=config.labels or None, choices=choices_for_output(prepared.choices, ok),
                             scores=scores, ok=ok, normalize=config.score.normalize, logprobs=config.output.logprobs)
+    if config.output.top_token:
+        columns.update(top_columns(scores, ok, _first_tokens(job), load_tokenizer(job.model_dir).decode))
     columns, quality = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids,
                                            choices_for_output(prepared.choices, ok), content_free)
     table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=_approx_keep(config))
@@ -453,6 +456,18 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
                  model=str(config.model), error_path=store.files.errors)
     fault_point("output")
     return errors, quality
+
+
+def _first_tokens(job: PreparedJob) -> list[set[int] | None]:
+    """Each input row's options' first token ids (None for a row not tokenized)."""
+    shared = set(job.label_ids) if job.label_ids is not None else None
+    firsts: list[set[int] | None] = [None] * job.input.num_rows
+    for request in job.input.requests:
+        if request.row_id < job.input.num_rows:
+            options = request.options
+            firsts[request.row_id] = shared if options is None else {int(options.option(i)[0])
+                                                                     for i in range(options.count)}
+    return firsts
 
 
 def _approx_keep(config: JobConfig) -> float | None:

@@ -63,7 +63,7 @@ from batchscore.engines.torch.cascade_attention import (
 from batchscore.engines.torch.cascade_attention import OptionLayout
 from batchscore.engines.torch.compiled_layers import compile_decoder_layers
 from batchscore.engines.torch.hybrid import HybridDecoder
-from batchscore.engines.torch.invariant import ROW_MULTIPLE, pad_rows
+from batchscore.engines.torch.invariant import ROW_MULTIPLE, pad_rows, tile_linear_layers
 from batchscore.engines.speculative.kept_tokens import PrunedGroup, SpecPrefillOptions
 from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape, dtype_bytes
@@ -162,6 +162,8 @@ class TorchEngine:
             raise ValueError("batch_invariant: not with hybrid_chunk, compile or speculative prefill "
                              "(their kernels and chunks follow the batch)")
         self.batch_invariant = batch_invariant
+        if batch_invariant and torch.device(device).type == "cuda":
+            tile_linear_layers(model)  # cuBLAS picks a GEMM's kernel by its row count
         self.model = model.to(device).eval().requires_grad_(False)  # no autograd graph, whatever the caller's mode
         self.model.set_attn_implementation(register_cascade_attention())
         self.token_budget = token_budget
@@ -340,9 +342,11 @@ class TorchEngine:
                 run.last_hidden = hidden[at + piece.tokens - 1].clone()
         if labels is not None and reads:
             rows = torch.stack([run.last_hidden if row is None else hidden[row] for run, _, row in reads])
-            logp = self._label_logp(rows, labels)  # [B, L]
-            for (run, index, _), row_logp in zip(reads, logp):
-                run.set(index, RawScores(run.slot.group.members[index].row_id, row_logp))
+            tops, top_ids = np.empty(len(reads)), np.empty(len(reads), dtype=np.int64)
+            logp = self._label_logp(rows, labels, tops, top_ids)  # [B, L]
+            for (run, index, _), row_logp, top, top_id in zip(reads, logp, tops, top_ids):
+                run.set(index, RawScores(run.slot.group.members[index].row_id, row_logp, top_logp=float(top),
+                                         top_token=int(top_id)))
         if option_batches:
             self._option_reads(option_batches, hidden)
 
@@ -366,17 +370,18 @@ class TorchEngine:
             row_base += batch.num_option_rows
         pair_source, pair_target = np.concatenate(sources), np.concatenate(targets)
         order = np.argsort(pair_source, kind="stable")
-        tops = np.empty(members)
+        tops, top_ids = np.empty(members), np.empty(members, dtype=np.int64)
         stacked = torch.cat([torch.stack(firsts)] + rows)  # [members + rows, hidden]
         pair_logp = np.empty(len(pair_source))
-        pair_logp[order] = self._pair_log_probs(stacked, pair_source[order], pair_target[order], tops)
+        pair_logp[order] = self._pair_log_probs(stacked, pair_source[order], pair_target[order], tops, top_ids)
         owner = np.concatenate(owners)
         first = 0
         for number, (entries, batch, _, _) in enumerate(batches):
             totals = batch.totals(pair_logp[owner == number])
-            for (run, index), total, top in zip(entries, totals, tops[first : first + batch.num_members]):
+            for (run, index), total, top, top_id in zip(entries, totals, tops[first : first + batch.num_members],
+                                                        top_ids[first : first + batch.num_members]):
                 member = run.slot.group.members[index]
-                run.set(index, RawScores.of_options(member.row_id, total, member.options, float(top)))
+                run.set(index, RawScores.of_options(member.row_id, total, member.options, float(top), int(top_id)))
             first += batch.num_members
 
     @torch.inference_mode()
@@ -400,8 +405,8 @@ class TorchEngine:
         options = member.options
         prompt = self.prefill_prefix(member.suffix, base=prefix.kv) if len(member.suffix) else prefix
         totals = np.empty(options.count)
-        top = np.empty(1)
-        self._pair_log_probs(prompt.last_hidden[None], np.zeros(0, np.int64), np.zeros(0, np.int64), top)
+        top, top_id = np.empty(1), np.empty(1, dtype=np.int64)
+        self._pair_log_probs(prompt.last_hidden[None], np.zeros(0, np.int64), np.zeros(0, np.int64), top, top_id)
         rows = (options.lengths - 1).tolist()
         singles = [j for j, r in enumerate(rows) if r == 0]
         groups = [b.member_indices for b in plan_suffix_batches(rows, self.token_budget, long_in_one_pass=True)]
@@ -411,7 +416,7 @@ class TorchEngine:
                 continue
             batch = pack_options([(np.zeros(0, np.int32), subset(options, indices))], prompt.kv.length)
             totals[indices] = self._option_pass(prompt, batch)[0][0]
-        return RawScores.of_options(member.row_id, totals, options, float(top[0]))
+        return RawScores.of_options(member.row_id, totals, options, float(top[0]), int(top_id[0]))
 
     def _option_pass(self, prefix: PrefilledPrefix, batch: OptionBatch) -> tuple[list[np.ndarray], np.ndarray]:
         """Run `batch`'s pass on top of `prefix` (if it has tokens) and return each member's option
@@ -453,11 +458,12 @@ class TorchEngine:
 
     @torch.inference_mode()
     def _pair_log_probs(self, sources: torch.Tensor, pair_source: np.ndarray, pair_target: np.ndarray,
-                        tops: np.ndarray | None = None) -> np.ndarray:
+                        tops: np.ndarray | None = None, top_ids: np.ndarray | None = None) -> np.ndarray:
         """log P(pair_target[m]) under the full-vocabulary softmax at hidden row pair_source[m]
         (sorted); the LM head runs on `LM_HEAD_ROWS` rows at a time. Returns [M] float64.
         `tops` [n], when given, receives the largest log-probability of the vocabulary at source
-        rows 0..n-1 (the members' read positions: whether the model's own argmax is a label)."""
+        rows 0..n-1 (the members' read positions: whether the model's own argmax is a label), and
+        `top_ids` [n], when given, that token's id."""
         out = np.empty(len(pair_source))
         for first in range(0, sources.shape[0], LM_HEAD_ROWS):
             last = min(first + LM_HEAD_ROWS, sources.shape[0])
@@ -470,6 +476,8 @@ class TorchEngine:
             if tops is not None and first < len(tops):
                 upto = min(last, len(tops))
                 tops[first:upto] = (logits[: upto - first].amax(dim=-1) - lse[: upto - first]).double().cpu().numpy()
+                if top_ids is not None:
+                    top_ids[first:upto] = logits[: upto - first].argmax(dim=-1).cpu().numpy()
             rows = torch.from_numpy(pair_source[lo:hi] - first).to(logits.device)
             targets = torch.from_numpy(pair_target[lo:hi]).to(logits.device)
             out[lo:hi] = (logits[rows, targets] - lse[rows]).double().cpu().numpy()
@@ -587,16 +595,22 @@ class TorchEngine:
         return hidden[:real_tokens]
 
     @torch.inference_mode()
-    def _label_logp(self, last_hidden: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
+    def _label_logp(self, last_hidden: torch.Tensor, labels: torch.Tensor, tops: np.ndarray | None = None,
+                    top_ids: np.ndarray | None = None) -> np.ndarray:
         """LM head on the last positions [B, hidden] -> [B, L] float64 each label's log P under the
         full-vocabulary softmax (raw: output/scores.py normalizes over the labels); `LM_HEAD_ROWS`
-        rows at a time, which bounds the float32 logits."""
+        rows at a time, which bounds the float32 logits. `tops` and `top_ids` [B], when given,
+        receive each row's most probable token's log P and id (what the model wanted to say)."""
         out = []
         for first in range(0, last_hidden.shape[0], LM_HEAD_ROWS):
             rows = last_hidden[first : first + LM_HEAD_ROWS]
             logits = self._lm_head(pad_rows(rows) if self.batch_invariant else rows).float()  # [C, V]
             log_probs = torch.log_softmax(logits, dim=-1)[: rows.shape[0]]  # [C, V]
             out.append(log_probs[:, labels].cpu().numpy().astype(np.float64))
+            if tops is not None:
+                best, ids = log_probs.max(dim=-1)
+                tops[first : first + rows.shape[0]] = best.double().cpu().numpy()
+                top_ids[first : first + rows.shape[0]] = ids.cpu().numpy()
         return np.concatenate(out)
 
     def _label_tensor(self, label_token_ids: Sequence[int]) -> torch.Tensor:

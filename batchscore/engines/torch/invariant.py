@@ -13,7 +13,9 @@ What changes the rounding in the default engine, and what this mode does instead
     fewer than 12 rows computes its last `M mod 4` rows another way. The engine pads every pass
     and every LM-head call to `ROW_MULTIPLE` rows (`pad_rows`);
   - reductions over a row (RMSNorm, log-softmax, log-sum-exp) run one row per thread once a call
-    has several rows, which the padding also guarantees.
+    has several rows, which the padding also guarantees;
+  - on a GPU, cuBLAS picks a float32 GEMM's kernel (and split of the sum) by its row count: every
+    linear layer runs `LINEAR_TILE` rows per call, the last call padded (`tile_linear_layers`).
 Blocks wholly inside a part's shared prefix are computed for all its queries at once (one call per
 block); the blocks from the prefix's last partial block on are computed per sequence, their keys
 gathered from the prefix's tail and the sequence's own rows.
@@ -21,6 +23,7 @@ gathered from the prefix's tail and the sequence's own rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +32,7 @@ import torch
 BLOCK = 64  # key positions per attention block, aligned to position 0
 QUERY_TILE = 32  # queries per kernel tile (the CPU flash kernel's own query split at this size)
 ROW_MULTIPLE = 16  # passes and LM-head calls are padded to a multiple of this many rows
+LINEAR_TILE = 256  # GPU: rows per linear-layer call
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -37,6 +41,27 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
     if extra == 0:
         return x
     return torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
+
+
+def tile_linear_layers(model: torch.nn.Module) -> None:
+    """Make every `nn.Linear` of `model` compute `LINEAR_TILE` rows per call (the last padded), so
+    a row's result never depends on how many rows share the call. Side effect: replaces each
+    linear layer's `forward` on the instance."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = functools.partial(_tiled_linear, module)
+
+
+def _tiled_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])  # [N, in]
+    out = []
+    for first in range(0, rows.shape[0], LINEAR_TILE):
+        tile = rows[first : first + LINEAR_TILE]
+        count = tile.shape[0]
+        if count < LINEAR_TILE:
+            tile = torch.cat([tile, tile.new_zeros((LINEAR_TILE - count, tile.shape[1]))])
+        out.append(torch.nn.functional.linear(tile, module.weight, module.bias)[:count])
+    return torch.cat(out).reshape(*x.shape[:-1], module.out_features)
 
 
 @dataclass

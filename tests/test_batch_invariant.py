@@ -1,0 +1,118 @@
+"""engine.batch_invariant: a row's scores are the same bits whatever else the job holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchscore.engines.torch.engine import TorchEngine
+from batchscore.jobfile import JobConfigError, config_from_dict
+from batchscore.plan.options import OptionTokens
+from batchscore.plan.types import GroupMember, PrefixGroup
+from tests.test_torch_engine import LABELS, VOCAB, make_groups, reference_log_probs, tiny_model
+
+
+def alone(groups: list[PrefixGroup]) -> list[PrefixGroup]:
+    """Every member as a job of its own: one whole prompt, no shared prefix."""
+    return [PrefixGroup(np.zeros(0, np.int32), [GroupMember(m.row_id, g.full_prompt(m), m.options)])
+            for g in groups for m in g.members]
+
+
+def cut_prefixes(groups: list[PrefixGroup], keep: int) -> list[PrefixGroup]:
+    """The same prompts with each shared prefix cut to `keep` tokens (the rest moves into the
+    suffixes): where a prefix ends depends on the other rows of a job."""
+    out = []
+    for group in groups:
+        cut = min(keep, group.prefix_len)
+        out.append(PrefixGroup(group.prefix[:cut], [
+            GroupMember(m.row_id, np.concatenate([group.prefix[cut:], m.suffix]), m.options) for m in group.members]))
+    return out
+
+
+def scores(model, groups, token_budget: int, labels=LABELS, *, batch_invariant: bool = True) -> dict:
+    engine = TorchEngine(model, token_budget=token_budget, batch_invariant=batch_invariant)
+    return {r.row_id: r.logp for r in engine.score(groups, labels)}
+
+
+def contexts(groups: list[PrefixGroup]) -> dict[str, tuple[list[PrefixGroup], int]]:
+    """Other jobs holding the same rows: (groups, token budget)."""
+    return {"alone": (alone(groups), 48), "one pass": (groups, 400), "16-token passes": (groups, 16),
+            "prefixes cut to 3": (cut_prefixes(groups, 3), 64), "prefixes cut to 70": (cut_prefixes(groups, 70), 100),
+            "reversed": (groups[::-1], 48), "half the rows": (groups[::2], 48)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
+def test_scores_are_bit_identical_in_every_context(dtype):
+    """Labels on a tiny Llama: alone, other token budgets, other prefix cuts, other orders, other
+    neighbours give the same bits; and the scores stay exact (float32: a plain forward to 1e-6)."""
+    model = tiny_model("llama", dtype)
+    groups = make_groups()
+    reference = reference_log_probs(model, groups, LABELS) if dtype == torch.float32 else None
+    base = scores(model, groups, 48)
+    for name, (other_groups, budget) in contexts(groups).items():
+        other = scores(model, other_groups, budget)
+        differ = [row for row in other if not np.array_equal(other[row], base[row])]
+        assert not differ, f"{name}: rows {differ} differ"
+    if reference is not None:
+        assert max(np.abs(np.exp(base[r]) - np.exp(reference[r])).max() for r in base) < 1e-6
+
+
+def test_default_mode_is_not_bit_identical_here():
+    """The check above can fail: the default engine's rounding follows the batch on this model."""
+    model = tiny_model("llama")
+    groups = make_groups()
+    base = scores(model, groups, 48, batch_invariant=False)
+    other = scores(model, alone(groups), 48, batch_invariant=False)
+    assert any(not np.array_equal(other[row], base[row]) for row in base)
+
+
+def test_option_scores_are_bit_identical_in_every_context():
+    """Multi-token options (choices, decision reads): the option rows' attention is blocked too."""
+    rng = np.random.default_rng(5)
+    groups = [PrefixGroup(g.prefix, [GroupMember(m.row_id, m.suffix, OptionTokens.from_lists(
+        [rng.integers(0, VOCAB, int(rng.integers(1, 5))) for _ in range(int(rng.integers(2, 5)))]))
+        for m in g.members]) for g in make_groups(1)]
+    model = tiny_model("qwen2")
+    base = scores(model, groups, 96, None)
+    for name in ("alone", "16-token passes", "prefixes cut to 3"):
+        other_groups, budget = contexts(groups)[name]
+        other = scores(model, other_groups, max(budget, 64), None)
+        differ = [row for row in other if not np.array_equal(other[row], base[row])]
+        assert not differ, f"{name}: rows {differ} differ"
+
+
+@pytest.mark.parametrize("engine, problem", [
+    ({"kind": "vllm"}, "torch engine only"),
+    ({"hybrid_chunk": 64}, "engine.hybrid_chunk"),
+    ({"compile": True}, "engine.compile"),
+])
+def test_refused_where_it_cannot_hold(engine, problem):
+    raw = {"input": {"path": "in.parquet"}, "prompt": {"template": "{text}"}, "labels": ["Yes", "No"],
+           "engine": {"batch_invariant": True, **engine}}
+    with pytest.raises(JobConfigError, match="engine.batch_invariant") as error:
+        config_from_dict(raw)
+    assert problem in str(error.value)
+
+
+def test_in_the_run_identity_only_when_set():
+    from batchscore.prepare.job import scoring_config
+
+    raw = {"input": {"path": "in.parquet"}, "prompt": {"template": "{text}"}, "labels": ["Yes", "No"]}
+    assert "batch_invariant" not in scoring_config(config_from_dict(raw))["engine"]
+    raw["engine"] = {"batch_invariant": True}
+    assert scoring_config(config_from_dict(raw))["engine"]["batch_invariant"] is True
+
+
+@pytest.mark.slow
+def test_sample_job_rows_are_bit_identical_across_runs(tmp_path):
+    """40 rows of the sample job, float32, engine.batch_invariant: alone, in the whole job, shuffled,
+    in 3 static shards merged, under engine.token_budget 700, and killed (SIGKILL) then resumed."""
+    from batchscore.bench.invariance import CONTEXTS, measure
+    from tests.conftest import REPO
+
+    results = measure(str(REPO / "jobs" / "sample.yaml"), dtype="float32", batch_invariant=True, rows=40,
+                      job_rows=None, workdir=tmp_path, device="cpu", budget=700)
+    assert [r.context for r in results] == list(CONTEXTS)
+    for result in results:
+        assert (result.identical, result.max_dp, result.flips) == (40, 0.0, 0), result
