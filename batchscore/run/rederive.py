@@ -72,7 +72,7 @@ def rederive_output(job: PreparedJob, files) -> tuple[dict[int, str], QualityRes
     choices = choices_for_output(prepared.choices, ok)
     columns = _with_raw_choice(columns, labels, choices, ok)
     columns = {name: columns[name] for name in layout.score_column_names(labels or [], labels is None,
-                                                                          config.output.logprobs)}
+                                                                          config.output.logprobs) + top}
     columns, quality = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids, choices, None)
     approx = config.engine.speculative.keep if config.engine.speculative is not None else None
     table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=approx)
