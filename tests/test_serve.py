@@ -291,6 +291,9 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer
         own = json.loads(chat_line("own-labels", "Is a plum a fruit? Answer True or False."))
         own["body"]["logprob_token_ids"] = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("True", "False")]
         chat.append(json.dumps(own))  # its own labels, as vLLM takes them
+        image = json.loads(chat_line("image", "x"))
+        image["body"]["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]
+        chat.append(json.dumps(image))  # refused by the job's reader, not by the server
         chat_file = client.files.create(file=("chat.jsonl", ("\n".join(chat) + "\n").encode()), purpose="batch")
         chat_batch = client.batches.create(input_file_id=chat_file.id, endpoint="/v1/chat/completions",
                                            completion_window="24h", metadata={"labels": LABELS})
@@ -310,10 +313,10 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer
 
         done = wait_for(client, chat_batch.id, ("completed", "failed"))
         assert done.status == "completed", done.errors
-        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (9, 7, 2)
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (10, 7, 3)
         ok, failed = results(client, done)
         assert Counter(x["custom_id"] for x in ok + failed) == Counter(
-            [f"chat-{i}" for i in range(6)] + ["own-labels", "other-model", None])
+            [f"chat-{i}" for i in range(6)] + ["own-labels", "image", "other-model", None])
         for line in ok:
             body = line["response"]["body"]
             labels = {"True", "False"} if line["custom_id"] == "own-labels" else {"Yes", "No"}
@@ -323,6 +326,7 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer
         errors = {x["custom_id"]: x["response"]["body"]["error"] for x in failed}
         assert errors[None]["message"].startswith("chat.jsonl:7: not valid JSON")
         assert errors["other-model"]["message"].startswith("chat.jsonl:8: body.model")
+        assert errors["image"]["message"].startswith("chat.jsonl:10: body.messages: message 0: only text content")
         assert all(x["response"]["status_code"] == 400 for x in failed)
 
         done = wait_for(client, so_batch.id, ("completed", "failed"))

@@ -26,7 +26,7 @@ class Store:
     """Files and batches of one server; safe to use from the HTTP threads and the worker."""
 
     def __init__(self, state_dir: str | os.PathLike):
-        self.root = Path(state_dir)
+        self.root = Path(state_dir).resolve()  # job files and messages name absolute paths
         self.blobs = self.root / "files"
         self.incoming = self.root / "incoming"  # uploads being received; emptied at start
         self.work = self.root / "batches"  # each batch's job files, parts and outputs

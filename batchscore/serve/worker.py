@@ -135,6 +135,7 @@ class Worker:
             command += ["--set", item]
         while True:
             with (folder / "run.log").open("ab") as logfile:
+                logged = logfile.tell()  # this run's lines start here
                 self._child = subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT,
                                                env={**os.environ, "TQDM_DISABLE": "1"}, preexec_fn=_die_with_parent)
                 code = self._wait(batch_id)
@@ -148,8 +149,12 @@ class Worker:
                 time.sleep(LOCK_RETRY_S)
                 continue
             if code != 0:
-                tail = (folder / "run.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
-                message = f"batchscore run exited {code}: " + " | ".join(tail)
+                with (folder / "run.log").open("rb") as logfile:
+                    logfile.seek(logged)
+                    lines = logfile.read().decode("utf-8", "replace").strip().splitlines() or ["(no output)"]
+                at = max([i for i, line in enumerate(lines) if line.startswith("error:")] or [len(lines) - 1])
+                said = " ".join(line.strip() for line in lines[at:])  # the CLI's error and its listed problems
+                message = f"batchscore run exited {code}: {said[:1000]}"
                 self.store.update_batch(batch_id, status="failed", errors={"object": "list", "data": [
                     {"code": "run_failed", "message": message, "param": None, "line": None}]})
                 return "failed"
