@@ -80,3 +80,52 @@ def test_rotary_over_non_contiguous_q_k_views():
     got = RowChunked(rotary, 16)(positions, q, k)
     torch.testing.assert_close(got[0], expected[0])
     torch.testing.assert_close(got[1], expected[1])
+
+
+def test_a_self_attention_block_builds_q_k_v_in_chunks_with_the_same_result():
+    """`ChunkedSelfAttention` on a block laid out as vLLM's LlamaAttention (qkv_proj -> split ->
+    rotary -> attention -> o_proj, linears returning (out, bias)): same output, projections run
+    in chunks, attention once over the whole step."""
+    from batchscore.engines.vllm.hybrid import ChunkedSelfAttention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+
+    class Linear(torch.nn.Linear):
+        def forward(self, x):
+            self.rows.append(x.shape[0])
+            return super().forward(x), None
+
+    class Block(torch.nn.Module):
+        q_size, kv_size = heads * dim, kv_heads * dim
+
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj, self.o_proj = Linear(32, self.q_size + 2 * self.kv_size), Linear(self.q_size, 32)
+            self.qkv_proj.rows, self.o_proj.rows, self.attended = [], [], []
+
+        def rotary_emb(self, positions, q, k):
+            angle = positions[:, None].float() * 0.01
+            return q * torch.cos(angle), k * torch.cos(angle) + k.flip(-1) * torch.sin(angle)
+
+        def attn(self, q, k, v):
+            self.attended.append(q.shape[0])
+            q, k, v = (t.view(t.shape[0], -1, dim).transpose(0, 1) for t in (q, k, v))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+        def forward(self, positions, hidden_states):
+            qkv, _ = self.qkv_proj(hidden_states)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.rotary_emb(positions, q, k)
+            output, _ = self.o_proj(self.attn(q, k, v))
+            return output
+
+    block = Block()
+    positions, hidden = torch.arange(70), torch.randn(70, 32)
+    with torch.inference_mode():
+        expected = block(positions, hidden)
+        block.qkv_proj.rows.clear(), block.o_proj.rows.clear(), block.attended.clear()
+        got = ChunkedSelfAttention(block, block.forward, 32)(positions, hidden)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert block.qkv_proj.rows == [32, 32, 6] and block.o_proj.rows == [32, 32, 6] and block.attended == [70]

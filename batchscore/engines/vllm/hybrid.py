@@ -5,7 +5,10 @@ row alone: the q/k/v and o projections (vLLM linears return `(out, bias)`), the 
 `(x, residual)`, fused add + norm), rotary (`(positions, q, k)` -> `(q, k)`) and the MLP. Each
 of those modules' `forward` is wrapped to run over row chunks and write into one `[T, …]`
 output (or into its input, when the op works in place), so a long prefill's temporaries span
-`chunk` rows instead of T, while attention still sees the whole sequence. Results are the same up
+`chunk` rows instead of T, while attention still sees the whole sequence. A self-attention block
+of a known layout (Llama, Qwen2) is wrapped whole (`ChunkedSelfAttention`), so only q, k, v and
+the attention output span the step; other blocks get their projections and rotary wrapped one
+by one. Results are the same up
 to the float rounding of the matrix kernels (the torch engine's `hybrid.py` does the same).
 
 Runs *inside vLLM's worker process*, called by name through the worker extension (`worker.py`).
@@ -20,21 +23,25 @@ import torch
 _ORIGINAL = "_batchscore_unchunked_forward"
 
 
-def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, tuple[int, ...]]]:
-    """(name, module, output positions that are not rows) of every row-wise op in `model`: MLPs
+def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, tuple[int, ...] | None]]:
+    """(name, module, output positions that are not rows; None for a self-attention block) of every
+    row-wise op in `model`: self-attention blocks of a known layout (`ChunkedSelfAttention`), MLPs
     (`*MLP` with a `down_proj`), linear layers outside them, norms and rotary embeddings."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
     found = []
-    inside_mlp: set[str] = set()
+    inside: set[str] = set()
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if kind.endswith("MLP") and hasattr(module, "down_proj"):
-            found.append((name, module, ()))
-            inside_mlp.add(name + ".")
-        elif any(name.startswith(prefix) for prefix in inside_mlp):
+        if any(name.startswith(prefix) for prefix in inside):
             continue
+        if _plain_self_attention(module):
+            found.append((name, module, None))
+            inside.add(name + ".")
+        elif kind.endswith("MLP") and hasattr(module, "down_proj"):
+            found.append((name, module, ()))
+            inside.add(name + ".")
         elif isinstance(module, LinearBase):
             found.append((name, module, (1,)))  # (out, bias): the bias is not rows
         elif isinstance(module, RotaryEmbeddingBase) or kind.endswith(("RMSNorm", "LayerNorm")):
@@ -56,9 +63,54 @@ def chunk_rowwise(model: torch.nn.Module, chunk: int | None) -> int:
                 changed += 1
             continue
         module.__dict__[_ORIGINAL] = original
-        module.forward = RowChunked(original, chunk, not_rows)
+        module.forward = ChunkedSelfAttention(module, original, chunk) if not_rows is None else \
+            RowChunked(original, chunk, not_rows)
         changed += 1
     return changed
+
+
+def _plain_self_attention(module: torch.nn.Module) -> bool:
+    """A self-attention block whose forward is exactly qkv_proj -> split -> rotary -> attn -> o_proj
+    (vLLM's LlamaAttention, and Qwen2Attention without q/k norms): its layout is known."""
+    from vllm.model_executor.models.llama import LlamaAttention
+    from vllm.model_executor.models.qwen2 import Qwen2Attention
+
+    forward = type(module).forward
+    return forward is LlamaAttention.forward or (forward is Qwen2Attention.forward and not module.qk_norm)
+
+
+class ChunkedSelfAttention:
+    """A plain self-attention block (`_plain_self_attention`) with its row-wise parts chunked:
+    q, k and v built `chunk` rows at a time (projection, then rotary) straight into whole q/k/v
+    buffers — no `[T, q + 2 kv]` projection output beside rotary's results —, attention over the
+    whole step, then the output projection `chunk` rows at a time."""
+
+    def __init__(self, module: torch.nn.Module, forward, chunk: int) -> None:
+        self.module, self.forward, self.chunk = module, forward, chunk
+
+    def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        m, rows = self.module, hidden_states.shape[0]
+        if hidden_states.dim() != 2 or rows <= self.chunk:
+            return self.forward(positions, hidden_states)
+        q = hidden_states.new_empty(rows, m.q_size)
+        k = hidden_states.new_empty(rows, m.kv_size)
+        v = hidden_states.new_empty(rows, m.kv_size)
+        for start in range(0, rows, self.chunk):
+            end = min(start + self.chunk, rows)
+            qkv, _ = m.qkv_proj(hidden_states[start:end])
+            q_part, k_part, v_part = qkv.split([m.q_size, m.kv_size, m.kv_size], dim=-1)
+            q_part, k_part = m.rotary_emb(positions[start:end], q_part, k_part)
+            q[start:end], k[start:end], v[start:end] = q_part, k_part, v_part
+            del qkv, q_part, k_part, v_part
+        attended = m.attn(q, k, v)
+        del q, k, v
+        output = None
+        for start in range(0, rows, self.chunk):
+            part, _ = m.o_proj(attended[start : start + self.chunk])
+            if output is None:
+                output = part.new_empty(rows, part.shape[1])
+            output[start : start + part.shape[0]] = part
+        return output
 
 
 class RowChunked:

@@ -33,6 +33,22 @@ class WorkerExtension:
             counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
         return counts
 
+    def batchscore_count_tensors(self, on: bool) -> bool:
+        """Count the model's activation bytes tensor by tensor (`live_bytes.py`) from now on (or stop)."""
+        from batchscore.engines.vllm.live_bytes import CountedForward, LiveTensorBytes
+
+        model = self.model_runner.get_model()
+        counted = model.__dict__.get("forward")
+        if isinstance(counted, CountedForward):
+            del model.forward
+        if on:
+            model.forward = CountedForward(model.forward, LiveTensorBytes())
+        return on
+
+    def _batchscore_counter(self):
+        counted = self.model_runner.get_model().__dict__.get("forward")
+        return getattr(counted, "mode", None)
+
     def batchscore_reset_peak(self) -> dict[str, int]:
         """Restart the activation-peak counter; returns the memory in use now (bytes).
 
@@ -42,6 +58,9 @@ class WorkerExtension:
         import torch
 
         gc.collect()
+        counter = self._batchscore_counter()
+        if counter is not None:
+            counter.reset()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -60,11 +79,13 @@ class WorkerExtension:
         """The memory in use now and its peak since `batchscore_reset_peak` (bytes)."""
         import torch
 
+        counter = self._batchscore_counter()
+        tensors = {} if counter is None else {"tensor_now": counter.now, "tensor_peak": counter.peak}
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-            return {"now": int(torch.cuda.memory_allocated()), "peak": int(torch.cuda.max_memory_allocated())}
+            return {"now": int(torch.cuda.memory_allocated()), "peak": int(torch.cuda.max_memory_allocated()), **tensors}
         status = _status()
-        return {"now": status["rss"], "peak": status["hwm"]}
+        return {"now": status["rss"], "peak": status["hwm"], **tensors}
 
     def batchscore_touch_kv_cache(self) -> int:
         """Write zeros over this worker's whole KV cache (no request may be running), so its memory
