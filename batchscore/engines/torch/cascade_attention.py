@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
-from batchscore.engines.torch.invariant import BlockPlan, OwnSequence, invariant_attention
+from batchscore.engines.torch.invariant import OwnSequence, PassBlocks, invariant_attention
 
 ATTN_IMPLEMENTATION = "batchscore_cascade"
 
@@ -286,7 +286,6 @@ class CascadePart:
     layout: SequenceLayout | None
     record_into: PrefixKV | None = None
     options: OptionLayout | None = None
-    blocks: BlockPlan | None = None  # batch-invariant attention: built on the first layer (see `invariant.py`)
 
     def own_attention(self, query, key, value, row_key, row_value, scale: float):
         """Attention over the part's own tokens (and, for option rows, their members' suffixes)."""
@@ -306,6 +305,7 @@ class CascadeBatch:
 
     parts: list[CascadePart]
     invariant: bool = False  # attend in position-aligned blocks (`invariant.py`): bit-identical whatever the batch
+    blocks: PassBlocks | None = None  # with `invariant`: the pass's blocks, planned on its first layer
 
 
 def merge_partial_attention(
@@ -380,15 +380,14 @@ def cascade_attention_forward(
         raise ValueError(f"cascade attention expects one packed row, got batch size {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer_idx = module.layer_idx
+    if cascade.invariant:
+        return _attend_invariant(query, key, value, cascade, layer_idx, scale), None
 
     outputs, start = [], 0
     for part in cascade.parts:
         span = slice(start, start + part.num_tokens)
-        if cascade.invariant:
-            outputs.append(_attend_part_invariant(query[:, :, span], key, value, part, layer_idx, scale, start))
-        else:
-            outputs.append(_attend_part(query[:, :, span], key[:, :, span], value[:, :, span], part, layer_idx,
-                                        scale, key, value))
+        outputs.append(_attend_part(query[:, :, span], key[:, :, span], value[:, :, span], part, layer_idx, scale,
+                                    key, value))
         start += part.num_tokens
     if start != query.shape[2]:
         raise ValueError(f"cascade parts cover {start} tokens, the batch has {query.shape[2]}")
@@ -415,25 +414,23 @@ def _attend_part(
     return out.to(query.dtype)
 
 
-def _attend_part_invariant(query: torch.Tensor, row_key: torch.Tensor, row_value: torch.Tensor, part: CascadePart,
-                           layer_idx: int, scale: float, offset: int) -> torch.Tensor:
-    """`_attend_part` in position-aligned blocks (`invariant.py`); the part starts at packed row
-    `offset`. Side effect: builds `part.blocks` on first use; records K/V like `_attend_part`."""
-    segments = part.prefix.layers[layer_idx]
-    if part.blocks is None:
-        prefix_len = sum(k.shape[2] for k, _ in segments)  # this pass's earlier parts may have recorded some
-        if part.options is not None:
-            sequences = part.options.sequences
-        else:
-            starts = np.cumsum(part.layout.lengths) - np.asarray(part.layout.lengths)
-            sequences = [OwnSequence(s + np.arange(n), np.arange(n), offset + s + np.arange(n))
-                         for s, n in zip(starts.tolist(), part.layout.lengths)]
-        part.blocks = BlockPlan.build(part.num_tokens, prefix_len, sequences).to(query.device)
-    out = invariant_attention(query, segments, row_key, row_value, part.blocks, scale)
-    if part.record_into is not None:
-        span = slice(offset, offset + part.num_tokens)
-        part.record_into.layers[layer_idx].append((row_key[:, :, span].contiguous(), row_value[:, :, span].contiguous()))
-    return out
+def _attend_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cascade: CascadeBatch,
+                      layer_idx: int, scale: float) -> torch.Tensor:
+    """The whole pass's attention in position-aligned blocks (`invariant.py`). Returns [1, T, H, D].
+    Side effects: plans `cascade.blocks` on the first layer; records K/V like `_attend_part`."""
+    if sum(part.num_tokens for part in cascade.parts) != query.shape[2]:
+        raise ValueError(f"cascade parts cover {sum(p.num_tokens for p in cascade.parts)} tokens, "
+                         f"the batch has {query.shape[2]}")
+    if cascade.blocks is None:
+        cascade.blocks = PassBlocks.build(cascade.parts, layer_idx).to(query.device)
+    out = invariant_attention(query, key, value, cascade.blocks, layer_idx, scale)  # [1, H, T, D]
+    start = 0
+    for part in cascade.parts:  # after the attention: the plan read each prefix's earlier segments only
+        if part.record_into is not None:
+            span = slice(start, start + part.num_tokens)
+            part.record_into.layers[layer_idx].append((key[:, :, span].contiguous(), value[:, :, span].contiguous()))
+        start += part.num_tokens
+    return out.transpose(1, 2)
 
 
 def attend_query_rows(

@@ -16,9 +16,12 @@ What changes the rounding in the default engine, and what this mode does instead
     has several rows, which the padding also guarantees;
   - on a GPU, cuBLAS picks a float32 GEMM's kernel (and split of the sum) by its row count: every
     linear layer runs `LINEAR_TILE` rows per call, the last call padded (`tile_linear_layers`).
-Blocks wholly inside a part's shared prefix are computed for all its queries at once (one call per
-block); the blocks from the prefix's last partial block on are computed per sequence, their keys
-gathered from the prefix's tail and the sequence's own rows.
+The whole pass is planned once (`PassBlocks`, at its first layer): every (query tile, key block)
+pair of every part, the tiles of a block wholly inside a part's shared prefix holding all the
+part's queries, the later blocks' tiles one sequence's queries. Each layer then gathers the pairs'
+queries and keys (from the prefixes' earlier segments and the pass's own K/V, which already holds
+the prefix pieces this pass records) and runs them in a few large kernel calls, merging block
+after block.
 """
 
 from __future__ import annotations
@@ -77,134 +80,149 @@ class OwnSequence:
     key_rows: np.ndarray
 
 
-@dataclass
-class BlockPlan:
-    """A part's attention cut into absolute-position blocks (built once per pass, used per layer).
+PAIRS_PER_CALL = 256  # (query tile, key block) pairs per kernel call: bounds the gathered copies
 
-    Shared blocks 0..shared-1 lie wholly in the prefix: every query of the part attends to them.
-    Tail pairs (query tile, block): the prefix's last `lead` positions (a partial block) and each
-    sequence's own keys, in blocks from position shared·BLOCK on.
+
+@dataclass
+class PassBlocks:
+    """A pass's attention as (query tile, key block) pairs, sorted by block (built once per pass).
+
+    Keys come from one source per layer: the earlier segments of every prefix the pass reads
+    (`segments`: (PrefixKV, how many), in source order), then the pass's own K/V rows.
     """
 
-    num_tokens: int  # the part's queries T_p
-    prefix_len: int
-    shared: int  # blocks wholly in the prefix
-    pair_query: torch.Tensor  # [n_pairs * QUERY_TILE] part row of each query slot
-    pair_key: torch.Tensor  # [n_pairs * BLOCK] row of each key slot in (prefix tail ++ packed pass)
+    rows: int  # the pass's tokens T
+    segments: list[tuple[object, int]]
+    pair_query: torch.Tensor  # [n_pairs * QUERY_TILE] packed row of each query slot (0 for padding)
+    pair_key: torch.Tensor  # [n_pairs * BLOCK] source row of each key slot
     pair_mask: torch.Tensor  # [n_pairs, 1, QUERY_TILE, BLOCK] float32, 0 or -inf
-    steps: list[tuple[int, int, torch.Tensor]]  # per tail block: pair range [lo, hi), accumulator row per slot
-
-    @property
-    def lead(self) -> int:
-        return self.prefix_len - self.shared * BLOCK
+    pair_block: np.ndarray  # [n_pairs] absolute block index (non-decreasing)
+    pair_slot: torch.Tensor  # [n_pairs * QUERY_TILE] accumulator row of each slot (T: scratch)
 
     @classmethod
-    def build(cls, num_tokens: int, prefix_len: int, sequences: list[OwnSequence]) -> BlockPlan:
-        shared = prefix_len // BLOCK
-        lead = prefix_len - shared * BLOCK
-        scratch = _padded(num_tokens)  # accumulator row that takes the slots nobody reads
-        pairs = []  # (block, query slots [QT] part rows or -1, query tail index [QT], key slots [BLOCK], key count)
-        for seq in sequences:
-            keys = np.concatenate([np.arange(lead), lead + np.asarray(seq.key_rows, dtype=np.int64)])
-            count = len(keys)
-            keys = np.concatenate([keys, np.zeros(-count % BLOCK, np.int64)])
-            order = np.argsort(seq.query_index, kind="stable")
-            rows, index = np.asarray(seq.query_rows)[order], lead + np.asarray(seq.query_index)[order]
-            for first in range(0, len(rows), QUERY_TILE):
-                tile_rows = np.full(QUERY_TILE, -1, np.int64)
-                tile_index = np.full(QUERY_TILE, -1, np.int64)
-                n = min(QUERY_TILE, len(rows) - first)
-                tile_rows[:n], tile_index[:n] = rows[first : first + n], index[first : first + n]
-                for block in range(int(tile_index.max()) // BLOCK + 1):
-                    pairs.append((block, tile_rows, tile_index, keys[block * BLOCK : (block + 1) * BLOCK], count))
-        pairs.sort(key=lambda p: p[0])  # stable: merge steps go block by block
-        slot = np.arange(BLOCK)
-        queries, keys, masks, steps = [], [], [], []
-        for block, tile_rows, tile_index, key_slots, count in pairs:
-            position = block * BLOCK + slot  # [BLOCK] tail index of each key slot
-            seen = (position[None, :] <= tile_index[:, None]) & (position[None, :] < count)  # [QT, BLOCK]
-            needed = seen.any(axis=1)
-            seen[~needed, 0] = True  # a slot that needs nothing here sees key 0; its output is dropped
-            masks.append(np.where(seen, 0.0, -np.inf).astype(np.float32))
-            queries.append(np.where(tile_rows >= 0, tile_rows, 0))
-            keys.append(key_slots)
-            steps.append((block, np.where(needed & (tile_rows >= 0), tile_rows, scratch)))
-        plan_steps = []
-        for block in sorted({b for b, _ in steps}):
-            members = [i for i, (b, _) in enumerate(steps) if b == block]
-            rows = np.concatenate([steps[i][1] for i in members])
-            plan_steps.append((members[0], members[-1] + 1, torch.from_numpy(rows.astype(np.int64))))
-        cat = (lambda arrays: torch.from_numpy(np.concatenate(arrays).astype(np.int64))) if pairs else (
-            lambda arrays: torch.zeros(0, dtype=torch.int64))
-        mask = torch.from_numpy(np.stack(masks)[:, None]) if pairs else torch.zeros(0, 1, QUERY_TILE, BLOCK)
-        return cls(num_tokens, prefix_len, shared, cat(queries), cat(keys), mask, plan_steps)
+    def build(cls, parts, layer: int) -> PassBlocks:
+        """`parts`: the pass's `CascadePart`s in packed order; `layer`: a layer none of them has
+        recorded into yet."""
+        segments, source_of = [], {}  # (id(prefix), segment) -> first source row
+        earlier = 0
+        for part in parts:
+            key = id(part.prefix)
+            if key in {id(p) for p, _ in segments} or part.prefix.layers[layer] == []:
+                continue
+            count = len(part.prefix.layers[layer])
+            segments.append((part.prefix, count))
+            for index, (k, _) in enumerate(part.prefix.layers[layer]):
+                source_of[(key, index)] = earlier
+                earlier += k.shape[2]
+        recorded: dict[int, list[np.ndarray]] = {}  # id(prefix) -> rows this pass records, in part order
+        pairs, offset = [], 0
+        for part in parts:
+            prefix_rows = [source_of[(id(part.prefix), i)] + np.arange(k.shape[2])
+                           for i, (k, _) in enumerate(part.prefix.layers[layer])]
+            prefix_rows += [earlier + r for r in recorded.get(id(part.prefix), [])]
+            prefix_rows = np.concatenate(prefix_rows) if prefix_rows else np.zeros(0, np.int64)
+            sequences = part.options.sequences if part.options is not None else _causal_sequences(part, offset)
+            pairs += _part_pairs(offset, part.num_tokens, prefix_rows, earlier, sequences)
+            if part.record_into is not None:
+                recorded.setdefault(id(part.record_into), []).append(offset + np.arange(part.num_tokens))
+            offset += part.num_tokens
+        pairs.sort(key=lambda p: p[0])  # stable: each row's blocks merge in block order
+        scratch = offset
+        blocks = np.array([p[0] for p in pairs], dtype=np.int64)
+        query = np.concatenate([p[1] for p in pairs]) if pairs else np.zeros(0, np.int64)
+        keys = np.concatenate([p[2] for p in pairs]) if pairs else np.zeros(0, np.int64)
+        masks = np.stack([p[3] for p in pairs])[:, None] if pairs else np.zeros((0, 1, QUERY_TILE, BLOCK), np.float32)
+        slots = np.concatenate([np.where(p[4] >= 0, p[4], scratch) for p in pairs]) if pairs else np.zeros(0, np.int64)
+        return cls(offset, segments, torch.from_numpy(np.where(query >= 0, query, 0)), torch.from_numpy(keys),
+                   torch.from_numpy(masks), blocks, torch.from_numpy(slots))
 
-    def to(self, device: torch.device | str) -> BlockPlan:
-        return BlockPlan(self.num_tokens, self.prefix_len, self.shared, self.pair_query.to(device),
-                         self.pair_key.to(device), self.pair_mask.to(device),
-                         [(lo, hi, rows.to(device)) for lo, hi, rows in self.steps])
+    def to(self, device: torch.device | str) -> PassBlocks:
+        return PassBlocks(self.rows, self.segments, self.pair_query.to(device), self.pair_key.to(device),
+                          self.pair_mask.to(device), self.pair_block, self.pair_slot.to(device))
 
 
-def _padded(rows: int) -> int:
-    return -(-rows // QUERY_TILE) * QUERY_TILE
+def _causal_sequences(part, offset: int) -> list[OwnSequence]:
+    """A part of causal sequences (`SequenceLayout`) starting at packed row `offset`."""
+    lengths = part.layout.lengths
+    starts = np.cumsum(lengths) - np.asarray(lengths)
+    return [OwnSequence(s + np.arange(n), np.arange(n), offset + s + np.arange(n)) for s, n in zip(starts.tolist(), lengths)]
 
 
-def _tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """query [N, H, QT, D], key/value [N, H_kv, BLOCK, D], mask [N or 1, 1, QT, BLOCK]: one tile per
-    batch entry, each computed alone. Returns (out [N, H, QT, D], lse [N, H, QT] float32)."""
-    from batchscore.engines.torch.cascade_attention import attention_with_lse_masked
+def _part_pairs(offset: int, rows: int, prefix_rows: np.ndarray, own_base: int,
+                sequences: list[OwnSequence]) -> list[tuple]:
+    """The (block, query rows [QT] (-1: none), key source rows [BLOCK], mask [QT, BLOCK], slot rows
+    [QT] (-1: not read)) pairs of one part at packed row `offset`; its prefix's keys are the source
+    rows `prefix_rows`, its own keys the source rows `own_base` + packed row."""
+    prefix_len = len(prefix_rows)
+    shared = prefix_len // BLOCK
+    pairs = []
+    everyone = offset + np.arange(rows)
+    full = np.zeros((QUERY_TILE, BLOCK), np.float32)
+    for first in range(0, rows, QUERY_TILE):  # blocks wholly in the prefix: every query of the part sees all
+        tile = np.full(QUERY_TILE, -1, np.int64)
+        tile[: min(QUERY_TILE, rows - first)] = everyone[first : first + QUERY_TILE]
+        for block in range(shared):
+            pairs.append((block, tile, prefix_rows[block * BLOCK : (block + 1) * BLOCK], full, tile))
+    lead = prefix_rows[shared * BLOCK :]
+    slot = np.arange(BLOCK)
+    for seq in sequences:
+        keys = np.concatenate([lead, own_base + np.asarray(seq.key_rows, dtype=np.int64)])
+        count = len(keys)
+        keys = np.concatenate([keys, np.zeros(-count % BLOCK, np.int64)])
+        order = np.argsort(seq.query_index, kind="stable")
+        query_rows = offset + np.asarray(seq.query_rows)[order]
+        query_index = len(lead) + np.asarray(seq.query_index)[order]
+        for first in range(0, len(query_rows), QUERY_TILE):
+            tile = np.full(QUERY_TILE, -1, np.int64)
+            index = np.full(QUERY_TILE, -1, np.int64)
+            n = min(QUERY_TILE, len(query_rows) - first)
+            tile[:n], index[:n] = query_rows[first : first + n], query_index[first : first + n]
+            for block in range(int(index.max()) // BLOCK + 1):
+                position = block * BLOCK + slot  # [BLOCK] index of each key slot in the sequence's tail
+                seen = (position[None, :] <= index[:, None]) & (position[None, :] < count)  # [QT, BLOCK]
+                needed = seen.any(axis=1) & (tile >= 0)
+                seen[~seen.any(axis=1), 0] = True  # a slot that sees nothing here sees key 0; dropped
+                mask = np.where(seen, 0.0, -np.inf).astype(np.float32)
+                pairs.append((shared + block, tile, keys[block * BLOCK : (block + 1) * BLOCK], mask,
+                              np.where(needed, tile, -1)))
+    return pairs
 
-    return attention_with_lse_masked(query, key, value, mask, scale)
 
-
-def invariant_attention(query: torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]],
-                        row_key: torch.Tensor, row_value: torch.Tensor, plan: BlockPlan,
+def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: PassBlocks, layer: int,
                         scale: float) -> torch.Tensor:
-    """Attention of a part's queries [1, H, T_p, D] over its prefix segments (this layer's, in
-    order) and their own keys in the packed pass (row_key/row_value [1, H_kv, T, D]), block by
-    block (see the module docstring). Returns [1, H, T_p, D] in query's dtype."""
-    from batchscore.engines.torch.cascade_attention import merge_partial_attention
+    """Attention of the whole pass, query [1, H, T, D] and its own key/value [1, H_kv, T, D], over
+    the prefixes' earlier segments and the pass's rows, block by block (see the module docstring).
+    Returns [1, H, T, D] in query's dtype."""
+    from batchscore.engines.torch.cascade_attention import attention_with_lse_masked, merge_partial_attention
 
     heads, rows, dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads = row_key.shape[1]
-    padded = _padded(rows)
-    acc = query.new_zeros((heads, padded + 1, dim), dtype=torch.float32)  # the last row: scratch
-    acc_lse = torch.full((heads, padded + 1), float("-inf"), device=query.device)
-    if prefix:
-        prefix_key = torch.cat([k for k, _ in prefix], dim=2) if len(prefix) > 1 else prefix[0][0]
-        prefix_value = torch.cat([v for _, v in prefix], dim=2) if len(prefix) > 1 else prefix[0][1]
-    if plan.shared:
-        tiles = padded // QUERY_TILE
-        q = torch.nn.functional.pad(query[0], (0, 0, 0, padded - rows))  # [H, padded, D]
-        q = q.reshape(heads, tiles, QUERY_TILE, dim).transpose(0, 1).contiguous()  # [tiles, H, QT, D]
-        mask = query.new_zeros((1, 1, QUERY_TILE, BLOCK))
-        for block in range(plan.shared):
-            span = slice(block * BLOCK, (block + 1) * BLOCK)
-            k = prefix_key[:, :, span].expand(tiles, -1, -1, -1)
-            v = prefix_value[:, :, span].expand(tiles, -1, -1, -1)
-            out, lse = _tile_attention(q, k, v, mask, scale)  # [tiles, H, QT, D], [tiles, H, QT]
-            merged, merged_lse = merge_partial_attention(
-                acc[:, :padded], acc_lse[:, :padded],
-                out.transpose(0, 1).reshape(heads, padded, dim), lse.transpose(0, 1).reshape(heads, padded))
-            acc[:, :padded], acc_lse[:, :padded] = merged, merged_lse
-    if plan.steps:
-        pairs = plan.pair_mask.shape[0]
-        source_key, source_value = row_key[0], row_value[0]  # [H_kv, T, D]
-        if plan.lead:
-            start = plan.shared * BLOCK
-            source_key = torch.cat([prefix_key[0, :, start:], source_key], dim=1)
-            source_value = torch.cat([prefix_value[0, :, start:], source_value], dim=1)
-        q = query[0].index_select(1, plan.pair_query).reshape(heads, pairs, QUERY_TILE, dim).transpose(0, 1)
-        k = source_key.index_select(1, plan.pair_key).reshape(kv_heads, pairs, BLOCK, dim).transpose(0, 1)
-        v = source_value.index_select(1, plan.pair_key).reshape(kv_heads, pairs, BLOCK, dim).transpose(0, 1)
-        out, lse = _tile_attention(q.contiguous(), k.contiguous(), v.contiguous(), plan.pair_mask.to(query.dtype),
-                                   scale)
-        for lo, hi, slots in plan.steps:  # block by block: the merge order is the blocks' order
-            step_out = out[lo:hi].transpose(0, 1).reshape(heads, (hi - lo) * QUERY_TILE, dim)
-            step_lse = lse[lo:hi].transpose(0, 1).reshape(heads, (hi - lo) * QUERY_TILE)
+    kv_heads = key.shape[1]
+    earlier = [s for prefix, count in plan.segments for s in prefix.layers[layer][:count]]
+    source_key = torch.cat([k for k, _ in earlier] + [key], dim=2)[0]  # [H_kv, S, D]
+    source_value = torch.cat([v for _, v in earlier] + [value], dim=2)[0]
+    acc = query.new_zeros((heads, rows + 1, dim), dtype=torch.float32)  # the last row: scratch
+    acc_lse = torch.full((heads, rows + 1), float("-inf"), device=query.device)
+    mask = plan.pair_mask.to(query.dtype)
+    total = len(plan.pair_block)
+    for lo in range(0, total, PAIRS_PER_CALL):
+        hi = min(lo + PAIRS_PER_CALL, total)
+        n = hi - lo
+        q_slots = plan.pair_query[lo * QUERY_TILE : hi * QUERY_TILE]
+        k_slots = plan.pair_key[lo * BLOCK : hi * BLOCK]
+        q = query[0].index_select(1, q_slots).reshape(heads, n, QUERY_TILE, dim).transpose(0, 1).contiguous()
+        k = source_key.index_select(1, k_slots).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
+        v = source_value.index_select(1, k_slots).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
+        out, lse = attention_with_lse_masked(q, k, v, mask[lo:hi], scale)  # [n, H, QT, D], [n, H, QT]
+        blocks = plan.pair_block[lo:hi]
+        start = 0
+        while start < n:  # block by block: a row's blocks merge in block order
+            end = start + int(np.searchsorted(blocks[start:], blocks[start], side="right"))
+            slots = plan.pair_slot[(lo + start) * QUERY_TILE : (lo + end) * QUERY_TILE]
+            step_out = out[start:end].transpose(0, 1).reshape(heads, (end - start) * QUERY_TILE, dim)
+            step_lse = lse[start:end].transpose(0, 1).reshape(heads, (end - start) * QUERY_TILE)
             merged, merged_lse = merge_partial_attention(acc.index_select(1, slots), acc_lse.index_select(1, slots),
                                                          step_out, step_lse)
             acc.index_copy_(1, slots, merged)
             acc_lse.index_copy_(1, slots, merged_lse)
+            start = end
     return acc[None, :, :rows].to(query.dtype)
