@@ -36,11 +36,11 @@ def test_score_dataframe_keeps_the_callers_id_column_and_prompt_section(tmp_path
     import batchscore
 
     df = pd.DataFrame({"key": ["a", "b"], "q": ["Is Paris in France?", "Is Paris in Japan?"]}, index=[5, 7])
-    metrics = tmp_path / "m.json"
-    scores = batchscore.score_dataframe(
+    metrics, prom = tmp_path / "m.json", tmp_path / "m.prom"
+    scores = batchscore.score_dataframe(  # through run_job(..., metrics=, metrics_prom=), as the CLI writes them
         df, template="Question: {{ q | upper }}\nAnswer Yes or No:", labels=["Yes", "No"],
         input={"id_column": "key"}, prompt={"engine": "jinja"}, engine={"dtype": "float32"},
-        output={"audit_rows": 0}, metrics=str(metrics))
+        output={"audit_rows": 0}, metrics=str(metrics), metrics_prom=str(prom))
     assert list(scores.index) == [5, 7]
     assert "key" not in scores.columns and "row_id" not in scores.columns
     assert (scores["status"] == "ok").all()
@@ -48,18 +48,8 @@ def test_score_dataframe_keeps_the_callers_id_column_and_prompt_section(tmp_path
     assert abs(scores.loc[5, "p_Yes"] - scores.loc[7, "p_Yes"]) > 1e-6
     recorded = json.loads(metrics.read_text())
     assert recorded["status"] == "ok" and recorded["rows"] == 2
-
-
-def test_run_job_writes_the_run_files_like_the_cli(tmp_path, small_input):
-    from batchscore.jobfile import load_job
-    from batchscore.run.runner import run_job
-
-    job = write_job(tmp_path, small_input)
-    metrics, prom = tmp_path / "run.json", tmp_path / "run.prom"
-    summary = run_job(load_job(str(job)), progress=False, metrics=str(metrics), metrics_prom=str(prom))
-    data = json.loads(metrics.read_text())
-    assert data["status"] == "ok" and data["rows"] == summary.rows == 12
     assert "batchscore_rows" in prom.read_text()
+
 
 
 # ---------------------------------------------------------------------------- lock, SIGTERM
@@ -107,6 +97,22 @@ def test_sigterm_at_any_moment_exits_130_and_writes_the_metrics(tmp_path, small_
 # ---------------------------------------------------------------------------- the completeness marker
 
 
+def test_the_marker_names_its_output_by_content(tmp_path):
+    from batchscore.output.layout import OutputFiles
+    from batchscore.output.parts import completed_summary, recorded_summary, write_completion_marker
+
+    output = tmp_path / "out.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "p": [0.25, 0.75]}), output)
+    files = OutputFiles(str(output))
+    write_completion_marker(files, "job-hash", {"rows": 2})
+    assert completed_summary(files, "job-hash") == {"rows": 2}
+    original = output.read_bytes()
+    pq.write_table(pa.table({"id": ["a", "b"], "p": [0.75, 0.25]}), output)  # the same size, other scores
+    assert len(output.read_bytes()) == len(original) and output.read_bytes() != original
+    assert completed_summary(files, "job-hash") is None and recorded_summary(files) is None
+
+
+@pytest.mark.slow  # two full runs
 def test_another_parquet_of_the_same_size_is_not_taken_for_the_finished_output(tmp_path, small_input):
     job = write_job(tmp_path, small_input)
     output = tmp_path / "out.parquet"
@@ -179,12 +185,12 @@ def test_a_job_file_nested_5000_deep_is_exit_2_naming_the_depth(tmp_path, style)
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A finished labels run (12 rows): its output and completion marker."""
+    """A finished labels run (12 rows, every one too long to score): its output and completion marker."""
     from tests.conftest import write_sample_subset
 
     folder = tmp_path_factory.mktemp("finished")
     data = write_sample_subset(folder / "input.parquet", queries=4, product_ids=("P001", "P002", "P004"))
-    job = write_job(folder, data)
+    job = write_job(folder, data, engine={"max_length": 8}, output={"max_error_rate": 1.0})  # no model load
     result = invoke("run", job, "-q")
     assert result.exit_code == 0, result.output
     return folder / "out.parquet"
@@ -216,6 +222,21 @@ def test_a_hand_edited_calibrate_from_marker_is_refused_before_scoring(tmp_path,
     assert not (tmp_path / "out.parquet").exists()
 
 
+def test_a_compiler_cache_path_that_is_a_file_is_dropped_before_torch_compiler_loads(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    code = ("import logging; logging.basicConfig()\n"
+            "from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache\n"
+            "use_usable_inductor_cache()\n"
+            "import transformers.masking_utils  # imports torch._dynamo, which creates the cache folder\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(blocker))
+    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    assert "TORCHINDUCTOR_CACHE_DIR" in proc.stdout and "starts cold" in proc.stdout
+
+
+@pytest.mark.slow  # a full run in a subprocess
 def test_a_compiler_cache_path_that_is_a_file_does_not_fail_a_run(tmp_path, small_input):
     job = write_job(tmp_path, small_input)
     blocker = tmp_path / "not-a-folder"
@@ -239,6 +260,7 @@ def test_a_prompt_over_engine_max_length_names_engine_max_length(tmp_path, small
     assert errors and all("longer than the maximum 64 (engine.max_length)" in e for e in errors), errors[:1]
 
 
+@pytest.mark.slow  # a full run with the model
 def test_one_labeled_row_is_not_called_null_in_every_row(tmp_path):
     from tests.conftest import write_sample_subset
 
@@ -253,6 +275,7 @@ def test_one_labeled_row_is_not_called_null_in_every_row(tmp_path):
     assert "1 scored row is labeled in 'relevant'" in result.output and "at least 2" in result.output
 
 
+@pytest.mark.slow  # a full run with the model
 def test_a_fit_on_one_class_warns_in_the_log_and_the_summary(tmp_path):
     from tests.conftest import write_sample_subset
 
