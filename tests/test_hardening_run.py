@@ -369,3 +369,35 @@ def test_per_row_questions_and_a_question_missing_a_column_are_reported(decision
     assert questions["team"].missing == ["team.label_mass"] and questions["team"].answered == 3
     assert invoke("report", cut_path, "--html", tmp_path / "cut.html").exit_code == 0
     assert "team.label_mass" in (tmp_path / "cut.html").read_text()
+
+
+@pytest.mark.parametrize("calibration, named", [
+    ([1.0], "recorded no per-question values"),
+    ({"method": "temperature", "questions": {"refund": ["not", "a", "mapping"]}}, "no fitted values for question"),
+    ({"method": "temperature", "questions": {"refund": {"options": None, "params": {"temperature": 0}}}},
+     "temperature is 0; expected a finite number above 0"),
+])
+def test_a_hand_edited_question_calibration_is_refused(tmp_path, calibration, named):
+    import yaml
+
+    from batchscore.errors import CalibrationError
+    from batchscore.jobfile import load_job
+    from batchscore.output.decision_quality import check_calibration_source
+    from batchscore.output.layout import OutputFiles
+    from batchscore.output.parts import write_completion_marker
+    from batchscore.prepare.decisions import parse_systemone
+
+    questions = {"refund": {"type": "noul", "instructions": "Does the customer ask for money back?"}}
+    options = list(parse_systemone({"state": "", "questions": questions}).questions[0].options)
+    if isinstance(calibration, dict) and isinstance(calibration["questions"]["refund"], dict):
+        calibration["questions"]["refund"]["options"] = options
+    previous = tmp_path / "previous.parquet"
+    pq.write_table(pa.table({"ticket_id": ["t1"]}), previous)
+    write_completion_marker(OutputFiles(str(previous)), "hash", {"calibration": calibration})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"input": {"path": str(tmp_path / "in.jsonl"), "id_column": "ticket_id"},
+                                   "prompt": {"state_columns": ["body"]}, "questions": questions,
+                                   "score": {"calibrate": "temperature"}, "calibrate": {"from": str(previous)},
+                                   "output": {"path": str(tmp_path / "out.parquet")}}))
+    with pytest.raises(CalibrationError, match=named):  # exit 2, before any scoring
+        check_calibration_source(load_job(job))
