@@ -138,8 +138,9 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
 
 def _time_split(summary) -> str:
     """Where a run's wall time went: plan (read, tokenize, plan), scoring, write, audit."""
-    audit = (f"audit {summary.audit_seconds:.1f} s ({summary.audit_seconds / summary.seconds:.1%} of the run, "
-             f"{summary.audit_rows} rows)" if summary.audit_rows and summary.seconds > 0 else "audit off")
+    rows = f"{summary.audit_rows} row{'s' if summary.audit_rows > 1 else ''}"
+    audit = (f"audit {summary.audit_seconds:.1f} s ({summary.audit_seconds / summary.seconds:.1%} of the run, {rows})"
+             if summary.audit_rows and summary.seconds > 0 else "audit off")
     return (f"  plan {summary.prepare_seconds:.1f} s, scoring {summary.score_seconds:.1f} s, "
             f"write {summary.write_seconds:.1f} s, {audit}")
 
