@@ -244,3 +244,15 @@ def test_the_error_counts_every_differing_row_and_names_the_first():
     assert "more than |ΔP| 0.07" in message and "out.parquet" in message
     summary.audit_max_dp = 0.07  # at the bound: fine
     raise_if_inexact(summary)
+
+
+def test_the_console_splits_the_run_time():
+    from batchscore.cli import _time_split
+    from batchscore.run.runner import RunSummary
+
+    summary = RunSummary(output_path="out.parquet", rows=60, rows_ok=60, rows_error=0, logical_tokens=0,
+                         processed_tokens=0, saving_ratio=0.0, seconds=40.0, engine="torch", model="m",
+                         prepare_seconds=10.0, score_seconds=25.0, write_seconds=1.0, audit_seconds=2.0, audit_rows=1)
+    assert _time_split(summary) == "  plan 10.0 s, scoring 25.0 s, write 1.0 s, audit 2.0 s (5.0% of the run, 1 row)"
+    summary.audit_rows = 0
+    assert _time_split(summary).endswith("audit off")
