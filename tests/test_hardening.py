@@ -352,3 +352,15 @@ def test_a_repeated_per_row_option_is_that_rows_error(tmp_path):
     assert sorted(r.row_id for r in prepared.requests) == [0, 2]
     assert list(prepared.errors) == [1]
     assert "in.jsonl:2" in prepared.errors[1] and "field 'c' option 2 ' Paris' repeats option 0" in prepared.errors[1]
+
+
+def test_a_dictionary_encoded_id_column_is_checked_like_a_plain_one():
+    """Parquet writers dictionary-encode string columns; the duplicate-id check reads them as strings."""
+    import pyarrow as pa
+
+    from batchscore.errors import InputError
+    from batchscore.prepare.rows import check_unique_ids
+
+    check_unique_ids(pa.array(["a", "b", None]).dictionary_encode(), "q")
+    with pytest.raises(InputError, match=r"input.id_column 'q' has duplicate values, e.g. \['a'\]"):
+        check_unique_ids(pa.array(["a", "b", "a"]).dictionary_encode(), "q")

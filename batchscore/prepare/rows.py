@@ -135,6 +135,8 @@ def check_columns(batch: InputBatch, needed: list[str], uses: dict[str, str] | N
 def check_unique_ids(ids: pa.Array, id_column: str) -> None:
     """Ids must be unique; a null id (a line that could not be read has none) is not a duplicate:
     its row keeps its place and its error names the file and line."""
+    if pa.types.is_dictionary(ids.type):  # a dictionary-encoded column (count_distinct has no kernel for it)
+        ids = pc.cast(ids, ids.type.value_type)
     if pc.count_distinct(ids, mode="only_valid").as_py() != len(ids) - ids.null_count:
         counts = pc.value_counts(ids)
         dupes = [c["values"] for c in counts.to_pylist() if c["counts"] > 1 and c["values"] is not None][:5]
