@@ -84,9 +84,9 @@ def interrupt_on_sigterm():
 
 class RunFiles:
     """The metrics, Prometheus file and report of one run (each optional; `report`: True for
-    `<output>.report.html`, or the report's path). `job`: the job file,
-    when there is one (its stem labels the Prometheus metrics; the paths are checked against it);
-    `warn`: where a file that is not written is said (default: the log)."""
+    `<output>.report.html`, or the report's path). `job`: the job file, when there is one (its
+    stem labels the Prometheus metrics; the paths are checked against it); `warn`: where a file
+    that is not written is said (default: the log)."""
 
     def __init__(self, metrics: str | None = None, metrics_prom: str | None = None, report: bool | str = False,
                  job: str | None = None, warn: Callable[[str], None] | None = None):
