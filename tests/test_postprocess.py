@@ -168,3 +168,19 @@ def test_batch_calibration_warns_when_it_moves_many_answers_or_the_prior_is_skew
     columns.update({"p_Yes": pa.array(balanced), "p_No": pa.array(1 - balanced)})
     _, result = add_quality_columns(config, columns, np.ones(100, dtype=bool), pa.table({}), pa.array(np.arange(100)))
     assert result.calibration["warnings"] == []
+
+
+def test_the_raw_choice_is_taken_again_from_the_raw_probabilities():
+    """A calibrated output's `choice` follows p_cal_choices; re-derived, it starts again from
+    p_choices (the first of equal probabilities, as scoring chooses)."""
+    import numpy as np
+
+    from batchscore.run.rederive import _with_raw_choice
+
+    columns = {"p_choices": pa.array([[0.2, 0.5, 0.3], None, [0.5, 0.5]]), "choice": pa.array(["c", None, "y"])}
+    ok = np.array([True, False, True])
+    out = _with_raw_choice(columns, None, [["a", "b", "c"], None, ["x", "y"]], ok)
+    assert out["choice"].to_pylist() == ["b", None, "x"] and out["choice_index"].to_pylist() == [1, None, 0]
+    labels = _with_raw_choice({"p_Yes": pa.array([0.4, None]), "p_No": pa.array([0.6, None])}, ["Yes", "No"], None,
+                              np.array([True, False]))
+    assert labels["label"].to_pylist() == ["No", None]
