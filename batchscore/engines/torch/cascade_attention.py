@@ -29,12 +29,12 @@ entry in its `AttentionMaskInterface`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from transformers import AttentionInterface
 
-from batchscore.engines.torch.invariant import OwnSequence, PassBlocks, invariant_attention
 
 ATTN_IMPLEMENTATION = "batchscore_cascade"
 
@@ -185,6 +185,19 @@ class SequenceLayout:
 
 
 @dataclass
+class OwnSequence:
+    """Queries that share one list of own keys (after the part's prefix), in position order.
+
+    `query_rows` [Q]: the queries' rows in their part; `query_index` [Q]: each query's index in
+    `key_rows` (it sees keys 0..index); `key_rows` [K]: the keys' rows in the whole packed pass.
+    """
+
+    query_rows: np.ndarray
+    query_index: np.ndarray
+    key_rows: np.ndarray
+
+
+@dataclass
 class OptionLayout:
     """Option rows of several members packed in one part, and what each row attends to besides
     the prefix: its member's suffix (all of it, elsewhere in the packed row) and, causally, the
@@ -304,8 +317,9 @@ class CascadeBatch:
     """
 
     parts: list[CascadePart]
-    invariant: bool = False  # attend in position-aligned blocks (`invariant.py`): bit-identical whatever the batch
-    blocks: PassBlocks | None = None  # with `invariant`: the pass's blocks, planned on its first layer
+    # batch-invariant mode (`invariant.attend_invariant`): attends the whole pass instead of part by part
+    invariant: Callable[..., torch.Tensor] | None = None
+    blocks: object | None = None  # with `invariant`: the pass's blocks, planned on its first layer
 
 
 def merge_partial_attention(
@@ -380,8 +394,8 @@ def cascade_attention_forward(
         raise ValueError(f"cascade attention expects one packed row, got batch size {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer_idx = module.layer_idx
-    if cascade.invariant:
-        return _attend_invariant(query, key, value, cascade, layer_idx, scale), None
+    if cascade.invariant is not None:
+        return cascade.invariant(query, key, value, cascade, layer_idx, scale), None
 
     outputs, start = [], 0
     for part in cascade.parts:
@@ -412,25 +426,6 @@ def _attend_part(
     if part.record_into is not None:  # own copy: a view would keep the whole batch's K/V alive
         part.record_into.layers[layer_idx].append((key.contiguous(), value.contiguous()))
     return out.to(query.dtype)
-
-
-def _attend_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cascade: CascadeBatch,
-                      layer_idx: int, scale: float) -> torch.Tensor:
-    """The whole pass's attention in position-aligned blocks (`invariant.py`). Returns [1, T, H, D].
-    Side effects: plans `cascade.blocks` on the first layer; records K/V like `_attend_part`."""
-    if sum(part.num_tokens for part in cascade.parts) != query.shape[2]:
-        raise ValueError(f"cascade parts cover {sum(p.num_tokens for p in cascade.parts)} tokens, "
-                         f"the batch has {query.shape[2]}")
-    if cascade.blocks is None:
-        cascade.blocks = PassBlocks.build(cascade.parts, layer_idx).to(query.device)
-    out = invariant_attention(query, key, value, cascade.blocks, layer_idx, scale)  # [1, H, T, D]
-    start = 0
-    for part in cascade.parts:  # after the attention: the plan read each prefix's earlier segments only
-        if part.record_into is not None:
-            span = slice(start, start + part.num_tokens)
-            part.record_into.layers[layer_idx].append((key[:, :, span].contiguous(), value[:, :, span].contiguous()))
-        start += part.num_tokens
-    return out.transpose(1, 2)
 
 
 def attend_query_rows(

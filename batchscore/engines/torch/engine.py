@@ -63,7 +63,7 @@ from batchscore.engines.torch.cascade_attention import (
 from batchscore.engines.torch.cascade_attention import OptionLayout
 from batchscore.engines.torch.compiled_layers import compile_decoder_layers
 from batchscore.engines.torch.hybrid import HybridDecoder
-from batchscore.engines.torch.invariant import ROW_MULTIPLE, pad_rows, tile_linear_layers
+from batchscore.engines.torch.invariant import ROW_MULTIPLE, attend_invariant, pad_rows, tile_linear_layers
 from batchscore.engines.speculative.kept_tokens import PrunedGroup, SpecPrefillOptions
 from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape, dtype_bytes
@@ -581,7 +581,7 @@ class TorchEngine:
                     part.cascade.layout = part.cascade.layout.to(self.device)
                 if part.cascade.options is not None:
                     part.cascade.options = part.cascade.options.to(self.device)
-        cascade = CascadeBatch([p.cascade for p in parts], invariant=self.batch_invariant)
+        cascade = CascadeBatch([p.cascade for p in parts], invariant=attend_invariant if self.batch_invariant else None)
         if self._hybrid is not None:
             hidden = self._hybrid.forward(input_ids, position_ids, cascade)  # [T, hidden]
         else:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchscore.engines.torch.cascade_attention import OwnSequence, attention_with_lse_masked, merge_partial_attention
+
 BLOCK = 64  # key positions per attention block, aligned to position 0
 QUERY_TILE = 32  # queries per kernel tile (the CPU flash kernel's own query split at this size)
 ROW_MULTIPLE = 16  # passes and LM-head calls are padded to a multiple of this many rows
@@ -65,19 +67,6 @@ def _tiled_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             tile = torch.cat([tile, tile.new_zeros((LINEAR_TILE - count, tile.shape[1]))])
         out.append(torch.nn.functional.linear(tile, module.weight, module.bias)[:count])
     return torch.cat(out).reshape(*x.shape[:-1], module.out_features)
-
-
-@dataclass
-class OwnSequence:
-    """Queries that share one list of own keys (after the part's prefix), in position order.
-
-    `query_rows` [Q]: the queries' rows in their part; `query_index` [Q]: each query's index in
-    `key_rows` (it sees keys 0..index); `key_rows` [K]: the keys' rows in the whole packed pass.
-    """
-
-    query_rows: np.ndarray
-    query_index: np.ndarray
-    key_rows: np.ndarray
 
 
 PAIRS_PER_CALL = 256  # (query tile, key block) pairs per kernel call: bounds the gathered copies
@@ -193,8 +182,6 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """Attention of the whole pass, query [1, H, T, D] and its own key/value [1, H_kv, T, D], over
     the prefixes' earlier segments and the pass's rows, block by block (see the module docstring).
     Returns [1, H, T, D] in query's dtype."""
-    from batchscore.engines.torch.cascade_attention import attention_with_lse_masked, merge_partial_attention
-
     heads, rows, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads = key.shape[1]
     earlier = [s for prefix, count in plan.segments for s in prefix.layers[layer][:count]]
@@ -226,3 +213,22 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             acc_lse.index_copy_(1, slots, merged_lse)
             start = end
     return acc[None, :, :rows].to(query.dtype)
+
+
+def attend_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cascade,
+                      layer_idx: int, scale: float) -> torch.Tensor:
+    """The whole pass's attention in position-aligned blocks (`CascadeBatch.invariant`). Returns [1, T, H, D].
+    Side effects: plans `cascade.blocks` on the first layer; records K/V like `_attend_part`."""
+    if sum(part.num_tokens for part in cascade.parts) != query.shape[2]:
+        raise ValueError(f"cascade parts cover {sum(p.num_tokens for p in cascade.parts)} tokens, "
+                         f"the batch has {query.shape[2]}")
+    if cascade.blocks is None:
+        cascade.blocks = PassBlocks.build(cascade.parts, layer_idx).to(query.device)
+    out = invariant_attention(query, key, value, cascade.blocks, layer_idx, scale)  # [1, H, T, D]
+    start = 0
+    for part in cascade.parts:  # after the attention: the plan read each prefix's earlier segments only
+        if part.record_into is not None:
+            span = slice(start, start + part.num_tokens)
+            part.record_into.layers[layer_idx].append((key[:, :, span].contiguous(), value[:, :, span].contiguous()))
+        start += part.num_tokens
+    return out.transpose(1, 2)
