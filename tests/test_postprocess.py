@@ -74,6 +74,7 @@ def test_changing_review_or_calibration_rederives_without_a_forward(tmp_path, fo
     assert run_job(_job(tmp_path, data, output={"audit_rows": 2}), progress=False).skipped
 
 
+@pytest.mark.slow  # a second real run; make test keeps the re-derivation of a finished output
 def test_a_truth_problem_is_fixed_and_rerun_from_the_kept_parts(tmp_path, forwards):
     data = _labelled(tmp_path / "in.parquet")
     with pytest.raises(CalibrationError) as caught:
