@@ -225,7 +225,8 @@ def test_table_job_writes_exactly_the_named_columns_and_the_layout(table_run):
     assert metadata[b"batchscore.layout"] == b"vllm-nexttoken-v1"
     assert metadata[b"batchscore.confidence_method"] == b"typesafe"
     metrics = json.loads((table_run / "metrics.json").read_text())
-    assert metrics["decisions"] == {"layout": "vllm-nexttoken-v1", "confidence_method": "typesafe"}
+    assert metrics["decisions"] == {"layout": "vllm-nexttoken-v1", "confidence_method": "typesafe",
+                                    "score_levels": json.dumps({"mood": QUESTIONS["mood"]["criteria"]})}
     assert metrics["rows"] == 2 and metrics["reads"] == 6
 
 
