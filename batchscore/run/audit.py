@@ -225,27 +225,27 @@ def reference_totals(model, prompt: np.ndarray, label_ids, options) -> np.ndarra
     last = torch.log_softmax(out.logits[0, -1].double(), dim=-1)  # [V] the next token after the prompt
     if options is None:
         return last[torch.as_tensor(list(label_ids), device=device)].cpu().numpy()
-    totals = np.empty(options.count)
-    by_length: dict[int, list[int]] = {}
-    for i in range(options.count):
-        by_length.setdefault(len(options.option(i)), []).append(i)
-    for length, indices in by_length.items():
-        if length == 1:
-            totals[indices] = [float(last[int(options.option(i)[0])]) for i in indices]
-            continue
-        # options of one length continue the prompt's cache as one batch, a few at a time (memory): each
-        # reads its first token at the prompt's last position and the others after option[:-1]
-        for start in range(0, len(indices), AUDIT_BATCH):
-            chunk = indices[start : start + AUDIT_BATCH]
-            opts = torch.as_tensor(np.stack([np.asarray(options.option(i), dtype=np.int64) for i in chunk]),
-                                   device=device)  # [S, n]
-            cache = copy.deepcopy(out.past_key_values)
-            cache.batch_repeat_interleave(len(chunk))
-            with torch.inference_mode(), _full_float32():
-                logits = model(input_ids=opts[:, :-1], past_key_values=cache, use_cache=True).logits  # [S, n-1, V]
-            rest = torch.log_softmax(logits.double(), dim=-1).gather(2, opts[:, 1:, None])[:, :, 0]  # [S, n-1]
-            totals[chunk] = (last[opts[:, 0]] + rest.sum(dim=1)).cpu().numpy()
-            del cache
+    totals = np.array([float(last[int(options.option(i)[0])]) for i in range(options.count)])  # first tokens
+    longer = [i for i in range(options.count) if len(options.option(i)) > 1]
+    # the multi-token options continue the prompt's cache as one batch, a few at a time (memory), each
+    # right-padded to the longest: a padding token comes after every position read, so it changes none
+    chunks = [longer[start : start + AUDIT_BATCH] for start in range(0, len(longer), AUDIT_BATCH)]
+    for number, chunk in enumerate(chunks):
+        width = max(len(options.option(i)) for i in chunk)
+        opts = np.zeros((len(chunk), width), dtype=np.int64)  # [S, n]
+        for row, i in enumerate(chunk):
+            opts[row, : len(options.option(i))] = options.option(i)
+        # the last chunk may take the prompt's cache itself; earlier ones a copy of it
+        cache = out.past_key_values if number == len(chunks) - 1 else copy.deepcopy(out.past_key_values)
+        cache.batch_repeat_interleave(len(chunk))
+        with torch.inference_mode(), _full_float32():
+            logits = model(input_ids=torch.as_tensor(opts[:, :-1], device=device), past_key_values=cache,
+                           use_cache=True).logits  # [S, n-1, V]
+        picked = torch.log_softmax(logits.double(), dim=-1).gather(
+            2, torch.as_tensor(opts[:, 1:], device=device)[:, :, None])[:, :, 0].cpu().numpy()  # [S, n-1]
+        for row, i in enumerate(chunk):
+            totals[i] += float(picked[row, : len(options.option(i)) - 1].sum())
+        del cache
     return totals
 
 
