@@ -21,6 +21,7 @@ from batchscore.engines.registry import kind_names as engine_kind_names
 from batchscore.engines.shape import DTYPE_BYTES
 from batchscore.engines.speculative.kept_tokens import options_problems
 from batchscore.errors import JobConfigError, PromptTemplateError
+from batchscore.formats.registry import input_names as input_format_names, output_names as output_format_names
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
 from batchscore.output import quality
@@ -36,7 +37,7 @@ from batchscore.prepare.synthetic import WORKLOADS
 # them (a literal where no one module owns the list). The one table: load_job checks against it
 # and `batchscore schema` lists it as each key's enum.
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "input.format": ("auto", "parquet", "jsonl", "openai_batch"),
+    "input.format": input_format_names(),
     "input.synthetic.workload": tuple(sorted(WORKLOADS)),
     "prompt.engine": PROMPT_ENGINES,
     "score.normalize": NORMALIZE,
@@ -46,7 +47,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "engine.dtype": (*DTYPE_BYTES, "auto"),
     "engine.device": ("cpu", "cuda", "auto"),
     "plan.order": ORDER_POLICIES,
-    "output.format": ("auto", "parquet", "jsonl", "openai_batch"),
+    "output.format": output_format_names(),
     "executor.kind": ("local", "ray"),
 }
 
@@ -318,7 +319,9 @@ def _not_allowed(config: JobConfig, key: str) -> list[str]:
     """The problem of the job's value of `key` when it is not one of ALLOWED[key] (else none)."""
     section, name = key.split(".")
     value = getattr(getattr(config, section), name)
-    allowed = engine_kind_names() if key == "engine.kind" else ALLOWED[key]  # kinds registered since import too
+    registered = {"engine.kind": engine_kind_names, "input.format": input_format_names,
+                  "output.format": output_format_names}  # kinds and formats registered since import too
+    allowed = registered[key]() if key in registered else ALLOWED[key]
     return [] if value in allowed else [f"{key}: must be one of {', '.join(allowed)}, got {value!r}"]
 
 

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from batchscore.cli import main
 from batchscore.errors import InputError
-from batchscore.io.readers import discover_files, input_base, iter_batches
+from batchscore.formats import discover_files, iter_batches
+from batchscore.io.readers import input_base
 from batchscore.jobfile import config_from_dict
 from tests.conftest import write_job
 
@@ -37,9 +38,9 @@ def test_a_job_asks_the_reader_for_its_columns_only(wide_parquet, monkeypatch, t
 
     asked = []
 
-    def spy(files, batch_rows, columns=None, base=None):
+    def spy(files, batch_rows, columns=None, base=None, json_columns=()):
         asked.append(columns)
-        return iter_batches(files, batch_rows, columns=columns, base=base)
+        return iter_batches(files, batch_rows, columns=columns, base=base, json_columns=json_columns)
 
     monkeypatch.setattr(prepare, "iter_batches", spy)
     config = config_from_dict({"input": {"path": str(wide_parquet), "id_column": "c000"},

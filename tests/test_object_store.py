@@ -234,7 +234,7 @@ def test_a_wide_parquet_object_is_read_by_its_needed_columns_only(s3, tmp_path, 
     import s3fs
 
     from batchscore.output.identity import input_identity
-    from batchscore.io.readers import discover_files, iter_batches
+    from batchscore.formats import discover_files, iter_batches
 
     fs, _ = s3
     table = pa.table({f"c{i:03d}": [f"value {i} of row {r} " * 3 for r in range(2000)] for i in range(200)})

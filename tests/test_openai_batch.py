@@ -178,7 +178,7 @@ def test_jsonl_output_holds_the_same_rows_as_parquet(tmp_path):
     import numpy as np
     import pyarrow as pa
 
-    from batchscore.output.formats import write_output
+    from batchscore.formats import write_output
     from batchscore.output.table import results_table
 
     table = results_table(pa.array(["a", "b"]), "id", pa.table({"k": [1, 2]}), ["Yes", "No"],

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchscore.errors import InputError
-from batchscore.io.readers import discover_files, iter_batches
+from batchscore.formats import discover_files, iter_batches
 
 
 def test_folder_and_glob(tmp_path):

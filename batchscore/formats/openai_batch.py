@@ -1,6 +1,10 @@
-"""Output formats: the results table as Parquet, JSON Lines, or OpenAI Batch API output files.
+"""The OpenAI Batch API wire format: request files in, output and error files out.
 
-`openai_batch` writes what the Batch API returns for a batch (one line per request, matched by
+Reading: one request per line (`custom_id`, `url`, `body`), a chat/completions request's
+messages or prompt checked and kept as a row of `OPENAI_BATCH_SCHEMA`; a decision request's
+body is kept whole for its task to read.
+
+Writing: what the Batch API returns for a batch (one line per request, matched by
 `custom_id`): requests that were scored go to the output file, as a chat completion (or a
 text completion for `/v1/completions` requests) that "generated" the most probable label, with
 every label's log probability in `logprobs` (as `logprobs: true, top_logprobs: N` would) and
@@ -15,43 +19,96 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 
 import pyarrow as pa
 
-from batchscore.io.atomic import atomic_write
+from batchscore.formats.lines import write_lines
+from batchscore.formats.registry import WireFormat, register
+from batchscore.io.readers import jsonl_batches
 from batchscore.output import layout
-from batchscore.output.table import write_parquet_atomic
 
 # The smallest log probability written (OpenAI writes -9999.0 for "practically never").
 MIN_LOGPROB = -9999.0
 
 
-def write_output(table: pa.Table, path: str | os.PathLike, fmt: str, *, id_name: str, labels: list[str],
-                 model: str = "", error_path: str | os.PathLike | None = None) -> None:
-    """Write the results table (output/table.py) as `fmt`: parquet | jsonl | openai_batch
-    (`error_path`: its failed rows' file, `OutputFiles.errors`)."""
-    if fmt == "parquet":
-        write_parquet_atomic(table, path)
-    elif fmt == "jsonl":
-        _write_lines(path, (json.dumps(row, ensure_ascii=False, default=str) for row in table.to_pylist()))
-    elif fmt == "openai_batch":
-        ok, failed = openai_batch_lines(table, id_name, labels, model)
-        _write_lines(error_path, failed)
-        _write_lines(path, ok)
+# One request per line: {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
+# "body": {"model": ..., "messages": [...]}} or, for /v1/completions, "body": {"prompt": ...}.
+OPENAI_BATCH_SCHEMA = pa.schema([
+    ("custom_id", pa.string()), ("method", pa.string()), ("url", pa.string()), ("model", pa.string()),
+    ("messages", pa.string()),  # JSON text: [{"role": ..., "content": "..."}], contents as plain text
+    ("prompt", pa.string()),
+    ("decision", pa.string()),  # JSON text: the body of a /v1/systemone or /v1/decisions request
+])
+
+CHAT_URLS = ("/v1/chat/completions", "/v1/completions")
+FIELD_NAMES = {"messages": "body.messages", "prompt": "body.prompt", "model": "body.model"}  # in messages
+DECISION_URLS = ("/v1/systemone", "/v1/decisions")
+
+
+def openai_request(value: dict) -> tuple[dict, str | None]:
+    """One OpenAI Batch request line as a row of OPENAI_BATCH_SCHEMA, and the problem that keeps
+    it from being scored (None if it can be). The row keeps its custom_id even when it fails,
+    so its error is reported under that id."""
+    custom_id = value.get("custom_id")
+    row = {"custom_id": custom_id if isinstance(custom_id, str) else None,
+           "method": _text_or_none(value.get("method")), "url": _text_or_none(value.get("url"))}
+    if not isinstance(custom_id, str) or not custom_id:
+        return row, "custom_id: missing or not a string"
+    body = value.get("body")
+    if not isinstance(body, dict):
+        return row, "body: missing or not an object"
+    row["model"] = _text_or_none(body.get("model"))
+    url = value.get("url")
+    if url is not None and url not in CHAT_URLS + DECISION_URLS:
+        return row, (f"url: {_short_text(url)} is not a url batchscore answers "
+                     f"({', '.join(CHAT_URLS + DECISION_URLS)})")
+    if url in DECISION_URLS:  # its questions are read in prepare/decisions.py
+        row["decision"] = json.dumps(body)  # ASCII: a lone surrogate stays an escape until it is read
+        return row, None
+    if body.get("messages") is not None:
+        messages, problem = _chat_messages(body["messages"])
+        if problem:
+            return row, f"body.messages: {problem}"
+        row["messages"] = json.dumps(messages, ensure_ascii=False)
+    elif body.get("prompt") is not None:
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            return row, "body.prompt: must be one string (a request scores one prompt)"
+        row["prompt"] = prompt
     else:
-        raise ValueError(f"unknown output format {fmt!r}")
+        return row, "body: has neither messages (chat completions) nor prompt (completions)"
+    return row, None
 
 
-def _write_lines(path, lines) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            for line in lines:
-                handle.write(line)
-                handle.write("\n")
+def _short_text(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
-    atomic_write(path, write)
+
+def _chat_messages(messages) -> tuple[list[dict], str | None]:
+    if not isinstance(messages, list) or not messages:
+        return [], "must be a non-empty list of {role, content} objects"
+    result = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return [], f"message {i} has no role"
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                return [], f"message {i}: only text content parts can be scored"
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            return [], f"message {i} has no text content"
+        result.append({"role": message["role"], "content": content})
+    return result, None
+
+
+def _text_or_none(value):
+    return value if isinstance(value, str) else None
 
 
 def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: str,
@@ -70,7 +127,7 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
         key = hashlib.sha256(f"{i}:{custom_id}".encode()).hexdigest()[:24]
         if column[layout.STATUS][i] == layout.STATUS_OK:
             probs = {label: column[layout.label_column(label)][i] for label in labels}
-            body = _completion(key, created, model, column[layout.LABEL][i], probs, column[layout.LABEL_MASS][i],
+            body = completion_body(key, created, model, column[layout.LABEL][i], probs, column[layout.LABEL_MASS][i],
                                completions=str(urls[i] or "").endswith("/v1/completions"))
             if approx is not None:
                 body[layout.APPROX_KEEP] = approx[i]  # speculative prefill: the scores are approximate
@@ -79,7 +136,7 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
                                   "error": None}, ensure_ascii=False))
         else:
             failed.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id,
-                                      "response": _error_response(key, column[layout.ERROR][i] or "not scored"),
+                                      "response": error_response(key, column[layout.ERROR][i] or "not scored"),
                                       "error": None}, ensure_ascii=False))
     return ok, failed
 
@@ -90,7 +147,7 @@ def _logprob(p: float, mass: float) -> float:
     return max(math.log(value), MIN_LOGPROB) if value > 0 else MIN_LOGPROB
 
 
-def _completion(key: str, created: int, model: str, label: str, probs: dict[str, float], mass: float,
+def completion_body(key: str, created: int, model: str, label: str, probs: dict[str, float], mass: float,
                 completions: bool) -> dict:
     logprobs = {name: _logprob(p, mass) for name, p in probs.items()}
     ranked = sorted(logprobs, key=logprobs.get, reverse=True)
@@ -112,7 +169,7 @@ def _completion(key: str, created: int, model: str, label: str, probs: dict[str,
             "choices": [choice], **extra}
 
 
-def _error_response(key: str, message: str) -> dict:
+def error_response(key: str, message: str) -> dict:
     """A failed request as the Batch API's error file holds it: the HTTP status and an error body."""
     if "longer than the maximum" in message:
         status, kind, code = 400, "invalid_request_error", "context_length_exceeded"
@@ -123,3 +180,17 @@ def _error_response(key: str, message: str) -> dict:
     return {"status_code": status, "request_id": key,
             "body": {"error": {"message": message, "type": kind, "param": None, "code": code}}}
 
+
+def read_requests(path, batch_rows: int, columns, json_columns):
+    return jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA, columns, field_names=FIELD_NAMES)
+
+
+def write_batch(table: pa.Table, path, *, id_name: str, labels: list[str], model: str = "", error_path=None,
+                **_) -> None:
+    """The output file and the error file (`error_path`), the error file first."""
+    ok, failed = openai_batch_lines(table, id_name, labels, model)
+    write_lines(error_path, failed)
+    write_lines(path, ok)
+
+
+OPENAI_BATCH = register(WireFormat("openai_batch", read=read_requests, write=write_batch, error_file=True))

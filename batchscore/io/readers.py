@@ -1,5 +1,6 @@
-"""Input readers: Parquet, JSONL and OpenAI Batch files (one file, a folder or a glob) as Arrow
-record batches.
+"""Input readers: the files of an input (one file, a folder or a glob) as Arrow record batches.
+Which format a file is, and how a line-based format turns its lines into rows, is the wire
+format's (formats/); this module holds the shared machinery.
 
 Parquet goes through `pyarrow.dataset`: only the columns a job uses are read (projection), the
 schemas of all files are unified (a column missing from a file is null there; types that cannot
@@ -15,7 +16,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -24,9 +25,6 @@ import pyarrow.parquet as pq
 
 from batchscore.errors import InputError
 from batchscore.io.storage import as_path, describe_store_error, is_remote, is_url, relative_folder, store_error_types
-
-SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
-
 
 @dataclass
 class InputBatch:
@@ -39,18 +37,20 @@ class InputBatch:
     available: list[str] | None = None  # every column the input has (None: the table's)
 
 
-def discover_files(path: str, fmt: str = "auto", filter: dict | None = None) -> list[tuple[Path, str]]:
+def discover_files(path: str, suffixes: Mapping[str, str], fmt: str = "auto",
+                   filter: dict | None = None) -> list[tuple[Path, str]]:
     """Resolve `path` (file, folder or glob) to sorted (file, format) pairs, keeping only the
     files whose hive partitions match `filter` ({column: value or [values]}); raises InputError.
-    An object-store URL (io/storage.py) gives UPaths, a local path Paths."""
+    `suffixes`: {file suffix: format} that `fmt: auto` and a folder read. An object-store URL
+    (io/storage.py) gives UPaths, a local path Paths."""
     try:
-        candidates = _discover_remote(path) if is_url(path) else _discover_local(path)
+        candidates = _discover_remote(path, suffixes) if is_url(path) else _discover_local(path, suffixes)
         base = input_base(path) if filter else None
     except (OSError, *store_error_types()) as exc:  # a store that cannot be reached, a folder that cannot be listed
         raise InputError(f"input.path: cannot list {path}: {describe_store_error(exc)}") from None
     files = []
     for candidate in candidates:
-        detected = fmt if fmt != "auto" else SUFFIX_FORMATS.get(candidate.suffix.lower())
+        detected = fmt if fmt != "auto" else suffixes.get(candidate.suffix.lower())
         if detected is None:
             raise InputError(f"{candidate}: unknown file type {candidate.suffix!r}; "
                              "use .parquet or .jsonl, or set input.format")
@@ -60,7 +60,7 @@ def discover_files(path: str, fmt: str = "auto", filter: dict | None = None) -> 
     return files
 
 
-def _discover_remote(path: str) -> list:
+def _discover_remote(path: str, suffixes: Mapping[str, str]) -> list:
     root = as_path(path)
     root.fs.invalidate_cache()  # listings cached by an earlier job of this process may be stale
     try:
@@ -71,7 +71,7 @@ def _discover_remote(path: str) -> list:
                 raise InputError(f"input.path: no files match the glob {path!r}")
         elif root.fs.isdir(root.path):
             files = sorted(f for f in root.fs.find(root.path)
-                           if Path(f).suffix.lower() in SUFFIX_FORMATS)
+                           if Path(f).suffix.lower() in suffixes)
             if not files:
                 raise InputError(f"input.path: folder {path} holds no .parquet or .jsonl files")
         elif root.fs.isfile(root.path):
@@ -85,14 +85,14 @@ def _discover_remote(path: str) -> list:
     return [UPath(f, protocol=root.protocol, **root.storage_options) for f in files]  # the root's account and options
 
 
-def _discover_local(path: str) -> list[Path]:
+def _discover_local(path: str, suffixes: Mapping[str, str]) -> list[Path]:
     p = Path(path).expanduser()
     if any(ch in path for ch in "*?["):
         candidates = [Path(x) for x in sorted(globlib.glob(str(p), recursive=True))]
         if not candidates:
             raise InputError(f"input.path: no files match the glob {path!r}")
     elif p.is_dir():
-        candidates = sorted(x for x in p.rglob("*") if x.suffix.lower() in SUFFIX_FORMATS and x.is_file())
+        candidates = sorted(x for x in p.rglob("*") if x.suffix.lower() in suffixes and x.is_file())
         if not candidates:
             raise InputError(f"input.path: folder {path} holds no .parquet or .jsonl files")
     elif p.exists():
@@ -148,14 +148,17 @@ def _filter_partitions(files: list[tuple[Path, str]], base: Path | None, filter:
     return kept
 
 
-def iter_batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None = None,
-                 base: Path | None = None, json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
+def iter_batches(files: list[tuple[Path, str]], read_file: Callable[[str], Callable | None], batch_rows: int,
+                 columns: list[str] | None = None, base: Path | None = None,
+                 json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
     """Yield record batches of every file in order, with only `columns` (None: all) and the hive
     partition columns of folders below `base`; raises InputError for unreadable files (an object
     store that cannot be reached included). `json_columns`: JSONL columns read per line as JSON
     text (an object or array written back with `json.dumps`), never unified across lines into one
-    struct that would give each row the other rows' keys."""
-    batches = _batches(files, batch_rows, columns, base, tuple(json_columns))
+    struct that would give each row the other rows' keys. `read_file(format)`: how one file of
+    that format is read, `(file, batch_rows, columns, json_columns) -> batches`; None for a format
+    read as one Arrow dataset with the input's other such files (Parquet)."""
+    batches = _batches(files, read_file, batch_rows, columns, base, tuple(json_columns))
     while True:
         try:
             batch = next(batches, None)
@@ -170,23 +173,22 @@ def _where(files: list[tuple[Path, str]]) -> str:
     return str(files[0][0]) if len(files) == 1 else f"{len(files)} files from {files[0][0]} on"
 
 
-def _batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None,
-             base: Path | None, json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
+def _batches(files: list[tuple[Path, str]], read_file: Callable[[str], Callable | None], batch_rows: int,
+             columns: list[str] | None, base: Path | None, json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
     partitions = partition_values([f for f, _ in files], base)
-    parquet = [(f, p) for (f, fmt), p in zip(files, partitions) if fmt == "parquet"]
+    readers = {fmt: read_file(fmt) for fmt in {fmt for _, fmt in files}}
+    parquet = [(f, p) for (f, fmt), p in zip(files, partitions) if readers[fmt] is None]
     scan = _ParquetScan(parquet, base, columns) if parquet else None
     for (path, fmt), values in zip(files, partitions):
-        if fmt == "parquet":
+        if readers[fmt] is None:
             yield from scan.batches(path, batch_rows)
             continue
-        lines = _jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA, columns) \
-            if fmt == "openai_batch" else _jsonl_batches(path, batch_rows, columns=columns, json_columns=json_columns)
-        for batch in lines:
+        for batch in readers[fmt](path, batch_rows, columns, json_columns):
             yield _with_partitions(batch, values, columns)
 
 
 def _with_partitions(batch: InputBatch, values: dict, columns: list[str] | None) -> InputBatch:
-    """A JSONL batch with its file's partition columns (a key of the rows wins), only `columns`."""
+    """A line-read batch with its file's partition columns (a key of the rows wins), only `columns`."""
     table = batch.table
     for name, value in values.items():
         if name not in table.column_names:
@@ -329,13 +331,15 @@ def _unify(schemas: list[pa.Schema]) -> pa.Schema:
     return pa.schema(unified)
 
 
-def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema | None = None,
-                   columns: list[str] | None = None, json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
+def jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema | None = None,
+                  columns: list[str] | None = None, json_columns: tuple[str, ...] = (),
+                  field_names: Mapping[str, str] | None = None) -> Iterator[InputBatch]:
     """Parse JSON Lines one line at a time so a bad line becomes a row error, not a lost file.
     `convert(value) -> (row, problem)` turns each parsed object into a row of `schema`.
     `columns`: the columns the job reads (None: all); a value that is not text (a lone UTF-16
     surrogate) is that row's error in those, and written as its `\\uXXXX` escape elsewhere.
-    `json_columns`: kept as each line's own JSON text (see iter_batches)."""
+    `json_columns`: kept as each line's own JSON text (see iter_batches). `field_names`: how
+    error messages call a row's column (its place in the line, e.g. `body.messages`)."""
     rows: list[dict] = []
     errors: list[str | None] = []
     first_line = 1
@@ -357,7 +361,7 @@ def _jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema 
                 error = error or (f"{path}:{number}: {problem}" if problem else None)
             if bad_bytes or _MAY_HOLD_SURROGATE.search(raw):
                 row, error = _without_surrogates(row, error, path, number, columns,
-                                                 _OPENAI_FIELDS if convert is not None else {}, bad_bytes)
+                                                 field_names or {}, bad_bytes)
             for name in json_columns:
                 if isinstance(row.get(name), (dict, list)):
                     row[name] = json.dumps(row[name], ensure_ascii=False)
@@ -376,7 +380,6 @@ _UTF8_BOM = b"\xef\xbb\xbf"
 # Parquet, the tokenizer) can hold. Only a line with such an escape is searched for one.
 _MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_OPENAI_FIELDS = {"messages": "body.messages", "prompt": "body.prompt", "model": "body.model"}
 
 
 def _without_surrogates(row: dict, error: str | None, path: Path, number: int, columns: list[str] | None,
@@ -484,83 +487,3 @@ def _to_text(value):
     if isinstance(value, (list, dict)):
         return json.dumps(value)
     return str(value)
-
-
-# --- OpenAI Batch API request files -----------------------------------------------------------
-
-# One request per line: {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
-# "body": {"model": ..., "messages": [...]}} or, for /v1/completions, "body": {"prompt": ...}.
-OPENAI_BATCH_SCHEMA = pa.schema([
-    ("custom_id", pa.string()), ("method", pa.string()), ("url", pa.string()), ("model", pa.string()),
-    ("messages", pa.string()),  # JSON text: [{"role": ..., "content": "..."}], contents as plain text
-    ("prompt", pa.string()),
-    ("decision", pa.string()),  # JSON text: the body of a /v1/systemone or /v1/decisions request
-])
-
-CHAT_URLS = ("/v1/chat/completions", "/v1/completions")
-DECISION_URLS = ("/v1/systemone", "/v1/decisions")
-
-
-def openai_request(value: dict) -> tuple[dict, str | None]:
-    """One OpenAI Batch request line as a row of OPENAI_BATCH_SCHEMA, and the problem that keeps
-    it from being scored (None if it can be). The row keeps its custom_id even when it fails,
-    so its error is reported under that id."""
-    custom_id = value.get("custom_id")
-    row = {"custom_id": custom_id if isinstance(custom_id, str) else None,
-           "method": _text_or_none(value.get("method")), "url": _text_or_none(value.get("url"))}
-    if not isinstance(custom_id, str) or not custom_id:
-        return row, "custom_id: missing or not a string"
-    body = value.get("body")
-    if not isinstance(body, dict):
-        return row, "body: missing or not an object"
-    row["model"] = _text_or_none(body.get("model"))
-    url = value.get("url")
-    if url is not None and url not in CHAT_URLS + DECISION_URLS:
-        return row, (f"url: {_short_text(url)} is not a url batchscore answers "
-                     f"({', '.join(CHAT_URLS + DECISION_URLS)})")
-    if url in DECISION_URLS:  # its questions are read in prepare/decisions.py
-        row["decision"] = json.dumps(body)  # ASCII: a lone surrogate stays an escape until it is read
-        return row, None
-    if body.get("messages") is not None:
-        messages, problem = _chat_messages(body["messages"])
-        if problem:
-            return row, f"body.messages: {problem}"
-        row["messages"] = json.dumps(messages, ensure_ascii=False)
-    elif body.get("prompt") is not None:
-        prompt = body["prompt"]
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            return row, "body.prompt: must be one string (a request scores one prompt)"
-        row["prompt"] = prompt
-    else:
-        return row, "body: has neither messages (chat completions) nor prompt (completions)"
-    return row, None
-
-
-def _short_text(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _chat_messages(messages) -> tuple[list[dict], str | None]:
-    if not isinstance(messages, list) or not messages:
-        return [], "must be a non-empty list of {role, content} objects"
-    result = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            return [], f"message {i} has no role"
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                return [], f"message {i}: only text content parts can be scored"
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            return [], f"message {i} has no text content"
-        result.append({"role": message["role"], "content": content})
-    return result, None
-
-
-def _text_or_none(value):
-    return value if isinstance(value, str) else None

@@ -20,11 +20,12 @@ import numpy as np
 import pyarrow as pa
 
 from batchscore.config import JobConfig
+from batchscore.formats.lines import write_lines
+from batchscore.formats.openai_batch import completion_body, error_response
 from batchscore.output import layout
 from batchscore.output.decision_quality import add_question_quality, column_types
 from batchscore.output.decisions import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
                                          row_values, systemone_answer, systemone_body, table_column_types)
-from batchscore.output.formats import _completion, _error_response, _write_lines
 from batchscore.output.layout import OutputFiles
 from batchscore.output.quality import QualityResult
 from batchscore.output.scores import RowScores
@@ -92,13 +93,13 @@ def _write_batch(decisions: DecisionInput, logp: list, tops: list | None, errors
         if problem is not None:
             failed[index] = problem
             failed_lines.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id,
-                                            "response": _error_response(key, problem), "error": None}))
+                                            "response": error_response(key, problem), "error": None}))
             continue
         response = {"status_code": 200, "request_id": key, "body": body}
         ok_lines.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response,
                                     "error": None}, ensure_ascii=False))
-    _write_lines(files.errors, failed_lines)
-    _write_lines(files.output, ok_lines)
+    write_lines(files.errors, failed_lines)
+    write_lines(files.output, ok_lines)
     return failed
 
 
@@ -118,7 +119,7 @@ def _record_body(record: Record, logp: list, tops: list | None, errors: dict[int
         weights = np.exp(totals - top)
         probs = weights / weights.sum()
         mass = float(np.exp(totals).sum())
-        return _completion(key, created, model, labels[int(np.argmax(probs))],
+        return completion_body(key, created, model, labels[int(np.argmax(probs))],
                            dict(zip(labels, map(float, probs))), mass,
                            completions=str(record.url or "").endswith("/v1/completions")), None
     answers = record_answers(record, logp, errors, tops)
@@ -190,7 +191,7 @@ def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: 
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **{k.encode(): v.encode()
                                                                                for k, v in metadata.items()}})
     if config.output_format == "jsonl":
-        _write_lines(files.output, (json.dumps(_finite(row), ensure_ascii=False, default=str)
+        write_lines(files.output, (json.dumps(_finite(row), ensure_ascii=False, default=str)
                                     for row in table.to_pylist()))
     else:
         write_parquet_atomic(table, files.output)

@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchscore.errors import WritePathError
-from batchscore.io.readers import SUFFIX_FORMATS
+from batchscore.formats.registry import suffix_formats
 from batchscore.io.storage import is_remote, is_url
 from batchscore.output.layout import OutputFiles, default_error_path
 
 _WILDCARDS = "*?["
-INPUT_SUFFIXES = tuple(SUFFIX_FORMATS)  # what a folder input reads
 
 
 def _key(path) -> str:
@@ -109,7 +108,8 @@ class Protected:
         if target == root:
             return f"is the input {source}; writing it would destroy it"
         is_folder = source.endswith("/") if is_url(source) else Path(root).is_dir()
-        if (is_folder or is_url(source)) and _inside(target, root) and target.lower().endswith(INPUT_SUFFIXES):
+        read_suffixes = tuple(suffix_formats())  # what a folder input reads
+        if (is_folder or is_url(source)) and _inside(target, root) and target.lower().endswith(read_suffixes):
             return f"is inside the input folder {source}; the next run would read it as input"
         return None
 
@@ -180,4 +180,4 @@ def metrics_default(output) -> str | None:
 
 
 __all__ = ["Protected", "check_job_write_paths", "check_report_path", "check_run_files", "metrics_default", "replaceable",
-           "INPUT_SUFFIXES", "METRICS_MARK", "PROM_MARK", "REPORT_MARK"]
+           "METRICS_MARK", "PROM_MARK", "REPORT_MARK"]

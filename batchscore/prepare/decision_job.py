@@ -23,7 +23,9 @@ import pyarrow as pa
 
 from batchscore.config import JobConfig
 from batchscore.errors import DecisionRequestError, InputError, PromptTemplateError, RowRenderError
-from batchscore.io.readers import DECISION_URLS, input_base, iter_batches
+from batchscore.formats import iter_batches
+from batchscore.formats.openai_batch import DECISION_URLS
+from batchscore.io.readers import input_base
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
 from batchscore.plan.validate import prompt_problem

@@ -30,7 +30,8 @@ from batchscore.output.write_paths import check_job_write_paths
 from batchscore.output.identity import input_identity, model_identity, software_versions
 from batchscore.output.layout import OutputFiles
 from batchscore.output.quality import content_free_row, content_free_rows
-from batchscore.io.readers import InputBatch, discover_files, input_base, iter_batches
+from batchscore.formats import discover_files, iter_batches
+from batchscore.io.readers import InputBatch, input_base
 from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.prepare.decision_job import is_decision_input, prepare_decisions
 from batchscore.prepare.decisions import check_question, parse_systemone

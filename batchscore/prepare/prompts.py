@@ -199,7 +199,7 @@ class PromptRenderer:
 
 class RequestRenderer(PromptRenderer):
     """Prompts of OpenAI Batch requests (`input.format: openai_batch`, rows of
-    io.readers.OPENAI_BATCH_SCHEMA): `messages` through the model's chat template, or a plain
+    formats/openai_batch.OPENAI_BATCH_SCHEMA): `messages` through the model's chat template, or a plain
     `prompt` (completions). Every message's content, and the whole plain prompt, is data."""
 
     def __init__(self, tokenizer):

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchscore.output import layout
-from batchscore.output.formats import write_output
+from batchscore.formats import write_output
 from batchscore.output.quality import QualityResult, add_quality_columns, content_free_rows
 from batchscore.output.scores import choices_for_output
 from batchscore.output.table import ok_rows, scores_table

@@ -3,7 +3,7 @@
 Stages: read + tokenize (`prepare/`) → plan (`plan/`) → place groups on workers → score with
 an engine (`engines/`) through an executor (`run/local.py` or `run/ray.py`), flushing the raw
 scores as durable parts (`output/parts.py`) → normalize once (`output/scores.py`) and write the
-output atomically (`output/table.py`, `output/formats.py`). A run that dies resumes from its
+output atomically (`output/table.py`, `formats/`). A run that dies resumes from its
 parts. The output's files are named once per run (`output/layout.OutputFiles`) and its parts
 store is built once per run and passed down.
 """
@@ -41,7 +41,7 @@ from batchscore.io.storage import file_size, is_url
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.output.decision_files import run_metadata, write_decision_output
 from batchscore.output.decision_quality import check_calibration_source as check_question_calibration_source
-from batchscore.output.formats import write_output
+from batchscore.formats import write_output
 from batchscore.output.quality import (QualityResult, add_quality_columns, check_calibration_source, content_free_rows,
                                        split_content_free)
 from batchscore.output.scores import choices_for_output, score_columns, top_columns

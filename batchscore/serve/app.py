@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchscore.errors import APIError
-from batchscore.io.readers import CHAT_URLS, DECISION_URLS
+from batchscore.formats.openai_batch import CHAT_URLS, DECISION_URLS
 from batchscore.serve.auth import authorized
 from batchscore.serve.requests import metadata_labels
 from batchscore.serve.store import Store, new_id, now

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from batchscore.io.readers import CHAT_URLS
+from batchscore.formats.openai_batch import CHAT_URLS
 
 LABELS_KEY = "labels"  # batch metadata key: a JSON list of label texts, in a string value
 TOKEN_IDS_KEY = "logprob_token_ids"  # a request's own labels, as vLLM takes them: token ids
@@ -130,7 +130,7 @@ def _check_line(raw: bytes, endpoint: str, model: str, labels: list[str] | None,
 
 
 def error_line(custom_id: str | None, message: str, number: int) -> str:
-    """One error-file line, shaped as the job's own error lines (output/formats.py)."""
+    """One error-file line, shaped as the job's own error lines (formats/openai_batch.py)."""
     key = f"line{number}"
     response = {"status_code": 400, "request_id": key,
                 "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,

@@ -1,0 +1,92 @@
+"""Every wire format, registered by its own module: its name, the file suffixes `auto` knows it
+by, how one of its files is read into rows and how a results table is written in it.
+
+A format is one module that builds a `WireFormat` and calls `register` (the built-in ones are
+listed in `BUILT_IN` and imported on first use); the readers, the writer and the job file's
+allowed values of `input.format` / `output.format` read this table and never name a format.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+BUILT_IN = ("batchscore.formats.table", "batchscore.formats.openai_batch")
+
+# (file, batch_rows, columns, json_columns) -> the file's rows, batch by batch (io/readers.InputBatch)
+ReadFile = Callable[[Path, int, "list[str] | None", "tuple[str, ...]"], Iterator]
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """One wire format.
+
+    `suffixes`: file suffixes (lower case, with the dot) that `auto` reads as this format.
+    `read`: one file's rows; None for a format read as one Arrow dataset with the other files
+    (`dataset`, Parquet). `write(table, path, *, id_name, labels, model, error_path)`: the
+    results table in this format; None for an input-only format. `error_file`: whether its
+    output writes failed rows to a second file beside the output (`OutputFiles.errors`).
+    """
+
+    name: str
+    suffixes: tuple[str, ...] = ()
+    read: ReadFile | None = None
+    dataset: bool = False
+    write: Callable[..., None] | None = None
+    error_file: bool = False
+
+
+_FORMATS: dict[str, WireFormat] = {}
+_loaded = False
+
+
+def register(fmt: WireFormat) -> WireFormat:
+    """Add (or replace) a wire format; returns it. `auto` is not a format name."""
+    if fmt.name == "auto":
+        raise ValueError("'auto' is not a format name")
+    if fmt.read is None and not fmt.dataset and fmt.write is None:
+        raise ValueError(f"format {fmt.name!r} neither reads nor writes")
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def unregister(name: str) -> None:
+    _FORMATS.pop(name, None)
+
+
+def _load_built_in() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILT_IN:
+            importlib.import_module(module)
+
+
+def formats() -> dict[str, WireFormat]:
+    """Every registered format by name (the built-in ones first)."""
+    _load_built_in()
+    return dict(_FORMATS)
+
+
+def get_format(name: str) -> WireFormat:
+    found = formats().get(name)
+    if found is None:
+        raise ValueError(f"unknown format {name!r} (known: {', '.join(formats())})")
+    return found
+
+
+def input_names() -> tuple[str, ...]:
+    """The values `input.format` takes: `auto`, then every format that reads."""
+    return ("auto", *(name for name, f in formats().items() if f.read is not None or f.dataset))
+
+
+def output_names() -> tuple[str, ...]:
+    """The values `output.format` takes: `auto`, then every format that writes."""
+    return ("auto", *(name for name, f in formats().items() if f.write is not None))
+
+
+def suffix_formats() -> dict[str, str]:
+    """{suffix: format name} for `input.format: auto` and folder inputs."""
+    return {suffix: name for name, f in formats().items() for suffix in f.suffixes}

@@ -1,0 +1,27 @@
+"""The results table as a table: Parquet (read as one Arrow dataset, io/readers.py) and JSON Lines
+(one row per line, parsed line by line so that a bad line is that row's error)."""
+
+from __future__ import annotations
+
+import json
+
+from batchscore.formats.lines import write_lines
+from batchscore.formats.registry import WireFormat, register
+from batchscore.io.readers import jsonl_batches
+from batchscore.output.table import write_parquet_atomic
+
+
+def write_parquet(table, path, **_) -> None:
+    write_parquet_atomic(table, path)
+
+
+def read_jsonl(path, batch_rows: int, columns, json_columns):
+    return jsonl_batches(path, batch_rows, columns=columns, json_columns=json_columns)
+
+
+def write_jsonl(table, path, **_) -> None:
+    write_lines(path, (json.dumps(row, ensure_ascii=False, default=str) for row in table.to_pylist()))
+
+
+PARQUET = register(WireFormat("parquet", suffixes=(".parquet", ".pq"), dataset=True, write=write_parquet))
+JSONL = register(WireFormat("jsonl", suffixes=(".jsonl", ".ndjson", ".json"), read=read_jsonl, write=write_jsonl))
