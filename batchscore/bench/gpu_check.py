@@ -68,7 +68,7 @@ def run_check(name: str, device: str, dtype: str, token_budget: int, plain_batch
             click.echo(f"auto on a {r['auto']['eager_seconds']:.0f}-s {r['shape']} job: {r['auto']['why']}")
     from batchscore.bench.gpu_vllm import vllm_column
 
-    column = vllm_column(name, device, dtype, token_budget, hybrid_chunk, scale, rows)
+    column = vllm_column(name, device, dtype, token_budget, hybrid_chunk, scale, rows, CHECK_SHAPES)
     if json_out:
         with open(json_out, "w") as out:
             json.dump({**header, "check": rows, "mil": mil, "vllm": column or "vLLM does not import here"}, out, indent=2)

@@ -16,8 +16,9 @@ import click
 
 
 def vllm_column(name: str, device: str, dtype: str, token_budget: int, hybrid_chunk: int, scale: float,
-                rows: list[dict]) -> list[dict]:
-    """Measure (or explain the absence of) the vLLM column; returns one dict per shape."""
+                rows: list[dict], shapes: tuple = ()) -> list[dict]:
+    """Measure (or explain the absence of) the vLLM column; returns one dict per shape of `shapes`
+    (gpu_check.CHECK_SHAPES, handed in so that the check and its column do not import each other)."""
     if not device.startswith("cuda"):
         click.echo("vLLM column: measured on a GPU only (the check's models are 7-8B)")
         return []
@@ -25,7 +26,6 @@ def vllm_column(name: str, device: str, dtype: str, token_budget: int, hybrid_ch
         click.echo("vLLM column: vLLM does not import on this machine (install batchscore[vllm]); not measured")
         return []
     from batchscore.bench.gpu_bench import config_of
-    from batchscore.bench.gpu_check import CHECK_SHAPES
     from batchscore.bench.scoring import plain_group
     from batchscore.bench.vllm_bench import make_requests, planned, run_once, shuffled_plain
     from batchscore.engines.vllm.engine import VllmEngine
@@ -35,7 +35,7 @@ def vllm_column(name: str, device: str, dtype: str, token_budget: int, hybrid_ch
     (folder / "config.json").write_text(json.dumps(config))
     torch_rates = {r["shape"]: r["plain_req_s"] * r["speedup"] for r in rows if "error" not in r}
     results = []
-    for shape, prefix, distinct, degree, requests in CHECK_SHAPES:
+    for shape, prefix, distinct, degree, requests in shapes:
         prefix, distinct = max(1, round(prefix * scale)), max(1, round(distinct * scale))
         requests = max(degree, round(requests * scale) // degree * degree)
         work = make_requests(requests // degree, degree, prefix, distinct, int(config["vocab_size"]), seed=0)
