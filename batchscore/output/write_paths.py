@@ -137,10 +137,8 @@ def replaceable(path, mark: bytes) -> bool:
 def check_report_path(option: str, path, output, read=()) -> None:
     """Refuse a report path that breaks the rule for `output` (the output reported on), is one of
     the files the report reads (`read`), or is an existing file that is not a report."""
-    from batchscore.report import default_report_path
-
     Protected(OutputFiles(os.fspath(output)), tuple(os.fspath(p) for p in read if p)).check(
-        option, path, default=default_report_path(output))
+        option, path, default=OutputFiles(output).report)  # the report's default path (report/)
     if path is not None and not replaceable(path, REPORT_MARK):
         raise WritePathError(f"{option} {path} exists and is not a batchscore report (the report of {output} "
                              "would replace it); choose another path")
