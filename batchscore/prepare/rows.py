@@ -91,7 +91,16 @@ class PreparedInput:
 def batch_ids(batch: InputBatch, id_column: str | None, first_row_id: int) -> pa.Array:
     if id_column is None or id_column not in batch.table.column_names:
         return pa.array(np.arange(first_row_id, first_row_id + batch.table.num_rows, dtype=np.int64))
-    return batch.table.column(id_column).combine_chunks()
+    ids = batch.table.column(id_column).combine_chunks()
+    # A null id cannot name its row's output (nor be told from another null): refused, before any
+    # work. A line that could not be read has no id either; it stays a row error.
+    missing = [i for i, (null, error) in enumerate(zip(ids.is_null().to_pylist(), batch.row_errors or
+                                                      [None] * len(ids))) if null and error is None]
+    if missing:
+        more = f" (and {len(missing) - 1} more rows)" if len(missing) > 1 else ""
+        raise InputError(f"{batch.file}:{batch.first_line + missing[0]}: input.id_column {id_column!r} is null"
+                         f"{more}; every row needs an id")
+    return ids
 
 
 def select_kept(table: pa.Table, keep_columns: list[str]) -> pa.Table:
@@ -137,6 +146,8 @@ def check_unique_ids(ids: pa.Array, id_column: str) -> None:
     its row keeps its place and its error names the file and line."""
     if pa.types.is_dictionary(ids.type):  # a dictionary-encoded column (count_distinct has no kernel for it)
         ids = pc.cast(ids, ids.type.value_type)
+    if pa.types.is_null(ids.type):  # no id at all (every row unreadable): nothing can clash
+        return
     if pc.count_distinct(ids, mode="only_valid").as_py() != len(ids) - ids.null_count:
         counts = pc.value_counts(ids)
         dupes = [c["values"] for c in counts.to_pylist() if c["counts"] > 1 and c["values"] is not None][:5]

@@ -1,0 +1,34 @@
+"""More guarantees a hostile verification found broken: bad ids, job files whose keys collide,
+API sections, signals, paths the run will write, and messages naming where a row came from."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from batchscore.cli import main
+from batchscore.errors import EXIT_INPUT
+from tests.test_hardening import invoke, write_job
+from tests.test_questions_hardening import TICKETS, write_job as write_questions_job
+
+
+# ---------------------------------------------------------------------------- ids
+
+@pytest.mark.parametrize("rows", [[None, None], ["a", None, None]])
+def test_null_ids_in_a_labels_job_are_refused_naming_the_line(tmp_path, rows):
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "t": [1, 2, 3]}) + "\n" for i in rows))
+    job = write_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
+                    output={"path": str(tmp_path / "out.parquet")})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == EXIT_INPUT, result.output
+    line = rows.index(None) + 1
+    assert f"in.jsonl:{line}: input.id_column 'id' is null" in result.output
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_null_ids_in_a_questions_job_are_refused_naming_the_line(tmp_path):
+    rows = [{**t, "ticket_id": None} for t in TICKETS[:2]]
+    result = CliRunner().invoke(main, ["run", str(write_questions_job(tmp_path, rows)), "-q"])
+    assert result.exit_code == EXIT_INPUT, result.output
+    assert "tickets.jsonl:1: input.id_column 'ticket_id' is null (and 1 more rows)" in result.output
