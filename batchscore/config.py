@@ -50,13 +50,13 @@ def safe_load_yaml(text: str):
             raise yaml.YAMLError(f"values nested more than {MAX_YAML_DEPTH} deep") from None
         if node is None:
             return None
-        _check_expanded_size(node)
+        _check_expanded_size(node, loader)
         return loader.construct_document(node)
     finally:
         loader.dispose()
 
 
-def _check_expanded_size(root: yaml.Node) -> None:
+def _check_expanded_size(root: yaml.Node, loader: yaml.SafeLoader) -> None:
     sizes: dict[int, int] = {}
 
     def size(node: yaml.Node, depth: int = 1) -> int:
@@ -69,6 +69,7 @@ def _check_expanded_size(root: yaml.Node) -> None:
             return sizes[key]
         sizes[key] = -1
         if isinstance(node, yaml.MappingNode):
+            _check_duplicate_keys(node, loader)
             total = 1 + sum(size(k, depth + 1) + size(v, depth + 1) for k, v in node.value)
         elif isinstance(node, yaml.SequenceNode):
             total = 1 + sum(size(v, depth + 1) for v in node.value)
@@ -81,6 +82,26 @@ def _check_expanded_size(root: yaml.Node) -> None:
         return total
 
     size(root)
+
+
+def _check_duplicate_keys(node: yaml.MappingNode, loader: yaml.SafeLoader) -> None:
+    """PyYAML keeps the last of two equal keys without a word, and `1` and `true` are equal keys
+    to Python (True == 1): a key written twice in one mapping is refused. Keys a merge (`<<`)
+    brings in may be overridden; that is what a merge is for."""
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node)
+        try:
+            first = seen.setdefault(key, key_node)
+        except TypeError:  # an unhashable key: the constructor names it
+            continue
+        if first is not key_node:
+            same = "" if first.value == key_node.value else f" (read as the same key as {first.value!r})"
+            raise yaml.YAMLError(f"key {key_node.value!r} written twice in one mapping, lines "
+                                 f"{first.start_mark.line + 1} and {key_node.start_mark.line + 1}{same}; "
+                                 "the second would silently replace the first")
 
 
 @dataclass

@@ -32,3 +32,26 @@ def test_null_ids_in_a_questions_job_are_refused_naming_the_line(tmp_path):
     result = CliRunner().invoke(main, ["run", str(write_questions_job(tmp_path, rows)), "-q"])
     assert result.exit_code == EXIT_INPUT, result.output
     assert "tickets.jsonl:1: input.id_column 'ticket_id' is null (and 1 more rows)" in result.output
+
+
+# ---------------------------------------------------------------------------- job files
+
+@pytest.mark.parametrize("questions, says", [
+    ("  kind:\n    type: choice\n    options: {1: one, true: yes-ish}\n",
+     "key 'true' written twice in one mapping, lines 7 and 7 (read as the same key as '1')"),
+    ("  a:\n    type: yes_no\n  a:\n    type: choice\n    options: [x, y]\n",
+     "key 'a' written twice in one mapping, lines 5 and 7"),
+])
+def test_a_key_written_twice_in_a_job_file_is_refused(tmp_path, questions, says):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: smollm2-135m-instruct\ninput: {path: in.jsonl}\noutput: {path: out.parquet}\n"
+                   "questions:\n" + questions)
+    result = invoke("run", job, "-q")
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+
+
+def test_a_merge_may_override_the_keys_it_brings(tmp_path):
+    from batchscore.config import safe_load_yaml
+
+    assert safe_load_yaml("b: &b {x: 1, y: 2}\nc: {<<: *b, x: 3}")["c"] == {"x": 3, "y": 2}
