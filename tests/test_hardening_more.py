@@ -55,3 +55,24 @@ def test_a_merge_may_override_the_keys_it_brings(tmp_path):
     from batchscore.config import safe_load_yaml
 
     assert safe_load_yaml("b: &b {x: 1, y: 2}\nc: {<<: *b, x: 3}")["c"] == {"x": 3, "y": 2}
+
+
+# ---------------------------------------------------------------------------- the Python API
+
+def test_the_callers_sections_win_over_keyword_defaults_and_a_clash_is_refused():
+    import pandas as pd
+
+    import batchscore
+
+    df = pd.DataFrame({"q": ["refund please", "where is my parcel"]})
+    common = dict(template="Q: {q}\nAnswer:", labels=[" yes please", " no"],
+                  engine={"kind": "torch", "dtype": "float32", "threads": 1})
+    by_section = batchscore.score_dataframe(df, score={"normalize": "byte"},
+                                            output={"logprobs": True, "audit_rows": 0}, **common)
+    by_keyword = batchscore.score_dataframe(df, normalize="byte", logprobs=True, output={"audit_rows": 0}, **common)
+    by_sum = batchscore.score_dataframe(df, output={"audit_rows": 0}, **common)
+    assert "logp_yes please" in by_section.columns
+    assert by_section["p_yes please"].tolist() == by_keyword["p_yes please"].tolist()
+    assert by_section["p_yes please"].tolist() != by_sum["p_yes please"].tolist()  # a 2-token and a 1-token option
+    with pytest.raises(ValueError, match="normalize='token' and score={'normalize': 'byte'} disagree"):
+        batchscore.score_dataframe(df, normalize="token", score={"normalize": "byte"}, **common)
