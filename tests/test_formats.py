@@ -15,6 +15,7 @@ from batchscore.formats import discover_files, input_names, iter_batches, output
 
 
 def test_the_allowed_formats_come_from_the_registry():
+    import batchscore.formats.openai_batch  # noqa: F401 - imported before the others: the order holds
     from batchscore.jobfile import ALLOWED
 
     assert ALLOWED["input.format"] == input_names() == ("auto", "parquet", "jsonl", "openai_batch")

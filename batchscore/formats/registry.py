@@ -65,9 +65,15 @@ def _load_built_in() -> None:
 
 
 def formats() -> dict[str, WireFormat]:
-    """Every registered format by name (the built-in ones first)."""
+    """Every registered format by name: the built-in ones first, in `BUILT_IN`'s order (whichever
+    module was imported first), then the others in the order they registered."""
     _load_built_in()
-    return dict(_FORMATS)
+
+    def rank(item: tuple[int, WireFormat]) -> tuple[int, int]:
+        module = (item[1].write or item[1].read).__module__
+        return (BUILT_IN.index(module) if module in BUILT_IN else len(BUILT_IN), item[0])
+
+    return {f.name: f for _, f in sorted(enumerate(_FORMATS.values()), key=rank)}
 
 
 def get_format(name: str) -> WireFormat:
