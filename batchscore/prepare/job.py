@@ -351,7 +351,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     choices_column = config.input.choices_column
     keep_columns = list(config.output.keep_columns)
     if config.input.format == "openai_batch" and config.output_format == "openai_batch" and "url" not in keep_columns:
-        keep_columns.append("url")  # chat or text completion, per request (io/formats.py)
+        keep_columns.append("url")  # chat or text completion, per request (formats/openai_batch.py)
     token_column = config.input.token_ids_column if tokenize else None
     prompt_columns = [token_column] if token_column else renderer.columns if renderer and tokenize else []
     needed = list(dict.fromkeys(([id_column] if id_column else []) + keep_columns + prompt_columns

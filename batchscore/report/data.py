@@ -228,7 +228,7 @@ def _read_table(path: Path):
 
 
 def _openai_batch_table(path: Path, rows: list[dict]):
-    """An OpenAI Batch output (io/formats.py) and its error file as the writer's table layout."""
+    """An OpenAI Batch output (formats/openai_batch.py) and its error file as the writer's table layout."""
     import pyarrow as pa
 
     errors_file = path.with_name(layout.default_error_path(path.name))
