@@ -13,6 +13,7 @@ import click
 
 from batchscore import __version__
 from batchscore.errors import EXIT_CONFIG
+from batchscore.faults import fault_point
 from batchscore.run.run_files import exit_status  # also the CLI's: every escaped exception gets its exit code
 
 
@@ -106,12 +107,22 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
     if quiet:
         os.environ.setdefault("TQDM_DISABLE", "1")  # also the model loader's bars
     files = RunFiles(metrics, metrics_prom, report, job, warn=lambda text: click.echo(f"warning: {text}", err=True))
-    with files.on_every_exit(report_written=lambda path: click.echo(f"report: {path}", err=True)):
-        files.check()  # not over the job file, before it is even read
-        config = _load(job, sets, output, allow_code=allow_code)
-        files.check(config)  # not over an input, the output or the output's own files
-        summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
-        report_path = files.ok(summary)
+    previous = files.exit_on_sigterm()  # a SIGTERM before or after the run's block: exit 130 too
+    try:
+        with files.on_every_exit(report_written=lambda path: click.echo(f"report: {path}", err=True)):
+            files.check()  # not over the job file, before it is even read
+            config = _load(job, sets, output, allow_code=allow_code)
+            files.check(config)  # not over an input, the output or the output's own files
+            summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
+            report_path = files.ok(summary)
+        fault_point("done")
+        _say_done(summary, report_path, job, shard, parsed_shard)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard) -> None:
     if summary.skipped:
         click.echo(f"{summary.output_path} is already the complete output of this job (same configuration, "
                    "input, model and software): nothing to do. Use --fresh to score it again."

@@ -161,6 +161,12 @@ class RunInterrupted(BatchscoreError, RuntimeError):
     exit_code = EXIT_INTERRUPTED
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised wherever the run is (run/run_files.py): like Ctrl-C's KeyboardInterrupt a
+    BaseException, so no library's `except Exception` (an import probing for optional packages)
+    swallows it and lets the run finish with exit 0; it ends the run with exit 130."""
+
+
 class DecisionRequestError(InputError):
     """A System One / OpenAI Decisions request body that cannot be read as asked: the request's
     answer is this message with `status` 400 (a bad request never gets a 5xx); `question` is the

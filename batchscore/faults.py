@@ -7,7 +7,8 @@ OOM killer at that instant. Unset (always, outside the tests), a fault point cos
 lookup. Points: start, engine, result (each scored row), part (a part file is written, its
 manifest entry not yet), atomic (a temporary file is written, not yet renamed), assemble (before
 the output is written), output (after the output, before its completion marker), audit (the
-exactness audit's reference model is loaded), marker (after the marker, before the parts are removed).
+exactness audit's reference model is loaded), marker (after the marker, before the parts are removed),
+done (`batchscore run`: the metrics are written, the summary not yet printed).
 """
 
 from __future__ import annotations

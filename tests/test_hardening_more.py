@@ -76,3 +76,73 @@ def test_the_callers_sections_win_over_keyword_defaults_and_a_clash_is_refused()
     assert by_section["p_yes please"].tolist() != by_sum["p_yes please"].tolist()  # a 2-token and a 1-token option
     with pytest.raises(ValueError, match="normalize='token' and score={'normalize': 'byte'} disagree"):
         batchscore.score_dataframe(df, normalize="token", score={"normalize": "byte"}, **common)
+
+
+# ---------------------------------------------------------------------------- SIGTERM
+
+def test_sigterm_is_not_swallowed_by_a_librarys_except_exception():
+    """A library that probes with `try: ... except Exception:` (as imports of optional packages
+    do) must not swallow the SIGTERM that ends the run."""
+    import os
+    import signal
+
+    from batchscore.run.run_files import exit_status, interrupt_on_sigterm
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with interrupt_on_sigterm():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # the handler runs between bytecodes
+                    pass
+            except Exception:  # noqa: BLE001 - what a library does
+                pass
+    assert exit_status(caught.value, "run") == (130, "interrupted by SIGTERM; the rows scored so far are saved — "
+                                                     "rerun the same command to resume")
+
+
+def _sigterm_installed(pid: int) -> bool:
+    """Whether process `pid` catches SIGTERM (its handler is installed)."""
+    import signal
+
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+@pytest.mark.slow  # five runs of the real CLI
+@pytest.mark.parametrize("moment", ["start:1:TERM", "engine:1:TERM", 0.0, 1.5, "done:1:TERM"])
+def test_sigterm_at_any_moment_of_a_real_run_exits_130_with_metrics(tmp_path, moment):
+    """Failpoints (the run's start, the engine loaded, the metrics written) and moments after the
+    handler is installed (during the imports and model load): always exit 130, metrics saying so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "t": [1, 2 + i, 3]}) + "\n" for i in range(4)))
+    job = write_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
+                    output={"path": str(tmp_path / "out.parquet"), "audit_rows": 0})
+    metrics = tmp_path / "m.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("BATCHSCORE_FAULT", None)
+    if isinstance(moment, str):
+        env["BATCHSCORE_FAULT"] = moment
+    proc = subprocess.Popen([sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "--metrics", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if not isinstance(moment, str):
+        deadline = time.monotonic() + 60
+        while not _sigterm_installed(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(moment)
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out
+    recorded = json.loads(metrics.read_text())
+    assert (recorded["status"], recorded["exit_code"]) == ("failed", 130), recorded
+    assert "SIGTERM" in recorded["error"]
+    if moment == "done:1:TERM":  # the output was finished: the metrics keep its summary
+        assert recorded["rows_ok"] == 4

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,9 +24,11 @@ from pathlib import Path
 from typing import Callable
 
 from batchscore.errors import (EXIT_CONFIG, EXIT_ENGINE, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OUTPUT,
-                               BatchscoreError, OutputLocked, RunInterrupted)
+                               BatchscoreError, OutputLocked, Terminated)
 
 log = logging.getLogger("batchscore")
+
+TERMINATED = "interrupted by SIGTERM; the rows scored so far are saved — rerun the same command to resume"
 
 # Commands whose object-store and file errors are about what they read (exit 3), not what they write (6).
 _READING_COMMANDS = ("plan", "report")
@@ -40,8 +43,8 @@ def exit_status(exc: BaseException, command: str | None = None) -> tuple[int, st
 
     if isinstance(exc, BatchscoreError):
         return exc.exit_code, str(exc)
-    if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED, "interrupted"
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (Terminated)
+        return EXIT_INTERRUPTED, str(exc) or "interrupted"
     reading = command in _READING_COMMANDS
     text = " ".join(str(exc).split()) or type(exc).__name__
     if isinstance(exc, store_error_types()):
@@ -64,7 +67,7 @@ def _is_yaml_error(exc: BaseException) -> bool:
 
 @contextmanager
 def interrupt_on_sigterm():
-    """SIGTERM raises RunInterrupted wherever the run is (as SIGINT raises KeyboardInterrupt),
+    """SIGTERM raises Terminated wherever the run is (as SIGINT raises KeyboardInterrupt),
     instead of killing the process with 143 and no metrics. The scoring loop installs its own,
     gentler handler (run/local.py: finish the batch, save it) for its duration. Main thread only."""
     if threading.current_thread() is not threading.main_thread():
@@ -72,8 +75,7 @@ def interrupt_on_sigterm():
         return
 
     def handler(signum, frame):
-        raise RunInterrupted("interrupted by SIGTERM; the rows scored so far are saved — rerun the same "
-                             "command to resume")
+        raise Terminated(TERMINATED)
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -93,6 +95,8 @@ class RunFiles:
         self.metrics, self.metrics_prom, self.report, self.job = metrics, metrics_prom, report, job
         self.warn = warn or log.warning
         self.refused = False
+        self.summary = None  # set once the run ended well and `ok` recorded it
+        self.locked = False  # another run holds the output: its files are not ours to write
         self.checked = False  # against the job's input and output (the job file could be read)
 
     @property
@@ -161,22 +165,42 @@ class RunFiles:
         """Record a run that ended well; returns the report's path (None without a report)."""
         path = self.write_report(summary)  # a report that cannot be written fails the run, recorded below
         self.write({"status": "ok", "exit_code": 0, **summary.to_dict()})
+        self.summary = summary
         return path
+
+    def exit_on_sigterm(self):
+        """Outside the run's block (`on_every_exit`: before it, and after it while the command
+        prints), a SIGTERM still ends the run as an interruption (exit 130) recorded in the
+        metrics (with the finished run's summary), never as a 143 that leaves metrics saying ok.
+        Installed before the block, which restores it when it ends; returns the handler it
+        replaced, for the command to restore as it returns. Main thread only."""
+        def handler(signum, frame):
+            self.failed(Terminated(TERMINATED))
+            print(f"error: {TERMINATED}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_INTERRUPTED)
+
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGTERM, handler)
 
     def failed(self, exc: BaseException) -> Path | None:
         """Record a run that ended with `exc`; returns the report's path when one was written.
         Never raises: the run's own error is the one to exit with."""
-        if isinstance(exc, OutputLocked):  # the holder's files, not ours
+        if isinstance(exc, OutputLocked) or self.locked:  # the holder's files, not ours
+            self.locked = True
             if self.any:
                 self.warn("metrics and report not written: another run holds this output and writes them")
             return None
         code, message = exit_status(exc, "run")
-        summary = getattr(exc, "summary", None)
+        summary = getattr(exc, "summary", None) or self.summary  # a SIGTERM after a finished run
         try:
             self.write({"status": "failed", "exit_code": code, "error": message,
                         **(summary.to_dict() if summary is not None else {})})
         except Exception as write_exc:  # noqa: BLE001
             self.warn(f"no metrics written: {exit_status(write_exc, 'run')[1]}")
+        if self.summary is not None:  # its report is written already
+            return None
         try:  # the output was written (error rate, audit): its report matters most now
             return self.write_report(summary)
         except Exception as report_exc:  # noqa: BLE001
