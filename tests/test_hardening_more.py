@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchscore.cli import main
-from batchscore.errors import EXIT_INPUT
+from batchscore.errors import EXIT_INPUT, EXIT_OUTPUT
 from tests.test_hardening import invoke, write_job
 from tests.test_questions_hardening import TICKETS, write_job as write_questions_job
 
@@ -146,3 +146,30 @@ def test_sigterm_at_any_moment_of_a_real_run_exits_130_with_metrics(tmp_path, mo
     assert "SIGTERM" in recorded["error"]
     if moment == "done:1:TERM":  # the output was finished: the metrics keep its summary
         assert recorded["rows_ok"] == 4
+
+
+# ---------------------------------------------------------------------------- paths the run writes
+
+@pytest.mark.parametrize("flag", ["--metrics", "--metrics-prom"])
+def test_a_metrics_path_under_a_plain_file_is_refused_before_any_work(tmp_path, flag):
+    from tests.test_hardening import token_job
+
+    _, out, job = token_job(tmp_path)
+    (tmp_path / "afile").write_text("not a folder")
+    result = invoke("run", job, "-q", flag, tmp_path / "afile" / "m.json")
+    assert result.exit_code == EXIT_OUTPUT, result.output
+    assert f"{flag} {tmp_path / 'afile' / 'm.json'}: {tmp_path / 'afile'} is a file, not a folder" in result.output
+    assert not out.exists() and not (tmp_path / "out.parquet.parts").exists()  # nothing scored
+
+
+def test_an_error_path_under_a_plain_file_is_refused_before_any_work(tmp_path):
+    from tests.test_hardening import openai_requests
+
+    (tmp_path / "afile").write_text("not a folder")
+    out = tmp_path / "out.jsonl"
+    job = write_job(tmp_path, input={"path": str(openai_requests(tmp_path)), "format": "openai_batch"},
+                    output={"path": str(out), "error_path": str(tmp_path / "afile" / "errors.jsonl")})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == EXIT_OUTPUT, result.output
+    assert "output.error_path" in result.output and "is a file, not a folder" in result.output
+    assert not out.exists() and not (tmp_path / "out.jsonl.parts").exists()

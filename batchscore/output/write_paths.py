@@ -8,7 +8,9 @@
   marker, error file, report, and any `<output name>.*` file), except the one that option writes
   by default (`report` → `<output>.report.html`, `--metrics` → `<output>.metrics.json`, …).
 
-A path that breaks it is refused before any work with a WritePathError (exit 2) naming both paths.
+A path that breaks it is refused before any work with a WritePathError (exit 2) naming both paths;
+one that cannot be written (under a plain file, in a read-only folder) with an OutputError (exit 6),
+as output.path is.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchscore.errors import WritePathError
+from batchscore.errors import OutputError, WritePathError
 from batchscore.formats.registry import suffix_formats
 from batchscore.io.storage import is_remote, is_url
 from batchscore.output.layout import OutputFiles, default_error_path
@@ -65,6 +67,7 @@ class Protected:
             return
         if not is_remote(path) and Path(os.fspath(path)).expanduser().is_dir():
             raise WritePathError(f"{option} {path} is a folder; give a file path")
+        check_writable(option, path)
         reason = self._reason(_key(path), None if default is None else _key(default))
         if reason is not None:
             raise WritePathError(f"{option} {path} {reason}; choose another path")
@@ -112,6 +115,20 @@ class Protected:
         if (is_folder or is_url(source)) and _inside(target, root) and target.lower().endswith(read_suffixes):
             return f"is inside the input folder {source}; the next run would read it as input"
         return None
+
+
+def check_writable(option: str, path) -> None:
+    """Refuse a local path whose folder cannot be made or written (under a plain file, or a
+    read-only folder) with OutputError, as output.path is refused (prepare/job.py), before any
+    work rather than after every row is scored. An object-store path is checked by its write."""
+    if is_remote(path):
+        return
+    out = Path(os.fspath(path)).expanduser()
+    folder = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise OutputError(f"{option} {path}: {folder} is a file, not a folder")
+    if folder is not None and not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} {path}: the folder {folder} is not writable")
 
 
 REPORT_MARK = b"<!DOCTYPE html>"  # how report/html.py begins a report
@@ -177,5 +194,5 @@ def metrics_default(output) -> str | None:
     return None if not output else os.fspath(output) + ".metrics.json"
 
 
-__all__ = ["Protected", "check_job_write_paths", "check_report_path", "check_run_files", "metrics_default", "replaceable",
+__all__ = ["Protected", "check_job_write_paths", "check_writable", "check_report_path", "check_run_files", "metrics_default", "replaceable",
            "METRICS_MARK", "PROM_MARK", "REPORT_MARK"]

@@ -106,7 +106,7 @@ class RunFiles:
     def check(self, config=None) -> None:
         """Refuse the paths before any work: against the job file alone, or against `config`'s
         input and output. Raises WritePathError; afterwards nothing is written."""
-        from batchscore.errors import WritePathError
+        from batchscore.errors import OutputError, WritePathError
         from batchscore.output.write_paths import Protected, check_run_files
 
         try:
@@ -125,7 +125,7 @@ class RunFiles:
                     from batchscore.output.write_paths import check_report_path
 
                     check_report_path("report", self.report, config.output.path)
-        except WritePathError:
+        except (WritePathError, OutputError):  # a path it may not, or cannot, write
             self.refused = True
             raise
 
