@@ -173,3 +173,18 @@ def test_an_error_path_under_a_plain_file_is_refused_before_any_work(tmp_path):
     assert result.exit_code == EXIT_OUTPUT, result.output
     assert "output.error_path" in result.output and "is a file, not a folder" in result.output
     assert not out.exists() and not (tmp_path / "out.jsonl.parts").exists()
+
+
+# ---------------------------------------------------------------------------- the report
+
+def test_a_question_missing_its_answer_column_is_named_in_the_report():
+    import pyarrow as pa
+
+    from batchscore.report.questions import read_questions
+
+    common = {"confidence": [0.9], "label_mass": [0.8], "argmax_is_label": [True], "status": ["ok"], "error": [None]}
+    columns = {f"{key}.{name}": values for key in ("refund", "kind") for name, values in common.items()}
+    columns["kind.p.billing"] = [0.7]  # a choice question without its `.choice`
+    by_key = {q.key: q for q in read_questions(pa.table({**columns, "status": ["ok"], "error": [None]}))}
+    assert (by_key["refund"].kind, by_key["refund"].missing) == ("yes/no", ["refund.p_yes"])
+    assert (by_key["kind"].kind, by_key["kind"].missing) == ("choice", ["kind.choice"])

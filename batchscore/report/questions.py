@@ -79,6 +79,14 @@ def _question(key: str, names: set[str], values: dict[str, list], rows: int,
         column = calibrated if calibrated in names else f"{key}.p_yes"
         kind = "yes/no"
         picked = [None if p is None else (words[0] if p >= 0.5 else words[1]) for p in values[column]]
+    elif not any(n.startswith((f"{key}.p.", f"{key}.p_cal.")) or n == f"{key}.score" for n in names):
+        # no answer column at all: a yes/no question (the only kind without `.p.` columns) lacking its p_yes
+        missing = [*(missing or []), f"{key}.p_yes"]
+        kind, picked = "yes/no", [None] * rows
+    elif f"{key}.score" not in names and not any(n.startswith(f"{key}.p.") and n.rsplit(".", 1)[1].isdigit()
+                                                 for n in names):
+        missing = [*(missing or []), f"{key}.choice"]  # a choice question (its `.p.<option>` columns) lacking it
+        kind, picked = "choice", [None] * rows
     else:
         kind = "score"
         prefix = f"{key}.p_cal." if any(n.startswith(f"{key}.p_cal.") for n in names) else f"{key}.p."
