@@ -188,3 +188,24 @@ def test_a_question_missing_its_answer_column_is_named_in_the_report():
     by_key = {q.key: q for q in read_questions(pa.table({**columns, "status": ["ok"], "error": [None]}))}
     assert (by_key["refund"].kind, by_key["refund"].missing) == ("yes/no", ["refund.p_yes"])
     assert (by_key["kind"].kind, by_key["kind"].missing) == ("choice", ["kind.choice"])
+
+
+# ---------------------------------------------------------------------------- row errors say where
+
+def test_prompt_length_empty_and_vocabulary_errors_name_file_and_line(tmp_path):
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "in.jsonl"
+    rows = [[5, 6, 7], [], [3, 4, 99999999], list(range(1, 80))]
+    data.write_text("".join(json.dumps({"id": f"r{i}", "t": t}) + "\n" for i, t in enumerate(rows)))
+    out = tmp_path / "out.parquet"
+    job = write_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
+                    engine={"kind": "torch", "device": "cpu", "dtype": "float32", "max_length": 64},
+                    output={"path": str(out), "max_error_rate": 1.0, "audit_rows": 0})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == 0, result.output
+    errors = pq.read_table(out).column("error").to_pylist()
+    assert errors[0] is None
+    assert errors[1].startswith(f"{data}:2: ") and "empty prompt" in errors[1]
+    assert errors[2].startswith(f"{data}:3: ") and "outside the model's vocabulary" in errors[2]
+    assert errors[3].startswith(f"{data}:4: ") and "longer than the maximum 64" in errors[3]

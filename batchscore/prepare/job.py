@@ -389,7 +389,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
                                      vocab_size=vocab_size, limit_name=max_length_name(config.engine.max_length,
                                                                                        max_length))
             if problem:
-                errors[rid] = problem
+                errors[rid] = f"{batch.file}:{batch.first_line + offset}: {problem}"
                 rows_tokens[offset] = None
         row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id)
         for offset, tokens in enumerate(rows_tokens):
