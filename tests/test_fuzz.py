@@ -474,7 +474,7 @@ def _questions_input(draw, kind: str, rows: int, with_ids: bool, row_questions: 
             expected.append(None)
             continue
         row = {"id": f"r{i}"} if with_ids else {}
-        row["s"] = draw(st.one_of(FIELD_TEXT, FIELD_TEXT, _hostile_value(deep=False)))  # deep: see the xfail below
+        row["s"] = draw(st.one_of(FIELD_TEXT, FIELD_TEXT, _hostile_value(deep=_chance(draw, 0.1))))
         row["n"] = draw(st.sampled_from([1, None, 1.5, NAN, "x", [1, 2], {"a": {"b": 1}}, True]))
         if row_questions:
             row["qs"] = _row_questions(draw)
@@ -760,10 +760,8 @@ def test_fuzz_full(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="open: a questions job whose JSONL state column nests 900 levels deep exits 1 "
-                                        "(RecursionError in prepare/decision_job.py's _holds_binary and _json_value)")
 def test_fuzz_questions_job_with_a_deeply_nested_state(tmp_path):
-    """The one hostile case the questions generator leaves out (its state values are never `deep`)."""
+    """A state nested 900 levels deep is that row's error; the other row is scored."""
     rows = [{"s": {}, "n": None}, {"s": {"a": _materialize("deep")}, "n": 1.5}]
     job = {"model": MODEL, "engine": {"kind": "torch", "device": "cpu", "dtype": "float32", "token_budget": 256},
            "input": {"path": "in.jsonl"}, "questions": JOB_QUESTIONS[1], "prompt": {"state_columns": ["s"]},

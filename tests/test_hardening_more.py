@@ -209,3 +209,19 @@ def test_prompt_length_empty_and_vocabulary_errors_name_file_and_line(tmp_path):
     assert errors[1].startswith(f"{data}:2: ") and "empty prompt" in errors[1]
     assert errors[2].startswith(f"{data}:3: ") and "outside the model's vocabulary" in errors[2]
     assert errors[3].startswith(f"{data}:4: ") and "longer than the maximum 64" in errors[3]
+
+
+# ---------------------------------------------------------------------------- deep states
+
+def test_a_state_nested_900_deep_is_that_rows_error(tmp_path):
+    import pyarrow.parquet as pq
+
+    deep = json.loads("[" * 900 + "1" + "]" * 900)
+    rows = [{**TICKETS[0], "subject": {"a": deep}}, {**TICKETS[1], "subject": None}]  # one column type: nested
+    path = write_questions_job(tmp_path, rows, output={"max_error_rate": 1.0})
+    result = CliRunner().invoke(main, ["run", str(path), "-q"])
+    assert result.exit_code == 0, result.output
+    out = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert out[0]["status"] == "error" and out[1]["status"] == "ok"
+    assert out[0]["error"].startswith(f"{tmp_path / 'tickets.jsonl'}:1: ")
+    assert "field 'subject' is nested more than 100 levels deep" in out[0]["error"]

@@ -239,6 +239,10 @@ class _TableRecords:
 
     def request(self, row: dict[str, Any]) -> DecisionRequest:
         if self.state_columns:
+            for name in self.state_columns:
+                if _nesting(row.get(name)) > MAX_STATE_DEPTH:
+                    raise DecisionRequestError(f"field {name!r} is nested more than {MAX_STATE_DEPTH} levels deep; "
+                                               "a state that deep cannot be a prompt")
             state: Any = {name: _json_value(row.get(name)) for name in self.state_columns}
         else:
             try:
@@ -261,6 +265,25 @@ class _TableRecords:
         return parse_systemone(body)
 
 
+MAX_STATE_DEPTH = 100  # lists and objects inside a state value; far below Python's recursion limit
+
+
+def _nesting(value: Any) -> int:
+    """How deep lists and dicts nest in `value` (0: a scalar); stops counting past MAX_STATE_DEPTH.
+    Iterative: a JSON line may nest as deep as its parser allows."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, (list, tuple)):
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_STATE_DEPTH:
+                return deepest
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
 def _json_value(value: Any) -> Any:
     """A column value as JSON can hold it: a date, time, timestamp, duration or decimal (which
     JSON has no type for) as its text (ISO 8601 for dates and times), inside lists and structs too."""
@@ -276,12 +299,19 @@ def _json_value(value: Any) -> Any:
 
 
 def _holds_binary(kind: pa.DataType) -> bool:
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind) \
-            or pa.types.is_binary_view(kind):
-        return True
-    if pa.types.is_dictionary(kind):
-        return _holds_binary(kind.value_type)
-    return any(_holds_binary(kind.field(i).type) for i in range(kind.num_fields))
+    """Whether a column type holds bytes anywhere inside it. Iterative: a JSON Lines column's
+    inferred type nests as deep as its values do."""
+    stack = [kind]
+    while stack:
+        kind = stack.pop()
+        if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind) \
+                or pa.types.is_binary_view(kind):
+            return True
+        if pa.types.is_dictionary(kind):
+            stack.append(kind.value_type)
+        else:
+            stack.extend(kind.field(i).type for i in range(kind.num_fields))
+    return False
 
 
 def _row_questions(value: Any, column: str) -> dict:
