@@ -225,3 +225,28 @@ def test_a_state_nested_900_deep_is_that_rows_error(tmp_path):
     assert out[0]["status"] == "error" and out[1]["status"] == "ok"
     assert out[0]["error"].startswith(f"{tmp_path / 'tickets.jsonl'}:1: ")
     assert "field 'subject' is nested more than 100 levels deep" in out[0]["error"]
+
+
+# ---------------------------------------------------------------------------- lock files
+
+def test_a_run_refused_before_any_work_leaves_no_lock_file(tmp_path):
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": None, "t": [1, 2, 3]}) + "\n" for _ in range(2)))
+    out = tmp_path / "out.parquet"
+    job = write_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
+                    output={"path": str(out)})
+    result = invoke("run", job, "-q")
+    assert result.exit_code == EXIT_INPUT, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "job.yaml"]
+
+
+def test_a_lock_file_left_by_an_earlier_run_stays_after_a_refusal(tmp_path):
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"id": None, "t": [1, 2, 3]}) + "\n")
+    out = tmp_path / "out.parquet"
+    job = write_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
+                    output={"path": str(out)})
+    left = tmp_path / "out.parquet.lock"  # a crashed run's
+    left.write_text("{}")
+    assert invoke("run", job, "-q").exit_code == EXIT_INPUT
+    assert left.exists()

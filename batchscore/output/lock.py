@@ -36,6 +36,7 @@ class FileLock:
     def __init__(self, path: Path):
         self.path = path
         self._fd: int | None = None
+        self.created = False  # this run made the lock file (none was left by an earlier run)
 
     def __enter__(self) -> FileLock:
         self.acquire()
@@ -53,7 +54,10 @@ class FileLock:
             raise OutputError(f"cannot create the output folder {self.path.parent}: {exc.strerror}") from None
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+                try:
+                    fd, self.created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
+                except FileExistsError:
+                    fd, self.created = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666), False
             except OSError as exc:
                 raise OutputError(f"cannot create the lock file {self.path}: {exc.strerror} "
                                   "(is the output folder writable?)") from None

@@ -28,7 +28,7 @@ from batchscore.engines.base import Engine
 from batchscore.engines.factory import ResolvedEngine, create_engine, decide_compile
 from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
-from batchscore.errors import BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
+from batchscore.errors import EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
 from batchscore.run.audit import AuditResult, audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
 from batchscore.run.run_files import RunFiles
@@ -172,7 +172,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
     source = locate_job(config)  # registers the storage options: the output files are named after it
     files = OutputFiles.for_job(config)
     writer = shard.name if shard else RUN_WRITER
-    with OutputLock(files, writer) as lock, _output_errors(files.output):
+    with OutputLock(files, writer) as lock, _output_errors(files.output), _lock_left_clean(lock, files):
         store = PartStore(files, writer, guard=lock.check)
         output_hash = identity_hash(source.identity)
         done = None if fresh else completed_summary(files, output_hash)
@@ -198,6 +198,20 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
                 store.finish()
         lock.release(remove=summary.complete)
     return _checked(summary, config) if summary.complete else summary
+
+
+@contextmanager
+def _lock_left_clean(lock, files: OutputFiles):
+    """A run refused before any work (exit 2 or 3: the job, the input) leaves no lock file behind
+    when it made the file itself and nothing was written (no parts folder): a failed first try
+    leaves the folder as it found it. A lock file an earlier run left stays (it may be resumed)."""
+    try:
+        yield
+    except BatchscoreError as exc:
+        if exc.exit_code in (EXIT_CONFIG, EXIT_INPUT) and getattr(lock, "created", False) \
+                and not files.parts.exists():
+            lock.release(remove=True)
+        raise
 
 
 def _checked(summary: RunSummary, config: JobConfig) -> RunSummary:
