@@ -65,8 +65,9 @@ def token_ids_problem(tokens) -> tuple[np.ndarray | None, str | None]:
     if isinstance(tokens, (list, tuple)):  # numpy would make [True, 1] integers and [1, 2.0] one float array
         bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer))][:1]
         if bad:
-            shown = "a list" if isinstance(bad[0], (list, tuple, dict)) else repr(bad[0])
-            return None, f"token ids must be integers, got {shown} ({type(bad[0]).__name__})"
+            if isinstance(bad[0], (list, tuple, dict)):
+                return None, f"token ids must be a flat list of integers, got a nested {type(bad[0]).__name__}"
+            return None, f"token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})"
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError) as exc:  # ragged nested lists and the like
