@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from batchscore.errors import DecisionRequestError
 from batchscore.io.readers import lone_surrogate_field
+from batchscore.prepare.prompts import contents_in_order
 
 LAYOUT = "vllm-nexttoken-v1"  # vLLM v0.32.0's NextTokenStrategy read, pinned (docs/jobs.md#decisions)
 WIDE_LAYOUT = "vllm-nexttoken-v1+wide"  # the same read with two-letter labels from 27 options on
@@ -427,19 +428,12 @@ def read_prompt(tokenizer, request: DecisionRequest, question: Question) -> tupl
     pieces.append(marked[at:])
     if "".join(pieces) == text:
         return text, spans
-    spans, at = [], 0
-    for message in messages:  # the template changed a content: find each one, in order
-        content = message["content"]
-        found = text.find(content, at)
-        if found < 0:
-            content = content.strip()
-            found = text.find(content, at)
-        if found < 0:
-            raise DecisionRequestError(f"the model's chat template changes the text of the {message['role']} "
-                                       "message; the request's text cannot be told from the template's own tokens")
-        spans.append((found, found + len(content)))
-        at = found + len(content)
-    return text, spans
+    try:  # the template changed a content: find each one, in order
+        return text, contents_in_order(text, [m["content"] for m in messages])
+    except LookupError as missing:
+        raise DecisionRequestError(f"the model's chat template changes the text of the "
+                                   f"{messages[missing.args[0]]['role']} message; the request's text cannot be "
+                                   "told from the template's own tokens") from None
 
 
 # ---------------------------------------------------------------------------- label checks

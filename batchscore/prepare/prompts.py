@@ -221,21 +221,30 @@ class RequestRenderer(PromptRenderer):
                                       "tokenizer has a chat template")
         messages = json.loads(row["messages"])
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        spans, at = [], 0
-        for message in messages:  # chat templates insert each content in order (some strip it)
-            content = message["content"]
-            if not content.strip():
-                continue  # nothing a special token could hide in
-            found = text.find(content, at)
-            if found < 0:
-                content = content.strip()
-                found = text.find(content, at)
-            if found < 0:
-                raise RowRenderError(f"the model's chat template changes the text of a {message['role']!r} "
-                                     "message; its data cannot be told from the template's own tokens")
-            spans.append((found, found + len(content)))
-            at = found + len(content)
+        data = [m for m in messages if m["content"].strip()]  # an empty one has nothing a special token could hide in
+        try:
+            spans = contents_in_order(text, [m["content"] for m in data])
+        except LookupError as missing:
+            raise RowRenderError(f"the model's chat template changes the text of a {data[missing.args[0]]['role']!r} "
+                                 "message; its data cannot be told from the template's own tokens") from None
         return RenderedPrompt(text, spans, chat=True)
+
+
+def contents_in_order(text: str, contents: Sequence[str]) -> list[tuple[int, int]]:
+    """The [start, end) span of each of `contents` in a chat-rendered `text`, found in order: chat
+    templates insert each content in order, some stripped. Raises LookupError(index) for the first
+    content that is not there."""
+    spans, at = [], 0
+    for index, content in enumerate(contents):
+        found = text.find(content, at)
+        if found < 0:
+            content = content.strip()
+            found = text.find(content, at)
+        if found < 0:
+            raise LookupError(index)
+        spans.append((found, found + len(content)))
+        at = found + len(content)
+    return spans
 
 
 def label_token_ids(tokenizer, labels: Sequence[str]) -> list[int]:
