@@ -171,7 +171,7 @@ class PlanConfig:
 
 @dataclass
 class ScoreConfig:
-    normalize: str = "sum"  # sum | token | byte: option log-probability before normalizing (output/scores.py)
+    normalize: str = "sum"  # sum | token | byte: option log-probability before normalizing (scores/normalize.py)
     calibrate: str = "none"  # none | batch | contextual | temperature | vector | platt: writes p_cal_<label>, and label follows them
     confidence: str = "top"  # top | margin | entropy | typesafe | top_x_mass: the definition behind the confidence column and needs_review
 

@@ -24,10 +24,10 @@ from batchscore.errors import JobConfigError, PromptTemplateError
 from batchscore.formats.registry import input_names as input_format_names, output_names as output_format_names
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
-from batchscore.output import quality
-from batchscore.output.calibration import FITTED, METHODS as CALIBRATION_METHODS, PER_ROW_CHOICES
+from batchscore.scores import quality
+from batchscore.scores.calibration import FITTED, METHODS as CALIBRATION_METHODS, PER_ROW_CHOICES
 from batchscore.output.layout import DEFAULT_ID, TOP_COLUMNS, calibrated_column, label_column, output_columns
-from batchscore.output.review import CONFIDENCE_METHODS
+from batchscore.scores.review import CONFIDENCE_METHODS
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
 from batchscore.prepare.options import NORMALIZE, label_problems
 from batchscore.prepare.prompts import PROMPT_ENGINES, template_fields

@@ -12,7 +12,7 @@ langid: 50 paragraphs each of German, French, Spanish and Italian, from the tran
 pages under /usr/share/man (Debian's base packages ship them; nothing is downloaded).
 
 `table` re-assembles each scored output under every `score.calibrate` through the code a run
-uses at assembly (output/quality.py): the raw p_<label> columns do not depend on the method, so
+uses at assembly (scores/quality.py): the raw p_<label> columns do not depend on the method, so
 one scoring serves all; contextual reuses the run's own content-free values (calibrate.from).
 """
 
@@ -107,7 +107,7 @@ def table(job_path: str) -> None:
     """Print one markdown row per method for the scored output of `job_path`."""
     from batchscore.jobfile import load_job
     from batchscore.output import layout
-    from batchscore.output.quality import add_quality_columns
+    from batchscore.scores.quality import add_quality_columns
 
     config = load_job(job_path)
     scored = pq.read_table(config.output.path)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from batchscore.cli import main
 from batchscore.errors import JobConfigError
 from batchscore.jobfile import ALLOWED, config_from_dict, load_job
-from batchscore.output import calibration, review
+from batchscore.scores import calibration, review
 from batchscore.output.layout import OutputFiles
 from batchscore.output.parts import recorded_summary
 from batchscore.prepare.job import assembly_config, scoring_config
@@ -222,11 +222,11 @@ def test_schema_lists_the_new_keys():
     assert {"review", "out_of_scope"} <= set(schema["OutputConfig"]["properties"])
 
 
-# ---------------------------------------------------------------------------- assembly (output/quality.py)
+# ---------------------------------------------------------------------------- assembly (scores/quality.py)
 
 
 def test_per_row_choices_get_temperature_scaled_and_choice_follows():
-    from batchscore.output.quality import add_quality_columns
+    from batchscore.scores.quality import add_quality_columns
 
     rng = np.random.default_rng(3)
     options = [["a", "b", "c"] if i % 2 else ["x", "y"] for i in range(400)]
@@ -362,7 +362,7 @@ def test_review_without_a_labeled_row_exits_2_naming_output_review(tmp_path):
 
 def test_truth_values_that_are_not_labels_are_named():
     from batchscore.errors import CalibrationError
-    from batchscore.output.quality import add_quality_columns
+    from batchscore.scores.quality import add_quality_columns
 
     config = config_from_dict(_job(calibrate={"truth_column": "relevant"}))
     columns = {"p_Yes": pa.array([0.4, 0.6, 0.3]), "p_No": pa.array([0.6, 0.4, 0.7]),

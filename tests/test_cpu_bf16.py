@@ -164,7 +164,7 @@ def test_a_warm_cache_compiles_a_job_a_cold_one_would_not(tmp_path, monkeypatch)
 
 
 def _max_error(engine, model_reference, groups) -> float:
-    from batchscore.output.scores import normalize_totals
+    from batchscore.scores.normalize import normalize_totals
 
     worst = 0.0
     for result in engine.score(groups, LABELS):

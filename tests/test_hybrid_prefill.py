@@ -14,7 +14,7 @@ from batchscore.engines.torch.cascade_attention import PrefixKV
 from batchscore.engines.torch.hybrid import HybridDecoder
 from batchscore.errors import HybridUnsupported
 from batchscore.engines.torch.engine import TorchEngine
-from batchscore.output.scores import normalize_totals
+from batchscore.scores.normalize import normalize_totals
 from batchscore.plan.types import GroupMember, PrefixGroup
 from tests.test_torch_engine import BUDGET, FLOAT32_TOLERANCE, LABELS, make_groups, max_probability_error, tiny_model
 

@@ -16,7 +16,8 @@ from batchscore.engines.vllm.options import option_requests, option_totals
 from batchscore.errors import JobConfigError
 from batchscore.jobfile import config_from_dict
 from batchscore.output.layout import label_column
-from batchscore.output.scores import RowScores, normalize_totals, score_columns
+from batchscore.output.raw_scores import RowScores
+from batchscore.scores.normalize import normalize_totals, score_columns
 from batchscore.prepare.options import OptionEncoder, RowOptionSource, choices_problem, label_problems
 from batchscore.plan import PlanOptions, build_plan
 from batchscore.plan.options import OptionTokens

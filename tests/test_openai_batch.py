@@ -179,7 +179,7 @@ def test_jsonl_output_holds_the_same_rows_as_parquet(tmp_path):
     import pyarrow as pa
 
     from batchscore.formats import write_output
-    from batchscore.output.table import results_table
+    from batchscore.scores.normalize import results_table
 
     table = results_table(pa.array(["a", "b"]), "id", pa.table({"k": [1, 2]}), ["Yes", "No"],
                           np.log([[0.125, 0.375], [np.nan, np.nan]]), {1: "boom"})

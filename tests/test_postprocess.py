@@ -113,7 +113,7 @@ def test_review_without_a_threshold_says_why_with_the_numbers(tmp_path, caplog):
     95% needs at least 59 accepted rows — in the log, the run summary and the report."""
     import numpy as np
 
-    from batchscore.output.quality import add_quality_columns
+    from batchscore.scores.quality import add_quality_columns
     from batchscore.output.table import scores_table
     from batchscore.report import write_report
 
@@ -149,7 +149,7 @@ def test_batch_calibration_warns_when_it_moves_many_answers_or_the_prior_is_skew
     calibration, which makes the mean answer uniform, turns many of them into Yes."""
     import numpy as np
 
-    from batchscore.output.quality import add_quality_columns
+    from batchscore.scores.quality import add_quality_columns
 
     rng = np.random.default_rng(1)
     p_yes = np.clip(rng.normal(0.3, 0.15, 100), 0.01, 0.99)

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from batchscore.cli import main
 from batchscore.errors import EXIT_ERROR_RATE, EXIT_INPUT
-from batchscore.output.table import results_table
+from batchscore.scores.normalize import results_table
 from batchscore.report import ReportError, load_output, write_report
 from batchscore.report.drift import PSI_EPSILON, bin_shares, compare, psi
 from batchscore.report.html import SECTION_IDS

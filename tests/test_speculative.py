@@ -25,7 +25,7 @@ from batchscore.engines.speculative.kept_tokens import (
 )
 from batchscore.engines.shape import ModelShape
 from batchscore.engines.torch.engine import TorchEngine
-from batchscore.output.scores import normalize_totals
+from batchscore.scores.normalize import normalize_totals
 from batchscore.plan.types import GroupMember, PrefixGroup
 from tests.test_hybrid_prefill import max_dp
 from tests.test_torch_engine import LABELS, VOCAB, make_groups, tiny_model

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from batchscore.engines.torch.engine import TorchEngine, plan_suffix_batches  # noqa: E402
-from batchscore.output.scores import normalize_totals  # noqa: E402
+from batchscore.scores.normalize import normalize_totals  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup  # noqa: E402
 
 VOCAB = 1000

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 from batchscore.engines.device import VLLM_INSTALL_HINT as INSTALL_HINT  # noqa
 from batchscore.engines.vllm.engine import VllmEngine, import_vllm  # noqa: E402
 from batchscore.engines.vllm.settings import derive_settings, kv_bytes_per_token, plan_request_cap  # noqa: E402
-from batchscore.output.scores import normalize_totals  # noqa: E402
+from batchscore.scores.normalize import normalize_totals  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup, Request  # noqa: E402
 
 DTYPE = os.environ.get("BATCHSCORE_VLLM_TEST_DTYPE", "float32")

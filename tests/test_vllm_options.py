@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 from batchscore.engines.vllm.engine import VllmEngine  # noqa: E402
 from batchscore.engines.vllm.options import option_requests  # noqa: E402
-from batchscore.output.scores import normalize_totals  # noqa: E402
+from batchscore.scores.normalize import normalize_totals  # noqa: E402
 from batchscore.plan import PlanOptions, build_plan  # noqa: E402
 from batchscore.plan.options import OptionTokens  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup, Request  # noqa: E402

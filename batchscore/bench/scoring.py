@@ -66,7 +66,7 @@ def plain_probs(model, groups: Sequence[PrefixGroup], labels: Sequence[int], bat
     length per forward, last-position logits only."""
     import torch
 
-    from batchscore.output.scores import normalize_totals
+    from batchscore.scores.normalize import normalize_totals
 
     prompts = [(m.row_id, g.full_prompt(m)) for g in groups for m in g.members]
     label_index = torch.tensor(list(labels), device=model.device)
@@ -83,7 +83,7 @@ def plain_probs(model, groups: Sequence[PrefixGroup], labels: Sequence[int], bat
 
 def engine_probs(engine, groups: Sequence[PrefixGroup], labels: Sequence[int]) -> Probs:
     """Score `groups` with a batchscore engine; row_id -> label probabilities."""
-    from batchscore.output.scores import normalize_totals
+    from batchscore.scores.normalize import normalize_totals
 
     return {s.row_id: np.exp(normalize_totals(s.logp)[0][0]) for s in engine.score(list(groups), list(labels))}
 

@@ -2,7 +2,7 @@
 engine), `vllm/` (plan-driven vLLM), `speculative/` (Speculative Prefill, an approximate mode).
 `registry.py` holds every engine kind (each registered by its own module) and decides
 `engine.kind: auto`; `device.py` resolves devices; `factory.py` resolves an engine once and builds it. Engines return
-raw label log-probabilities only; normalization lives in `batchscore.output.scores`.
+raw label log-probabilities only; normalization lives in `batchscore.scores.normalize`.
 
 A face only: modules inside batchscore import from the defining module, never from here.
 Importing this package imports neither torch nor vllm.

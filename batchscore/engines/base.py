@@ -4,7 +4,7 @@ An engine knows nothing about files: it takes prefix groups of token ids and eit
 token ids shared by every member (one-token labels, read at the last position) or None, and then
 scores each member over its own `options` (multi-token labels, per-row choices); it yields one
 `RawScores` per group member: each label's or option's total log-probability, never normalized
-(output/scores.py normalizes once, when the output is assembled).
+(scores/normalize.py normalizes once, when the output is assembled).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from batchscore.output.decision_quality import add_question_quality, column_type
 from batchscore.output.decisions import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
                                          row_values, systemone_answer, systemone_body, table_column_types)
 from batchscore.output.layout import OutputFiles
-from batchscore.output.quality import QualityResult
-from batchscore.output.scores import RowScores
+from batchscore.scores.quality import QualityResult
+from batchscore.output.raw_scores import RowScores
 from batchscore.output.table import write_parquet_atomic
 from batchscore.prepare.decisions import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT, parse_systemone
 from batchscore.prepare.rows import DecisionInput, Record

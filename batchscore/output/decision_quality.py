@@ -1,7 +1,7 @@
 """Numbers people can act on, for a questions job: calibration, review and out-of-scope per
 question (`questions:` jobs written as a table; `output/decision_files.py` calls this).
 
-Each of the job's questions is judged on its own, exactly as `output/quality.py` judges a labels
+Each of the job's questions is judged on its own, exactly as `scores/quality.py` judges a labels
 job: its option probabilities over the records that answered it form an [N, n] matrix; the
 labeled records (a non-null value in `calibrate.truth_columns.<id>`) are split by
 `calibrate.seed` into fit and evaluation records; the method's values are fitted (or reused
@@ -22,9 +22,9 @@ import numpy as np
 import pyarrow as pa
 
 from batchscore.errors import CalibrationError
-from batchscore.output import calibration, review
+from batchscore.scores import calibration, review
 from batchscore.output.decisions import QuestionAnswer
-from batchscore.output.quality import (SHOWN, QualityResult, batch_warnings, calibrate_rows, out_of_scope_column,
+from batchscore.scores.quality import (SHOWN, QualityResult, batch_warnings, calibrate_rows, out_of_scope_column,
                                        review_column, split_labeled, wanted as quality_wanted)
 from batchscore.prepare.decisions import parse_systemone
 

@@ -116,7 +116,7 @@ ERROR = "error"
 STATUS_OK, STATUS_ERROR = "ok", "error"
 RESULT_COLUMNS = (LABEL, LABEL_MASS, STATUS, ERROR)  # every fixed-label output has these
 BATCH_SCORES = "scores"  # openai_batch: the response body's {label: P(label)} (beside label_mass)
-# score.calibrate, score.confidence, output.review, output.out_of_scope (output/quality.py): after
+# score.calibrate, score.confidence, output.review, output.out_of_scope (scores/quality.py): after
 # the score columns, in this order
 P_CAL_PREFIX = "p_cal_"  # a label's calibrated probability (p_<label> stays raw)
 P_CAL_CHOICES = "p_cal_choices"  # list<double>: per-row options' calibrated probabilities

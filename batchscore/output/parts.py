@@ -41,12 +41,12 @@ from batchscore.io.atomic import atomic_write
 from batchscore.io.storage import file_size, list_files, remove_file, remove_tree
 from batchscore.output.identity import describe_changes
 from batchscore.output.layout import RUN_WRITER, OutputFiles
-from batchscore.output.scores import RowScores
+from batchscore.output.raw_scores import RowScores
 
 log = logging.getLogger("batchscore")
 
 # 3: parts cover row positions, carry checksums; identity by content; 4: option totals;
-# 5: raw totals only (no label_mass: output/scores.py derives it at assembly)
+# 5: raw totals only (no label_mass: scores/normalize.py derives it at assembly)
 MANIFEST_VERSION = 5
 
 

@@ -15,7 +15,6 @@ import pyarrow.parquet as pq
 
 from batchscore.io.atomic import atomic_write
 from batchscore.output import layout
-from batchscore.output.scores import RowScores, score_columns
 
 
 def ok_rows(num_rows: int, errors: dict[int, str]) -> np.ndarray:
@@ -26,23 +25,9 @@ def ok_rows(num_rows: int, errors: dict[int, str]) -> np.ndarray:
     return ok
 
 
-def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str], logp: np.ndarray,
-                  errors: dict[int, str], approx_keep: float | None = None) -> pa.Table:
-    """The output table of fixed labels from each row's raw label totals, as a run writes it.
-
-    logp: [N, L] each label's total log-probability (ignored for error rows); errors and
-    approx_keep: as in `scores_table`.
-    """
-    ok = ok_rows(len(ids), errors)
-    totals = pa.array([list(row) if good else None for row, good in zip(np.asarray(logp, dtype=np.float64), ok)],
-                      type=pa.list_(pa.float64()))
-    columns = score_columns(labels=labels, choices=None, scores=RowScores(totals), ok=ok)
-    return scores_table(ids, id_name, kept, columns, errors, approx_keep)
-
-
 def scores_table(ids: pa.Array, id_name: str, kept: pa.Table, scores: dict[str, pa.Array],
                  errors: dict[int, str], approx_keep: float | None = None) -> pa.Table:
-    """Assemble the output table: id, kept columns, the score columns (`scores.score_columns`),
+    """Assemble the output table: id, kept columns, the score columns (`scores/normalize.score_columns`),
     then status and error.
 
     errors: row_id -> message for rows that were not scored; approx_keep: the keep rate of

@@ -29,7 +29,7 @@ from batchscore.errors import BatchscoreError, InputError, LabelError, OutputErr
 from batchscore.output.write_paths import check_job_write_paths
 from batchscore.output.identity import input_identity, model_identity, software_versions
 from batchscore.output.layout import OutputFiles
-from batchscore.output.quality import content_free_row, content_free_rows
+from batchscore.scores.quality import content_free_row, content_free_rows
 from batchscore.formats import discover_files, iter_batches
 from batchscore.io.readers import InputBatch, input_base
 from batchscore.io.storage import as_path, is_url, use_storage_options

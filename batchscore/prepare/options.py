@@ -1,5 +1,5 @@
 """Labels and per-row choices: what is scored after each prompt (the input half; the output half,
-scores to columns, is output/scores.py).
+scores to columns, is scores/normalize.py).
 
 A job scores either the same `labels` after every prompt, or each row's own options
 (`input.choices_column`, a list<string> column). Either way an option is any non-empty text:
@@ -11,7 +11,7 @@ A job scores either the same `labels` after every prompt, or each row's own opti
   no text: their options are tokenized alone.
 - Scores: each option's total log-probability (the sum over its tokens, from the model's
   full-vocabulary softmax) is what the engines return; `score.normalize` (sum | token | byte) says
-  how output/scores.py turns totals into the probabilities written.
+  how scores/normalize.py turns totals into the probabilities written.
 """
 
 from __future__ import annotations
@@ -87,6 +87,15 @@ def choices_problem(value: Any) -> tuple[list[str] | None, str | None]:
             return None, (f"option {index} {_short(option)} repeats option {first[option]}; "
                           "a row's options must be distinct")
     return list(value), None
+
+
+def choices_for_output(choices, ok: np.ndarray) -> list | None:
+    """Each row's options as read (for the `choice` column), from `choices` (an Arrow array of the
+    choices column): a list for ok rows, None elsewhere."""
+    if choices is None:
+        return None
+    values = choices.to_pylist()
+    return [choices_problem(v)[0] if good else None for v, good in zip(values, ok)]
 
 
 def _short(value: Any, limit: int = 40) -> str:

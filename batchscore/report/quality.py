@@ -2,7 +2,7 @@
 macro-F1 with bootstrap intervals, ECE and Brier before and after calibration, reliability,
 coverage against error, the confusion matrix), and without one (class prevalence with intervals).
 
-Pure numpy (+ scipy through `significance`); ECE and Brier are output/calibration.py's own
+Pure numpy (+ scipy through `significance`); ECE and Brier are scores/calibration.py's own
 definitions, so the report and the run summary agree on them.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchscore.errors import ReportError
-from batchscore.output.calibration import ECE_BINS, measures
+from batchscore.scores.calibration import ECE_BINS, measures
 from batchscore.report.data import ScoredOutput
 from batchscore.report.significance import (Interval, accuracy_of, bootstrap_confusion, macro_f1_of,
                                             wilson)
@@ -124,7 +124,7 @@ def _measures(p: np.ndarray, truth: np.ndarray) -> dict:
 
 
 def reliability(name: str, p: np.ndarray, truth: np.ndarray, bins: int = ECE_BINS) -> Reliability:
-    """The bins of output/calibration.py's top-label ECE over probabilities `p` [n, K]."""
+    """The bins of scores/calibration.py's top-label ECE over probabilities `p` [n, K]."""
     top = p.max(axis=1)
     correct = p.argmax(axis=1) == truth
     which = np.minimum((top * bins).astype(np.int64), bins - 1)

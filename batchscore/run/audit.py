@@ -33,8 +33,8 @@ import numpy as np
 
 from batchscore.errors import AuditFailed
 from batchscore.faults import fault_point
-from batchscore.output.quality import content_free_rows
-from batchscore.output.scores import RowScores
+from batchscore.scores.quality import content_free_rows
+from batchscore.output.raw_scores import RowScores
 from batchscore.prepare.options import choices_problem
 
 log = logging.getLogger("batchscore")
@@ -301,7 +301,7 @@ def _engine_totals(scores: RowScores, row: int) -> np.ndarray:
 
 
 def _divisors(job, row: int, request) -> np.ndarray | None:
-    """What `score.normalize` divides a row's totals by (output/scores.py); None for `sum` and for
+    """What `score.normalize` divides a row's totals by (scores/normalize.py); None for `sum` and for
     a decision job's reads (their answers normalize the sum)."""
     normalize = job.config.score.normalize
     if normalize == "sum" or job.input.decisions is not None:

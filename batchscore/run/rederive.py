@@ -8,7 +8,7 @@ hash, `assembly_hash`, recorded in the run summary. When a rerun finds its outpu
 same scoring identity but another assembly hash, `run_job` comes here: the id and kept columns are
 read again from the input (no tokenizing), the raw columns (`p_<label>` or `p_choices`,
 `label_mass`, `logp_*`, `status`, `error`) are copied from the finished output as they are, the
-chosen label is taken again from the raw probabilities, and `output/quality.py` adds the rest.
+chosen label is taken again from the raw probabilities, and `scores/quality.py` adds the rest.
 Nothing is scored and no model is loaded.
 
 `rederive_problem` names what this cannot do (the run then scores again): a decision or
@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 
 from batchscore.output import layout
 from batchscore.formats import write_output
-from batchscore.output.quality import QualityResult, add_quality_columns, content_free_rows
-from batchscore.output.scores import choices_for_output
+from batchscore.scores.quality import QualityResult, add_quality_columns, content_free_rows
+from batchscore.prepare.options import choices_for_output
 from batchscore.output.table import ok_rows, scores_table
 from batchscore.prepare.job import PreparedJob, is_decision_input
 

@@ -2,7 +2,7 @@
 
 Stages: read + tokenize (`prepare/`) → plan (`plan/`) → place groups on workers → score with
 an engine (`engines/`) through an executor (`run/local.py` or `run/ray.py`), flushing the raw
-scores as durable parts (`output/parts.py`) → normalize once (`output/scores.py`) and write the
+scores as durable parts (`output/parts.py`) → normalize once (`scores/normalize.py`) and write the
 output atomically (`output/table.py`, `formats/`). A run that dies resumes from its
 parts. The output's files are named once per run (`output/layout.OutputFiles`) and its parts
 store is built once per run and passed down.
@@ -42,9 +42,10 @@ from batchscore.output.parts import Manifest, PartStore, completed_summary, writ
 from batchscore.output.decision_files import run_metadata, write_decision_output
 from batchscore.output.decision_quality import check_calibration_source as check_question_calibration_source
 from batchscore.formats import write_output
-from batchscore.output.quality import (QualityResult, add_quality_columns, check_calibration_source, content_free_rows,
+from batchscore.scores.quality import (QualityResult, add_quality_columns, check_calibration_source, content_free_rows,
                                        split_content_free)
-from batchscore.output.scores import choices_for_output, score_columns, top_columns
+from batchscore.prepare.options import choices_for_output
+from batchscore.scores.normalize import score_columns, top_columns
 from batchscore.output.table import ok_rows, scores_table
 from batchscore.plan.placement import place_groups
 from batchscore.prepare.job import (JobSource, PreparedJob, assembly_config, load_tokenizer, locate_job, prepare_job,
@@ -440,8 +441,8 @@ _PATH_PROBLEMS = {errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.
 
 def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest]) -> tuple[dict[int, str], QualityResult]:
     """Write the final output (and, for openai_batch, its error file) from every part, atomically;
-    the scores are normalized here, once (output/scores.py), then calibrated and judged
-    (output/quality.py). Returns the row errors and what calibration and review did."""
+    the scores are normalized here, once (scores/normalize.py), then calibrated and judged
+    (scores/quality.py). Returns the row errors and what calibration and review did."""
     config, prepared = job.config, job.input
     scores, errors = store.read_results(manifests, prepared.num_rows + content_free_rows(config))
     scores, content_free = split_content_free(scores, errors, prepared.num_rows, config)

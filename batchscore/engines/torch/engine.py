@@ -598,7 +598,7 @@ class TorchEngine:
     def _label_logp(self, last_hidden: torch.Tensor, labels: torch.Tensor, tops: np.ndarray | None = None,
                     top_ids: np.ndarray | None = None) -> np.ndarray:
         """LM head on the last positions [B, hidden] -> [B, L] float64 each label's log P under the
-        full-vocabulary softmax (raw: output/scores.py normalizes over the labels); `LM_HEAD_ROWS`
+        full-vocabulary softmax (raw: scores/normalize.py normalizes over the labels); `LM_HEAD_ROWS`
         rows at a time, which bounds the float32 logits. `tops` and `top_ids` [B], when given,
         receive each row's most probable token's log P and id (what the model wanted to say)."""
         out = []

@@ -3,16 +3,15 @@ and the chosen label (or choice) of the output, once, when the output is assembl
 
 Engines return each option's total log-probability only (the sum over its tokens under the
 model's full-vocabulary softmax, `engines.base.RawScores`); parts store those totals as they are
-(output/parts.py). Here `score.normalize` turns totals into the probabilities written: `sum` (the
+(output/parts.py) and give them back as `output/raw_scores.RowScores`. Here `score.normalize` turns totals into the probabilities written: `sum` (the
 totals; lm-eval `acc`), `token` (per token) or `byte` (per UTF-8 byte of the option text; lm-eval's
 `acc_norm` divides by characters, the same for ASCII), then softmax over the row's options.
 `label_mass` is the sum of the options' probabilities before normalizing. The column names come
-from output/layout.py.
+from output/layout.py; a row's option texts come from its caller (`prepare/options.choices_for_output`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -20,30 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchscore.output import layout
-from batchscore.prepare.options import choices_problem
-
-
-@dataclass
-class RowScores:
-    """Every row's option totals as Arrow lists (null: no part holds the row), for the output.
-
-    logp: list<double> raw total log-probability of each option (NaN for rows the engine failed);
-    tokens: list<int32> tokens of each option (null lists: one token each).
-    """
-
-    logp: pa.ListArray
-    tokens: pa.ListArray | None = None
-    top_logp: pa.Array | None = None  # double: the vocabulary's top log-probability at each read position
-    top_token: pa.Array | None = None  # int64: that most probable token's id (-1: not read)
-
-    def unscored(self) -> np.ndarray:
-        """Rows without a whole result: no part holds them, or one of their totals is NaN."""
-        logp = _combined(self.logp)
-        n = len(logp)
-        lengths = np.asarray(logp.value_lengths().fill_null(0), dtype=np.int64)
-        flat, _ = _flat_values(logp, lengths)
-        has_nan = np.bincount(np.repeat(np.arange(n), lengths), weights=np.isnan(flat), minlength=n) > 0
-        return np.flatnonzero(np.asarray(logp.is_null().to_numpy(zero_copy_only=False)) | has_nan)
+from batchscore.output.raw_scores import RowScores, flat_values, ranks
+from batchscore.output.table import ok_rows, scores_table
 
 
 def normalized_log_probs(logp: np.ndarray, row_of: np.ndarray, num_rows: int,
@@ -91,7 +68,7 @@ def score_columns(*, labels: Sequence[str] | None, choices: Sequence[Sequence[st
     logp_list = scores.logp
     lengths = np.asarray(logp_list.value_lengths().fill_null(0), dtype=np.int64)
     lengths[~ok] = 0
-    flat, offsets = _flat_values(logp_list, lengths)
+    flat, offsets = flat_values(logp_list, lengths)
     row_of = np.repeat(np.arange(n), lengths)
     divisors = _divisors(normalize, labels, choices, scores.tokens, lengths, row_of, ok)
     probs = np.exp(normalized_log_probs(flat, row_of, n, divisors))
@@ -147,36 +124,23 @@ def top_columns(scores: RowScores, ok: np.ndarray, first_tokens: Sequence[set[in
             layout.TOP_P: pa.array(np.exp(tops), mask=~read, type=pa.float64())}
 
 
-def choices_for_output(choices: pa.Array | None, ok: np.ndarray) -> list | None:
-    """Each row's options as read (for the `choice` column): a list for ok rows, None elsewhere."""
-    if choices is None:
-        return None
-    values = choices.to_pylist()
-    return [choices_problem(v)[0] if good else None for v, good in zip(values, ok)]
+def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str], logp: np.ndarray,
+                  errors: dict[int, str], approx_keep: float | None = None) -> pa.Table:
+    """The output table of fixed labels from each row's raw label totals, as a run writes it.
 
-
-def _combined(array):
-    return array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
+    logp: [N, L] each label's total log-probability (ignored for error rows); errors and
+    approx_keep: as in `scores_table`.
+    """
+    ok = ok_rows(len(ids), errors)
+    totals = pa.array([list(row) if good else None for row, good in zip(np.asarray(logp, dtype=np.float64), ok)],
+                      type=pa.list_(pa.float64()))
+    columns = score_columns(labels=labels, choices=None, scores=RowScores(totals), ok=ok)
+    return scores_table(ids, id_name, kept, columns, errors, approx_keep)
 
 
 def _list_column(offsets: pa.Array, values: np.ndarray, validity: pa.Array) -> pa.Array:
     array = pa.ListArray.from_arrays(offsets, pa.array(values, type=pa.float64()))
     return pc.if_else(validity, array, pa.scalar(None, array.type))
-
-
-def _flat_values(array: pa.ListArray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The values of the rows with lengths > 0 (rows set to 0 are skipped), and their offsets."""
-    array = _combined(array)
-    starts = np.asarray(array.offsets, dtype=np.int64)[:-1]
-    values = np.asarray(array.values.to_numpy(zero_copy_only=False), dtype=np.float64)
-    index = np.repeat(starts, lengths) + _ranks(lengths)
-    return values[index], np.concatenate(([0], np.cumsum(lengths)))[:-1]
-
-
-def _ranks(lengths: np.ndarray) -> np.ndarray:
-    """0, 1, .., len-1 for every row, concatenated."""
-    total = int(lengths.sum())
-    return np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
 def _first_argmax(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -187,9 +151,9 @@ def _first_argmax(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) 
         return best
     row_of = np.repeat(np.arange(n), lengths)
     clean = np.nan_to_num(values, nan=-np.inf)
-    order = np.lexsort((_ranks(lengths), -clean, row_of))  # by row, largest first, then position
+    order = np.lexsort((ranks(lengths), -clean, row_of))  # by row, largest first, then position
     nonempty = lengths > 0
-    best[nonempty] = _ranks(lengths)[order[offsets[nonempty]]]
+    best[nonempty] = ranks(lengths)[order[offsets[nonempty]]]
     return best
 
 
@@ -201,7 +165,7 @@ def _divisors(normalize: str, labels, choices, tokens: pa.ListArray | None, leng
         if tokens is None:
             return np.ones(len(row_of))
         token_lengths = np.asarray(tokens.value_lengths().fill_null(0), dtype=np.int64)
-        counts, _ = _flat_values(tokens.cast(pa.list_(pa.float64())), np.where(ok & (token_lengths > 0), lengths, 0))
+        counts, _ = flat_values(tokens.cast(pa.list_(pa.float64())), np.where(ok & (token_lengths > 0), lengths, 0))
         out = np.ones(len(row_of))
         has = np.repeat(ok & (token_lengths > 0), lengths)
         out[has] = counts

@@ -11,7 +11,7 @@ Labeled rows (a non-null `calibrate.truth_column`) are split by `calibrate.seed`
 (`holdout_fraction` of them, only for a method fitted in this run) and evaluation rows (the rest;
 all of them otherwise); the measures and the review threshold use the evaluation rows only.
 What was fitted and measured is returned as a `QualityResult` for the run summary, which
-`calibrate.from` reads back. The math lives in output/calibration.py and output/review.py.
+`calibrate.from` reads back. The math lives in scores/calibration.py and scores/review.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchscore.errors import CalibrationError
-from batchscore.output import calibration, layout, review
-from batchscore.output.scores import RowScores, score_columns
+from batchscore.output import layout
+from batchscore.output.raw_scores import RowScores
+from batchscore.scores import calibration, review
+from batchscore.scores.normalize import score_columns
 
 log = logging.getLogger("batchscore")
 
