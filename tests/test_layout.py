@@ -229,9 +229,9 @@ def folder_graph() -> dict[str, set[str]]:
 
 
 # Folder edges that still close a circle, each named by what it is: the questions task's modules
-# in output/ read its requests from prepare/ and write through formats/, scores/normalize.py reads
-# the option encoding from prepare/, and output/write_paths.py asks formats/ which suffixes an
-# input folder reads. Remove an entry when its edge goes; none may be added.
+# in output/ read their requests from prepare/, write through formats/ and judge their answers
+# with scores/, and output/write_paths.py asks formats/ which suffixes an input folder reads.
+# Remove an entry when its edge goes; none may be added.
 FOLDER_EDGES_LEFT = {("output", "prepare"), ("output", "formats"), ("output", "scores")}
 
 
