@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchscore.errors import OutputError, WritePathError
-from batchscore.formats.registry import suffix_formats
 from batchscore.io.storage import is_remote, is_url
 from batchscore.output.layout import OutputFiles, default_error_path
 
@@ -44,21 +43,26 @@ class Protected:
     """The files a path given to write must not be: `output` (and the files it owns) and the inputs.
 
     inputs: files read (the job file, input files, a report's --previous and --metrics);
-    input_path: input.path as configured (a file, a folder or a glob), for files a later run would read.
+    input_path: input.path as configured (a file, a folder or a glob), for files a later run would read;
+    read_suffixes: the file suffixes a folder input reads (the caller asks formats/ for them).
     """
 
     output: OutputFiles | None = None
     inputs: tuple[str, ...] = field(default_factory=tuple)
     input_path: str | None = None
+    read_suffixes: tuple[str, ...] = ()
 
     @classmethod
-    def for_job(cls, config, files=(), *, with_error_file: bool = True) -> Protected:
-        """The files of a JobConfig: its job file, input files (`files`, as discovered) and output."""
+    def for_job(cls, config, files=(), *, read_suffixes: tuple[str, ...],
+                with_error_file: bool = True) -> Protected:
+        """The files of a JobConfig: its job file, input files (`files`, as discovered) and output;
+        `read_suffixes`: what a folder input reads (`formats.suffix_formats()`)."""
         output = None
         if config.output.path:
             output = OutputFiles.for_job(config) if with_error_file else OutputFiles(os.fspath(config.output.path))
         inputs = tuple(str(f) for f in files) + ((config.source,) if config.source else ())
-        return cls(output, inputs, None if config.input.synthetic is not None else config.input.path)
+        return cls(output, inputs, None if config.input.synthetic is not None else config.input.path,
+                   tuple(read_suffixes))
 
     def check(self, option: str, path, default=None) -> None:
         """Raise WritePathError when `option` (e.g. '--metrics') names a `path` it may not write;
@@ -111,8 +115,7 @@ class Protected:
         if target == root:
             return f"is the input {source}; writing it would destroy it"
         is_folder = source.endswith("/") if is_url(source) else Path(root).is_dir()
-        read_suffixes = tuple(suffix_formats())  # what a folder input reads
-        if (is_folder or is_url(source)) and _inside(target, root) and target.lower().endswith(read_suffixes):
+        if (is_folder or is_url(source)) and _inside(target, root) and target.lower().endswith(self.read_suffixes):
             return f"is inside the input folder {source}; the next run would read it as input"
         return None
 
@@ -161,11 +164,11 @@ def check_report_path(option: str, path, output, read=()) -> None:
                              "would replace it); choose another path")
 
 
-def check_job_write_paths(config, files=()) -> None:
+def check_job_write_paths(config, files=(), *, read_suffixes: tuple[str, ...]) -> None:
     """Refuse, before any work, an output that is the job file, and an openai_batch output's error
     file (output.error_path, or its default) that is an input, the output or another file of the
     output (see the module's rule). `files`: the input files (the output itself is checked against
-    them and the input folder by prepare/job.py)."""
+    them and the input folder by prepare/job.py); `read_suffixes`: what a folder input reads."""
     if not config.output.path:
         return
     if config.source and _key(config.output.path) == _key(config.source):
@@ -174,14 +177,14 @@ def check_job_write_paths(config, files=()) -> None:
     if config.output_format != "openai_batch":
         return
     path = config.output.error_path or default_error_path(config.output.path)
-    Protected.for_job(config, files, with_error_file=False).check(
+    Protected.for_job(config, files, read_suffixes=read_suffixes, with_error_file=False).check(
         "output.error_path", path, default=default_error_path(config.output.path))
 
 
-def check_run_files(config, *, metrics=None, metrics_prom=None) -> None:
+def check_run_files(config, *, read_suffixes: tuple[str, ...], metrics=None, metrics_prom=None) -> None:
     """Refuse `run --metrics` / `--metrics-prom` paths that break the rule (before any work), and
-    the two naming the same file."""
-    protected = Protected.for_job(config)
+    the two naming the same file; `read_suffixes`: what a folder input reads."""
+    protected = Protected.for_job(config, read_suffixes=read_suffixes)
     protected.check("--metrics", metrics, default=metrics_default(config.output.path))
     protected.check("--metrics-prom", metrics_prom)
     if metrics and metrics_prom and _key(metrics) == _key(metrics_prom):

@@ -30,7 +30,7 @@ from batchscore.output.write_paths import check_job_write_paths
 from batchscore.output.identity import input_identity, model_identity, software_versions
 from batchscore.output.layout import OutputFiles
 from batchscore.scores.quality import content_free_row, content_free_rows
-from batchscore.formats import discover_files, iter_batches
+from batchscore.formats import discover_files, iter_batches, suffix_formats
 from batchscore.io.readers import InputBatch, input_base
 from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.prepare.decision_job import is_decision_input, prepare_decisions
@@ -105,7 +105,8 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
                                                              config.input.filter)
     if for_output:
         _check_output_outside_input(config, [f for f, _ in files])
-        check_job_write_paths(config, [f for f, _ in files])  # the job file, output.error_path
+        check_job_write_paths(config, [f for f, _ in files],  # the job file, output.error_path
+                              read_suffixes=tuple(suffix_formats()))
     model_dir = Path(resolve_model(config.model, download=config.model_download)) if with_model else None
     engine = resolve_engine(config.engine, compile_decision=for_output,
                             model_config=read_model_config(model_dir) if model_dir else None)

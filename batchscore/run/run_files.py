@@ -115,7 +115,10 @@ class RunFiles:
                 protected.check("--metrics", self.metrics)
                 protected.check("--metrics-prom", self.metrics_prom)
             else:
-                check_run_files(config, metrics=self.metrics, metrics_prom=self.metrics_prom)
+                from batchscore.formats import suffix_formats
+
+                check_run_files(config, read_suffixes=tuple(suffix_formats()), metrics=self.metrics,
+                                metrics_prom=self.metrics_prom)
                 self.checked = True
             if self.report:
                 from batchscore.report import require_matplotlib
