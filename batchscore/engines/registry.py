@@ -12,7 +12,6 @@ against the job runs it; the reason is kept and recorded in the run summary.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Callable
 
 from batchscore.config import EngineConfig
 from batchscore.errors import EngineUnavailable
+from batchscore.registry import Registry
 
 BUILT_IN = ("batchscore.engines.torch.kind", "batchscore.engines.vllm.kind")
 
@@ -76,34 +76,24 @@ class EngineKind:
     explicit_only: bool = field(default=False)  # never chosen by auto (e.g. a test kind)
 
 
-_KINDS: dict[str, EngineKind] = {}
-_loaded = False
+_KINDS: Registry[EngineKind] = Registry(BUILT_IN, lambda kind: kind.build.__module__)
 
 
 def register(kind: EngineKind) -> EngineKind:
     """Add (or replace) an engine kind; returns it. `auto` is not a kind name."""
     if kind.name == "auto":
         raise ValueError("'auto' is not an engine kind name")
-    _KINDS[kind.name] = kind
-    return kind
+    return _KINDS.register(kind)
 
 
 def unregister(name: str) -> None:
-    _KINDS.pop(name, None)
-
-
-def _load_built_in() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILT_IN:
-            importlib.import_module(module)
+    _KINDS.unregister(name)
 
 
 def kinds() -> dict[str, EngineKind]:
-    """Every registered kind by name (the built-in ones first)."""
-    _load_built_in()
-    return dict(_KINDS)
+    """Every registered kind by name: the built-in ones first, in `BUILT_IN`'s order (whichever
+    module was imported first), then the others in the order they registered."""
+    return _KINDS.entries()
 
 
 def kind_names() -> tuple[str, ...]:
@@ -112,7 +102,7 @@ def kind_names() -> tuple[str, ...]:
 
 
 def get_kind(name: str) -> EngineKind:
-    found = kinds().get(name)
+    found = _KINDS.get(name)
     if found is None:
         raise EngineUnavailable(f"unknown engine kind {name!r} (known: {', '.join(kinds())})")
     return found

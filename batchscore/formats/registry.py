@@ -8,10 +8,11 @@ allowed values of `input.format` / `output.format` read this table and never nam
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
+
+from batchscore.registry import Registry
 
 BUILT_IN = ("batchscore.formats.table", "batchscore.formats.openai_batch")
 
@@ -38,8 +39,7 @@ class WireFormat:
     error_file: bool = False
 
 
-_FORMATS: dict[str, WireFormat] = {}
-_loaded = False
+_FORMATS: Registry[WireFormat] = Registry(BUILT_IN, lambda fmt: (fmt.write or fmt.read).__module__)
 
 
 def register(fmt: WireFormat) -> WireFormat:
@@ -48,36 +48,21 @@ def register(fmt: WireFormat) -> WireFormat:
         raise ValueError("'auto' is not a format name")
     if fmt.read is None and not fmt.dataset and fmt.write is None:
         raise ValueError(f"format {fmt.name!r} neither reads nor writes")
-    _FORMATS[fmt.name] = fmt
-    return fmt
+    return _FORMATS.register(fmt)
 
 
 def unregister(name: str) -> None:
-    _FORMATS.pop(name, None)
-
-
-def _load_built_in() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILT_IN:
-            importlib.import_module(module)
+    _FORMATS.unregister(name)
 
 
 def formats() -> dict[str, WireFormat]:
     """Every registered format by name: the built-in ones first, in `BUILT_IN`'s order (whichever
     module was imported first), then the others in the order they registered."""
-    _load_built_in()
-
-    def rank(item: tuple[int, WireFormat]) -> tuple[int, int]:
-        module = (item[1].write or item[1].read).__module__
-        return (BUILT_IN.index(module) if module in BUILT_IN else len(BUILT_IN), item[0])
-
-    return {f.name: f for _, f in sorted(enumerate(_FORMATS.values()), key=rank)}
+    return _FORMATS.entries()
 
 
 def get_format(name: str) -> WireFormat:
-    found = formats().get(name)
+    found = _FORMATS.get(name)
     if found is None:
         raise ValueError(f"unknown format {name!r} (known: {', '.join(formats())})")
     return found
