@@ -10,6 +10,13 @@ groups, row counts, column statistics and offsets) and size; a larger JSONL file
 whole, streaming (its rows are read anyway); a large weight file by its size and three 1 MiB
 samples (start, middle, end). An object in a store (io/storage.py) other than JSONL: by what the
 store says of it (ETag, MD5 or CRC), its size and, for Parquet, its footer — never downloaded whole.
+
+A local Parquet file of a table job is fingerprinted column by column instead
+(`input_identities`): the columns the scores are made from (prompt fields, options, token ids, row
+ids) give the scoring identity, and the columns only assembly reads (truth and kept columns) an
+assembly identity of their own. Editing a truth or kept value then leaves every scored part
+valid: the run only assembles again. Each column's digest is over its decoded values
+(output/column_digest.py), read column by column, so it costs reading those columns once.
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ import os
 from importlib import metadata
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from batchscore.io.storage import as_path, file_size, is_remote
+from batchscore.output.column_digest import ColumnDigest
 
 FULL_HASH_BYTES = 64 * 2**20
 SAMPLE_BYTES = 2**20
@@ -88,6 +99,47 @@ def input_identity(files: list[tuple[Path, str]]) -> list[dict]:
             for f, fmt in files]
 
 
+def input_identities(files: list[tuple[Path, str]], scoring: list[str] | None,
+                     assembly: list[str]) -> tuple[list[dict], list[dict]]:
+    """(the scoring identity of the input, its assembly identity).
+
+    `scoring`: the columns the scores are made from (None: every file whole, as `input_identity`);
+    `assembly`: the columns only assembly reads. A local Parquet file gets one entry per part with
+    its row count and each named column's digest (None for a column the file lacks: a hive
+    partition's, or one the reader will refuse); any other file is fingerprinted whole in the
+    scoring identity, so an edit anywhere in it is a different job."""
+    if scoring is None:
+        return input_identity(files), []
+    score_part, assembly_part = [], []
+    for path, fmt in files:
+        digests = _parquet_columns(path, scoring + assembly) if fmt == "parquet" and not is_remote(path) else None
+        if digests is None:
+            score_part.extend(input_identity([(path, fmt)]))
+            continue
+        name, rows = str(Path(path).resolve()), digests.pop(None)
+        score_part.append({"file": name, "rows": rows, "columns": {c: digests[c] for c in scoring}})
+        if assembly:
+            assembly_part.append({"file": name, "columns": {c: digests[c] for c in assembly}})
+    return score_part, assembly_part
+
+
+def _parquet_columns(path: Path, columns: list[str]) -> dict | None:
+    """Each of `columns`' digest (None: not in the file) and, under the key None, the row count;
+    None when the file cannot be read as Parquet (reading it will say why, naming it)."""
+    try:
+        parquet = pq.ParquetFile(str(path))
+        present = [c for c in dict.fromkeys(columns) if c in parquet.schema_arrow.names]
+        digests = {c: ColumnDigest() for c in present}
+        for batch in parquet.iter_batches(batch_size=65536, columns=present, use_threads=False):
+            for name in present:
+                digests[name].update(batch.column(name))
+        rows = parquet.metadata.num_rows
+    except (pa.ArrowException, OSError, ValueError, KeyError):  # duplicate names too: read whole
+        return None
+    found = {c: digests[c].hexdigest() if c in digests else None for c in columns}
+    return {**found, None: rows}
+
+
 def model_identity(model_dir: str | os.PathLike | None) -> dict[str, str]:
     """Every file of the model folder (weights, config, tokenizer): relative name -> fingerprint."""
     if model_dir is None:
@@ -115,6 +167,18 @@ def identity_hash(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _input_change(name: str, before: dict, now: dict) -> str:
+    """One input file's change in words: the columns that changed where both name columns."""
+    if "columns" not in before or "columns" not in now:
+        return f"input file {name} changed"
+    if before.get("rows") != now.get("rows"):
+        return f"input file {name} changed ({before.get('rows')} rows → {now.get('rows')})"
+    columns = [c for c in sorted(set(before["columns"]) | set(now["columns"]))
+               if before["columns"].get(c) != now["columns"].get(c)]
+    named = f"column{'s' if len(columns) > 1 else ''} {', '.join(repr(c) for c in columns)}"
+    return f"input file {name} changed ({named})" if columns else f"input file {name} changed"
+
+
 def describe_changes(before: dict, now: dict) -> list[str]:
     """What differs between two identities, in words (for a refused resume)."""
     changes = []
@@ -128,7 +192,7 @@ def describe_changes(before: dict, now: dict) -> list[str]:
         elif name not in old_inputs:
             changes.append(f"input file {name} is new")
         elif old_inputs[name] != new_inputs[name]:
-            changes.append(f"input file {name} changed")
+            changes.append(_input_change(name, old_inputs[name], new_inputs[name]))
     old_model, new_model = before.get("model", {}), now.get("model", {})
     if before.get("model_path") != now.get("model_path"):
         changes.append(f"the model ({before.get('model_path')} → {now.get('model_path')})")

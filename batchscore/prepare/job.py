@@ -27,7 +27,7 @@ from batchscore.engines.registry import get_kind
 from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import BatchscoreError, InputError, LabelError, OutputError, RowRenderError
 from batchscore.output.write_paths import check_job_write_paths
-from batchscore.output.identity import input_identity, model_identity, software_versions
+from batchscore.output.identity import input_identities, model_identity, software_versions
 from batchscore.output.layout import OutputFiles
 from batchscore.scores.quality import content_free_row, content_free_rows
 from batchscore.formats import discover_files, iter_batches, suffix_formats
@@ -35,6 +35,7 @@ from batchscore.io.readers import InputBatch, input_base
 from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.prepare.decision_job import is_decision_input, prepare_decisions
 from batchscore.prepare.decisions import check_question, parse_systemone
+from batchscore.prepare.input_columns import assembly_columns, scoring_columns
 from batchscore.prepare.options import OptionEncoder, RowOptionSource, max_length_name
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
@@ -56,6 +57,7 @@ class JobSource:
     files: list[tuple[Path, str]]  # (input file, format), discovered once
     model_dir: Path | None  # None when not needed (merge)
     identity: dict  # config, input, model, software, engine: see output/identity.py
+    assembly_input: list = dataclasses.field(default_factory=list)  # the truth and kept columns, by content
 
     @property
     def kind(self) -> str:
@@ -112,15 +114,16 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
                             model_config=read_model_config(model_dir) if model_dir else None)
     if not for_output:
         return JobSource(config, engine, files, model_dir, {})
+    scoring_input, assembly_input = input_identities(files, scoring_columns(config), assembly_columns(config))
     identity = {
         "config": scoring_config(config),
-        "input": input_identity(files),
+        "input": scoring_input,
         "model_path": str(model_dir.resolve()) if model_dir else None,
         "model": model_identity(model_dir),
         "software": software_versions(engine.kind),
         "engine": engine.identity(),
     }
-    return JobSource(config, engine, files, model_dir, identity)
+    return JobSource(config, engine, files, model_dir, identity, assembly_input)
 
 
 def use_job_storage(config: JobConfig) -> None:

@@ -177,7 +177,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
         store = PartStore(files, writer, guard=lock.check)
         output_hash = identity_hash(source.identity)
         done = None if fresh else completed_summary(files, output_hash)
-        if done is not None and done.get("assembly_hash", NO_ASSEMBLY) != _assembly_hash(config):
+        if done is not None and done.get("assembly_hash", NO_ASSEMBLY) != _assembly_hash(source):
             summary = _rederive(source, store, done, started)  # only the post-processing changed
             if summary is not None:
                 lock.check()
@@ -225,8 +225,11 @@ def _checked(summary: RunSummary, config: JobConfig) -> RunSummary:
 NO_ASSEMBLY = identity_hash({})  # the post-processing at its defaults (and of markers older than the key)
 
 
-def _assembly_hash(config: JobConfig) -> str:
-    return identity_hash(assembly_config(config))
+def _assembly_hash(source: JobSource) -> str:
+    """The post-processing keys and the content of the columns only assembly reads (truth, kept):
+    a change to either re-assembles the output from its scores, never scores it again."""
+    data = assembly_config(source.config)
+    return identity_hash({**data, "input": source.assembly_input} if source.assembly_input else data)
 
 
 def _rederive(source: JobSource, store: PartStore, done: dict, started: float) -> RunSummary | None:
@@ -251,7 +254,7 @@ def _rederive(source: JobSource, store: PartStore, done: dict, started: float) -
                          "rows_error": len(errors), "seconds": time.perf_counter() - started, "skipped": False,
                          "rederived": True, "prepare_seconds": 0.0, "score_seconds": 0.0, "plan_seconds": 0.0,
                          "write_seconds": time.perf_counter() - write_started,
-                         "assembly_hash": _assembly_hash(config)})
+                         "assembly_hash": _assembly_hash(source)})
 
 
 def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard: Shard | None,
@@ -334,7 +337,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         score_seconds=score_seconds,
         prepare_seconds=score_started - started,
         write_seconds=write_seconds,
-        assembly_hash=_assembly_hash(config),
+        assembly_hash=_assembly_hash(source),
         resumed_rows=resumed,
         workers=num_workers,
         batch_token_counts=batch_tokens,
@@ -378,7 +381,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
                              rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
                              logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
                              seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
-                             workers=count, assembly_hash=_assembly_hash(config),
+                             workers=count, assembly_hash=_assembly_hash(source),
                              audit_skipped="batchscore merge reads no prompts; the shards' scores are not audited")
         lock.check()
         write_completion_marker(files, identity_hash(source.identity), summary.to_dict(stored=True))
