@@ -354,6 +354,23 @@ def test_a_repeated_per_row_option_is_that_rows_error(tmp_path):
     assert "in.jsonl:2" in prepared.errors[1] and "field 'c' option 2 ' Paris' repeats option 0" in prepared.errors[1]
 
 
+def test_a_per_row_choice_with_one_option_is_that_rows_error(tmp_path):
+    """One option alone would get P = 1 whatever the model says (a labels job needs two labels):
+    the row is refused naming its line and field; the other rows are scored."""
+    from batchscore.jobfile import load_job
+    from batchscore.prepare.job import locate_job, prepare_job
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "q": "Capital of France?", "c": c}) + "\n" for i, c in
+                            enumerate([[" Paris", " Lyon"], [" Paris"], [" Lyon", " Nice"]])))
+    job = write_job(tmp_path, labels=[], input={"path": str(data), "id_column": "id", "choices_column": "c"},
+                    prompt={"template": "Q: {q}\nA:"}, output={"path": str(tmp_path / "out.parquet")})
+    config = load_job(job)
+    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    assert sorted(r.row_id for r in prepared.requests) == [0, 2] and list(prepared.errors) == [1]
+    assert "in.jsonl:2: field 'c' holds one option (' Paris')" in prepared.errors[1]
+
+
 def test_a_dictionary_encoded_id_column_is_checked_like_a_plain_one():
     """Parquet writers dictionary-encode string columns; the duplicate-id check reads them as strings."""
     import pyarrow as pa

@@ -61,6 +61,8 @@ def test_kept_column_that_the_choice_columns_would_overwrite_is_refused():
     ("Paris", "must be a list of option strings, got the string 'Paris'"),
     (5, "got int 5"),
     ([], "is an empty list"),
+    (["Paris"], "holds one option ('Paris'): a choice needs at least two"),
+    ('["Paris"]', "holds one option ('Paris')"),
     (["a", ""], "option 1 is empty"),
     (["a", None], "option 1 is null, not a string"),
     (["a", 3], "option 1 is int 3, not a string"),

@@ -56,7 +56,9 @@ def label_problems(labels: Sequence[str], choices_column: str | None, normalize:
 
 
 def choices_problem(value: Any) -> tuple[list[str] | None, str | None]:
-    """(the row's options, None), or (None, why the value is not a non-empty list of distinct non-empty strings).
+    """(the row's options, None), or (None, why the value is not a list of two or more distinct
+    non-empty strings: one option would get P = 1 whatever the model says, as a labels job with
+    one label would, which the job file refuses).
 
     A string holding a JSON list of strings is accepted as that list: the JSONL reader turns a
     column whose rows mix types into text, lists included.
@@ -75,6 +77,9 @@ def choices_problem(value: Any) -> tuple[list[str] | None, str | None]:
         return None, f"must be a list of option strings, got {type(value).__name__} {_short(value)}"
     if len(value) == 0:
         return None, "is an empty list: no options to score"
+    if len(value) == 1:
+        return None, (f"holds one option ({_short(value[0])}): a choice needs at least two, "
+                      "or its probability is 1 whatever the model says")
     for index, option in enumerate(value):
         if not isinstance(option, str):
             kind = "null" if option is None else f"{type(option).__name__} {_short(option)}"
