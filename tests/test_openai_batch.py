@@ -187,3 +187,31 @@ def test_jsonl_output_holds_the_same_rows_as_parquet(tmp_path):
     assert read_lines(tmp_path / "o.jsonl") == table.to_pylist()
     assert read_lines(tmp_path / "o.jsonl")[1] == {"id": "b", "k": 2, "p_Yes": None, "p_No": None, "label": None,
                                                    "label_mass": None, "status": "error", "error": "boom"}
+
+
+def test_a_key_twice_in_a_line_or_a_lone_surrogate_in_its_custom_id_is_that_lines_error(tmp_path):
+    """A JSON reader keeps the last of two equal keys: a decision line whose criteria name an
+    option twice, or a chat message with two contents, would be answered as another request. The
+    line is refused naming the key, under its custom_id; so is a custom_id that is not text."""
+    from batchscore.jobfile import load_job
+    from batchscore.prepare.job import locate_job, prepare_job
+
+    systemone = '{"custom_id": "%s", "method": "POST", "url": "/v1/systemone", "body": {"state": "Where is my parcel?", ' \
+                '"questions": {"team": {"type": "choice", "instructions": "Which team?", "criteria": %s}}}}'
+    lines = [systemone % ("good", '{"billing": "money", "shipping": "parcels"}'),
+             systemone % ("twice", '{"billing": "money", "shipping": "parcels", "billing": "refunds"}'),
+             '{"custom_id": "chat-twice", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
+             '[{"role": "user", "content": "Is it late? Answer Yes or No.", "content": "Is it early?"}]}}',
+             json.dumps(chat_request("surrogate-\ud83d", "Is it late? Answer Yes or No."))]
+    assert "\\ud83d" in lines[-1]  # valid JSON: an escape of half a pair
+    batch_file = tmp_path / "batch.jsonl"
+    batch_file.write_text("\n".join(lines) + "\n")
+    config = load_job(batch_job(tmp_path, batch_file))
+    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    records = prepared.decisions.records
+    assert len(records) == 4 and records[0].error is None
+    assert records[1].error.startswith(f"{batch_file}:2") and "key 'billing' appears twice" in records[1].error
+    assert "key 'content' appears twice" in records[2].error
+    assert "field 'custom_id' holds a lone UTF-16 surrogate" in prepared.errors[records[3].first_read]
+    ids = prepared.decisions.ids.to_pylist()
+    assert ids == ["good", "twice", "chat-twice", "surrogate-\\ud83d"]  # each line keeps its custom_id

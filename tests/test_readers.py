@@ -44,3 +44,19 @@ def test_mixed_types_in_a_jsonl_column_are_kept_as_text(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in [{"q": 1}, {"q": "two"}]))
     (batch,) = list(iter_batches([(path, "jsonl")], 100))
     assert batch.table.column("q").to_pylist() == ["1", "two"]
+
+
+def test_a_key_twice_in_a_line_read_as_json_is_that_lines_error(tmp_path):
+    """Where a column is kept as its line's own JSON (per-row questions), a key written twice in
+    one object would silently keep the last definition: the line is refused naming the key. Plain
+    table lines read as they always were."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"id": 1, "qs": {"team": {"type": "noul"}}}\n'
+                    '{"id": 2, "qs": {"team": {"type": "noul"}, "team": {"type": "choice"}}}\n')
+    (batch,) = list(iter_batches([(path, "jsonl")], 100, json_columns=("qs",)))
+    assert batch.row_errors[0] is None
+    assert batch.row_errors[1] == (f"{path}:2: key 'team' appears twice in one JSON object; a JSON reader keeps "
+                                   "only the last, so the line is refused")
+    assert batch.table.column("id").to_pylist() == [1, 2]  # the line keeps its place and id
+    (plain,) = list(iter_batches([(path, "jsonl")], 100))
+    assert plain.row_errors == [None, None]

@@ -182,7 +182,8 @@ def error_response(key: str, message: str) -> dict:
 
 
 def read_requests(path, batch_rows: int, columns, json_columns):
-    return jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA, columns, field_names=FIELD_NAMES)
+    return jsonl_batches(path, batch_rows, openai_request, OPENAI_BATCH_SCHEMA, columns, field_names=FIELD_NAMES,
+                         unique_keys=True)  # a body is read whole: a key twice would merge two definitions
 
 
 def write_batch(table: pa.Table, path, *, id_name: str, labels: list[str], model: str = "", error_path=None,

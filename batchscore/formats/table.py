@@ -16,7 +16,8 @@ def write_parquet(table, path, **_) -> None:
 
 
 def read_jsonl(path, batch_rows: int, columns, json_columns):
-    return jsonl_batches(path, batch_rows, columns=columns, json_columns=json_columns)
+    # a column kept as its line's own JSON (questions, token ids) is read strictly: no key twice
+    return jsonl_batches(path, batch_rows, columns=columns, json_columns=json_columns, unique_keys=bool(json_columns))
 
 
 def write_jsonl(table, path, **_) -> None:

@@ -333,13 +333,16 @@ def _unify(schemas: list[pa.Schema]) -> pa.Schema:
 
 def jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema | None = None,
                   columns: list[str] | None = None, json_columns: tuple[str, ...] = (),
-                  field_names: Mapping[str, str] | None = None) -> Iterator[InputBatch]:
+                  field_names: Mapping[str, str] | None = None, unique_keys: bool = False) -> Iterator[InputBatch]:
     """Parse JSON Lines one line at a time so a bad line becomes a row error, not a lost file.
     `convert(value) -> (row, problem)` turns each parsed object into a row of `schema`.
     `columns`: the columns the job reads (None: all); a value that is not text (a lone UTF-16
     surrogate) is that row's error in those, and written as its `\\uXXXX` escape elsewhere.
     `json_columns`: kept as each line's own JSON text (see iter_batches). `field_names`: how
-    error messages call a row's column (its place in the line, e.g. `body.messages`)."""
+    error messages call a row's column (its place in the line, e.g. `body.messages`). `unique_keys`:
+    a key written twice in one object of a line is that line's error (JSON readers keep the last
+    silently; where a line's objects are read as a whole — a request body, questions — that would
+    merge two definitions into one)."""
     rows: list[dict] = []
     errors: list[str | None] = []
     first_line = 1
@@ -355,9 +358,9 @@ def jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema |
                 continue  # blank lines are not rows
             if not rows:
                 first_line = number
-            row, error, bad_bytes = _parse_json_line(raw, path, number)
+            row, error, bad_bytes = _parse_json_line(raw, path, number, unique_keys)
             if convert is not None:
-                row, problem = convert(row) if error is None else ({}, None)
+                row, problem = convert(row) if error is None or row else ({}, None)  # row: its id stays
                 error = error or (f"{path}:{number}: {problem}" if problem else None)
             if bad_bytes or _MAY_HOLD_SURROGATE.search(raw):
                 row, error = _without_surrogates(row, error, path, number, columns,
@@ -441,9 +444,23 @@ def _escaped(value):
     return value, False
 
 
-def _parse_json_line(raw: bytes, path: Path, number: int) -> tuple[dict, str | None, bool]:
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_object(pairs: list) -> dict:
+    """An object_pairs_hook: the object, unless a key appears in it twice."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return value
+
+
+def _parse_json_line(raw: bytes, path: Path, number: int, unique_keys: bool = False) -> tuple[dict, str | None, bool]:
     """(the line's object, its error, whether it held bytes that are not UTF-8). Such bytes inside
-    a string become lone surrogates (surrogateescape): only a field the job reads fails for them."""
+    a string become lone surrogates (surrogateescape): only a field the job reads fails for them.
+    `unique_keys`: a key twice in one object is the line's error, naming the key."""
     bad_bytes, unreadable = False, None
     try:
         text = raw.decode("utf-8")
@@ -451,7 +468,12 @@ def _parse_json_line(raw: bytes, path: Path, number: int) -> tuple[dict, str | N
         text, bad_bytes = raw.decode("utf-8", "surrogateescape"), True
         unreadable = f"{path}:{number}: invalid UTF-8 ({exc.reason} at byte {exc.start})"
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_object) if unique_keys else json.loads(text)
+    except _DuplicateKey as exc:  # the line read as JSON readers do (its id kept), with its error
+        key, value = _escaped(exc.args[0])[0], json.loads(text)
+        return value if isinstance(value, dict) else {}, (
+            f"{path}:{number}: key {key!r} appears twice in one JSON object; a JSON reader keeps only the "
+            "last, so the line is refused"), bad_bytes
     except json.JSONDecodeError as exc:
         return {}, unreadable or f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})", False
     except RecursionError:
