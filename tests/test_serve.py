@@ -188,9 +188,64 @@ def test_routes_answer_with_the_api_shapes(tmp_path):
     store.update_batch(ids[1], status="completed")
     refused = client.post(f"/v1/batches/{ids[1]}/cancel", headers=auth)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "batch_not_cancellable"
+    assert worker._next()["id"] == ids[2]  # settles the cancel first: nothing ran, so no files
+    settled = client.get(f"/v1/batches/{ids[0]}", headers=auth).json()
+    assert settled["status"] == "cancelled" and settled["cancelled_at"] is not None
+    assert settled["output_file_id"] is None and settled["error_file_id"] is None
     # deleting the uploaded file leaves the queued batches their own copy of it
     assert client.delete(f"/v1/files/{file_id}", headers=auth).json() == {"id": file_id, "object": "file", "deleted": True}
     assert (store.work / ids[2] / "input.jsonl").read_text() == chat_line("a", "Yes?") + "\n"
+
+
+def test_progress_counts_the_rows_a_running_jobs_parts_hold(tmp_path):
+    import numpy as np
+
+    from batchscore.output.layout import OutputFiles
+    from batchscore.output.parts import Manifest, PartStore
+    from batchscore.serve.progress import JobProgress
+
+    output = tmp_path / "job0" / "output.jsonl"
+    output.parent.mkdir()
+    progress = JobProgress(output)
+    assert progress.counts() == (0, 0)  # the run has not saved anything yet
+    store = PartStore(OutputFiles(str(output), str(tmp_path / "job0" / "output.errors.jsonl")))
+    manifest = store.start(Manifest(job_hash="h", identity={}, num_groups=1, num_rows=6, worker_rows={"0": 6}),
+                           fresh=False, input_errors={5: "line 6: not valid JSON"})
+    assert progress.counts() == (0, 1)  # a row refused before scoring has failed already
+
+    def part(rows, errors, start):
+        store.write_part(manifest, np.array(rows), [np.array([-0.1, -2.0])] * len(rows), [None] * len(rows),
+                         errors, start, start + len(rows))
+
+    part([0, 1, 2], {1: "longer than the maximum"}, 0)
+    assert progress.counts() == (2, 2)
+    part([3, 4, 6], {}, 3)  # row 6: past the job's rows (calibration's content-free row), not a request
+    assert progress.counts() == (4, 2)
+    store.finish()  # the run ends and removes its parts: the last counts stay
+    assert progress.counts() == (4, 2)
+
+
+def test_usage_and_cancelled_lines_take_the_batch_apis_shapes(tmp_path):
+    from batchscore.serve.partial import NOT_RUN
+    from batchscore.serve.results import batch_usage, cancelled_if_not_run
+
+    for k, (logical, processed) in enumerate([(1000, 300), (200, 200)]):
+        (tmp_path / f"m{k}.json").write_text(json.dumps({"logical_tokens": logical, "processed_tokens": processed}))
+    decision = {"custom_id": "d", "response": {"status_code": 200, "body": {"usage": {"input_tokens": 9, "output_tokens": 3}}}}
+    chat = {"custom_id": "c", "response": {"status_code": 200, "body": {"object": "chat.completion"}}}
+    usage = batch_usage([tmp_path / "m0.json", tmp_path / "m1.json"], [json.dumps(decision), json.dumps(chat)])
+    assert usage == {"input_tokens": 1200, "input_tokens_details": {"cached_tokens": 700}, "output_tokens": 3,
+                     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 1203}
+
+    def error_line(message):
+        return json.dumps({"id": "batch_req_x", "custom_id": "x", "response": {"status_code": 500, "body": {
+            "error": {"message": message, "type": "server_error", "param": None, "code": "not_scored"}}}, "error": None})
+
+    cancelled = json.loads(cancelled_if_not_run(error_line(NOT_RUN)))
+    assert cancelled["custom_id"] == "x" and cancelled["response"] is None
+    assert cancelled["error"]["code"] == "batch_cancelled"
+    failed = error_line("in.jsonl:3: longer than the maximum")
+    assert cancelled_if_not_run(failed) == failed  # it ran and failed: stays as it is
 
 
 # --- slow: the real server, the official client ------------------------------------------------
@@ -328,6 +383,13 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer
         assert errors["other-model"]["message"].startswith("chat.jsonl:8: body.model")
         assert errors["image"]["message"].startswith("chat.jsonl:10: body.messages: message 0: only text content")
         assert all(x["response"]["status_code"] == 400 for x in failed)
+        # usage: the prompts' tokens as the jobs' metrics count them, shared prefixes as cached, nothing generated
+        jobs = [json.loads(p.read_text()) for p in (server.state / "batches" / done.id).glob("job*/metrics.json")]
+        assert len(jobs) == 2  # the batch's labels, and the line with its own
+        assert done.usage.input_tokens == sum(m["logical_tokens"] for m in jobs) > 0
+        assert done.usage.input_tokens_details.cached_tokens == sum(m["logical_tokens"] - m["processed_tokens"]
+                                                                    for m in jobs)
+        assert done.usage.output_tokens == 0 and done.usage.total_tokens == done.usage.input_tokens
 
         done = wait_for(client, so_batch.id, ("completed", "failed"))
         assert done.status == "completed", done.errors
@@ -335,11 +397,29 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer
         assert sorted(x["custom_id"] for x in ok) == sorted(x["custom_id"] for x in systemone) and not failed
         answers = ok[0]["response"]["body"]["answers"]
         assert set(answers) == set(systemone[0]["body"]["questions"]) and answers["team"]["type"] == "choice"
+        # a decision line's usage counts one output token per answer; the batch's sums them
+        assert done.usage.output_tokens == sum(x["response"]["body"]["usage"]["output_tokens"] for x in ok) > 0
+        assert done.usage.input_tokens > 0
 
+        # its request counts grow while it runs (from the parts the run saves), then it is cancelled:
+        # the lines done so far are its output, every other request is in the error file as cancelled
         wait_for(client, doomed.id, ("in_progress",))
+        seen, deadline = [0], time.monotonic() + 300
+        while len(set(seen) - {0}) < 2 and time.monotonic() < deadline:
+            counts = client.batches.retrieve(doomed.id).request_counts
+            if counts.completed != seen[-1]:
+                seen.append(counts.completed)
+            time.sleep(0.2)
+        assert seen == sorted(seen) and len(set(seen) - {0}) >= 2 and counts.total == 120, seen
         assert client.batches.cancel(doomed.id).status in ("cancelling", "cancelled")
-        cancelled = wait_for(client, doomed.id, ("cancelled", "completed"), timeout=60)
-        assert cancelled.status == "cancelled" and cancelled.cancelled_at and cancelled.output_file_id is None
+        cancelled = wait_for(client, doomed.id, ("cancelled", "completed"), timeout=240)
+        assert cancelled.status == "cancelled" and cancelled.cancelled_at
+        ok, failed = results(client, cancelled)
+        assert seen[-1] <= len(ok) < 120 and all(x["response"]["status_code"] == 200 for x in ok)
+        assert Counter(x["custom_id"] for x in ok + failed) == Counter(f"c-{i}" for i in range(120))
+        assert all(x["response"] is None and x["error"]["code"] == "batch_cancelled" for x in failed)
+        counts = cancelled.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (120, len(ok), len(failed))
 
         # killed mid-batch (SIGKILL: no cleanup) and started again: the batch resumes and finishes
         killed_file = client.files.create(file=("kill.jsonl", long_completions("k", 60).encode()), purpose="batch")

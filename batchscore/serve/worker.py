@@ -5,7 +5,13 @@ and can be stopped for a cancel: SIGTERM saves its parts. It also dies with the 
 (PR_SET_PDEATHSIG), so a killed server leaves no run behind; the restarted worker starts the
 `in_progress` batch again and `batchscore run` resumes it from its parts. A batch's jobs, their
 inputs and outputs live in `<state-dir>/batches/<id>/`; the results become File objects only
-once every job has finished, with fixed ids, so finishing twice replaces rather than doubles."""
+once every job has finished (or the batch is cancelled), with fixed ids, so finishing twice
+replaces rather than doubles.
+
+While a job runs, its request counts grow from the parts it saves (serve/progress.py). A
+cancelled batch keeps what was done: the finished jobs' lines, the stopped job's output
+assembled from its parts (serve/partial.py), and every request that never ran in the error file
+as `batch_cancelled`, as the Batch API answers them."""
 
 from __future__ import annotations
 
@@ -25,6 +31,10 @@ from pathlib import Path
 import yaml
 
 from batchscore.errors import EXIT_LOCKED
+from batchscore.output.layout import OutputFiles
+from batchscore.serve.progress import JobProgress
+from batchscore.serve.results import (batch_usage, cancelled_if_not_run, cancelled_line, custom_ids, job_lines, lines,
+                                      uploaded_name)
 from batchscore.serve.requests import metadata_labels, sort_lines, write_job_input
 from batchscore.serve.store import Store, now
 from batchscore.serve.token_labels import TokenLabels
@@ -48,6 +58,7 @@ class Worker:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._child: subprocess.Popen | None = None
+        self._shown: dict[str, dict] = {}  # batch id -> the request counts last stored
         self._token_labels = TokenLabels(settings.model)
         self._thread = threading.Thread(target=self._loop, name="batchscore-worker", daemon=True)
 
@@ -80,10 +91,10 @@ class Worker:
             self._wake.clear()
 
     def _next(self) -> dict | None:
-        """Settle what needs no run (cancels of queued batches, expiries), then the batch to run:
-        one already started first (a restart), else the oldest queued."""
+        """Settle what needs no run (cancels of batches not running, expiries), then the batch to
+        run: one already started first (a restart), else the oldest queued."""
         for batch in self.store.batches_in(("cancelling",)):
-            self.store.update_batch(batch["id"], only_from=("cancelling",), status="cancelled")
+            self._cancel(batch)
         for batch in self.store.batches_in(("validating",)):
             if batch["expires_at"] is not None and now() >= batch["expires_at"]:
                 self.store.update_batch(batch["id"], only_from=("validating",), status="expired")
@@ -91,34 +102,55 @@ class Worker:
         queued = self.store.batches_in(("validating",))
         return (started or queued or [None])[0]
 
+    def _sorted(self, batch: dict):
+        work = self.store.work / batch["id"]
+        return sort_lines(work / "input.jsonl", uploaded_name(work), batch["endpoint"], self.settings.model,
+                          metadata_labels(batch.get("metadata")), self.settings.max_requests, self._token_labels)
+
     def _process(self, batch: dict) -> None:
         batch_id = batch["id"]
         work = self.store.work / batch_id
-        source = work / "input.jsonl"
-        shown_as = (work / "filename").read_text(encoding="utf-8")
-        sorted_input = sort_lines(source, shown_as, batch["endpoint"], self.settings.model,
-                                  metadata_labels(batch.get("metadata")), self.settings.max_requests,
-                                  self._token_labels)
-        counts = {"total": sorted_input.total, "completed": 0, "failed": 0}
+        source, shown_as = work / "input.jsonl", uploaded_name(work)
+        sorted_input = self._sorted(batch)
         if sorted_input.problems:
-            self.store.update_batch(batch_id, only_from=("validating",), status="failed", request_counts=counts,
+            self.store.update_batch(batch_id, only_from=("validating",), status="failed",
+                                    request_counts={"total": sorted_input.total, "completed": 0, "failed": 0},
                                     errors={"object": "list", "data": sorted_input.problems})
             return
+        done = Counter(failed=len(sorted_input.answered))  # requests of finished jobs, and the server's own answers
         if batch["status"] == "validating":
             if self.store.update_batch(batch_id, only_from=("validating",), status="in_progress",
-                                       request_counts=counts) is None:
+                                       request_counts=_counts(sorted_input.total, done)) is None:
                 return  # cancelled meanwhile
-        outputs = []
         for k, job in enumerate(sorted_input.jobs):
             folder = work / f"job{k}"
-            result = self._run_job(batch_id, folder, source, shown_as, job)
+            # a decision job's parts hold reads, not requests: its requests count when it ends
+            progress = JobProgress(folder / "output.jsonl") if job.labels is not None else None
+            result = self._run_job(batch_id, folder, source, shown_as, job,
+                                   lambda progress=progress: self._show(batch_id, sorted_input.total, done, progress))
+            if result == "cancelled":
+                self._cancel(self.store.batch(batch_id))
             if result != "done":
                 return
-            outputs.append((folder / "output.jsonl", str(folder / "input" / shown_as)))
-        self._finish(batch_id, work, outputs, sorted_input, shown_as)
+            done.update(completed=len(lines(folder / "output.jsonl")),
+                        failed=len(lines(folder / "output.errors.jsonl")))
+            self._show(batch_id, sorted_input.total, done)
+        self._finish(batch_id, sorted_input)
 
-    def _run_job(self, batch_id: str, folder: Path, source: Path, shown_as: str, job) -> str:
-        """Run one job to its end: "done", "cancelled", "failed" or "stopped" (server shutting down)."""
+    def _show(self, batch_id: str, total: int, done: Counter, progress: JobProgress | None = None) -> None:
+        """The batch's request counts: the finished jobs' plus what the running job has saved."""
+        counts = done.copy()
+        if progress is not None:
+            completed, failed = progress.counts()
+            counts.update(completed=completed, failed=failed)
+        shown = _counts(total, counts)
+        if shown != self._shown.get(batch_id):
+            self.store.update_batch(batch_id, only_from=("in_progress",), request_counts=shown)
+            self._shown[batch_id] = shown
+
+    def _run_job(self, batch_id: str, folder: Path, source: Path, shown_as: str, job, on_poll=None) -> str:
+        """Run one job to its end: "done", "cancelled", "failed" or "stopped" (server shutting down).
+        `on_poll` is called while it runs, every `poll_s`."""
         job_input = folder / "input" / shown_as  # named as uploaded: messages name that file
         if not job_input.exists():  # written once: a resume checks the input is unchanged
             write_job_input(source, folder / "input.tmp", job.lines)
@@ -138,10 +170,9 @@ class Worker:
                 logged = logfile.tell()  # this run's lines start here
                 self._child = subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT,
                                                env={**os.environ, "TQDM_DISABLE": "1"}, preexec_fn=_die_with_parent)
-                code = self._wait(batch_id)
+                code = self._wait(batch_id, on_poll)
                 self._child = None
             if code == "cancelled":
-                self.store.update_batch(batch_id, status="cancelled")
                 return "cancelled"
             if self._stop.is_set():
                 return "stopped"
@@ -160,7 +191,7 @@ class Worker:
                 return "failed"
             return "done"
 
-    def _wait(self, batch_id: str):
+    def _wait(self, batch_id: str, on_poll=None):
         """The child's exit code, or "cancelled" after stopping it for a cancel."""
         child = self._child
         while True:
@@ -168,6 +199,11 @@ class Worker:
                 return child.wait(timeout=self.settings.poll_s)
             except subprocess.TimeoutExpired:
                 pass
+            if on_poll is not None:
+                try:
+                    on_poll()
+                except Exception:  # the counts shown are a courtesy: never a reason to stop the run
+                    log.exception("worker: reading the progress of %s", batch_id)
             if self._stop.is_set():
                 child.send_signal(signal.SIGTERM)
                 return child.wait()
@@ -176,32 +212,93 @@ class Worker:
                 child.wait()
                 return "cancelled"
 
-    def _finish(self, batch_id: str, work: Path, outputs: list[tuple[Path, str]], sorted_input, shown_as: str) -> None:
+    def _finish(self, batch_id: str, sorted_input) -> None:
         """Gather every job's output and error lines into the batch's two files, check each
-        custom_id is in exactly one of them once, and complete the batch. Messages name the
-        uploaded file as the user named it, not the job's copy inside the state folder."""
+        custom_id is in exactly one of them once, and complete the batch with its usage."""
         if self.store.update_batch(batch_id, only_from=("in_progress", "finalizing"), status="finalizing") is None:
             return
+        work = self.store.work / batch_id
+        ok_lines, error_lines = job_lines(work, len(sorted_input.jobs))
+        error_lines = sorted_input.answered + error_lines
+        if not self._checked(batch_id, ok_lines, error_lines, sorted_input.total):
+            return
+        usage = batch_usage([work / f"job{k}" / "metrics.json" for k in range(len(sorted_input.jobs))], ok_lines)
+        files = self._result_files(batch_id, ok_lines, error_lines, output_always=True)
+        counts = {"total": sorted_input.total, "completed": len(ok_lines), "failed": len(error_lines)}
+        if self.store.update_batch(batch_id, only_from=("finalizing",), status="completed", request_counts=counts,
+                                   usage=usage, **files) is None:  # cancelled while finalizing: all of it ran
+            self.store.update_batch(batch_id, only_from=("cancelling",), status="cancelled", request_counts=counts,
+                                    **files)
+
+    def _cancel(self, batch: dict) -> None:
+        """End a cancelling batch (its run stopped, or none running) with what was done: the
+        finished jobs' lines, a stopped job's lines assembled from its parts, and each request
+        that never ran as a `batch_cancelled` line in the error file. A batch cancelled before
+        it started has no files."""
+        batch_id = batch["id"]
+        if batch.get("in_progress_at") is None:
+            self.store.update_batch(batch_id, only_from=("cancelling",), status="cancelled")
+            return
+        work = self.store.work / batch_id
+        sorted_input = self._sorted(batch)
         ok_lines, error_lines = [], list(sorted_input.answered)
-        for output, job_input in outputs:
-            ok_lines += _lines(output)
-            copy_name = json.dumps(job_input)[1:-1]  # as it is written inside a JSON string
-            error_lines += [line.replace(copy_name, shown_as) for line in _lines(output.with_name("output.errors.jsonl"))]
+        for k, job in enumerate(sorted_input.jobs):
+            folder = work / f"job{k}"
+            finished = OutputFiles(str(folder / "output.jsonl")).marker.exists()
+            if finished or self._partial_output(folder):
+                ok, failed = job_lines(work, 1, folder)
+                ok_lines += ok
+                error_lines += [cancelled_if_not_run(line) for line in failed]
+            else:  # nothing of it was saved
+                error_lines += [cancelled_line(custom_id, number)
+                                for number, custom_id in custom_ids(work / "input.jsonl", job.lines)]
+        if not self._checked(batch_id, ok_lines, error_lines, sorted_input.total):
+            return
+        files = self._result_files(batch_id, ok_lines, error_lines, output_always=False)
+        counts = {"total": sorted_input.total, "completed": len(ok_lines), "failed": len(error_lines)}
+        self.store.update_batch(batch_id, only_from=("cancelling",), status="cancelled", request_counts=counts, **files)
+
+    def _partial_output(self, folder: Path) -> bool:
+        """Write a stopped job's output from its parts (serve/partial.py, a child process as
+        its run was); False when nothing of it was saved."""
+        if not (folder / "job.yaml").exists() or not OutputFiles(str(folder / "output.jsonl")).parts.exists():
+            return False
+        command = [sys.executable, "-m", "batchscore.serve.partial", str(folder / "job.yaml")]
+        for item in self.settings.sets:
+            command += ["--set", item]
+        for _ in range(30):  # the stopped run may still be releasing the output's lock
+            with (folder / "run.log").open("ab") as logfile:
+                code = subprocess.run(command, stdout=logfile, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                                      env={**os.environ, "TQDM_DISABLE": "1"}).returncode
+            if code != EXIT_LOCKED:
+                break
+            time.sleep(LOCK_RETRY_S)
+        if code not in (0, 1):
+            log.error("batch job %s: writing its partial output exited %s (see %s); its requests are cancelled",
+                      folder, code, folder / "run.log")
+        return code == 0
+
+    def _checked(self, batch_id: str, ok_lines: list[str], error_lines: list[str], total: int) -> bool:
+        """Every request once across the two files, else the batch fails (a bug, said as one)."""
         seen = Counter(json.loads(line)["custom_id"] for line in ok_lines + error_lines)
         doubled = [custom_id for custom_id, n in seen.items() if n > 1 and custom_id is not None]
-        if len(ok_lines) + len(error_lines) != sorted_input.total or doubled:
-            self.store.update_batch(batch_id, status="failed", errors={"object": "list", "data": [
-                {"code": "internal_error", "param": None, "line": None,
-                 "message": f"results do not match the requests ({len(ok_lines)} + {len(error_lines)} lines for "
-                            f"{sorted_input.total} requests; doubled: {doubled[:3]})"}]})
-            return
-        stem = batch_id.removeprefix("batch_")
-        output_id = self._result_file(work / "output.part", ok_lines, f"{batch_id}_output.jsonl", f"file-{stem}-output")
+        if len(ok_lines) + len(error_lines) == total and not doubled:
+            return True
+        self.store.update_batch(batch_id, status="failed", errors={"object": "list", "data": [
+            {"code": "internal_error", "param": None, "line": None,
+             "message": f"results do not match the requests ({len(ok_lines)} + {len(error_lines)} lines for "
+                        f"{total} requests; doubled: {doubled[:3]})"}]})
+        return False
+
+    def _result_files(self, batch_id: str, ok_lines: list[str], error_lines: list[str], output_always: bool) -> dict:
+        """The batch's output and error files as File objects, with fixed ids (written again after
+        a restart, they replace)."""
+        work, stem = self.store.work / batch_id, batch_id.removeprefix("batch_")
+        output_id = (self._result_file(work / "output.part", ok_lines, f"{batch_id}_output.jsonl", f"file-{stem}-output")
+                     if ok_lines or output_always else None)
         error_id = (self._result_file(work / "errors.part", error_lines, f"{batch_id}_error.jsonl", f"file-{stem}-error")
                     if error_lines else None)
-        counts = {"total": sorted_input.total, "completed": len(ok_lines), "failed": len(error_lines)}
-        self.store.update_batch(batch_id, status="completed", output_file_id=output_id, error_file_id=error_id,
-                                request_counts=counts)
+        return {"output_file_id": output_id, "error_file_id": error_id}
 
     def _result_file(self, path: Path, lines: list[str], filename: str, file_id: str) -> str:
         path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
@@ -223,10 +320,8 @@ def stage_input(store: Store, batch_id: str, file_id: str) -> None:
     (work / "filename").write_text(safe_name(store.file(file_id)["filename"]), encoding="utf-8")
 
 
-def _lines(path: Path) -> list[str]:
-    if not path.exists():
-        return []
-    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+def _counts(total: int, done: Counter) -> dict:
+    return {"total": total, "completed": done["completed"], "failed": done["failed"]}
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,79 @@
+"""A batch's result lines: gathered from its jobs' output and error files, the lines of
+requests a cancel kept from running (as the Batch API writes them), and the batch's usage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from batchscore.serve.partial import NOT_RUN
+
+CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request ran."}
+
+
+def batch_usage(metrics_files: list[Path], ok_lines: list[str]) -> dict:
+    """The batch's token usage, in the Batch API's shape: its prompts' tokens from the jobs'
+    metrics (`logical_tokens`), the tokens shared prefixes saved as cached (logical minus
+    processed: computed once, reused), and the output tokens its lines report (scoring a label
+    generates none; a decision line counts one per answer)."""
+    logical = processed = 0
+    for path in metrics_files:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+        logical += int(metrics.get("logical_tokens") or 0)
+        processed += int(metrics.get("processed_tokens") or 0)
+    output = 0
+    for line in ok_lines:
+        usage = (json.loads(line)["response"]["body"].get("usage") or {})
+        output += int(usage.get("output_tokens", usage.get("completion_tokens", 0)) or 0)
+    return {"input_tokens": logical, "input_tokens_details": {"cached_tokens": max(logical - processed, 0)},
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": logical + output}
+
+
+def uploaded_name(work: Path) -> str:
+    """The input file's name as uploaded: messages name it, not the batch's copy."""
+    return (work / "filename").read_text(encoding="utf-8")
+
+
+def job_lines(work: Path, jobs: int, only: Path | None = None) -> tuple[list[str], list[str]]:
+    """(output lines, error lines) of the batch's jobs (or of the job folder `only`), error
+    messages naming the uploaded file as the user named it, not the job's copy of it."""
+    name = uploaded_name(work)
+    ok_lines, error_lines = [], []
+    for folder in [only] if only is not None else [work / f"job{k}" for k in range(jobs)]:
+        ok_lines += lines(folder / "output.jsonl")
+        copy_name = json.dumps(str(folder / "input" / name))[1:-1]  # as it is written inside a JSON string
+        error_lines += [line.replace(copy_name, name) for line in lines(folder / "output.errors.jsonl")]
+    return ok_lines, error_lines
+
+
+def cancelled_line(custom_id: str | None, number: int) -> str:
+    """A request that never ran, as the Batch API writes one of a cancelled batch."""
+    return json.dumps({"id": f"batch_req_line{number}", "custom_id": custom_id, "response": None,
+                       "error": CANCELLED}, ensure_ascii=False)
+
+
+def cancelled_if_not_run(line: str) -> str:
+    """An error line of a stopped job: a row no part held never ran (cancelled); others failed."""
+    value = json.loads(line)
+    error = ((value.get("response") or {}).get("body") or {}).get("error") or {}
+    if error.get("message") != NOT_RUN:
+        return line
+    return json.dumps({**value, "response": None, "error": CANCELLED}, ensure_ascii=False)
+
+
+def custom_ids(source: Path, numbers: set[int]) -> list[tuple[int, str]]:
+    """(line number, custom_id) of the input lines `numbers` (lines the server already checked)."""
+    found = []
+    with source.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number in numbers:
+                found.append((number, json.loads(raw)["custom_id"]))
+    return found
+
+
+def lines(path: Path) -> list[str]:
+    """The non-blank lines of a JSON Lines file ([] when the job wrote none)."""
+    if not path.exists():
+        return []
+    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
