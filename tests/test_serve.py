@@ -175,7 +175,7 @@ def test_routes_answer_with_the_api_shapes(tmp_path):
     ids = [create().json()["id"] for _ in range(3)]
     batch = client.get(f"/v1/batches/{ids[0]}", headers=auth).json()
     assert batch["object"] == "batch" and batch["status"] == "validating" and batch["model"] == MODEL
-    assert batch["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert batch["request_counts"] == {"total": 0, "completed": 0, "failed": 0} and batch["usage"] is None
     assert batch["expires_at"] - batch["created_at"] == 24 * 3600
     page = client.get("/v1/batches?limit=2", headers=auth).json()
     assert page["object"] == "list" and [b["id"] for b in page["data"]] == ids[:0:-1] and page["has_more"]
@@ -231,7 +231,8 @@ def test_usage_and_cancelled_lines_take_the_batch_apis_shapes(tmp_path):
 
     for k, (logical, processed) in enumerate([(1000, 300), (200, 200)]):
         (tmp_path / f"m{k}.json").write_text(json.dumps({"logical_tokens": logical, "processed_tokens": processed}))
-    decision = {"custom_id": "d", "response": {"status_code": 200, "body": {"usage": {"input_tokens": 9, "output_tokens": 3}}}}
+    decision = {"custom_id": "d",
+                "response": {"status_code": 200, "body": {"usage": {"input_tokens": 9, "output_tokens": 3}}}}
     chat = {"custom_id": "c", "response": {"status_code": 200, "body": {"object": "chat.completion"}}}
     usage = batch_usage([tmp_path / "m0.json", tmp_path / "m1.json"], [json.dumps(decision), json.dumps(chat)])
     assert usage == {"input_tokens": 1200, "input_tokens_details": {"cached_tokens": 700}, "output_tokens": 3,
@@ -239,13 +240,48 @@ def test_usage_and_cancelled_lines_take_the_batch_apis_shapes(tmp_path):
 
     def error_line(message):
         return json.dumps({"id": "batch_req_x", "custom_id": "x", "response": {"status_code": 500, "body": {
-            "error": {"message": message, "type": "server_error", "param": None, "code": "not_scored"}}}, "error": None})
+            "error": {"message": message, "type": "server_error", "param": None, "code": "not_scored"}}},
+            "error": None})
 
     cancelled = json.loads(cancelled_if_not_run(error_line(NOT_RUN)))
     assert cancelled["custom_id"] == "x" and cancelled["response"] is None
     assert cancelled["error"]["code"] == "batch_cancelled"
     failed = error_line("in.jsonl:3: longer than the maximum")
     assert cancelled_if_not_run(failed) == failed  # it ran and failed: stays as it is
+
+
+def test_a_cancelled_batch_keeps_its_finished_jobs_lines_and_cancels_the_rest(tmp_path, tokenizer):
+    """Two jobs (the batch's labels; a line with its own): the first finished before the cancel,
+    the second never started. The slow test below cancels a job mid-run (its parts assembled)."""
+    from batchscore.serve.worker import Worker, WorkerSettings, stage_input
+
+    store = Store(tmp_path / "state")
+    own = json.loads(chat_line("c", "True or False?"))
+    own["body"]["logprob_token_ids"] = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("True", "False")]
+    upload = store.incoming_path()
+    upload.write_text("\n".join([chat_line("a", "x"), chat_line("b", "y"), json.dumps(own), "{broken"]) + "\n")
+    file_id = store.add_file(upload, "in.jsonl", "batch")["id"]
+    batch = {"id": "batch_x", "object": "batch", "endpoint": "/v1/chat/completions", "status": "cancelling",
+             "in_progress_at": 1, "cancelled_at": None, "metadata": {"labels": LABELS}}
+    stage_input(store, "batch_x", file_id)
+    store.add_batch(batch)
+    job0 = store.work / "batch_x" / "job0"  # what a finished run of the first job leaves
+    job0.mkdir()
+    ok = [{"id": f"batch_req_{c}", "custom_id": c, "response": {"status_code": 200, "body": {}}, "error": None}
+          for c in ("a", "b")]
+    (job0 / "output.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ok))
+    (job0 / "output.jsonl.complete.json").write_text("{}")
+
+    Worker(store, WorkerSettings(model=MODEL))._cancel(store.batch("batch_x"))
+    done = store.batch("batch_x")
+    assert done["status"] == "cancelled" and done["cancelled_at"] is not None
+    assert done["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    output = [json.loads(x) for x in store.file_path(done["output_file_id"]).read_text().splitlines()]
+    error_file = store.file_path(done["error_file_id"]).read_text().splitlines()
+    errors = {line["custom_id"]: line for line in map(json.loads, error_file)}
+    assert [x["custom_id"] for x in output] == ["a", "b"] and set(errors) == {"c", None}
+    assert errors["c"]["response"] is None and errors["c"]["error"]["code"] == "batch_cancelled"
+    assert errors[None]["response"]["status_code"] == 400  # the broken line failed; it was not cancelled
 
 
 # --- slow: the real server, the official client ------------------------------------------------

@@ -121,7 +121,7 @@ def create_app(store: Store, worker: Worker, key: str | None, model: str, limits
                  "output_file_id": None, "error_file_id": None, "created_at": created, "in_progress_at": None,
                  "expires_at": created + WINDOW_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "usage": None, "metadata": metadata}
         stage_input(store, batch["id"], input_file_id)
         store.add_batch(batch)
         worker.wake()

@@ -146,7 +146,7 @@ class Worker:
         shown = _counts(total, counts)
         if shown != self._shown.get(batch_id):
             self.store.update_batch(batch_id, only_from=("in_progress",), request_counts=shown)
-            self._shown[batch_id] = shown
+            self._shown = {batch_id: shown}  # one batch runs at a time
 
     def _run_job(self, batch_id: str, folder: Path, source: Path, shown_as: str, job, on_poll=None) -> str:
         """Run one job to its end: "done", "cancelled", "failed" or "stopped" (server shutting down).
@@ -294,10 +294,13 @@ class Worker:
         """The batch's output and error files as File objects, with fixed ids (written again after
         a restart, they replace)."""
         work, stem = self.store.work / batch_id, batch_id.removeprefix("batch_")
-        output_id = (self._result_file(work / "output.part", ok_lines, f"{batch_id}_output.jsonl", f"file-{stem}-output")
-                     if ok_lines or output_always else None)
-        error_id = (self._result_file(work / "errors.part", error_lines, f"{batch_id}_error.jsonl", f"file-{stem}-error")
-                    if error_lines else None)
+        output_id = error_id = None
+        if ok_lines or output_always:
+            output_id = self._result_file(work / "output.part", ok_lines, f"{batch_id}_output.jsonl",
+                                          f"file-{stem}-output")
+        if error_lines:
+            error_id = self._result_file(work / "errors.part", error_lines, f"{batch_id}_error.jsonl",
+                                         f"file-{stem}-error")
         return {"output_file_id": output_id, "error_file_id": error_id}
 
     def _result_file(self, path: Path, lines: list[str], filename: str, file_id: str) -> str:
