@@ -149,11 +149,12 @@ def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard) -
 
 def _time_split(summary) -> str:
     """Where a run's wall time went: plan (read, tokenize, plan), scoring, write, audit."""
-    rows = f"{summary.audit_rows} row{'s' if summary.audit_rows > 1 else ''}"
-    audit = (f"audit {summary.audit_seconds:.1f} s ({summary.audit_seconds / summary.seconds:.1%} of the run, {rows})"
-             if summary.audit_rows and summary.seconds > 0 else "audit off")
-    return (f"  plan {summary.prepare_seconds:.1f} s, scoring {summary.score_seconds:.1f} s, "
-            f"write {summary.write_seconds:.1f} s, {audit}")
+    timing, audit = summary.timing, summary.audit
+    rows = f"{audit.rows} row{'s' if audit.rows > 1 else ''}"
+    audited = (f"audit {audit.seconds:.1f} s ({audit.seconds / summary.seconds:.1%} of the run, {rows})"
+               if audit.rows and summary.seconds > 0 else "audit off")
+    return (f"  plan {timing.prepare_seconds:.1f} s, scoring {timing.score_seconds:.1f} s, "
+            f"write {timing.write_seconds:.1f} s, {audited}")
 
 
 @main.command()

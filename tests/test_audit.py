@@ -86,8 +86,8 @@ def test_audit_catches_a_planted_perturbation_and_names_the_row(tmp_path, job_fa
         run_job(job, progress=False, engine_factory=factory)
     assert caught.value.exit_code == EXIT_AUDIT == 7
     summary = caught.value.summary
-    assert summary.audit_differing == [f"row 5 (id {ids[5]!r}): |ΔP| {summary.audit_max_dp:.3g}"]
-    assert summary.audit_max_dp > 0.05  # a 0.5 shift in log-probability moves P(Yes) by about 0.1
+    assert summary.audit.differing == [f"row 5 (id {ids[5]!r}): |ΔP| {summary.audit.max_dp:.3g}"]
+    assert summary.audit.max_dp > 0.05  # a 0.5 shift in log-probability moves P(Yes) by about 0.1
     assert f"row 5 (id {ids[5]!r})" in str(caught.value) and "1 of 12" in str(caught.value)
     written = pq.read_table(job.output.path)  # the output is written, every row once
     assert written.num_rows == 12
@@ -108,22 +108,22 @@ def test_audit_of_a_row_outside_the_sample_passes(tmp_path, job_factory, small_i
         return ShiftOneRow(create_engine(resolved, model_dir, engine), row=row, shift=0.5)
 
     summary = run_job(job, progress=False, engine_factory=factory)
-    assert summary.audit_rows == 4 and summary.audit_max_dp <= 1e-4
+    assert summary.audit.rows == 4 and summary.audit.max_dp <= 1e-4
 
 
 def test_audit_covers_multi_token_labels_normalized_per_token(tmp_path, job_factory, small_input):
     job = load_job(job_factory(small_input, labels=["Yes, it matches", "No"], score={"normalize": "token"},
                                output={"audit_rows": 5}))
     summary = run_job(job, progress=False)
-    assert summary.audit_rows == 5 and summary.audit_max_dp <= 1e-4
+    assert summary.audit.rows == 5 and summary.audit.max_dp <= 1e-4
 
 
 def test_audit_covers_decision_reads(tmp_path):
     job = load_job(REPO / "jobs" / "decisions.yaml", {"output.audit_rows": "6", "engine.dtype": "float32"},
                    output=str(tmp_path / "decisions.parquet"))
     summary = run_job(job, progress=False)
-    assert summary.reads == 36 and summary.audit_rows == 6
-    assert summary.audit_max_dp <= 1e-4
+    assert summary.questions.reads == 36 and summary.audit.rows == 6
+    assert summary.audit.max_dp <= 1e-4
 
 
 class ShiftEveryRow(ShiftOneRow):
@@ -147,10 +147,10 @@ def test_the_default_audit_stays_within_its_share_and_still_fails_a_tampered_eng
         run_job(job, progress=False, engine_factory=factory)
     assert caught.value.exit_code == EXIT_AUDIT == 7
     summary = caught.value.summary
-    assert 1 <= summary.audit_rows < 12 and summary.audit_max_dp > 0.05
+    assert 1 <= summary.audit.rows < 12 and summary.audit.max_dp > 0.05
     # within the share, unless one row alone is more (the audit always checks at least one)
-    assert summary.audit_tokens <= AUDIT_SHARE * summary.processed_tokens or summary.audit_rows == 1
-    assert summary.audit_tokens > 0 and summary.prepare_seconds > 0 and summary.write_seconds > 0
+    assert summary.audit.tokens <= AUDIT_SHARE * summary.processed_tokens or summary.audit.rows == 1
+    assert summary.audit.tokens > 0 and summary.timing.prepare_seconds > 0 and summary.timing.write_seconds > 0
 
 
 def test_budget_rows_spreads_across_groups_within_the_budget():
@@ -174,8 +174,8 @@ def test_budget_rows_spreads_across_groups_within_the_budget():
 def test_audit_rows_zero_turns_it_off(tmp_path, job_factory):
     rows = write_sample_subset(tmp_path / "three.parquet", queries=3, products=1)
     summary = run_job(load_job(job_factory(rows, output={"audit_rows": 0})), progress=False)
-    assert summary.audit_rows == 0 and summary.audit_max_dp is None
-    assert summary.audit_skipped == "output.audit_rows is 0"
+    assert summary.audit.rows == 0 and summary.audit.max_dp is None
+    assert summary.audit.skipped == "output.audit_rows is 0"
 
 
 def test_pick_rows_is_seeded_and_in_row_order():
@@ -225,34 +225,35 @@ def test_audit_passes_on_the_vllm_engine(tmp_path, job_factory, small_input):
     pytest.importorskip("vllm")
     job = load_job(job_factory(small_input, engine={"kind": "vllm", "dtype": "float32"}))
     summary = run_job(job, progress=False)
-    assert summary.engine == "vllm" and summary.audit_rows == 12
-    assert summary.audit_max_dp <= 1e-4
+    assert summary.engine == "vllm" and summary.audit.rows == 12
+    assert summary.audit.max_dp <= 1e-4
 
 
 def test_the_error_counts_every_differing_row_and_names_the_first():
     from batchscore.run.audit import raise_if_inexact
-    from batchscore.run.runner import RunSummary
+    from batchscore.output.summary import Audit, RunSummary, Timing
 
     summary = RunSummary(output_path="out.parquet", rows=100, rows_ok=100, rows_error=0, logical_tokens=0,
                          processed_tokens=0, saving_ratio=0.0, seconds=1.0, engine="torch", model="m",
-                         audit_rows=32, audit_max_dp=0.2, audit_bound=0.07,
-                         audit_differing=[f"row {i} (id 'r{i}'): |ΔP| 0.1" for i in range(10)] + ["... and 3 more"])
+                         audit=Audit(rows=32, max_dp=0.2, bound=0.07,
+                                     differing=[f"row {i} (id 'r{i}'): |ΔP| 0.1" for i in range(10)] + ["... and 3 more"]))
     with pytest.raises(AuditFailed) as caught:
         raise_if_inexact(summary)
     message = str(caught.value)
     assert "13 of 32 re-scored rows" in message and "row 0 (id 'r0'): |ΔP| 0.1" in message
     assert "more than |ΔP| 0.07" in message and "out.parquet" in message
-    summary.audit_max_dp = 0.07  # at the bound: fine
+    summary.audit.max_dp = 0.07  # at the bound: fine
     raise_if_inexact(summary)
 
 
 def test_the_console_splits_the_run_time():
     from batchscore.cli import _time_split
-    from batchscore.run.runner import RunSummary
+    from batchscore.output.summary import Audit, RunSummary, Timing
 
     summary = RunSummary(output_path="out.parquet", rows=60, rows_ok=60, rows_error=0, logical_tokens=0,
                          processed_tokens=0, saving_ratio=0.0, seconds=40.0, engine="torch", model="m",
-                         prepare_seconds=10.0, score_seconds=25.0, write_seconds=1.0, audit_seconds=2.0, audit_rows=1)
+                         timing=Timing(prepare_seconds=10.0, score_seconds=25.0, write_seconds=1.0),
+                         audit=Audit(seconds=2.0, rows=1))
     assert _time_split(summary) == "  plan 10.0 s, scoring 25.0 s, write 1.0 s, audit 2.0 s (5.0% of the run, 1 row)"
-    summary.audit_rows = 0
+    summary.audit.rows = 0
     assert _time_split(summary).endswith("audit off")

@@ -296,19 +296,19 @@ def test_batch_run_writes_calibrated_columns_and_the_summary(batch_run):
     assert (out["label"] == np.where(expected[:, 0] >= expected[:, 1], "Yes", "No")).all()  # label follows p_cal
     assert out["confidence"].to_numpy() == pytest.approx(expected.max(axis=1))  # score.confidence top
 
-    cal = summary.calibration
+    cal = summary.quality.calibration
     assert cal["method"] == "batch" and cal["params"]["bias"] == pytest.approx(bias, abs=1e-9)
     assert cal["labeled_rows"] == cal["eval_rows"] == 40 and cal["fit_rows"] == 0  # nothing fitted: all evaluate
     assert cal["label_counts"]["calibrated"]["Yes"] == int((out["label"] == "Yes").sum())
     assert cal["before"]["rows"] == 40 and cal["after"]["ece"] is not None
-    assert summary.confidence_method == "top"
+    assert summary.quality.confidence_method == "top"
     stored = recorded_summary(OutputFiles(str(folder / "out.parquet")))  # the completion marker keeps it
-    assert stored["calibration"]["params"] == cal["params"] and stored["review"] == summary.review
+    assert stored["calibration"]["params"] == cal["params"] and stored["review"] == summary.quality.review
 
 
 def test_batch_run_review_and_out_of_scope_follow_their_definitions(batch_run):
     _, summary, out = batch_run
-    rev = summary.review
+    rev = summary.quality.review
     threshold = rev["threshold"]
     accepted = out["confidence"] >= threshold if threshold is not None else np.zeros(len(out), dtype=bool)
     assert (out["needs_review"] == ~accepted).all()
@@ -319,8 +319,8 @@ def test_batch_run_review_and_out_of_scope_follow_their_definitions(batch_run):
         assert review.clopper_pearson_upper(wrong, int(accepted.sum()), 0.9) <= 0.3
     assert set(rev["by_confidence"]) == set(review.CONFIDENCE_METHODS)
     floor = np.percentile(out["label_mass"], 1)
-    assert summary.out_of_scope["min_label_mass"] == pytest.approx(floor)
-    assert (out["out_of_scope"] == (out["label_mass"] < floor)).all() and summary.out_of_scope["rows"] >= 1
+    assert summary.quality.out_of_scope["min_label_mass"] == pytest.approx(floor)
+    assert (out["out_of_scope"] == (out["label_mass"] < floor)).all() and summary.quality.out_of_scope["rows"] >= 1
 
 
 def test_calibrate_from_reuses_the_recorded_values(batch_run, tmp_path):
@@ -330,10 +330,10 @@ def test_calibrate_from_reuses_the_recorded_values(batch_run, tmp_path):
                     calibrate={"from": str(folder / "out.parquet")},
                     output={"path": str(tmp_path / "out.parquet"), "audit_rows": 0})
     summary = run_job(load_job(job), progress=False)
-    assert summary.calibration["params"] == first.calibration["params"]  # no refit on these 10 rows
-    assert summary.calibration["source"].startswith("calibrate.from")
+    assert summary.quality.calibration["params"] == first.quality.calibration["params"]  # no refit on these 10 rows
+    assert summary.quality.calibration["source"].startswith("calibrate.from")
     out = pq.read_table(tmp_path / "out.parquet").to_pandas()
-    raw = np.log(out[["p_Yes", "p_No"]].to_numpy()) - np.array(first.calibration["params"]["bias"])
+    raw = np.log(out[["p_Yes", "p_No"]].to_numpy()) - np.array(first.quality.calibration["params"]["bias"])
     assert out["p_cal_Yes"].to_numpy() == pytest.approx(np.exp(raw[:, 0]) / np.exp(raw).sum(axis=1), abs=1e-9)
 
 
@@ -344,10 +344,10 @@ def test_contextual_run_scores_the_content_free_input_beside_the_rows(tmp_path):
     summary = run_job(load_job(job), progress=False)
     out = pq.read_table(tmp_path / "out.parquet").to_pandas()
     assert len(out) == 10 and summary.rows == 10 and list(out["pair_id"]) == [f"P006-Q{i:02d}" for i in range(10)]
-    p_cf = np.exp(summary.calibration["params"]["log_p_content_free"])
+    p_cf = np.exp(summary.quality.calibration["params"]["log_p_content_free"])
     ratio = out[["p_Yes", "p_No"]].to_numpy() / p_cf
     assert out[["p_cal_Yes", "p_cal_No"]].to_numpy() == pytest.approx(ratio / ratio.sum(axis=1, keepdims=True))
-    assert summary.audit_rows == 10  # the exactness audit reads the rows, not the content-free input
+    assert summary.audit.rows == 10  # the exactness audit reads the rows, not the content-free input
 
 
 def test_review_without_a_labeled_row_exits_2_naming_output_review(tmp_path):

@@ -123,8 +123,8 @@ def test_a_toy_engine_kind_is_one_module_and_its_registration(tmp_path, monkeypa
         assert "uniform" in kind_names()
         job = load_job(job_factory(small_input, engine={"kind": "uniform"}))
         summary = run_job(job, progress=False)
-        assert summary.resolved_engine["kind"] == "uniform"
-        assert summary.resolved_engine["reason"] == "engine.kind: uniform (named by the job)"
+        assert summary.execution.resolved["kind"] == "uniform"
+        assert summary.execution.resolved["reason"] == "engine.kind: uniform (named by the job)"
         table = pq.read_table(job.output.path).to_pandas()
         assert len(table) == 12 and (table["p_Yes"] == 0.5).all() and (table["p_No"] == 0.5).all()
     finally:

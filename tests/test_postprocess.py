@@ -49,7 +49,7 @@ def _job(folder, data, **sections):
 def test_changing_review_or_calibration_rederives_without_a_forward(tmp_path, forwards):
     data = _labelled(tmp_path / "in.parquet")
     first = run_job(_job(tmp_path, data, output={"audit_rows": 2}), progress=False)
-    assert forwards[0] > 0 and not first.rederived and first.audit_rows == 2
+    assert forwards[0] > 0 and not first.rederived and first.audit.rows == 2
     before = pq.read_table(tmp_path / "out.parquet")
 
     forwards[0] = 0
@@ -61,8 +61,8 @@ def test_changing_review_or_calibration_rederives_without_a_forward(tmp_path, fo
     after = pq.read_table(tmp_path / "out.parquet")
     assert after.select(RAW).equals(before.select(RAW))  # the raw columns, bit for bit
     assert {"p_cal_Yes", "p_cal_No", "confidence", "needs_review", "relevant"} <= set(after.column_names)
-    assert second.calibration["method"] == "temperature" and second.review["max_error"] == 0.3
-    assert (second.audit_rows, second.audit_max_dp) == (first.audit_rows, first.audit_max_dp)  # the same scores
+    assert second.quality.calibration["method"] == "temperature" and second.quality.review["max_error"] == 0.3
+    assert (second.audit.rows, second.audit.max_dp) == (first.audit.rows, first.audit.max_dp)  # the same scores
     label = after.column("label").to_pylist()
     cal = zip(after.column("p_cal_Yes").to_pylist(), after.column("p_cal_No").to_pylist())
     assert label == ["Yes" if y >= n else "No" for y, n in cal]  # label follows the calibrated probabilities
@@ -86,7 +86,7 @@ def test_a_truth_problem_is_fixed_and_rerun_from_the_kept_parts(tmp_path, forwar
     forwards[0] = 0  # the fix: another truth column; no --fresh, no row scored again
     summary = run_job(_job(tmp_path, data, calibrate={"truth_column": "relevant"},
                            output={"review": {"max_error": 0.3}}), progress=False)
-    assert forwards[0] == 0 and summary.resumed_rows == 30 and summary.review is not None
+    assert forwards[0] == 0 and summary.resumed_rows == 30 and summary.quality.review is not None
     assert pq.read_table(tmp_path / "out.parquet").num_rows == 30
 
 

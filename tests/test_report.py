@@ -298,11 +298,13 @@ LABELED = [0, 1, 2, 3, 4, 5, 6, 7]  # ok rows whose truth is Yes or No
 
 
 def test_quality_numbers_equal_a_hand_computation(tmp_path):
+    from batchscore.output.summary import RunSummary
     from batchscore.report.quality import assess, prevalence
 
     output = load_output(_quality_output(tmp_path / "q.parquet"))
     assert "p_cal_Yes" not in output.kept and set(output.calibrated) == {"Yes", "No"}
-    quality = assess(output, "relevant", {"review": {"threshold": 0.65, "max_error": 0.05}})
+    summary = RunSummary.from_dict({"review": {"threshold": 0.65, "max_error": 0.05}})
+    quality = assess(output, "relevant", summary)
     assert (quality.rows, quality.unlabeled, quality.not_a_label) == (8, 1, {"Maybe": 1})
     # truth Yes: a b d said Yes, f said No; truth No: c said Yes, e g h said No
     assert quality.confusion.tolist() == [[3, 1], [1, 3]]

@@ -116,7 +116,7 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int) -> None:
         finished = time.perf_counter()
         (engine,) = engines
         assert pq.read_metadata(output).num_rows == rows and summary.rows_ok == rows
-    timings = {"read": engine.created - started - summary.plan_seconds, "plan": summary.plan_seconds,
+    timings = {"read": engine.created - started - summary.timing.plan_seconds, "plan": summary.timing.plan_seconds,
                "write parts": engine.closed - engine.created, "assemble": finished - engine.closed}
     click.echo(f"rows: {rows:,}  groups: {engine.groups:,}  "
                f"parts: {engine.parts}  saving ratio: {summary.saving_ratio:.3f}")

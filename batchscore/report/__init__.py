@@ -53,6 +53,7 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
     without matplotlib or scipy.
     """
     require_matplotlib()
+    from batchscore.output.summary import RunSummary
     from batchscore.report.html import render, write_html
     from batchscore.report.quality import truth_column
 
@@ -76,5 +77,6 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
         return write_html(render_questions(as_path(output), table, metrics_data, note), target)
     current = load_output(output, id_column, table)
     before = load_output(previous, id_column or current.id_column) if previous is not None else None
-    truth = truth_column(current, truth, metrics_data)
-    return write_html(render(current, before, metrics_data, note, truth), target)
+    summary = RunSummary.from_dict(metrics_data) if metrics_data is not None else None
+    truth = truth_column(current, truth, summary)
+    return write_html(render(current, before, summary, note, truth), target)

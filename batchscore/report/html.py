@@ -13,6 +13,7 @@ import numpy as np
 
 import batchscore.report.drift as drift_mod
 import batchscore.report.stats as stats
+from batchscore.output.summary import RunSummary
 from batchscore.report import quality, quality_html
 from batchscore.report.data import ScoredOutput
 from batchscore.report.page import escape as _e, figure as _figure, img as _img, num as _num, pct as _pct
@@ -26,32 +27,33 @@ PREVIOUS_COLOR, CURRENT_COLOR = "#9e9e9e", "#1f77b4"
 
 
 
-def render(current: ScoredOutput, previous: ScoredOutput | None, metrics: dict | None,
+def render(current: ScoredOutput, previous: ScoredOutput | None, summary: RunSummary | None,
            metrics_note: str, truth: str | None = None) -> str:
-    """The whole HTML document. `metrics_note` says where the metrics came from or were looked for;
+    """The whole HTML document. `summary`: the run's (from its --metrics JSON or completion
+    marker); `metrics_note` says where it came from or was looked for;
     `truth`: the output's column of true labels (None: the quality section says how to add one)."""
     from matplotlib import rc_context
 
     with rc_context(PLAIN_TEXT):
-        return _render(current, previous, metrics, metrics_note, truth)
+        return _render(current, previous, summary, metrics_note, truth)
 
 
 
 
-def _render(current: ScoredOutput, previous: ScoredOutput | None, metrics: dict | None, metrics_note: str,
+def _render(current: ScoredOutput, previous: ScoredOutput | None, run: RunSummary | None, metrics_note: str,
             truth: str | None) -> str:
     summary = stats.summarize(current)
-    assessed = quality.assess(current, truth, metrics) if truth is not None else None
+    assessed = quality.assess(current, truth, run) if truth is not None else None
     body = [
         _summary_section(current, summary, previous),
-        quality_html.quality_section(assessed, metrics),
+        quality_html.quality_section(assessed, run),
         quality_html.prevalence_section(quality.prevalence(current, assessed)),
-        quality_html.audit_section(metrics),
+        quality_html.audit_section(run),
         _label_section(summary),
         _probability_section(current),
         _mass_section(current),
         _errors_section(current),
-        _throughput_section(current, metrics, metrics_note),
+        _throughput_section(current, run, metrics_note),
         _drift_section(current, previous),
     ]
     return _document(current.path, [(s, s.replace("-", " ")) for s in SECTION_IDS], body)
@@ -151,13 +153,13 @@ def _errors_section(current: ScoredOutput) -> str:
                     _table(["kind", "rows", "examples"], rows, escaped=True))
 
 
-def _throughput_section(current: ScoredOutput, metrics: dict | None, metrics_note: str) -> str:
-    if metrics is None:
+def _throughput_section(current: ScoredOutput, run: RunSummary | None, metrics_note: str) -> str:
+    if run is None:
         return _section("throughput", "Throughput",
                         f"<p>No run metrics: {_e(metrics_note)}. Write them with "
                         "<code>batchscore run JOB --metrics FILE</code> and pass "
                         "<code>--metrics FILE</code> to the report.</p>")
-    t = stats.throughput(metrics, current)
+    t = stats.throughput(run, current)
     rows = [("engine / model", f"{t.engine} / {t.model}"), ("workers", f"{t.workers}"),
             ("wall time", f"{t.seconds:.1f} s (planning {t.plan_seconds:.2f} s, scoring {t.score_seconds:.1f} s)"),
             ("rows / s (wall)", f"{t.rows_per_second:,.2f}"),

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchscore.errors import ReportError
+from batchscore.output.summary import RunSummary
 from batchscore.scores.calibration import ECE_BINS, measures
 from batchscore.report.data import ScoredOutput
 from batchscore.report.significance import (Interval, accuracy_of, bootstrap_confusion, macro_f1_of,
                                             wilson)
 
 
-def truth_column(output: ScoredOutput, explicit: str | None, metrics: dict | None) -> str | None:
+def truth_column(output: ScoredOutput, explicit: str | None, summary: RunSummary | None) -> str | None:
     """The output's truth column: `explicit` (`report --truth`; ReportError when the output has
     no such column), else the run summary's `calibration.truth_column` when the output holds it."""
     if explicit is not None:
@@ -27,7 +28,7 @@ def truth_column(output: ScoredOutput, explicit: str | None, metrics: dict | Non
             raise ReportError(f"--truth {explicit!r} is not a column of {output.path} "
                               f"(its input columns: {sorted(output.kept) or 'none'})")
         return explicit
-    named = ((metrics or {}).get("calibration") or {}).get("truth_column")
+    named = ((summary.quality.calibration if summary else None) or {}).get("truth_column")
     return named if named in output.kept else None
 
 
@@ -74,9 +75,9 @@ class Quality:
     coverage: Coverage | None
 
 
-def assess(output: ScoredOutput, column: str, metrics: dict | None = None) -> Quality:
-    """The quality of `output` against its truth column `column`; `metrics` (the run summary)
-    gives output.review's threshold and budget for the coverage curve."""
+def assess(output: ScoredOutput, column: str, summary: RunSummary | None = None) -> Quality:
+    """The quality of `output` against its truth column `column`; `summary` (the run's) gives
+    output.review's threshold and budget for the coverage curve."""
     labels = list(output.labels)
     index = {label: i for i, label in enumerate(labels)}
     values = output.kept[column]
@@ -110,7 +111,7 @@ def assess(output: ScoredOutput, column: str, metrics: dict | None = None) -> Qu
         raw=_measures(raw_p, y),
         calibrated=_measures(cal_p, y) if cal_p is not None else None,
         reliability=[reliability(name, p, y) for name, p in sets] if len(rows) else [],
-        coverage=coverage_curve(output, rows, predicted == y, final_p, metrics) if len(rows) else None,
+        coverage=coverage_curve(output, rows, predicted == y, final_p, summary) if len(rows) else None,
     )
 
 
@@ -136,7 +137,7 @@ def reliability(name: str, p: np.ndarray, truth: np.ndarray, bins: int = ECE_BIN
 
 
 def coverage_curve(output: ScoredOutput, rows: np.ndarray, correct: np.ndarray, final_p: np.ndarray,
-                   metrics: dict | None) -> Coverage:
+                   summary: RunSummary | None) -> Coverage:
     """Coverage against error over the labeled `rows`, most confident first: by the output's
     `confidence` column when it has one, else by the top (calibrated, if any) probability."""
     if output.confidence is not None:
@@ -149,7 +150,7 @@ def coverage_curve(output: ScoredOutput, rows: np.ndarray, correct: np.ndarray, 
     wrong = np.cumsum(~correct[order])
     accepted = np.arange(1, n + 1)
     curve = Coverage(accepted / n, wrong / accepted, source)
-    review = (metrics or {}).get("review") or {}
+    review = (summary.quality.review if summary else None) or {}
     curve.max_error = review.get("max_error")
     curve.reason = review.get("reason")
     if review.get("threshold") is not None:

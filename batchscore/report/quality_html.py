@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 import batchscore.report.page as page
+from batchscore.output.summary import RunSummary
 from batchscore.report import quality as q
 from batchscore.report import significance as sig
 from batchscore.report.data import ScoredOutput
@@ -39,7 +40,7 @@ def prevalence_section(prevalence: q.Prevalence) -> str:
                          page.table(headers, rows))
 
 
-def quality_section(quality: q.Quality | None, metrics: dict | None) -> str:
+def quality_section(quality: q.Quality | None, summary: RunSummary | None) -> str:
     if quality is None:
         return page.section(
             "quality", "Quality against the true labels",
@@ -62,7 +63,7 @@ def quality_section(quality: q.Quality | None, metrics: dict | None) -> str:
         ["", "p_<label> (raw)", "p_cal_<label> (calibrated)" if calibrated else "p_cal_<label> (not calibrated)"],
         [(name, page.num(quality.raw[key], 4), page.num(calibrated[key], 4) if calibrated else "–")
          for name, key in (("ECE (15 bins, top label)", "ece"), ("Brier (summed over the labels)", "brier"))]))
-    held_out = _held_out(metrics)
+    held_out = _held_out(summary)
     if held_out:
         parts.append(f'<p class="note">{page.escape(held_out)}</p>')
     parts.append(page.img(_quality_figure(quality), "reliability diagram and coverage against error"))
@@ -74,9 +75,9 @@ def quality_section(quality: q.Quality | None, metrics: dict | None) -> str:
     return page.section("quality", "Quality against the true labels", *parts)
 
 
-def _held_out(metrics: dict | None) -> str | None:
+def _held_out(summary: RunSummary | None) -> str | None:
     """The run's own measures on its evaluation rows (not used to fit), from the summary."""
-    calibration = (metrics or {}).get("calibration") or {}
+    calibration = (summary.quality.calibration if summary else None) or {}
     before, after = calibration.get("before"), calibration.get("after")
     if not before:
         return None
@@ -153,24 +154,25 @@ def _quality_figure(quality: q.Quality):
     return fig
 
 
-def audit_section(metrics: dict | None) -> str:
-    if metrics is None:
+def audit_section(summary: RunSummary | None) -> str:
+    if summary is None:
         return page.section("audit", "Exactness audit", "<p>No run metrics, so no audit result.</p>")
-    max_dp, bound = metrics.get("audit_max_dp"), metrics.get("audit_bound")
+    audit = summary.audit
+    max_dp, bound = audit.max_dp, audit.bound
     if max_dp is None:
-        reason = metrics.get("audit_skipped") or "the run's summary has no audit (a run from before the audit)"
+        reason = audit.skipped or "the run's summary has no audit (a run from before the audit)"
         return page.section("audit", "Exactness audit", f"<p>No audit: {page.escape(str(reason))}.</p>")
     verdict = ("recorded only (no bound: approximate scores)" if bound is None
                else "within the bound" if max_dp <= bound else "ABOVE the bound: the run exited 7")
-    rows = [("rows re-scored", f"{metrics.get('audit_rows', 0):,}"),
+    rows = [("rows re-scored", f"{audit.rows:,}"),
             ("max |ΔP| against a plain float32 forward", f"{max_dp:.3g}"),
             ("bound (output.audit_max_dp)", "–" if bound is None else f"{bound:g}"),
             ("verdict", verdict),
-            ("time", f"{metrics.get('audit_seconds', 0.0):.1f} s of the run's {metrics.get('seconds', 0.0):.1f} s")]
+            ("time", f"{audit.seconds:.1f} s of the run's {summary.seconds:.1f} s")]
     parts = [f'<p class="note">{page.escape(AUDIT_NOTE)}</p>', page.table(["", ""], rows, header=False)]
-    if metrics.get("audit_differing"):
+    if audit.differing:
         parts.append('<p class="warn">Rows above the bound:</p>')
-        parts.append(page.table(["row", ], [(d,) for d in metrics["audit_differing"]]))
+        parts.append(page.table(["row", ], [(d,) for d in audit.differing]))
     return page.section("audit", "Exactness audit", *parts)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchscore.output.summary import RunSummary
 from batchscore.report.data import ScoredOutput
 
 HIST_EDGES = np.linspace(0.0, 1.0, 21)  # P(label) and label_mass histograms: 20 bins of 0.05
@@ -108,7 +109,7 @@ def error_kinds(output: ScoredOutput, examples: int = 3) -> list[ErrorKind]:
 
 @dataclass
 class Throughput:
-    """Run totals from the `--metrics` JSON (it holds no timestamps per batch)."""
+    """Run totals from the run summary (it holds no timestamps per batch)."""
 
     seconds: float
     plan_seconds: float
@@ -133,23 +134,22 @@ class Throughput:
         return self.processed_tokens / self.score_seconds if self.score_seconds > 0 else 0.0
 
 
-def throughput(metrics: dict, output: ScoredOutput) -> Throughput:
-    """Read a `--metrics` summary; `warnings` notes where it does not match `output`."""
-    seconds = float(metrics.get("seconds") or 0.0)
-    rows = int(metrics.get("rows") or 0)
+def throughput(summary: RunSummary, output: ScoredOutput) -> Throughput:
+    """Read a run summary; `warnings` notes where it does not match `output`."""
+    rows, seconds = int(summary.rows), float(summary.seconds)
     result = Throughput(
         seconds=seconds,
-        plan_seconds=float(metrics.get("plan_seconds") or 0.0),
-        score_seconds=float(metrics.get("score_seconds") or 0.0),
-        rows_per_second=float(metrics.get("rows_per_second") or (rows / seconds if seconds > 0 else 0.0)),
-        logical_tokens=int(metrics.get("logical_tokens") or 0),
-        processed_tokens=int(metrics.get("processed_tokens") or 0),
-        saving_ratio=float(metrics.get("saving_ratio") or 0.0),
-        batch_token_counts=[int(t) for t in metrics.get("batch_token_counts") or []],
-        engine=str(metrics.get("engine", "?")),
-        model=str(metrics.get("model", "?")),
-        workers=int(metrics.get("workers") or 1),
-        resumed_rows=int(metrics.get("resumed_rows") or 0),
+        plan_seconds=float(summary.timing.plan_seconds),
+        score_seconds=float(summary.timing.score_seconds),
+        rows_per_second=summary.rows_per_second,
+        logical_tokens=int(summary.logical_tokens),
+        processed_tokens=int(summary.processed_tokens),
+        saving_ratio=float(summary.saving_ratio),
+        batch_token_counts=[int(t) for t in summary.execution.batch_token_counts],
+        engine=str(summary.engine),
+        model=str(summary.model),
+        workers=int(summary.execution.workers),
+        resumed_rows=int(summary.resumed_rows),
     )
     if rows != output.rows:
         result.warnings.append(f"the metrics count {rows} rows, the output has {output.rows}: "
@@ -157,7 +157,7 @@ def throughput(metrics: dict, output: ScoredOutput) -> Throughput:
     if result.resumed_rows:
         result.warnings.append(f"this run resumed {result.resumed_rows} rows scored by an "
                                "earlier attempt; its times and batches cover only the rest")
-    if metrics.get("skipped"):
+    if summary.skipped:
         result.warnings.append("this run found the output already complete and scored nothing; "
                                "the times are those of the run that wrote it, except the total")
     return result

@@ -27,12 +27,12 @@ import copy
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from batchscore.errors import AuditFailed
 from batchscore.faults import fault_point
+from batchscore.output.summary import Audit
 from batchscore.scores.quality import content_free_rows
 from batchscore.output.raw_scores import RowScores
 from batchscore.prepare.options import choices_problem
@@ -48,22 +48,7 @@ AUDIT_SHARE = 0.05  # the default audit's plain-forward tokens, at most this sha
 AUTO_MAX_ROWS = 32  # ...and at most this many rows (at least one)
 
 
-@dataclass
-class AuditResult:
-    """What the audit found; `summary_fields()` goes into the run summary."""
-
-    rows: int = 0  # rows re-scored
-    max_dp: float | None = None  # largest |ΔP| over their normalized label probabilities
-    bound: float | None = None  # above it the run exits 7 (None: recorded only)
-    seconds: float = 0.0
-    differing: list[str] = field(default_factory=list)  # rows above the bound, largest |ΔP| first
-    skipped: str | None = None  # why no row was re-scored
-    tokens: int = 0  # tokens of the plain forwards it ran
-
-    def summary_fields(self) -> dict:
-        return {"audit_rows": self.rows, "audit_max_dp": self.max_dp, "audit_bound": self.bound,
-                "audit_seconds": self.seconds, "audit_differing": self.differing, "audit_skipped": self.skipped,
-                "audit_tokens": self.tokens}
+AuditResult = Audit  # what the audit found: the run summary's audit part
 
 
 def audit_bound(config, dtype: str) -> float | None:
@@ -181,14 +166,15 @@ def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0) ->
 def raise_if_inexact(summary) -> None:
     """Raise AuditFailed (exit 7) when `summary` (a RunSummary whose output is written) records a
     max |ΔP| above its audit bound."""
-    if summary.audit_max_dp is None or summary.audit_bound is None or summary.audit_max_dp <= summary.audit_bound:
+    audit = summary.audit
+    if audit.max_dp is None or audit.bound is None or audit.max_dp <= audit.bound:
         return
-    named = [d for d in summary.audit_differing if not d.startswith("... and ")]
-    more = sum(int(d.split()[2]) for d in summary.audit_differing if d.startswith("... and "))
+    named = [d for d in audit.differing if not d.startswith("... and ")]
+    more = sum(int(d.split()[2]) for d in audit.differing if d.startswith("... and "))
     raise AuditFailed(
-        f"exactness audit: {len(named) + more} of {summary.audit_rows} re-scored rows differ from a plain "
-        f"float32 forward by more than |ΔP| {summary.audit_bound:g} (output.audit_max_dp; max "
-        f"{summary.audit_max_dp:.3g}): {'; '.join(summary.audit_differing)}. The output was written to "
+        f"exactness audit: {len(named) + more} of {audit.rows} re-scored rows differ from a plain "
+        f"float32 forward by more than |ΔP| {audit.bound:g} (output.audit_max_dp; max "
+        f"{audit.max_dp:.3g}): {'; '.join(audit.differing)}. The output was written to "
         f"{summary.output_path}; do not act on its scores until the cause is known (a bfloat16 run: compare "
         "with engine.dtype: float32; otherwise report these rows)", summary)
 

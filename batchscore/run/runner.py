@@ -11,11 +11,10 @@ store is built once per run and passed down.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ from batchscore.engines.factory import ResolvedEngine, create_engine, decide_com
 from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
-from batchscore.run.audit import AuditResult, audit_output, raise_if_inexact
+from batchscore.run.audit import audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
 from batchscore.run.run_files import RunFiles
 from batchscore.run.sinks import PartSink, RowProgress
@@ -39,6 +38,7 @@ from batchscore.output.layout import DEFAULT_ID, MERGE_WRITER, RUN_WRITER, Outpu
 from batchscore.output.lock import OutputLock
 from batchscore.io.storage import file_size, is_url
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
+from batchscore.output.summary import Audit, Execution, Questions, RunSummary, Timing
 from batchscore.output.decision_files import run_metadata, write_decision_output
 from batchscore.output.decision_quality import check_calibration_source as check_question_calibration_source
 from batchscore.formats import write_output
@@ -77,63 +77,6 @@ class Shard:
     def name(self) -> str:
         return f"shard-{self.index}-of-{self.count}"
 
-
-@dataclass
-class RunSummary:
-    """What a run did; `to_dict()` is the `--metrics` JSON."""
-
-    output_path: str
-    rows: int
-    rows_ok: int
-    rows_error: int
-    logical_tokens: int
-    processed_tokens: int
-    saving_ratio: float
-    seconds: float
-    engine: str
-    model: str
-    resolved_engine: dict = field(default_factory=dict)  # kind, device, dtype, compile: what `auto` became
-    complete: bool = True  # False: a shard finished but others have not (no output yet)
-    plan_seconds: float = 0.0
-    score_seconds: float = 0.0
-    resumed_rows: int = 0
-    workers: int = 1
-    batch_token_counts: list[int] = field(default_factory=list)
-    skipped: bool = False  # True: the output was already complete; nothing was scored
-    approx_keep: float | None = None  # speculative prefill's keep rate: the scores are approximate
-    reads: int | None = None  # decision jobs: the rows are records, each read once per question
-    decisions: dict | None = None  # decision jobs: the read layout and the confidence method
-    calibration: dict | None = None  # score.calibrate: method, fitted values (calibrate.from reads them), ECE/Brier/NLL
-    confidence_method: str | None = None  # score.confidence: the definition behind the confidence column
-    review: dict | None = None  # output.review: threshold, coverage, rows accepted per confidence definition
-    out_of_scope: dict | None = None  # output.out_of_scope: the label-mass floor and the rows below it
-    audit_rows: int = 0  # rows the exactness audit re-scored through a plain float32 forward (run/audit.py)
-    audit_max_dp: float | None = None  # their largest |ΔP| against it (None: no audit)
-    audit_bound: float | None = None  # above it the run exits 7 (None: recorded only)
-    audit_seconds: float = 0.0  # the audit's share of `seconds`
-    audit_differing: list[str] = field(default_factory=list)  # rows above the bound, largest |ΔP| first
-    audit_skipped: str | None = None  # why no row was re-scored
-    audit_tokens: int = 0  # tokens of the audit's plain forwards (by default within 5% of processed_tokens)
-    prepare_seconds: float = 0.0  # reading, tokenizing and planning, before scoring starts
-    write_seconds: float = 0.0  # assembling and writing the output (calibration and review included)
-    assembly_hash: str | None = None  # the post-processing keys' hash (prepare/job.assembly_config)
-    rederived: bool = False  # True: only the post-processing changed; re-derived from the raw scores, nothing scored
-
-    @property
-    def rows_per_second(self) -> float:
-        return self.rows / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self, stored: bool = False) -> dict:
-        """The `--metrics` JSON; `stored`: only the fields (what the completion marker keeps)."""
-        data = asdict(self)
-        if stored:
-            return data
-        data["rows_per_second"] = self.rows_per_second
-        data["logical_tokens_per_second"] = self.logical_tokens / self.seconds if self.seconds > 0 else 0.0
-        return data
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
 
 def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
@@ -189,7 +132,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
         if done is not None:
             log.info("%s is already the complete output of this job: nothing to do", files.output)
             store.finish()  # parts left by a run killed after its marker
-            summary = RunSummary(**{**done, "seconds": time.perf_counter() - started, "skipped": True})
+            summary = replace(RunSummary.from_dict(done), seconds=time.perf_counter() - started, skipped=True)
         else:
             summary = _run(source, store, progress, fresh, shard, engine_factory, started)
             if summary.complete:
@@ -250,11 +193,10 @@ def _rederive(source: JobSource, store: PartStore, done: dict, started: float) -
     errors, quality = result
     log.info("re-derived %s from its raw scores with this job's calibration and review: nothing scored",
              store.files.output)
-    return RunSummary(**{**done, **quality.summary_fields(), "rows_ok": job.input.num_records - len(errors),
-                         "rows_error": len(errors), "seconds": time.perf_counter() - started, "skipped": False,
-                         "rederived": True, "prepare_seconds": 0.0, "score_seconds": 0.0, "plan_seconds": 0.0,
-                         "write_seconds": time.perf_counter() - write_started,
-                         "assembly_hash": _assembly_hash(source)})
+    return replace(RunSummary.from_dict(done), rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
+                   seconds=time.perf_counter() - started, skipped=False, rederived=True,
+                   timing=Timing(write_seconds=time.perf_counter() - write_started), quality=quality,
+                   assembly_hash=_assembly_hash(source))
 
 
 def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard: Shard | None,
@@ -319,7 +261,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     write_started = time.perf_counter()
     errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
     write_seconds = time.perf_counter() - write_started
-    audit = audit_output(job, store, manifests, plan, processed) if complete else AuditResult()
+    audit = audit_output(job, store, manifests, plan, processed) if complete else Audit()
     return RunSummary(
         output_path=str(store.files.output),
         rows=job.input.num_records,
@@ -331,21 +273,16 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         seconds=time.perf_counter() - started,
         engine=job.kind,
         model=str(config.model),
-        resolved_engine=resolved.to_dict(),
         complete=complete,
-        plan_seconds=plan.stats.plan_seconds,
-        score_seconds=score_seconds,
-        prepare_seconds=score_started - started,
-        write_seconds=write_seconds,
-        assembly_hash=_assembly_hash(source),
         resumed_rows=resumed,
-        workers=num_workers,
-        batch_token_counts=batch_tokens,
-        approx_keep=_approx_keep(config),
-        reads=job.input.num_rows if job.input.decisions is not None else None,
-        decisions=run_metadata(job.input.decisions) if job.input.decisions is not None else None,
-        **quality.summary_fields(),
-        **audit.summary_fields(),
+        assembly_hash=_assembly_hash(source),
+        timing=Timing(plan_seconds=plan.stats.plan_seconds, score_seconds=score_seconds,
+                      prepare_seconds=score_started - started, write_seconds=write_seconds),
+        execution=Execution(resolved.to_dict(), num_workers, batch_tokens, _approx_keep(config)),
+        questions=Questions(job.input.num_rows if job.input.decisions is not None else None,
+                            run_metadata(job.input.decisions) if job.input.decisions is not None else None),
+        quality=quality,
+        audit=audit,
     )
 
 
@@ -376,13 +313,13 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
                                  f"unfinished in {store.folder}; run them with --shard I/{count}")
         lock.check()
         errors, quality = assemble_output(job, store, manifests)
-        summary = RunSummary(**quality.summary_fields(),
-                             output_path=str(files.output), rows=job.input.num_records,
+        summary = RunSummary(output_path=str(files.output), rows=job.input.num_records,
                              rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
                              logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
                              seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
-                             workers=count, assembly_hash=_assembly_hash(source),
-                             audit_skipped="batchscore merge reads no prompts; the shards' scores are not audited")
+                             assembly_hash=_assembly_hash(source),
+                             execution=Execution(workers=count), quality=quality,
+                             audit=Audit(skipped="batchscore merge reads no prompts; the shards' scores are not audited"))
         lock.check()
         write_completion_marker(files, identity_hash(source.identity), summary.to_dict(stored=True))
         store.finish()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +26,7 @@ import pyarrow.compute as pc
 from batchscore.errors import CalibrationError
 from batchscore.output import layout
 from batchscore.output.raw_scores import RowScores
+from batchscore.output.summary import Quality
 from batchscore.scores import calibration, review
 from batchscore.scores.normalize import score_columns
 
@@ -38,17 +38,7 @@ BATCH_MOVED_SHARE = 0.2  # batch calibration changing more answers than this sha
 PRIOR_SKEW = 2.0  # ...and a raw mean probability this many times above or below uniform (1/K)
 
 
-@dataclass
-class QualityResult:
-    """What calibration and review did; `summary_fields()` goes into the run summary."""
-
-    calibration: dict | None = None  # method, fitted values, split, ECE/Brier/NLL before and after
-    confidence_method: str | None = None  # score.confidence, when a confidence column is written
-    review: dict | None = None  # output.review: threshold, coverage, rows accepted per confidence definition
-    out_of_scope: dict | None = None  # output.out_of_scope: the floor and the rows below it
-
-    def summary_fields(self) -> dict:
-        return dataclasses.asdict(self)
+QualityResult = Quality  # what calibration and review did: the run summary's quality part
 
 
 def wanted(config) -> bool:

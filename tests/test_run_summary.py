@@ -1,0 +1,59 @@
+"""The run summary is typed per feature, and its flat form (the `--metrics` JSON, the completion
+marker) keeps every key, value and place it had."""
+
+import json
+
+from batchscore.output.summary import Audit, Execution, Questions, Quality, RunSummary, Timing
+
+# The --metrics JSON's keys, in their order (a published format: dashboards, Prometheus, Airflow).
+METRICS_KEYS = [
+    "output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "processed_tokens", "saving_ratio", "seconds",
+    "engine", "model", "resolved_engine", "complete", "plan_seconds", "score_seconds", "resumed_rows", "workers",
+    "batch_token_counts", "skipped", "approx_keep", "reads", "decisions", "calibration", "confidence_method",
+    "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds", "audit_differing",
+    "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash", "rederived",
+    "rows_per_second", "logical_tokens_per_second"]
+
+
+def full_summary() -> RunSummary:
+    """Every field set, each to a value no other field has."""
+    return RunSummary(
+        output_path="out.parquet", rows=200, rows_ok=198, rows_error=2, logical_tokens=26820, processed_tokens=7416,
+        saving_ratio=0.72, seconds=20.0, engine="torch", model="smollm2-135m-instruct", complete=False,
+        resumed_rows=5, skipped=True, assembly_hash="44136fa355b3678a", rederived=True,
+        timing=Timing(plan_seconds=0.1, score_seconds=15.0, prepare_seconds=3.0, write_seconds=0.5),
+        execution=Execution({"kind": "torch", "dtype": "float32"}, 3, [4096, 3320], 0.4),
+        questions=Questions(36, {"layout": "wide"}),
+        quality=Quality({"method": "batch"}, "top", {"threshold": 0.7}, {"rows": 4}),
+        audit=Audit(rows=2, max_dp=3e-6, bound=1e-4, seconds=0.52, differing=["row 1"], skipped="why", tokens=273))
+
+
+def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
+    data = full_summary().to_dict()
+    assert list(data) == METRICS_KEYS
+    assert data["resolved_engine"] == {"kind": "torch", "dtype": "float32"} and data["workers"] == 3
+    assert (data["reads"], data["decisions"]) == (36, {"layout": "wide"})
+    assert (data["plan_seconds"], data["score_seconds"], data["prepare_seconds"], data["write_seconds"]) == \
+        (0.1, 15.0, 3.0, 0.5)
+    assert (data["calibration"], data["confidence_method"], data["review"], data["out_of_scope"]) == \
+        ({"method": "batch"}, "top", {"threshold": 0.7}, {"rows": 4})
+    assert [data[k] for k in METRICS_KEYS if k.startswith("audit_")] == [2, 3e-6, 1e-4, 0.52, ["row 1"], "why", 273]
+    assert (data["batch_token_counts"], data["approx_keep"]) == ([4096, 3320], 0.4)
+    assert data["rows_per_second"] == 10.0 and data["logical_tokens_per_second"] == 1341.0
+    stored = full_summary().to_dict(stored=True)
+    assert list(stored) == METRICS_KEYS[:-2]  # the completion marker keeps the fields, not the rates
+    data["batch_token_counts"].append(1)  # a copy: the summary is not changed through its dict
+    assert full_summary().execution.batch_token_counts == [4096, 3320]
+
+
+def test_a_summary_read_back_is_the_summary_written():
+    summary = full_summary()
+    assert RunSummary.from_dict(json.loads(summary.to_json())) == summary
+    assert RunSummary.from_dict(summary.to_dict(stored=True)) == summary
+
+
+def test_a_metrics_json_of_a_run_that_failed_early_reads_as_defaults():
+    summary = RunSummary.from_dict({"status": "failed", "exit_code": 3, "error": "no input", "rows": 4,
+                                    "audit_max_dp": None})
+    assert (summary.rows, summary.engine, summary.seconds, summary.rows_per_second) == (4, "?", 0.0, 0.0)
+    assert summary.audit == Audit() and summary.execution.workers == 1 and summary.quality == Quality()
