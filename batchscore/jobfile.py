@@ -24,14 +24,14 @@ from batchscore.errors import JobConfigError, PromptTemplateError
 from batchscore.formats.registry import input_names as input_format_names, output_names as output_format_names
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
-from batchscore.scores import quality
-from batchscore.scores.calibration import FITTED, METHODS as CALIBRATION_METHODS, PER_ROW_CHOICES
-from batchscore.output.layout import DEFAULT_ID, TOP_COLUMNS, calibrated_column, label_column, output_columns
+from batchscore.scores.calibration import METHODS as CALIBRATION_METHODS
+from batchscore.output.layout import DEFAULT_ID, label_column
 from batchscore.scores.review import CONFIDENCE_METHODS
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
-from batchscore.prepare.options import NORMALIZE, label_problems
+from batchscore.prepare.options import NORMALIZE
 from batchscore.prepare.prompts import PROMPT_ENGINES, template_fields
 from batchscore.prepare.synthetic import WORKLOADS
+from batchscore.task import task_for
 
 # Every job key with a fixed set of values -> those values, taken from the module that acts on
 # them (a literal where no one module owns the list). The one table: load_job checks against it
@@ -252,11 +252,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
             template_fields(config.prompt.template, config.prompt.engine)
         except PromptTemplateError as exc:
             problems.append(f"prompt.template: {exc}")
-    if is_decision_job(config):
-        problems.extend(decision_job_problems(config))
-    elif inp.format != "openai_batch" or config.labels:
-        # checks score.normalize against NORMALIZE (ALLOWED's), with the labels it normalizes
-        problems.extend(label_problems(config.labels, inp.choices_column, config.score.normalize))
+    problems.extend(task_for(config).job_problems(config))
     if config.engine.speculative is not None and inp.choices_column:
         problems.append("engine.speculative: speculative prefill scores one-token labels shared by every row, "
                         "not input.choices_column")
@@ -301,7 +297,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("output.part_rows: must be ≥ 1")
     if config.output.part_seconds <= 0:
         problems.append("output.part_seconds: must be > 0")
-    if config.output.top_token and (is_decision_job(config) or config.output_format == "openai_batch"):
+    if config.output.top_token and (not task_for(config).top_token or config.output_format == "openai_batch"):
         problems.append("output.top_token: for labels and choices jobs written as Parquet or JSON Lines (questions "
                         "jobs write <id>.argmax_is_label; an openai_batch response has no such column)")
     if config.output.audit_rows is not None and config.output.audit_rows < 0:
@@ -356,49 +352,6 @@ def _vllm_args_problems(vllm_args: dict[str, Any], allow_code: bool) -> list[str
     return problems
 
 
-def is_decision_job(config: JobConfig) -> bool:
-    """A table job whose rows are states asked typed questions (`questions:` or input.questions_column)."""
-    return config.questions is not None or config.input.questions_column is not None
-
-
-def decision_job_problems(config: JobConfig) -> list[str]:
-    """`questions:` jobs: the questions parse (System One map shape), the state has one source,
-    and the keys that belong to label jobs are absent."""
-    from batchscore.errors import DecisionRequestError
-    from batchscore.prepare.decisions import parse_systemone
-
-    problems = []
-    inp, prompt = config.input, config.prompt
-    if config.labels:
-        problems.append("labels and questions: a decisions job reads each question's own labels; remove labels")
-    if inp.choices_column:
-        problems.append("input.choices_column and questions: give one of them")
-    if inp.format == "openai_batch":
-        problems.append("questions: not used with input.format openai_batch (each line's body holds its questions)")
-    if inp.token_ids_column:
-        problems.append("input.token_ids_column: not used with questions (the reads are rendered text)")
-    if bool(prompt.template) == bool(prompt.state_columns):
-        problems.append("prompt.template or prompt.state_columns: give exactly one — the state as a rendered "
-                        "template, or a JSON object of these columns")
-    if prompt.state_columns is not None and (not prompt.state_columns or not all(
-            isinstance(c, str) and c for c in prompt.state_columns)):
-        problems.append("prompt.state_columns: a non-empty list of column names")
-    if config.engine.speculative is not None:
-        problems.append("engine.speculative: not available for questions (reads are scored exactly)")
-    if config.output_format == "openai_batch":
-        problems.append("output.format openai_batch: a questions job writes parquet or jsonl")
-    if config.questions is not None:
-        if not isinstance(config.questions, dict) or not config.questions:
-            problems.append("questions: a map of question id -> {type, instructions, criteria}")
-        else:
-            try:
-                parse_systemone({"state": "", "questions": config.questions})
-            except DecisionRequestError as exc:
-                where = f"questions.{exc.question}" if exc.question is not None else "questions"
-                problems.append(f"{where}: {exc}")
-    return problems
-
-
 def _openai_batch_problems(config: JobConfig) -> list[str]:
     """input.format openai_batch: each request's body.messages (through the model's chat
     template) or body.prompt is its prompt, and its custom_id its id."""
@@ -441,14 +394,9 @@ def _output_column_problems(config: JobConfig) -> list[str]:
             problems.append(f"labels: {labels} would all be written to the column {column!r}; make them differ "
                             "by more than surrounding spaces")
     id_name = config.input.id_column or DEFAULT_ID
-    if is_decision_job(config):
-        generated, question_problems = _question_output_columns(config)
-        problems.extend(question_problems)
-    else:
-        generated = set(output_columns(config.labels, config.input.choices_column is not None, config.output.logprobs))
-        generated |= set(TOP_COLUMNS) if config.output.top_token else set()
-        generated |= set(quality.column_names(config))
-    generated |= {id_name} if config.input.id_column is None else set()
+    generated, column_problems = task_for(config).output_columns(config)
+    problems.extend(column_problems)
+    generated = generated | ({id_name} if config.input.id_column is None else set())
     truths = config.calibrate.truth_columns if isinstance(config.calibrate.truth_columns, dict) else {}
     kept = {name: "output.keep_columns" for name in config.output.keep_columns}
     kept.update({v: f"calibrate.truth_columns.{k}" for k, v in truths.items() if isinstance(v, str)})
@@ -459,37 +407,6 @@ def _output_column_problems(config: JobConfig) -> list[str]:
             problems.append(f"{key}: {name!r} is also a column batchscore writes ({shown}); rename the input "
                             "column or drop it from the job")
     return problems
-
-
-def _question_output_columns(config: JobConfig) -> tuple[set[str], list[str]]:
-    """(the columns a questions job writes besides the id and kept columns, the problems of two of
-    them sharing a name). Questions that do not parse are left to decision_job_problems."""
-    from batchscore.errors import DecisionRequestError
-    from batchscore.output.decision_files import ANSWERS
-    from batchscore.output.decision_quality import column_types
-    from batchscore.output.decisions import table_column_types
-    from batchscore.output.layout import ERROR, STATUS
-    from batchscore.prepare.decisions import parse_systemone
-
-    generated = {STATUS, ERROR} | ({ANSWERS} if config.input.questions_column else set())
-    if not isinstance(config.questions, dict) or not config.questions:
-        return generated, []
-    try:
-        questions = parse_systemone({"state": "", "questions": config.questions}).questions
-    except DecisionRequestError:
-        return generated, []
-    problems = []
-    try:
-        columns = table_column_types(questions)
-    except ValueError as exc:
-        problems.append(f"questions: {exc}; rename a question id or an option")
-        columns = {}
-    judged = column_types(config, questions)
-    both = [name for name in judged if name in columns]
-    if both:
-        problems.append(f"questions: {both[0]!r} is both a question's answer column and a calibration or review "
-                        "column of another; rename a question id or an option")
-    return generated | set(columns) | set(judged), problems
 
 
 def _question_key_problems(config: JobConfig) -> list[str]:
@@ -538,48 +455,10 @@ def _quality_problems(config: JobConfig) -> list[str]:
                                  ("calibrate.truth_column", cal.truth_column is not None),
                                  ("calibrate.from", cal.from_ is not None), ("output.review", review is not None),
                                  ("output.out_of_scope", scope is not None)) if on]
-    if is_decision_job(config):
-        problems.extend(_question_quality_problems(config, asked))
-        return problems + _common_quality_problems(config)
-    if cal.truth_columns:
-        problems.append("calibrate.truth_columns: for questions jobs (one truth column per question id); use "
-                        "calibrate.truth_column with labels or input.choices_column")
-    if asked and config.output_format == "openai_batch":
-        problems.append(f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
-                        "not output.format openai_batch")
-    choices = config.input.choices_column is not None
-    if choices and method not in PER_ROW_CHOICES:
-        problems.append(f"score.calibrate {method}: applies to fixed labels, not to per-row choices "
-                        f"(input.choices_column); use one of {', '.join(PER_ROW_CHOICES)}")
-    if method == "platt" and not choices and len(config.labels) != 2:
-        problems.append(f"score.calibrate platt: binary labels only (two labels); got {len(config.labels)} — "
-                        "use temperature or vector")
-    inp = config.input
-    if method == "contextual" and (inp.token_ids_column or inp.synthetic or inp.format == "openai_batch"):
-        problems.append("score.calibrate contextual: needs prompt.template (the content-free input is the template "
-                        "with 'N/A' in every field); use batch for pre-tokenized or openai_batch inputs")
-    if method in FITTED and cal.truth_column is None and cal.from_ is None:
-        problems.append(f"score.calibrate {method}: fitted on labeled rows — set calibrate.truth_column (an input "
-                        "column of true labels; null where unknown), or calibrate.from (a previous output's fitted values)")
-    if review is not None and cal.truth_column is None:
-        problems.append("output.review: needs calibrate.truth_column (true labels for some rows: the threshold is "
-                        "chosen where the accepted rows' error is known)")
-    problems.extend(_common_quality_problems(config))
-    truth = cal.truth_column
-    if truth is not None:
-        clash = set(output_columns(config.labels, choices, config.output.logprobs)) | set(quality.column_names(config))
-        if truth in clash:
-            problems.append(f"calibrate.truth_column: {truth!r} is also a column batchscore writes; rename the input column")
-    if method != "none" and not choices:
-        raw = {label_column(label) for label in config.labels}
-        same = [calibrated_column(label) for label in config.labels if calibrated_column(label) in raw]
-        if same:
-            problems.append(f"labels: {same[0]!r} would be both a label's p_ column and a calibrated p_cal_ column; "
-                            "rename the label")
-    return problems
+    return problems + task_for(config).quality_problems(config, asked)
 
 
-def _common_quality_problems(config: JobConfig) -> list[str]:
+def common_quality_problems(config: JobConfig) -> list[str]:
     """The checks labels and questions jobs share: calibrate.from, the split, review and out_of_scope values."""
     problems = []
     method, cal = config.score.calibrate, config.calibrate
@@ -600,61 +479,6 @@ def _common_quality_problems(config: JobConfig) -> list[str]:
         floor = scope.min_label_mass
         if isinstance(floor, str) and floor != "auto" or isinstance(floor, float) and not 0.0 <= floor <= 1.0:
             problems.append(f"output.out_of_scope.min_label_mass: a label mass between 0 and 1, or auto, got {floor!r}")
-    return problems
-
-
-def _question_quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
-    """A questions job's calibration and review: the job's own questions, a table output, one
-    truth column per question (`calibrate.truth_columns`), the methods that apply to them."""
-    from batchscore.output.decision_quality import QUESTION_METHODS
-    from batchscore.prepare.decisions import parse_systemone
-
-    method, cal = config.score.calibrate, config.calibrate
-    if cal.truth_columns:
-        asked = asked + ["calibrate.truth_columns"]
-    if not asked:
-        return []
-    if config.questions is None:
-        return [f"{asked[0]}: calibration and review apply to the job's questions (questions:), not to per-row "
-                "questions (input.questions_column)"]
-    if config.output_format == "openai_batch":
-        return [f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
-                "not output.format openai_batch"]
-    problems = []
-    if cal.truth_column is not None:
-        problems.append("calibrate.truth_column: a questions job has one truth column per question — write "
-                        "calibrate.truth_columns: {<question id>: <input column>}")
-    if method not in QUESTION_METHODS:
-        problems.append(f"score.calibrate {method}: applies to labels jobs; for questions use one of "
-                        f"{', '.join(QUESTION_METHODS)}")
-    if not isinstance(cal.truth_columns, dict):
-        return problems + [f"calibrate.truth_columns: a map of question id -> input column, got {cal.truth_columns!r}"]
-    ids = [str(k) for k in config.questions]
-    unknown = [str(k) for k in cal.truth_columns if str(k) not in ids]
-    if unknown:
-        problems.append(f"calibrate.truth_columns: {unknown} are not questions of this job (its questions: {ids})")
-    not_names = [f"{k}: {v!r}" for k, v in cal.truth_columns.items() if not isinstance(v, str) or not v]
-    if not_names:
-        problems.append(f"calibrate.truth_columns: each value is an input column name; got {', '.join(not_names)}")
-    # questions without a truth column stay uncalibrated and unreviewed (stated per question); none at all is refused
-    given = [q for q in ids if q in {str(k) for k in cal.truth_columns}]
-    if method in FITTED and cal.from_ is None and not given:
-        problems.append(f"score.calibrate {method}: fitted on labeled records — calibrate.truth_columns names no "
-                        f"question (its questions: {ids}); give a truth column for the questions to calibrate, or "
-                        "reuse fitted values with calibrate.from")
-    if config.output.review is not None and not given:
-        problems.append(f"output.review: needs a truth column for the questions to review (the threshold is chosen "
-                        f"where the accepted records' error is known); calibrate.truth_columns names none of {ids}")
-    if method == "platt":
-        try:
-            questions = parse_systemone({"state": "", "questions": config.questions}).questions
-        except Exception:  # noqa: BLE001 — decision_job_problems names what is wrong with them
-            questions = ()
-        wide = [f"{q.key} ({len(q.options)} options)" for q in questions
-                if len(q.options) != 2 and (cal.from_ is not None or str(q.key) in given)]
-        if wide:
-            problems.append(f"score.calibrate platt: two-option questions only (noul, or a choice of two); "
-                            f"{', '.join(wide)} — use temperature or vector")
     return problems
 
 

@@ -1,4 +1,4 @@
-"""`Registry`: named variants (engine kinds, wire formats) that register themselves from their own
+"""`Registry`: named variants (engine kinds, wire formats, tasks) that register themselves from their own
 modules; the built-in modules are imported on first use.
 
 Listed in one fixed order whichever module happened to be imported first: the built-in entries in

@@ -336,8 +336,8 @@ def test_decisions_bench_plain_side_on_the_real_model(tmp_path, model_dir):
     answers every read (probabilities over each question's options), and the report names it;
     batchscore's output columns read back to the same probabilities (the agreement check's path)."""
     from batchscore.bench.decisions_bench import Read, decisions, output_probs, questions
-    from batchscore.output.decisions import read_answer, row_values
-    from batchscore.prepare.decisions import parse_systemone
+    from batchscore.tasks.questions.answers import read_answer, row_values
+    from batchscore.tasks.questions.requests import parse_systemone
 
     out = tmp_path / "bench"
     result = CliRunner().invoke(decisions, ["--states", "2", "--questions", "3", "--state-tokens", "100",

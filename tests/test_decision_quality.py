@@ -22,9 +22,9 @@ from click.testing import CliRunner
 from batchscore.cli import main
 from batchscore.errors import CalibrationError, JobConfigError
 from batchscore.jobfile import config_from_dict
-from batchscore.output.decision_quality import add_question_quality, column_types, truth_index
-from batchscore.output.decisions import read_answer
-from batchscore.prepare.decisions import parse_systemone
+from batchscore.tasks.questions.quality import add_question_quality, column_types, truth_index
+from batchscore.tasks.questions.answers import read_answer
+from batchscore.tasks.questions.requests import parse_systemone
 from tests.conftest import REPO
 
 QUESTIONS = yaml.safe_load((REPO / "jobs" / "decisions.yaml").read_text())["questions"]  # the shipped example's
@@ -249,7 +249,7 @@ def test_a_real_run_writes_batch_calibrated_columns_of_its_own_raw_columns(batch
 def test_the_report_of_a_real_run_reads_each_question_and_its_calibration(batch_run):
     """`batchscore report` on the questions output: one section per question, the answered counts,
     the out-of-scope counts of the output's own columns and the summary's ECE before and after."""
-    from batchscore.report.questions import read_questions
+    from batchscore.tasks.questions.report import read_questions
 
     result = CliRunner().invoke(main, ["report", str(batch_run / "out.parquet")])
     assert result.exit_code == 0, result.output

@@ -28,7 +28,7 @@ import yaml
 from click.testing import CliRunner
 
 from batchscore.cli import main
-from batchscore.prepare.decisions import (WIDE_LAYOUT, check_question, parse_openai_decisions, parse_systemone,
+from batchscore.tasks.questions.requests import (WIDE_LAYOUT, check_question, parse_openai_decisions, parse_systemone,
                                           render_read)
 from tests.conftest import REPO
 
@@ -617,7 +617,7 @@ def test_read_spans_follow_a_template_that_strips_its_messages(tokenizer):
     special-token text in them still data."""
     import copy
 
-    from batchscore.prepare.decisions import read_prompt
+    from batchscore.tasks.questions.requests import read_prompt
 
     trimming = copy.copy(tokenizer)
     trimming.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | trim")

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from batchscore.errors import DecisionRequestError, InputError
-from batchscore.output import decisions as out
-from batchscore.prepare import decisions as dec
+from batchscore.tasks.questions import answers as out
+from batchscore.tasks.questions import requests as dec
 
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 

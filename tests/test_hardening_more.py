@@ -180,7 +180,7 @@ def test_an_error_path_under_a_plain_file_is_refused_before_any_work(tmp_path):
 def test_a_question_missing_its_answer_column_is_named_in_the_report():
     import pyarrow as pa
 
-    from batchscore.report.questions import read_questions
+    from batchscore.tasks.questions.report import read_questions
 
     common = {"confidence": [0.9], "label_mass": [0.8], "argmax_is_label": [True], "status": ["ok"], "error": [None]}
     columns = {f"{key}.{name}": values for key in ("refund", "kind") for name, values in common.items()}

@@ -330,7 +330,7 @@ def test_decision_lines_beside_a_chat_line_are_not_reported_as_errors(decision_b
 
 def test_a_batch_of_decision_lines_alone_is_reported_per_question(decision_batch, tmp_path):
     from batchscore.report.data import read_output_table
-    from batchscore.report.questions import read_questions
+    from batchscore.tasks.questions.report import read_questions
 
     alone = tmp_path / "decisions.jsonl"
     alone.write_text("".join(line + "\n" for line in decision_batch.read_text().splitlines()
@@ -347,7 +347,7 @@ def test_a_batch_of_decision_lines_alone_is_reported_per_question(decision_batch
 
 def test_per_row_questions_and_a_question_missing_a_column_are_reported(decision_batch, tmp_path):
     from batchscore.report.data import read_output_table
-    from batchscore.report.questions import read_questions
+    from batchscore.tasks.questions.report import read_questions
 
     # a per-row-questions table output: each row's answers as JSON in `answers`, no fixed question columns
     lines = [json.loads(x) for x in decision_batch.read_text().splitlines()]
@@ -382,10 +382,10 @@ def test_a_hand_edited_question_calibration_is_refused(tmp_path, calibration, na
 
     from batchscore.errors import CalibrationError
     from batchscore.jobfile import load_job
-    from batchscore.output.decision_quality import check_calibration_source
+    from batchscore.tasks.questions.quality import check_calibration_source
     from batchscore.output.layout import OutputFiles
     from batchscore.output.parts import write_completion_marker
-    from batchscore.prepare.decisions import parse_systemone
+    from batchscore.tasks.questions.requests import parse_systemone
 
     questions = {"refund": {"type": "noul", "instructions": "Does the customer ask for money back?"}}
     options = list(parse_systemone({"state": "", "questions": questions}).questions[0].options)

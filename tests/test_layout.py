@@ -8,6 +8,7 @@ Python runs a package's `__init__` before any of its modules anyway.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "batchscore"
@@ -228,34 +229,80 @@ def folder_graph() -> dict[str, set[str]]:
     return folders
 
 
-# Folder edges that still close a circle, each named by what it is: the questions task's modules
-# in output/ read their requests from prepare/, write through formats/ and judge their answers
-# with scores/, and output/write_paths.py asks formats/ which suffixes an input folder reads.
-# Remove an entry when its edge goes; none may be added.
-FOLDER_EDGES_LEFT = {("output", "prepare"), ("output", "formats"), ("output", "scores")}
-
-
-def test_the_folder_graph_is_acyclic_but_for_the_edges_left():
+def test_the_folder_graph_is_acyclic():
+    """No two folders import each other, however indirectly: the stage folders are shared
+    machinery below the adapters (tasks/ above prepare/, output/ and report/, which reach a task
+    only through the registry in task.py)."""
     folders = folder_graph()
-    assert all(target in folders.get(source, ()) for source, target in FOLDER_EDGES_LEFT), \
-        "an edge of FOLDER_EDGES_LEFT is gone: remove it from the list"
-    rest = {source: {t for t in targets if (source, t) not in FOLDER_EDGES_LEFT} for source, targets in folders.items()}
-    assert find_cycle(rest) is None
+    assert "prepare" in folders["tasks"] and "report" in folders["tasks"]  # the graph sees the tasks' imports
+    assert find_cycle(folders) is None
 
 
 def test_no_variant_imports_a_sibling_variant():
     """A wire format's module never imports another format's, nor an engine kind's package another
-    kind's: each is an adapter behind its registry, and shares only the stage folders."""
+    kind's, nor a task's module another task's: each is an adapter behind its registry, and shares
+    only the stage folders."""
     from batchscore.engines.registry import BUILT_IN as KINDS
     from batchscore.formats.registry import BUILT_IN as FORMATS
+    from batchscore.task import BUILT_IN as TASKS
 
     graph = import_graph()
     kind_packages = {module.rpartition(".")[0] for module in KINDS}  # batchscore.engines.torch, …vllm
+    task_roots = {".".join(module.split(".")[:3]) for module in TASKS}  # batchscore.tasks.labels, …questions
+    assert len(task_roots) == len(TASKS) >= 2
     crossing = []
     for module in FORMATS:
         crossing += [(module, t) for t in graph[module] if t in FORMATS and t != module]
-    for package in kind_packages:
-        for source in (m for m in graph if m == package or m.startswith(package + ".")):
-            crossing += [(source, t) for t in graph[source] for other in kind_packages - {package}
-                         if t == other or t.startswith(other + ".")]
+    for roots in (kind_packages, task_roots):
+        for package in roots:
+            for source in (m for m in graph if m == package or m.startswith(package + ".")):
+                crossing += [(source, t) for t in graph[source] for other in roots - {package}
+                             if t == other or t.startswith(other + ".")]
     assert not crossing, crossing
+
+
+QUESTIONS_TASK = PACKAGE / "tasks" / "questions"
+
+
+def question_column_names(source: str, parts: set[str]) -> list[str]:
+    """The places in `source` that build a questions column's name: an f-string `{key}.<part>`
+    (`{key}.p_yes`, `{q.key}.p.{option}`) or a suffix literal `".<part>"` / `".<part>."`, for the
+    parts a question's columns have."""
+    suffixes = {f".{p}" for p in parts} | {f".{p}." for p in parts}
+    tree = ast.parse(source)
+    in_fstrings = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            for before, after in zip(node.values, node.values[1:]):
+                part = re.match(r"\.(\w+)", str(after.value)) if isinstance(after, ast.Constant) else None
+                if isinstance(before, ast.FormattedValue) and part and part.group(1) in parts:
+                    found.append(f"line {node.lineno}: f-string {{…}}{after.value}")
+        elif isinstance(node, ast.Constant) and id(node) not in in_fstrings and node.value in suffixes:
+            found.append(f"line {node.lineno}: {node.value!r}")
+    return found
+
+
+def test_the_detector_finds_a_questions_column():
+    parts = {"p_yes", "status", "p"}
+    assert question_column_names('name = f"{key}.p_yes"', parts) == ['line 1: f-string {…}.p_yes']
+    assert question_column_names('names = [f"{q.key}.p.{o}" for o in options]', parts)
+    assert question_column_names('SUFFIXES = (".status", ".p.")', parts) == ["line 1: '.status'", "line 1: '.p.'"]
+    assert question_column_names('note = f"{q.key}.status is what it says"', parts)
+    assert question_column_names('x = f"{path}.{key}"; y = f"{name}.manifest.json"; z = ".json"', parts) == []
+
+
+def test_nothing_outside_the_questions_task_names_its_columns():
+    """A questions output's columns (`<id>.<part>`) are named by tasks/questions/columns.py alone:
+    no module elsewhere builds one, so their layout can change in one place."""
+    from batchscore.tasks.questions import columns
+
+    parts = {value for name, value in vars(columns).items()
+             if name.isupper() and isinstance(value, str) and name != "NOT_ASKED"}
+    assert {"status", "p_yes", "choice", "p", "p_cal"} <= parts
+    found = {str(path.relative_to(PACKAGE.parent)): hits for path in PACKAGE.rglob("*.py")
+             if QUESTIONS_TASK not in path.parents and (hits := question_column_names(path.read_text(), parts))}
+    assert not found, f"name questions columns through batchscore/tasks/questions/columns.py: {found}"
+    inside = [hit for path in QUESTIONS_TASK.glob("*.py") if path.name != "columns.py"
+              for hit in question_column_names(path.read_text(), parts)]
+    assert not inside, f"tasks/questions/ names its columns with columns.column(): {inside}"

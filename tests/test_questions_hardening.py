@@ -29,9 +29,9 @@ from batchscore.cli import main
 from batchscore.config import safe_load_yaml
 from batchscore.errors import JobConfigError
 from batchscore.jobfile import config_from_dict, load_job
-from batchscore.output.decision_quality import add_question_quality, column_types, truth_index
-from batchscore.output.decisions import read_answer
-from batchscore.prepare.decisions import parse_systemone
+from batchscore.tasks.questions.quality import add_question_quality, column_types, truth_index
+from batchscore.tasks.questions.answers import read_answer
+from batchscore.tasks.questions.requests import parse_systemone
 from batchscore.prepare.job import prepare_job
 from tests.conftest import REPO
 
@@ -77,10 +77,10 @@ def test_per_row_question_objects_are_read_per_line(tmp_path):
     del data["questions"]
     path.write_text(yaml.safe_dump(data))
     prepared = prepare_job(load_job(path), tokenize=False)
-    a, b, c = (r.request for r in prepared.input.decisions.records)
+    a, b, c = (r.request for r in prepared.input.task_input.records)
     assert [(q.key, q.options) for q in a.questions] == [("kind", ("billing", "shipping"))]
     assert [(q.key, q.options) for q in b.questions] == [("kind", ("x", "y", "z")), ("extra", ("yes", "no"))]
-    assert c is None and "questions" in prepared.input.decisions.records[2].error
+    assert c is None and "questions" in prepared.input.task_input.records[2].error
 
 
 def test_a_parquet_struct_questions_column_is_refused(tmp_path):
@@ -190,7 +190,7 @@ def test_dates_timestamps_and_decimals_in_the_state_are_text(tmp_path):
     pq.write_table(table, tmp_path / "in.parquet")
     path = write_job(tmp_path, source=tmp_path / "in.parquet",
                      prompt={"state_columns": ["opened", "day", "amount", "waited", "history"]})
-    [record] = prepare_job(load_job(path), tokenize=False).input.decisions.records
+    [record] = prepare_job(load_job(path), tokenize=False).input.task_input.records
     assert record.error is None
     assert json.loads(record.request.state_text) == {"opened": "2026-11-27T05:30:00+00:00", "day": "2026-11-27",
                                                      "amount": "12.50", "waited": "3:00:00",

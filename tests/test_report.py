@@ -435,7 +435,7 @@ def questions_table() -> pa.Table:
 
 
 def test_a_questions_output_is_read_question_by_question():
-    from batchscore.report.questions import read_questions
+    from batchscore.tasks.questions.report import read_questions
 
     team, refund, mood = read_questions(questions_table())
     assert (team.key, team.kind, team.answered, team.failed) == ("team", "choice", 3, 1)
@@ -471,8 +471,8 @@ def test_report_of_a_questions_output_has_a_section_per_question(tmp_path):
 def test_question_columns_are_told_from_kept_columns_and_edge_cases_read():
     """A kept `order.status` column makes no question; a predicate's answers follow its calibrated
     true/false columns; a record that failed as a whole counts under its own error; no rows is fine."""
-    from batchscore.report.data import question_keys
-    from batchscore.report.questions import read_questions
+    from batchscore.tasks.questions.columns import question_keys
+    from batchscore.tasks.questions.report import read_questions
 
     assert question_keys(["id", "order.status", "p_yes", "p_no", "label", "status"]) == []
     null = pa.array([None, None], pa.float64())

@@ -6,7 +6,7 @@ Workload: N states of real text (CPython's `pydoc_data.topics`, the library refe
 with Python: the topics joined and cut into windows of `--state-tokens` tokens, spread evenly over
 the text) × the first K of the questions below (choice, noul and score questions mixed).
 Every (state, question) pair is one *read*: vLLM's NextTokenStrategy prompt
-(`prepare.decisions.render_read`), read at the position after the generation prompt.
+(`tasks.questions.requests.render_read`), read at the position after the generation prompt.
 
 Sides, each a whole process (model load included), same model, dtype and CPU threads:
 
@@ -112,7 +112,7 @@ class Read:
     """One (state, question) pair: the question and its rendered prompt's token ids."""
 
     row: int
-    question: object  # prepare.decisions.Question
+    question: object  # tasks.questions.requests.Question
     text: str
     token_ids: list[int]
 
@@ -120,7 +120,7 @@ class Read:
 def read_prompts(tokenizer, texts: list[str], asked: dict[str, dict]) -> list[Read]:
     """Every read, record by record and question by question, rendered as batchscore's
     `prompt.state_columns: [text]` jobs render them (the state: the JSON object {"text": ...})."""
-    from batchscore.prepare.decisions import parse_systemone, render_read
+    from batchscore.tasks.questions.requests import parse_systemone, render_read
 
     reads = []
     for row, text in enumerate(texts):
@@ -166,7 +166,7 @@ def write_job(folder: Path, texts: list[str], asked: dict[str, dict], model: str
 
 
 def _answer_probs(question, label_logps) -> list[float]:
-    from batchscore.output.decisions import read_answer
+    from batchscore.tasks.questions.answers import read_answer
 
     return list(read_answer(question, label_logps).probabilities)
 
@@ -329,18 +329,20 @@ def output_probs(path: Path, reads: list[Read]) -> tuple[dict[int, np.ndarray], 
     `<id>.p_yes` (as [p_yes, 1 - p_yes])."""
     import pyarrow.parquet as pq
 
+    from batchscore.tasks.questions.columns import P, P_YES, STATUS, column
+
     rows = {int(r["id"]): r for r in pq.read_table(path).to_pylist()}
     probs, errors = {}, 0
     for index, read in enumerate(reads):
         q, row = read.question, rows.get(read.row)
-        if row is None or row.get(f"{q.key}.status") != "ok":
+        if row is None or row.get(column(q.key, STATUS)) != "ok":
             errors += 1
             continue
         if q.type == "noul":
-            p_yes = row[f"{q.key}.p_yes"]
+            p_yes = row[column(q.key, P_YES)]
             probs[index] = np.array([p_yes, 1.0 - p_yes])
         else:
-            probs[index] = np.array([row[f"{q.key}.p.{o}"] for o in q.options])
+            probs[index] = np.array([row[column(q.key, P, o)] for o in q.options])
     return probs, errors
 
 
@@ -512,7 +514,7 @@ def decisions(states, question_count, state_tokens, model, dtype, threads, sides
 
     from batchscore.bench.suite import machine_info
     from batchscore.models import resolve_model
-    from batchscore.prepare.decisions import check_question, parse_systemone
+    from batchscore.tasks.questions.requests import check_question, parse_systemone
 
     chosen = [s.strip() for s in sides.split(",") if s.strip()]
     if not chosen or not set(chosen) <= set(SIDES):

@@ -63,7 +63,7 @@ def openai_request(value: dict) -> tuple[dict, str | None]:
     if url is not None and url not in CHAT_URLS + DECISION_URLS:
         return row, (f"url: {_short_text(url)} is not a url batchscore answers "
                      f"({', '.join(CHAT_URLS + DECISION_URLS)})")
-    if url in DECISION_URLS:  # its questions are read in prepare/decisions.py
+    if url in DECISION_URLS:  # its questions are read in tasks/questions/requests.py
         row["decision"] = json.dumps(body)  # ASCII: a lone surrogate stays an escape until it is read
         return row, None
     if body.get("messages") is not None:

@@ -25,23 +25,22 @@ from batchscore.config import CalibrateConfig, JobConfig
 from batchscore.engines.factory import ResolvedEngine, kv_block_size, resolve_engine
 from batchscore.engines.registry import get_kind
 from batchscore.engines.shape import context_length, read_model_config
-from batchscore.errors import BatchscoreError, InputError, LabelError, OutputError, RowRenderError
+from batchscore.errors import BatchscoreError, InputError, OutputError, RowRenderError
 from batchscore.output.write_paths import check_job_write_paths
 from batchscore.output.identity import input_identities, model_identity, software_versions
 from batchscore.output.layout import OutputFiles
-from batchscore.scores.quality import content_free_row, content_free_rows
+from batchscore.scores.quality import content_free_rows
 from batchscore.formats import discover_files, iter_batches, suffix_formats
 from batchscore.io.readers import InputBatch, input_base
 from batchscore.io.storage import as_path, is_url, use_storage_options
-from batchscore.prepare.decision_job import is_decision_input, prepare_decisions
-from batchscore.prepare.decisions import check_question, parse_systemone
 from batchscore.prepare.input_columns import assembly_columns, scoring_columns
-from batchscore.prepare.options import OptionEncoder, RowOptionSource, max_length_name
+from batchscore.prepare.options import RowOptionSource, max_length_name
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
 from batchscore.plan.validate import token_ids_problem
 from batchscore.plan.types import Request
 from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
+from batchscore.task import Task, get_task, task_for
 from batchscore.prepare.rows import (PreparedInput, RowLocations, batch_ids, check_columns, check_unique_ids,
                                      concat_arrays, concat_tables, select_kept)
 
@@ -72,6 +71,11 @@ class PreparedJob:
     label_ids: list[int] | None  # one-token labels shared by every row; None: each request's own options
     input: PreparedInput
     content_free: Request | None = None  # score.calibrate contextual: scored beside the rows, never an output row
+    task_name: str = "labels"  # the job's task (task.py), set by prepare_job
+
+    @property
+    def task(self) -> Task:
+        return get_task(self.task_name)
 
     @property
     def config(self) -> JobConfig:
@@ -194,69 +198,10 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
     tokenize its input; no model weights are loaded. Without tokenizing only the id and kept
     columns are read (what assembling an output needs). Raises InputError / ModelError / LabelError."""
     source = source or locate_job(config, with_model=tokenize)
-    if is_decision_input(config, source.files):
-        return _prepare_decision_job(config, source, tokenize, progress)
-    if not config.labels and not config.input.choices_column:  # an openai_batch file without decision lines
-        raise LabelError("labels: this openai_batch file has no /v1/systemone or /v1/decisions lines, so every "
-                         "request is scored over the job's labels; give at least two, e.g. labels: [Yes, No]")
-    label_ids, renderer, max_length, vocab_size, options = None, None, None, None, None
-    if tokenize:
-        tokenizer = load_tokenizer(source.model_dir)
-        max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
-        renderer = make_renderer(config, tokenizer)
-        options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length,
-                                  max_length_name(config.engine.max_length, max_length))
-    prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
-                             tokenize=tokenize, progress=progress, options=options)
-    content_free = None
-    if options is not None and content_free_rows(config):
-        content_free = _content_free_request(renderer, options, prepared.num_rows)
-    if options is not None:
-        options.encoder.boundary.log_once(len(prepared.requests))
-        every = prepared.requests + ([content_free] if content_free is not None else [])
-        label_ids = options.single_token_ids(every)
-        if label_ids is not None:  # one-token labels everywhere: today's one-position path
-            for request in every:
-                request.options = None
-        elif config.engine.speculative is not None and prepared.requests:
-            raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
-                             "these labels are scored per row (a multi-token label, or one whose tokens depend on "
-                             "the prompt's end) — drop engine.speculative or use one-token labels")
-    log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
-    return PreparedJob(source, label_ids, prepared, content_free)
-
-
-def _content_free_request(renderer: PromptRenderer, options: RowOptionSource, row_id: int) -> Request:
-    """Contextual calibration's content-free input: the template with 'N/A' in every field, one
-    more request of the plan (a leaf beside the rows that share its prefix). Its row id is one
-    past the input's rows, so no output row is ever it; assembly divides its probabilities out."""
-    prompt = renderer.prompt(content_free_row(renderer.columns))
-    tokens = renderer.encode([prompt])[0]
-    chat = renderer.chat if prompt.chat is None else prompt.chat
-    piece = renderer.last_piece(prompt) if renderer.in_pieces(prompt) else None
-    [(row_options, problem)] = options.batch([tokens], [prompt.text], [None], ["the content-free input"], [chat], [piece])
-    if problem:
-        raise LabelError(f"score.calibrate contextual: {problem}")
-    return Request(row_id, tokens, row_options)
-
-
-def _prepare_decision_job(config: JobConfig, source: JobSource, tokenize: bool,
-                          progress: Callable[[int], None] | None) -> PreparedJob:
-    """A decision job's reads (prepare/decision_job.py). The labels of a `questions:` job are
-    checked once, up front: a label this model cannot read refuses the job (LabelError)."""
-    tokenizer = max_length = vocab_size = None
-    if tokenize:
-        tokenizer = load_tokenizer(source.model_dir)
-        max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
-        if config.questions:
-            request = parse_systemone({"state": "", "questions": config.questions})
-            problems = [p for q in request.questions if (p := check_question(tokenizer, request, q))]
-            if problems:
-                raise LabelError(f"questions: {'; '.join(problems)} (model {config.model})")
-    prepared = prepare_decisions(config, source.files, tokenizer, max_length, vocab_size, progress)
-    log.info("read %d records: %d reads (%d not scorable)", prepared.decisions.num_records, prepared.num_rows,
-             len(prepared.errors))
-    return PreparedJob(source, None, prepared)
+    task = task_for(config, source.files)
+    job = task.prepare(config, source, tokenize, progress)
+    job.task_name = task.name
+    return job
 
 
 def check_output_path(output_path: str) -> None:

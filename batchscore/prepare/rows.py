@@ -11,34 +11,6 @@ import pyarrow.compute as pc
 from batchscore.errors import InputError
 from batchscore.io.readers import InputBatch
 from batchscore.plan.types import Request
-from batchscore.prepare.decisions import DecisionRequest
-
-
-@dataclass
-class Record:
-    """One input row: what it asks, and which reads answer it (`first_read` .. + `num_reads`).
-    `error`: why nothing of it can be answered (status 400); its one read then carries the error."""
-
-    kind: str  # systemone | openai | chat | table
-    request: DecisionRequest | None
-    error: str | None
-    first_read: int
-    num_reads: int
-    url: str | None = None  # openai_batch: the line's url (chat or text completion)
-
-
-@dataclass
-class DecisionInput:
-    """The records of a decision job, their ids and kept columns, and each read's prompt length."""
-
-    records: list[Record]
-    ids: pa.Array  # [records] custom_id or the id column (row numbers by default)
-    kept: pa.Table  # [records] output.keep_columns
-    read_tokens: dict[int, int] = field(default_factory=dict)  # read -> prompt tokens (usage)
-
-    @property
-    def num_records(self) -> int:
-        return len(self.records)
 
 
 @dataclass
@@ -75,13 +47,14 @@ class PreparedInput:
     requests: list[Request]  # rows that can be scored
     errors: dict[int, str] = field(default_factory=dict)  # row_id -> message
     choices: pa.Array | None = None  # [num_rows] input.choices_column as read (for the output)
-    decisions: DecisionInput | None = None  # decision jobs: the rows are reads; the records behind them
     locations: RowLocations | None = None  # row id -> file:line (labels jobs read from files)
+    task_input: object | None = None  # what the job's task keeps besides the rows (questions: the records)
+    record_count: int | None = None  # input rows, when the rows are not them (questions: each record is read per question)
 
     @property
     def num_records(self) -> int:
-        """The input rows (records): `num_rows` unless the rows are a decision job's reads."""
-        return self.decisions.num_records if self.decisions is not None else self.num_rows
+        """The input rows (records): `num_rows` unless the task reads each several times."""
+        return self.num_rows if self.record_count is None else self.record_count
 
     @property
     def logical_tokens(self) -> int:

@@ -3,8 +3,8 @@
     write_report("out/2026-01-02.parquet", previous="out/2026-01-01.parquet")
 
 Computation lives in `stats` and `drift` (numpy only); `html` draws the plots (matplotlib,
-optional: `pip install 'batchscore[report]'`) and writes the page. A questions job's output
-(`<id>.…` columns per question) gets its own page, `questions`.
+optional: `pip install 'batchscore[report]'`) and writes the page. An output whose task has a
+page of its own (task.py: a questions job's `<id>.…` columns) gets that page instead.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from batchscore.errors import ReportError, ReportUnavailable
 from batchscore.io.storage import as_path
 from batchscore.output.layout import OutputFiles
 from batchscore.report.data import (ScoredOutput, find_metrics, load_metrics, load_output, metrics_candidates,
-                                    question_keys, read_output_table)
+                                    read_output_table)
+from batchscore.task import page_for_output
 
 __all__ = ["write_report", "default_report_path", "require_matplotlib", "ReportError", "ReportUnavailable",
            "ScoredOutput", "load_output"]
@@ -68,13 +69,10 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
                                              p.name for p in metrics_candidates(output)) + ")")
     target = as_path(html_path) if html_path is not None else default_report_path(output)
     table = read_output_table(output)
-    if question_keys(table.column_names):  # a questions job: one section per question
-        from batchscore.report.questions import render_questions
-
-        if previous is not None or truth is not None:
-            raise ReportError("the report of a questions output has no drift or truth section yet: "
-                              "leave out --previous and --truth (per-question calibration is read from the run summary)")
-        return write_html(render_questions(as_path(output), table, metrics_data, note), target)
+    page = page_for_output(table.column_names)
+    if page is not None:  # the task's own page (questions: one section per question)
+        return write_html(page.render(as_path(output), table, metrics_data, note, previous=previous, truth=truth),
+                          target)
     current = load_output(output, id_column, table)
     before = load_output(previous, id_column or current.id_column) if previous is not None else None
     summary = RunSummary.from_dict(metrics_data) if metrics_data is not None else None

@@ -13,6 +13,7 @@ from batchscore.errors import ReportError
 from batchscore.io.storage import as_path, file_size
 from batchscore.output import layout
 from batchscore.output.layout import RESULT_COLUMNS, OutputFiles
+from batchscore.task import pages
 
 
 @dataclass
@@ -99,102 +100,7 @@ def load_output(path: str | os.PathLike, id_column: str | None = None, table=Non
     )
 
 
-QUESTION_COLUMNS = (".status", ".error", ".label_mass", ".argmax_is_label")  # every question has these
-_VALUE_SUFFIXES = (".choice", ".p_yes", ".score", ".confidence")  # and one of these (or `.p.<option>` columns)
 _NOTE_KEY = b"batchscore.report_note"  # a table built here for the report: what it left out
-NOT_ASKED = "not asked"  # `<id>.status` of a record whose own questions did not include this one
-
-
-def question_keys(names: list[str]) -> list[str]:
-    """The question ids of a questions output, in column order ([] for another output). A
-    question is an `<id>.status` column with at least one more of its columns; one missing some of
-    QUESTION_COLUMNS is still a question (`missing_question_columns` says which), so it is reported,
-    not dropped. A kept input column such as `order.status` alone makes no question."""
-    present = set(names)
-    keys = []
-    for name in names:
-        if not name.endswith(".status") or name == "status":
-            continue
-        key = name[: -len(".status")]
-        own = [f"{key}{s}" for s in QUESTION_COLUMNS[1:] + _VALUE_SUFFIXES]
-        if any(c in present for c in own) or any(n.startswith(f"{key}.p.") for n in names):
-            keys.append(key)
-    return keys
-
-
-def missing_question_columns(names: list[str], key: str) -> list[str]:
-    """The columns every question has (QUESTION_COLUMNS) that question `key` lacks."""
-    present = set(names)
-    return [f"{key}{s}" for s in QUESTION_COLUMNS if f"{key}{s}" not in present]
-
-
-def answers_table(records: list[tuple[object, dict | None, str | None]], id_name: str = "custom_id"):
-    """The questions table layout (`<id>.…` columns, output/decisions.py) of answered decision
-    records, so the questions page reads decision batch lines and per-row questions alike.
-    records: (id, answers keyed by question id (System One) or a list with `name`s (OpenAI
-    Decisions), the record's error or None). A question a record was not asked has status
-    NOT_ASKED; one answered with {"error": …} is that question's error."""
-    import pyarrow as pa
-
-    columns: dict[str, list] = {}
-    rows = len(records)
-
-    def put(name: str, index: int, value) -> None:
-        columns.setdefault(name, [None] * rows)[index] = value
-
-    for index, (_, answers, _) in enumerate(records):
-        for key, answer in _answers_by_key(answers).items():
-            put(f"{key}.status", index, "ok")
-            if not isinstance(answer, dict) or "error" in answer:
-                put(f"{key}.status", index, "error")
-                put(f"{key}.error", index, str(answer.get("error") if isinstance(answer, dict) else answer))
-                continue
-            kind = answer.get("type")
-            if kind == "choice":
-                put(f"{key}.choice", index, answer.get("choice"))
-            elif kind in ("noul", "predicate"):
-                put(f"{key}.p_yes", index, answer.get("noul", answer.get("probability")))
-            else:
-                put(f"{key}.score", index, answer.get("score"))
-            for option, p in _probabilities(answer):
-                put(f"{key}.p.{option}", index, p)
-            put(f"{key}.confidence", index, answer.get("confidence"))
-            put(f"{key}.label_mass", index, answer.get("x_label_mass"))
-            put(f"{key}.argmax_is_label", index, answer.get("x_argmax_is_label"))
-    keys = [n[: -len(".status")] for n in columns if n.endswith(".status")]  # in order of first appearance
-    for key in keys:
-        for suffix in QUESTION_COLUMNS:
-            columns.setdefault(f"{key}{suffix}", [None] * rows)
-        asked = [key in _answers_by_key(answers) for _, answers, _ in records]
-        # a record that failed whole (its error) leaves the question null, as in a questions table
-        columns[f"{key}.status"] = [status if was_asked else None if error else NOT_ASKED
-                                    for status, was_asked, (_, _, error) in zip(columns[f"{key}.status"], asked, records)]
-    table = {id_name: [None if r[0] is None else str(r[0]) for r in records]}
-    for key in keys:
-        table.update((name, values) for name, values in columns.items() if name.startswith(f"{key}."))
-    failed = [error is not None or any(table[f"{k}.status"][i] == "error" for k in keys)
-              for i, (_, _, error) in enumerate(records)]
-    table["status"] = ["error" if f else "ok" for f in failed]
-    table["error"] = [error for _, _, error in records]
-    return pa.table({name: pa.array(values) for name, values in table.items()})
-
-
-def _answers_by_key(answers) -> dict[str, object]:
-    if isinstance(answers, dict):
-        return {str(k): v for k, v in answers.items()}
-    if isinstance(answers, list):
-        return {str(a.get("name", i)) if isinstance(a, dict) else str(i): a for i, a in enumerate(answers)}
-    return {}
-
-
-def _probabilities(answer: dict) -> list[tuple[str, float]]:
-    """(option, probability) pairs: a System One map, or OpenAI's list of {value, probability}."""
-    probs = answer.get("probabilities")
-    if isinstance(probs, dict):
-        return [(str(k), v) for k, v in probs.items()]
-    if isinstance(probs, list):
-        return [(str(p.get("value")), p.get("probability")) for p in probs if isinstance(p, dict)]
-    return []
 
 
 def read_output_table(path: str | os.PathLike):
@@ -215,14 +121,14 @@ def _read_table(path: Path):
     try:
         if parquet:
             with path.open("rb") as handle:
-                return _with_row_answers(pq.read_table(handle))
+                return _in_page_layout(pq.read_table(handle))
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ReportError(f"{path}: not a readable Parquet or JSON Lines file ({exc})") from None
     if rows and isinstance(rows[0], dict) and {"custom_id", "response"} <= set(rows[0]):
         return _openai_batch_table(path, rows)
     try:
-        return _with_row_answers(pa.Table.from_pylist(rows))
+        return _in_page_layout(pa.Table.from_pylist(rows))
     except (pa.ArrowException, TypeError) as exc:
         raise ReportError(f"{path}: JSON lines that do not form one table ({exc})") from None
 
@@ -234,12 +140,12 @@ def _openai_batch_table(path: Path, rows: list[dict]):
     errors_file = path.with_name(layout.default_error_path(path.name))
     failed = [json.loads(line) for line in errors_file.read_text(encoding="utf-8").splitlines()
               if line.strip()] if file_size(errors_file) is not None else []
-    decisions = [r for r in rows if _answers_of(r) is not None]  # decision lines: answered questions
-    rows = [r for r in rows if _answers_of(r) is None]
+    page = next((p for p in pages() if any(p.owns_line(r) for r in rows)), None)  # another task's lines
+    own = [r for r in rows if page is not None and page.owns_line(r)]
+    rows = [r for r in rows if page is None or not page.owns_line(r)]
     labels = list(next((((r.get("response") or {}).get("body") or {}).get(layout.BATCH_SCORES, {}) for r in rows), {}))
-    if not labels and decisions:  # decision lines alone: the questions page reads them
-        return answers_table([(r.get("custom_id"), _answers_of(r), None) for r in decisions]
-                             + [(r.get("custom_id"), None, _error_of(r)) for r in failed])
+    if not labels and own:  # that task's lines alone: its page reads them
+        return page.lines_table(own, [(r.get("custom_id"), _error_of(r)) for r in failed])
     if not labels:
         raise ReportError(f"{path}: an OpenAI Batch output without batchscore's scores (not written by batchscore)")
     columns: dict[str, list] = {"custom_id": [], **{layout.label_column(label): [] for label in labels},
@@ -256,49 +162,22 @@ def _openai_batch_table(path: Path, rows: list[dict]):
         columns[layout.STATUS].append(layout.STATUS_OK if ok else layout.STATUS_ERROR)
         columns[layout.ERROR].append(None if ok else _error_of(row))
     table = pa.table(columns)
-    if decisions:  # answered, not failed: said on the page, not counted as errors of the label rows
-        note = (f"{len(decisions):,} decision line(s) with answered questions are not label rows and are left out "
-                "of this page (their answers are in the output)")
-        table = table.replace_schema_metadata({_NOTE_KEY: note.encode()})
+    if own:  # answered, not failed: said on the page, not counted as errors of the label rows
+        table = table.replace_schema_metadata({_NOTE_KEY: page.lines_left_out(len(own)).encode()})
     return table
 
 
-def _answers_of(row: dict):
-    """A decision line's answers (System One map or OpenAI Decisions list), else None."""
-    response = row.get("response") or {}
-    body = response.get("body") or {}
-    answers = body.get("answers") if response.get("status_code") == 200 and isinstance(body, dict) else None
-    return answers if isinstance(answers, (dict, list)) else None
+def _in_page_layout(table):
+    """The output's table in the layout its task's page reads (task.py; e.g. a questions job's
+    per-row answers spread into question columns); a labels output as it is."""
+    for page in pages():
+        table = page.table(table)
+    return table
 
 
 def _error_of(row: dict) -> str:
     body = (row.get("response") or {}).get("body") or {}
     return (body.get("error") or {}).get("message") or (row.get("error") or {}).get("message") or "failed"
-
-
-def _with_row_answers(table):
-    """A table of per-row questions (`input.questions_column`: each row's answers as JSON in the
-    `answers` column, and no fixed question columns) in the questions layout; other tables as they are."""
-    from batchscore.output.decision_files import ANSWERS
-
-    names = table.column_names
-    if ANSWERS not in names or question_keys(names) or layout.STATUS not in names:
-        return table
-    records = []
-    for row_id, text, error in zip(table.column(names[0]).to_pylist(), table.column(ANSWERS).to_pylist(),
-                                   table.column(layout.ERROR).to_pylist() if layout.ERROR in names
-                                   else [None] * table.num_rows):
-        if text is None:  # the record failed as a whole
-            records.append((row_id, None, error or "failed"))
-            continue
-        try:
-            answers = json.loads(text) if isinstance(text, str) else None
-        except ValueError:
-            answers = None
-        if not isinstance(answers, dict):
-            return table  # not answers that batchscore wrote: leave the table to the labels reader's checks
-        records.append((row_id, answers, None if answers else error))
-    return answers_table(records, id_name=names[0])
 
 
 def metrics_candidates(output: str | os.PathLike) -> list[Path]:

@@ -290,7 +290,7 @@ def _divisors(job, row: int, request) -> np.ndarray | None:
     """What `score.normalize` divides a row's totals by (scores/normalize.py); None for `sum` and for
     a decision job's reads (their answers normalize the sum)."""
     normalize = job.config.score.normalize
-    if normalize == "sum" or job.input.decisions is not None:
+    if normalize == "sum" or job.task.audit_by_sum:
         return None
     if normalize == "token":
         count = len(job.label_ids) if job.label_ids is not None else request.options.count
@@ -303,13 +303,6 @@ def _divisors(job, row: int, request) -> np.ndarray | None:
 
 
 def row_name(job, row: int) -> str:
-    """How the output names `row`: its id (and row number); for a decision job, the record's id
-    and the question the read answers."""
-    decisions = job.input.decisions
-    if decisions is None:
-        return f"row {row} (id {job.input.ids[row].as_py()!r})"
-    for index, record in enumerate(decisions.records):
-        if record.first_read <= row < record.first_read + record.num_reads:
-            question = record.request.questions[row - record.first_read].key if record.request else "?"
-            return f"read {row} (record {decisions.ids[index].as_py()!r}, question {question!r})"
-    return f"read {row}"
+    """How the output names `row`, as the job's task names it: its id (and row number); for a
+    questions job, the record's id and the question the read answers."""
+    return job.task.row_name(job.input, row)

@@ -29,15 +29,17 @@ from batchscore.formats import write_output
 from batchscore.scores.quality import QualityResult, add_quality_columns, content_free_rows
 from batchscore.prepare.options import choices_for_output
 from batchscore.output.table import ok_rows, scores_table
-from batchscore.prepare.job import PreparedJob, is_decision_input
+from batchscore.prepare.job import PreparedJob
+from batchscore.task import task_for
 
 log = logging.getLogger("batchscore")
 
 
 def rederive_problem(config, source) -> str | None:
     """Why the job's output cannot be re-derived from its raw columns (None: it can)."""
-    if config.questions is not None or is_decision_input(config, source.files):
-        return "a decision or questions job's answers are re-derived only from its parts"
+    problem = task_for(config, source.files).rederive_problem  # the job's task may keep no raw columns
+    if problem is not None:
+        return problem
     if config.output_format != "parquet":
         return f"a {config.output_format} output keeps no raw columns to re-derive from"
     if content_free_rows(config):

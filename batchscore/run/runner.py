@@ -34,23 +34,17 @@ from batchscore.run.run_files import RunFiles
 from batchscore.run.sinks import PartSink, RowProgress
 from batchscore.faults import fault_point
 from batchscore.output.identity import identity_hash
-from batchscore.output.layout import DEFAULT_ID, MERGE_WRITER, RUN_WRITER, OutputFiles
+from batchscore.output.layout import MERGE_WRITER, RUN_WRITER, OutputFiles
 from batchscore.output.lock import OutputLock
 from batchscore.io.storage import file_size, is_url
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.output.summary import Audit, Execution, Questions, RunSummary, Timing
-from batchscore.output.decision_files import run_metadata, write_decision_output
-from batchscore.output.decision_quality import check_calibration_source as check_question_calibration_source
-from batchscore.formats import write_output
-from batchscore.scores.quality import (QualityResult, add_quality_columns, check_calibration_source, content_free_rows,
-                                       split_content_free)
-from batchscore.prepare.options import choices_for_output
-from batchscore.scores.normalize import score_columns, top_columns
-from batchscore.output.table import ok_rows, scores_table
+from batchscore.scores.quality import QualityResult, content_free_rows, split_content_free
 from batchscore.plan.placement import place_groups
-from batchscore.prepare.job import (JobSource, PreparedJob, assembly_config, load_tokenizer, locate_job, prepare_job,
+from batchscore.prepare.job import (JobSource, PreparedJob, assembly_config, locate_job, prepare_job,
                                     use_job_storage)
 from batchscore.run.rederive import rederive_output, rederive_problem
+from batchscore.task import task_for
 
 log = logging.getLogger("batchscore")
 
@@ -183,7 +177,7 @@ def _rederive(source: JobSource, store: PartStore, done: dict, started: float) -
     if problem is not None:
         log.info("only the post-processing changed, but %s: scoring again", problem)
         return None
-    (check_question_calibration_source if config.questions is not None else check_calibration_source)(config)
+    task_for(config).check_calibration_source(config)
     write_started = time.perf_counter()
     job = prepare_job(config, tokenize=False, source=source)
     store.guard()
@@ -205,7 +199,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     every writer has finished, assemble the output."""
     config = source.config
     # calibrate.from: refused before any scoring
-    (check_question_calibration_source if config.questions is not None else check_calibration_source)(config)
+    task_for(config).check_calibration_source(config)
     job = prepare_job(config, source=source)
     plan = job.plan()
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
@@ -279,8 +273,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         timing=Timing(plan_seconds=plan.stats.plan_seconds, score_seconds=score_seconds,
                       prepare_seconds=score_started - started, write_seconds=write_seconds),
         execution=Execution(resolved.to_dict(), num_workers, batch_tokens, _approx_keep(config)),
-        questions=Questions(job.input.num_rows if job.input.decisions is not None else None,
-                            run_metadata(job.input.decisions) if job.input.decisions is not None else None),
+        questions=Questions(**job.task.summary(job.input)),
         quality=quality,
         audit=audit,
     )
@@ -389,40 +382,7 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
     unscored = scores.unscored()
     for row in unscored[~np.isin(unscored, np.fromiter(errors, dtype=np.int64, count=len(errors)))]:
         errors[int(row)] = "not scored: no result from the engine"  # never silently lost
-    if prepared.decisions is not None:  # rows are reads: answers are written per record
-        fault_point("assemble")
-        failed, quality = write_decision_output(config, prepared.decisions, scores, errors, store.files,
-                                                str(config.model))
-        fault_point("output")
-        return failed, quality
-    id_name = config.input.id_column or DEFAULT_ID
-    ok = ok_rows(prepared.num_rows, errors)
-    columns = score_columns(labels=config.labels or None, choices=choices_for_output(prepared.choices, ok),
-                            scores=scores, ok=ok, normalize=config.score.normalize, logprobs=config.output.logprobs)
-    if config.output.top_token:
-        columns.update(top_columns(scores, ok, _first_tokens(job), load_tokenizer(job.model_dir).decode))
-    columns, quality = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids,
-                                           choices_for_output(prepared.choices, ok), content_free)
-    table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=_approx_keep(config))
-    if table.num_rows != prepared.num_rows:  # the invariant: every input row exactly once
-        raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
-    fault_point("assemble")
-    write_output(table, store.files.output, config.output_format, id_name=id_name, labels=config.labels,
-                 model=str(config.model), error_path=store.files.errors)
-    fault_point("output")
-    return errors, quality
-
-
-def _first_tokens(job: PreparedJob) -> list[set[int] | None]:
-    """Each input row's options' first token ids (None for a row not tokenized)."""
-    shared = set(job.label_ids) if job.label_ids is not None else None
-    firsts: list[set[int] | None] = [None] * job.input.num_rows
-    for request in job.input.requests:
-        if request.row_id < job.input.num_rows:
-            options = request.options
-            firsts[request.row_id] = shared if options is None else {int(options.option(i)[0])
-                                                                     for i in range(options.count)}
-    return firsts
+    return job.task.assemble(job, scores, errors, content_free, store.files, _approx_keep(config))
 
 
 def _approx_keep(config: JobConfig) -> float | None:

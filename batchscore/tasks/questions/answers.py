@@ -9,7 +9,7 @@ probability; `confidence` TypeSafe's (choice `(m - 1/n)/(1 - 1/n)`; score
 `max(0, 1 - sum p_i |i - k| / D)`, k the argmax, D = mean |i - (n-1)/2|; none for noul and
 predicate); `x_confidence_top_x_mass` the top share times label_mass (vLLM's confidence).
 
-numpy only; questions are read by attribute (batchscore.prepare.decisions.Question).
+numpy only; questions are read by attribute (batchscore.tasks.questions.requests.Question).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from batchscore.prepare.decisions import DecisionRequest, Question
+from batchscore.tasks.questions.columns import (ARGMAX_IS_LABEL, CHOICE, CONFIDENCE, ERROR, LABEL_MASS, P, P_YES, SCORE,
+                                                STATUS, column)
+from batchscore.tasks.questions.requests import DecisionRequest, Question
 
 CONFIDENCE_METHOD = "typesafe"
 
@@ -175,19 +177,19 @@ def openai_body(request: "DecisionRequest", answers: Sequence[QuestionAnswer], *
 
 # ---------------------------------------------------------------------------- table columns
 
-_COMMON = (("confidence", "float64"), ("label_mass", "float64"), ("argmax_is_label", "bool"),
-           ("status", "string"), ("error", "string"))
+_COMMON = ((CONFIDENCE, "float64"), (LABEL_MASS, "float64"), (ARGMAX_IS_LABEL, "bool"),
+           (STATUS, "string"), (ERROR, "string"))
 
 
 def _question_columns(question: "Question") -> list[tuple[str, str]]:
     q = str(question.key)
     if question.type == "choice":
-        cols = [(f"{q}.choice", "string")] + [(f"{q}.p.{o}", "float64") for o in question.options]
+        cols = [(column(q, CHOICE), "string")] + [(column(q, P, o), "float64") for o in question.options]
     elif question.type in ("noul", "predicate"):
-        cols = [(f"{q}.p_yes", "float64")]
+        cols = [(column(q, P_YES), "float64")]
     else:
-        cols = [(f"{q}.score", "float64")] + [(f"{q}.p.{i}", "float64") for i in range(len(question.options))]
-    return cols + [(f"{q}.{name}", kind) for name, kind in _COMMON]
+        cols = [(column(q, SCORE), "float64")] + [(column(q, P, i), "float64") for i in range(len(question.options))]
+    return cols + [(column(q, part), kind) for part, kind in _COMMON]
 
 
 def table_column_types(questions: Sequence["Question"]) -> dict[str, str]:
@@ -222,16 +224,17 @@ def row_values(questions: Sequence["Question"],
         names = [name for name, _ in _question_columns(question)]
         if not isinstance(answer, QuestionAnswer):
             row.update(dict.fromkeys(names))
-            row[f"{q}.status"], row[f"{q}.error"] = "error", str(answer)
+            row[column(q, STATUS)], row[column(q, ERROR)] = "error", str(answer)
             continue
         if question.type == "choice":
-            row[f"{q}.choice"] = question.options[answer.top]
-            row.update({f"{q}.p.{o}": p for o, p in zip(question.options, answer.probabilities)})
+            row[column(q, CHOICE)] = question.options[answer.top]
+            row.update({column(q, P, o): p for o, p in zip(question.options, answer.probabilities)})
         elif question.type in ("noul", "predicate"):
-            row[f"{q}.p_yes"] = answer.p_yes
+            row[column(q, P_YES)] = answer.p_yes
         else:
-            row[f"{q}.score"] = answer.score
-            row.update({f"{q}.p.{i}": p for i, p in enumerate(answer.probabilities)})
-        row.update({f"{q}.confidence": answer.confidence, f"{q}.label_mass": answer.label_mass,
-                    f"{q}.argmax_is_label": answer.argmax_is_label, f"{q}.status": "ok", f"{q}.error": None})
+            row[column(q, SCORE)] = answer.score
+            row.update({column(q, P, i): p for i, p in enumerate(answer.probabilities)})
+        row.update({column(q, CONFIDENCE): answer.confidence, column(q, LABEL_MASS): answer.label_mass,
+                    column(q, ARGMAX_IS_LABEL): answer.argmax_is_label, column(q, STATUS): "ok",
+                    column(q, ERROR): None})
     return row

@@ -1,5 +1,5 @@
 """Numbers people can act on, for a questions job: calibration, review and out-of-scope per
-question (`questions:` jobs written as a table; `output/decision_files.py` calls this).
+question (`questions:` jobs written as a table; `tasks/questions/files.py` calls this).
 
 Each of the job's questions is judged on its own, exactly as `scores/quality.py` judges a labels
 job: its option probabilities over the records that answered it form an [N, n] matrix; the
@@ -23,10 +23,12 @@ import pyarrow as pa
 
 from batchscore.errors import CalibrationError
 from batchscore.scores import calibration, review
-from batchscore.output.decisions import QuestionAnswer
+from batchscore.tasks.questions.answers import QuestionAnswer
 from batchscore.scores.quality import (SHOWN, QualityResult, batch_warnings, calibrate_rows, out_of_scope_column,
                                        review_column, split_labeled, wanted as quality_wanted)
-from batchscore.prepare.decisions import parse_systemone
+from batchscore.tasks.questions.columns import CHOICE, NEEDS_REVIEW, OUT_OF_SCOPE, P_CAL
+from batchscore.tasks.questions.columns import column as question_column
+from batchscore.tasks.questions.requests import parse_systemone
 
 log = logging.getLogger("batchscore")
 
@@ -63,11 +65,11 @@ def column_types(config, questions: Sequence) -> dict[str, str]:
     for question in questions:
         q = str(question.key)
         if calibrated(config, question):
-            columns.update({f"{q}.p_cal.{option}": "float64" for option in question.options})
+            columns.update({question_column(q, P_CAL, option): "float64" for option in question.options})
         if reviewed(config, question):
-            columns[f"{q}.needs_review"] = "bool"
+            columns[question_column(q, NEEDS_REVIEW)] = "bool"
         if config.output.out_of_scope is not None:
-            columns[f"{q}.out_of_scope"] = "bool"
+            columns[question_column(q, OUT_OF_SCOPE)] = "bool"
     return columns
 
 
@@ -121,7 +123,7 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
             info["source"] = "no answered record: nothing to calibrate"
             log.warning("score.calibrate: question %r has no answered record; its p_cal columns are null", q)
             for option in question.options:
-                columns[f"{q}.p_cal.{option}"] = [None] * len(ok)
+                columns[question_column(q, P_CAL, option)] = [None] * len(ok)
         elif method != "none" and not calibrated(config, question):
             info["source"] = "no truth column: uncalibrated"
             log.warning("score.calibrate %s: question %r has no truth column (calibrate.truth_columns); it stays "
@@ -133,10 +135,10 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
             if method == "batch":
                 info["warnings"] = batch_warnings(p, final_p, ok, list(question.options), f"question {q!r}")
             for i, option in enumerate(question.options):
-                columns[f"{q}.p_cal.{option}"] = [float(v) if good else None for v, good in zip(final_p[:, i], ok)]
+                columns[question_column(q, P_CAL, option)] = [float(v) if good else None for v, good in zip(final_p[:, i], ok)]
             if question.type == "choice":
                 best = np.argmax(np.nan_to_num(final_p, nan=-np.inf), axis=1)
-                choices[f"{q}.choice"] = [question.options[b] if good else None for b, good in zip(best, ok)]
+                choices[question_column(q, CHOICE)] = [question.options[b] if good else None for b, good in zip(best, ok)]
         info["calibrated"] = method != "none" and bool(info["params"])
         calibrated_[q] = info
         num_options = np.full(len(ok), len(question.options))
@@ -148,10 +150,10 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
             conf = review.confidence(np.nan_to_num(final_p, nan=0.0), num_options, mass, config.score.confidence)
             array, reviewed_[q] = review_column(config, final_p, num_options, mass, conf, ok, truth, eval_rows,
                                                f"calibrate.truth_columns.{q} ({column!r})")
-            columns[f"{q}.needs_review"] = array.to_pylist()
+            columns[question_column(q, NEEDS_REVIEW)] = array.to_pylist()
         if config.output.out_of_scope is not None:
             array, scoped[q] = out_of_scope_column(config, mass, ok, eval_rows)
-            columns[f"{q}.out_of_scope"] = array.to_pylist()
+            columns[question_column(q, OUT_OF_SCOPE)] = array.to_pylist()
     if method != "none" or config.calibrate.truth_columns:
         result.calibration = {"method": method, "normalize": config.score.normalize, "questions": calibrated_,
                               "holdout_fraction": config.calibrate.holdout_fraction

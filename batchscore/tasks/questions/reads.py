@@ -8,7 +8,7 @@ it unchanged; all of a record's reads start with the same chat header and state,
 tree prefills the state once per record, by construction.
 
 Reads are the rows of the run (parts, resume and the rows-in = rows-out check count reads);
-`DecisionInput` maps them back to records when the output is assembled (output/decision_files.py).
+`DecisionInput` maps them back to records when the output is assembled (tasks/questions/files.py).
 Every record has at least one read: a record that cannot be asked anything has one error read,
 so its error is counted and written like any other.
 """
@@ -29,22 +29,24 @@ from batchscore.io.readers import input_base
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
 from batchscore.plan.validate import prompt_problem
-from batchscore.prepare.decisions import (API_OPENAI, API_SYSTEMONE, DecisionRequest, check_question,
+from batchscore.tasks.questions.requests import (API_OPENAI, API_SYSTEMONE, DecisionRequest, check_question,
                                           parse_openai_decisions, parse_systemone, read_prompt)
 from batchscore.prepare.options import OptionEncoder, RowOptionSource, max_length_name
 from batchscore.prepare.prompts import PromptRenderer, RenderedPrompt, RequestRenderer
-from batchscore.prepare.rows import (DecisionInput, PreparedInput, Record, batch_ids, check_columns, check_unique_ids,
-                                     concat_arrays, concat_tables, select_kept)
+from batchscore.prepare.rows import (PreparedInput, batch_ids, check_columns, check_unique_ids, concat_arrays,
+                                     concat_tables, select_kept)
+from batchscore.tasks.questions.records import DecisionInput, Record
 
 CHAT = "chat"  # a chat/completions line of an openai_batch file: one read over the job's labels
 TABLE = "table"  # a row of a table job with `questions:`
 
 
-def is_decision_input(config: JobConfig, files: list) -> bool:
-    """True for `questions:` jobs and for openai_batch files that hold any decision line."""
+def is_decision_input(config: JobConfig, files: list | None) -> bool:
+    """True for `questions:` jobs and for openai_batch files that hold any decision line (`files`
+    None: the job file alone, which says nothing of its lines)."""
     if config.questions is not None or config.input.questions_column is not None:
         return True
-    if config.input.format != "openai_batch":
+    if config.input.format != "openai_batch" or files is None:
         return False
     for path, _ in files:
         with as_path(path).open("rb") as handle:
@@ -132,7 +134,7 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
         check_unique_ids(id_array, id_column)
     decisions = DecisionInput(records, id_array, concat_tables(kept) if keep else pa.table({}), read_tokens)
     return PreparedInput(reads, pa.array(np.arange(reads, dtype=np.int64)), pa.table({}), requests, errors,
-                         decisions=decisions)
+                         task_input=decisions, record_count=decisions.num_records)
 
 
 def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource, max_length, vocab_size,

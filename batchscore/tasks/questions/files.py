@@ -1,7 +1,7 @@
 """A decision job's output: reads gathered back into records, written once every part exists.
 
 Each read's raw label totals (engines return nothing else) become its question's answer through
-`output/decisions.py`; a record's answers become one OpenAI Batch output line (the System One or
+`tasks/questions/answers.py`; a record's answers become one OpenAI Batch output line (the System One or
 OpenAI Decisions response body; chat/completions lines keep their completion shape) or one table
 row (`<id>.…` columns per question). A record any of whose reads failed is an error line (status
 400, naming line, request and question) in a batch file — never a truncated answer; in a table
@@ -23,15 +23,15 @@ from batchscore.config import JobConfig
 from batchscore.formats.lines import write_lines
 from batchscore.formats.openai_batch import completion_body, error_response
 from batchscore.output import layout
-from batchscore.output.decision_quality import add_question_quality, column_types
-from batchscore.output.decisions import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
+from batchscore.tasks.questions.quality import add_question_quality, column_types
+from batchscore.tasks.questions.answers import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
                                          row_values, systemone_answer, systemone_body, table_column_types)
 from batchscore.output.layout import OutputFiles
 from batchscore.scores.quality import QualityResult
 from batchscore.output.raw_scores import RowScores
 from batchscore.output.table import write_parquet_atomic
-from batchscore.prepare.decisions import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT, parse_systemone
-from batchscore.prepare.rows import DecisionInput, Record
+from batchscore.tasks.questions.requests import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT, parse_systemone
+from batchscore.tasks.questions.records import DecisionInput, Record
 
 ANSWERS = "answers"  # table jobs with input.questions_column: each row's System One answers, as JSON
 
@@ -73,7 +73,7 @@ def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: R
                           files: OutputFiles, model: str) -> tuple[dict[int, str], QualityResult]:
     """Write the output of a decision job (and, for a batch file, its error file) atomically.
     Returns (record -> error for the records that are errors (the run's failed rows), what
-    calibration and review did (output/decision_quality.py))."""
+    calibration and review did (tasks/questions/quality.py))."""
     logp = scores.logp.to_pylist()
     tops = scores.top_logp.to_pylist() if scores.top_logp is not None else None
     if config.output_format == "openai_batch":

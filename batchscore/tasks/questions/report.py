@@ -4,9 +4,9 @@ One section per question, numbers first: how many records it answered and how ma
 answers' distribution, how sure the model was, the signs of a prompt the model did not follow
 (label mass under one half: most of its probability went to tokens that are no answer; the top
 token not an answer at all), the records routed to review or marked out of scope, and the
-calibration the run summary recorded. Columns are found by name (output/decisions.py writes
+calibration the run summary recorded. Columns are found by name (tasks/questions/answers.py writes
 them): a question is an `<id>` with `<id>.status`, `.error`, `.label_mass` and `.argmax_is_label`
-(`data.question_keys`). Answers follow calibration where the output has `<id>.p_cal.…` columns.
+(`columns.question_keys`). Answers follow calibration where the output has `<id>.p_cal.…` columns.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from batchscore.report.data import NOT_ASKED, missing_question_columns, question_keys
+from batchscore.tasks.questions.columns import (ARGMAX_IS_LABEL, CHOICE, CONFIDENCE, ERROR, LABEL_MASS, NEEDS_REVIEW,
+                                                NOT_ASKED, OUT_OF_SCOPE, P, P_CAL, P_YES, SCORE, STATUS,
+                                                is_question_column, missing_question_columns, question_keys)
+from batchscore.tasks.questions.columns import column as question_column
 from batchscore.report.page import PLAIN_TEXT, document, figure, img, num, pct, section, table
 
 LOW_MASS = 0.5  # label mass under this: the model mostly answered something else
@@ -51,46 +54,46 @@ def read_questions(table) -> list[QuestionReport]:
     """Each question's report from the output table."""
     keys = question_keys(table.column_names)
     names = set(table.column_names)
-    wanted = [n for n in table.column_names if n == "error" or any(n.startswith(f"{key}.") for key in keys)]
+    wanted = [n for n in table.column_names if n == "error" or any(is_question_column(n, key) for key in keys)]
     values = {name: table.column(name).to_pylist() for name in wanted}  # not the kept input columns
     reports = []
     for key in keys:
         missing = missing_question_columns(table.column_names, key)
         for name in missing:  # read as null: the question is reported with what it has, and what it lacks said
             values[name] = [None] * table.num_rows
-        asked = [s != NOT_ASKED for s in values[f"{key}.status"]]  # per-row questions: only its own records
+        asked = [s != NOT_ASKED for s in values[question_column(key, STATUS)]]  # per-row questions: only its own records
         own = values if all(asked) else {name: [v for v, a in zip(column, asked) if a] for name, column in
-                                         values.items() if name == "error" or name.startswith(f"{key}.")}
+                                         values.items() if name == "error" or is_question_column(name, key)}
         reports.append(_question(key, names | set(missing), own, sum(asked), missing))
     return reports
 
 
 def _question(key: str, names: set[str], values: dict[str, list], rows: int,
               missing: list[str] | None = None) -> QuestionReport:
-    status = values[f"{key}.status"]
+    status = values[question_column(key, STATUS)]
     ok = np.array([s == "ok" for s in status], dtype=bool)
-    mass = np.array([np.nan if v is None else v for v in values[f"{key}.label_mass"]], dtype=float)
+    mass = np.array([np.nan if v is None else v for v in values[question_column(key, LABEL_MASS)]], dtype=float)
     answers: dict[str, int] = {}
-    if f"{key}.choice" in names:  # follows calibration already
-        kind, picked = "choice", values[f"{key}.choice"]
-    elif f"{key}.p_yes" in names:  # noul (options yes, no) or predicate (false, true)
-        words = ("true", "false") if f"{key}.p_cal.true" in names else ("yes", "no")
-        calibrated = f"{key}.p_cal.{words[0]}"
-        column = calibrated if calibrated in names else f"{key}.p_yes"
+    if question_column(key, CHOICE) in names:  # follows calibration already
+        kind, picked = "choice", values[question_column(key, CHOICE)]
+    elif question_column(key, P_YES) in names:  # noul (options yes, no) or predicate (false, true)
+        words = ("true", "false") if question_column(key, P_CAL, "true") in names else ("yes", "no")
+        calibrated = question_column(key, P_CAL, words[0])
+        column = calibrated if calibrated in names else question_column(key, P_YES)
         kind = "yes/no"
         picked = [None if p is None else (words[0] if p >= 0.5 else words[1]) for p in values[column]]
-    elif not any(n.startswith((f"{key}.p.", f"{key}.p_cal.")) or n == f"{key}.score" for n in names):
+    elif not any((is_question_column(n, key, P) or is_question_column(n, key, P_CAL)) or n == question_column(key, SCORE) for n in names):
         # no answer column at all: a yes/no question (the only kind without `.p.` columns) lacking its p_yes
-        missing = [*(missing or []), f"{key}.p_yes"]
+        missing = [*(missing or []), question_column(key, P_YES)]
         kind, picked = "yes/no", [None] * rows
-    elif f"{key}.score" not in names and not any(n.startswith(f"{key}.p.") and n.rsplit(".", 1)[1].isdigit()
+    elif question_column(key, SCORE) not in names and not any(is_question_column(n, key, P) and n.rsplit(".", 1)[1].isdigit()
                                                  for n in names):
-        missing = [*(missing or []), f"{key}.choice"]  # a choice question (its `.p.<option>` columns) lacking it
+        missing = [*(missing or []), question_column(key, CHOICE)]  # a choice question (its `.p.<option>` columns) lacking it
         kind, picked = "choice", [None] * rows
     else:
         kind = "score"
-        prefix = f"{key}.p_cal." if any(n.startswith(f"{key}.p_cal.") for n in names) else f"{key}.p."
-        levels = sorted((n for n in names if n.startswith(prefix) and n.rsplit(".", 1)[1].isdigit()),
+        part = P_CAL if any(is_question_column(n, key, P_CAL) for n in names) else P
+        levels = sorted((n for n in names if is_question_column(n, key, part) and n.rsplit(".", 1)[1].isdigit()),
                         key=lambda n: int(n.rsplit(".", 1)[1]))
         p = np.array([[np.nan if v is None else v for v in values[n]] for n in levels], dtype=float).T
         picked = [None if not len(row) or np.isnan(row).any() else str(int(np.argmax(row))) for row in
@@ -98,22 +101,22 @@ def _question(key: str, names: set[str], values: dict[str, list], rows: int,
     for answer, good in zip(picked, ok):
         if good and answer is not None:
             answers[answer] = answers.get(answer, 0) + 1
-    sure_column = f"{key}.p_yes" if kind == "yes/no" else f"{key}.confidence"
+    sure_column = question_column(key, P_YES) if kind == "yes/no" else question_column(key, CONFIDENCE)
     sureness = np.array([v for v, good in zip(values.get(sure_column, [None] * rows), ok) if good and v is not None],
                         dtype=float)
     errors: dict[str, int] = {}
     record_errors = values.get("error", [None] * rows)
-    for message, own, record_error, good in zip(values[f"{key}.error"], status, record_errors, ok):
+    for message, own, record_error, good in zip(values[question_column(key, ERROR)], status, record_errors, ok):
         if not good:  # a record that failed as a whole leaves its questions' columns null
             text = str(message if own is not None else record_error)
             errors[text] = errors.get(text, 0) + 1
-    counted = {flag: int(sum(1 for v, good in zip(values[f"{key}.{flag}"], ok) if good and v))
-               for flag in ("needs_review", "out_of_scope") if f"{key}.{flag}" in names}
+    counted = {flag: int(sum(1 for v, good in zip(values[question_column(key, flag)], ok) if good and v))
+               for flag in (NEEDS_REVIEW, OUT_OF_SCOPE) if question_column(key, flag) in names}
     return QuestionReport(
         key=key, kind=kind, records=rows, answered=int(ok.sum()), answers=answers, sureness=sureness,
         low_mass=int(np.sum(ok & (mass < LOW_MASS))),
-        top_not_answer=int(sum(1 for v, good in zip(values[f"{key}.argmax_is_label"], ok) if good and v is False)),
-        needs_review=counted.get("needs_review"), out_of_scope=counted.get("out_of_scope"), errors=errors,
+        top_not_answer=int(sum(1 for v, good in zip(values[question_column(key, ARGMAX_IS_LABEL)], ok) if good and v is False)),
+        needs_review=counted.get(NEEDS_REVIEW), out_of_scope=counted.get(OUT_OF_SCOPE), errors=errors,
         missing=list(missing or []))
 
 
@@ -157,7 +160,7 @@ def _overview(output, questions: list[QuestionReport], calibration: dict, metric
 
 def _score_levels(output, metrics: dict | None) -> dict[str, list[str]]:
     """Each score question's level names by 0-based index: from the run summary, else the output's
-    Parquet metadata (output/decision_files.run_metadata)."""
+    Parquet metadata (tasks/questions/files.run_metadata)."""
     text = ((metrics or {}).get("decisions") or {}).get("score_levels")
     if text is None:
         text = ((output.schema.metadata or {}).get(b"batchscore.score_levels") or b"").decode() or None
@@ -193,8 +196,8 @@ def _question_section(q: QuestionReport, calibration: dict | None, levels: list[
     right.set_xlabel("P(yes)" if q.kind == "yes/no" else "confidence (TypeSafe)")
     right.set_title("P(yes) per answered record" if q.kind == "yes/no" else "confidence per answered record",
                     fontsize=9)
-    note = (f"Score answers are 0-based level indexes: {q.key}.score is the expected index and {q.key}.p.0 the "
-            "first level's probability." if q.kind == "score" else None)
+    note = (f"Score answers are 0-based level indexes: {question_column(q.key, SCORE)} is the expected index and "
+            f"{question_column(q.key, P, 0)} the first level's probability." if q.kind == "score" else None)
     parts = [table(["answer", "records", "share"], rows, note=note), img(fig, f"answers and confidence of {q.key}")]
     if q.missing:
         parts.insert(0, table(["", ""], [("missing columns", ", ".join(q.missing) + " (read as empty: this output was "

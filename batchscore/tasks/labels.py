@@ -1,0 +1,199 @@
+"""The labels task: each row scored over the job's labels (or its own choices), one output row per
+input row with a probability per label (`output/layout.py` names its columns)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from batchscore.config import JobConfig
+from batchscore.errors import LabelError
+from batchscore.faults import fault_point
+from batchscore.formats import write_output
+from batchscore.jobfile import common_quality_problems
+from batchscore.output.layout import DEFAULT_ID, TOP_COLUMNS, calibrated_column, label_column, output_columns
+from batchscore.output.table import ok_rows, scores_table
+from batchscore.plan.types import Request
+from batchscore.prepare.job import (JobSource, PreparedJob, load_tokenizer, make_renderer, prepare_input,
+                                    prompt_limits)
+from batchscore.prepare.options import (OptionEncoder, RowOptionSource, choices_for_output, label_problems,
+                                        max_length_name)
+from batchscore.prepare.prompts import PromptRenderer
+from batchscore.scores import quality
+from batchscore.scores.calibration import FITTED, PER_ROW_CHOICES
+from batchscore.scores.normalize import score_columns, top_columns
+from batchscore.scores.quality import (add_quality_columns, check_calibration_source, content_free_row,
+                                       content_free_rows)
+from batchscore.task import Task, register
+
+log = logging.getLogger("batchscore")
+
+
+def job_problems(config: JobConfig) -> list[str]:
+    """The labels (checked against score.normalize); an openai_batch input without labels may
+    still hold decision lines, which the questions task claims once its lines are read."""
+    if config.input.format != "openai_batch" or config.labels:
+        return label_problems(config.labels, config.input.choices_column, config.score.normalize)
+    return []
+
+
+def job_output_columns(config: JobConfig) -> tuple[set[str], list[str]]:
+    """The label, top-token and quality columns a labels job writes (names can clash only
+    through the labels, which job_problems checks)."""
+    generated = set(output_columns(config.labels, config.input.choices_column is not None, config.output.logprobs))
+    generated |= set(TOP_COLUMNS) if config.output.top_token else set()
+    generated |= set(quality.column_names(config))
+    return generated, []
+
+
+def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
+    """Calibration and review of labels or per-row choices: the methods that apply, the truth
+    column they learn from, and no calibrated column named as a raw one."""
+    problems: list[str] = []
+    method, cal = config.score.calibrate, config.calibrate
+    review = config.output.review
+    if cal.truth_columns:
+        problems.append("calibrate.truth_columns: for questions jobs (one truth column per question id); use "
+                        "calibrate.truth_column with labels or input.choices_column")
+    if asked and config.output_format == "openai_batch":
+        problems.append(f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
+                        "not output.format openai_batch")
+    choices = config.input.choices_column is not None
+    if choices and method not in PER_ROW_CHOICES:
+        problems.append(f"score.calibrate {method}: applies to fixed labels, not to per-row choices "
+                        f"(input.choices_column); use one of {', '.join(PER_ROW_CHOICES)}")
+    if method == "platt" and not choices and len(config.labels) != 2:
+        problems.append(f"score.calibrate platt: binary labels only (two labels); got {len(config.labels)} — "
+                        "use temperature or vector")
+    inp = config.input
+    if method == "contextual" and (inp.token_ids_column or inp.synthetic or inp.format == "openai_batch"):
+        problems.append("score.calibrate contextual: needs prompt.template (the content-free input is the template "
+                        "with 'N/A' in every field); use batch for pre-tokenized or openai_batch inputs")
+    if method in FITTED and cal.truth_column is None and cal.from_ is None:
+        problems.append(f"score.calibrate {method}: fitted on labeled rows — set calibrate.truth_column (an input "
+                        "column of true labels; null where unknown), or calibrate.from (a previous output's fitted values)")
+    if review is not None and cal.truth_column is None:
+        problems.append("output.review: needs calibrate.truth_column (true labels for some rows: the threshold is "
+                        "chosen where the accepted rows' error is known)")
+    problems.extend(common_quality_problems(config))
+    truth = cal.truth_column
+    if truth is not None:
+        clash = set(output_columns(config.labels, choices, config.output.logprobs)) | set(quality.column_names(config))
+        if truth in clash:
+            problems.append(f"calibrate.truth_column: {truth!r} is also a column batchscore writes; rename the input column")
+    if method != "none" and not choices:
+        raw = {label_column(label) for label in config.labels}
+        same = [calibrated_column(label) for label in config.labels if calibrated_column(label) in raw]
+        if same:
+            problems.append(f"labels: {same[0]!r} would be both a label's p_ column and a calibrated p_cal_ column; "
+                            "rename the label")
+    return problems
+
+
+def prepare(config: JobConfig, source: JobSource, tokenize: bool,
+            progress: Callable[[int], None] | None) -> PreparedJob:
+    """Read (and unless `tokenize` is False, render and tokenize) every row over the labels."""
+    if not config.labels and not config.input.choices_column:  # an openai_batch file without decision lines
+        raise LabelError("labels: this openai_batch file has no /v1/systemone or /v1/decisions lines, so every "
+                         "request is scored over the job's labels; give at least two, e.g. labels: [Yes, No]")
+    label_ids, renderer, max_length, vocab_size, options = None, None, None, None, None
+    if tokenize:
+        tokenizer = load_tokenizer(source.model_dir)
+        max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
+        renderer = make_renderer(config, tokenizer)
+        options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length,
+                                  max_length_name(config.engine.max_length, max_length))
+    prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
+                             tokenize=tokenize, progress=progress, options=options)
+    content_free = None
+    if options is not None and content_free_rows(config):
+        content_free = content_free_request(renderer, options, prepared.num_rows)
+    if options is not None:
+        options.encoder.boundary.log_once(len(prepared.requests))
+        every = prepared.requests + ([content_free] if content_free is not None else [])
+        label_ids = options.single_token_ids(every)
+        if label_ids is not None:  # one-token labels everywhere: today's one-position path
+            for request in every:
+                request.options = None
+        elif config.engine.speculative is not None and prepared.requests:
+            raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
+                             "these labels are scored per row (a multi-token label, or one whose tokens depend on "
+                             "the prompt's end) — drop engine.speculative or use one-token labels")
+    log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
+    return PreparedJob(source, label_ids, prepared, content_free)
+
+
+def content_free_request(renderer: PromptRenderer, options: RowOptionSource, row_id: int) -> Request:
+    """Contextual calibration's content-free input: the template with 'N/A' in every field, one
+    more request of the plan (a leaf beside the rows that share its prefix). Its row id is one
+    past the input's rows, so no output row is ever it; assembly divides its probabilities out."""
+    prompt = renderer.prompt(content_free_row(renderer.columns))
+    tokens = renderer.encode([prompt])[0]
+    chat = renderer.chat if prompt.chat is None else prompt.chat
+    piece = renderer.last_piece(prompt) if renderer.in_pieces(prompt) else None
+    [(row_options, problem)] = options.batch([tokens], [prompt.text], [None], ["the content-free input"], [chat], [piece])
+    if problem:
+        raise LabelError(f"score.calibrate contextual: {problem}")
+    return Request(row_id, tokens, row_options)
+
+
+def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, files, approx_keep: float | None):
+    """One output row per input row: the normalized scores, calibration and review columns,
+    written in the output's format."""
+    config, prepared = job.config, job.input
+    id_name = config.input.id_column or DEFAULT_ID
+    ok = ok_rows(prepared.num_rows, errors)
+    columns = score_columns(labels=config.labels or None, choices=choices_for_output(prepared.choices, ok),
+                            scores=scores, ok=ok, normalize=config.score.normalize, logprobs=config.output.logprobs)
+    if config.output.top_token:
+        columns.update(top_columns(scores, ok, _first_tokens(job), load_tokenizer(job.model_dir).decode))
+    columns, result = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids,
+                                          choices_for_output(prepared.choices, ok), content_free)
+    table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=approx_keep)
+    if table.num_rows != prepared.num_rows:  # the invariant: every input row exactly once
+        raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
+    fault_point("assemble")
+    write_output(table, files.output, config.output_format, id_name=id_name, labels=config.labels,
+                 model=str(config.model), error_path=files.errors)
+    fault_point("output")
+    return errors, result
+
+
+def _first_tokens(job: PreparedJob) -> list[set[int] | None]:
+    """Each input row's options' first token ids (None for a row not tokenized)."""
+    shared = set(job.label_ids) if job.label_ids is not None else None
+    firsts: list[set[int] | None] = [None] * job.input.num_rows
+    for request in job.input.requests:
+        if request.row_id < job.input.num_rows:
+            options = request.options
+            firsts[request.row_id] = shared if options is None else {int(options.option(i)[0])
+                                                                     for i in range(options.count)}
+    return firsts
+
+
+def _no_summary(prepared) -> dict:
+    return {}
+
+
+def row_name(prepared, row: int) -> str:
+    return f"row {row} (id {prepared.ids[row].as_py()!r})"
+
+
+def _claims_nothing(config, files) -> bool:
+    return False
+
+
+LABELS = register(Task(
+    name="labels",
+    claims=_claims_nothing,
+    job_problems=job_problems,
+    output_columns=job_output_columns,
+    quality_problems=quality_problems,
+    check_calibration_source=check_calibration_source,
+    prepare=prepare,
+    assemble=assemble,
+    summary=_no_summary,
+    row_name=row_name,
+    top_token=True,
+    default=True,
+))

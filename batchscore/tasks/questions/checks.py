@@ -1,0 +1,128 @@
+"""What a questions job checks in its job file: the questions parse, the state has one source,
+the keys of label jobs are absent, its columns do not clash, and calibration and review apply
+to its questions."""
+
+from __future__ import annotations
+
+from batchscore.config import JobConfig
+from batchscore.errors import DecisionRequestError
+from batchscore.output.layout import ERROR, STATUS
+from batchscore.scores.calibration import FITTED
+from batchscore.tasks.questions.answers import table_column_types
+from batchscore.tasks.questions.files import ANSWERS
+from batchscore.tasks.questions.quality import QUESTION_METHODS, column_types
+from batchscore.tasks.questions.requests import parse_systemone
+
+
+def job_problems(config: JobConfig) -> list[str]:
+    """`questions:` jobs: the questions parse (System One map shape), the state has one source,
+    and the keys that belong to label jobs are absent."""
+
+    problems = []
+    inp, prompt = config.input, config.prompt
+    if config.labels:
+        problems.append("labels and questions: a decisions job reads each question's own labels; remove labels")
+    if inp.choices_column:
+        problems.append("input.choices_column and questions: give one of them")
+    if inp.format == "openai_batch":
+        problems.append("questions: not used with input.format openai_batch (each line's body holds its questions)")
+    if inp.token_ids_column:
+        problems.append("input.token_ids_column: not used with questions (the reads are rendered text)")
+    if bool(prompt.template) == bool(prompt.state_columns):
+        problems.append("prompt.template or prompt.state_columns: give exactly one — the state as a rendered "
+                        "template, or a JSON object of these columns")
+    if prompt.state_columns is not None and (not prompt.state_columns or not all(
+            isinstance(c, str) and c for c in prompt.state_columns)):
+        problems.append("prompt.state_columns: a non-empty list of column names")
+    if config.engine.speculative is not None:
+        problems.append("engine.speculative: not available for questions (reads are scored exactly)")
+    if config.output_format == "openai_batch":
+        problems.append("output.format openai_batch: a questions job writes parquet or jsonl")
+    if config.questions is not None:
+        if not isinstance(config.questions, dict) or not config.questions:
+            problems.append("questions: a map of question id -> {type, instructions, criteria}")
+        else:
+            try:
+                parse_systemone({"state": "", "questions": config.questions})
+            except DecisionRequestError as exc:
+                where = f"questions.{exc.question}" if exc.question is not None else "questions"
+                problems.append(f"{where}: {exc}")
+    return problems
+
+
+def output_columns(config: JobConfig) -> tuple[set[str], list[str]]:
+    """(the columns a questions job writes besides the id and kept columns, the problems of two of
+    them sharing a name). Questions that do not parse are left to job_problems."""
+
+    generated = {STATUS, ERROR} | ({ANSWERS} if config.input.questions_column else set())
+    if not isinstance(config.questions, dict) or not config.questions:
+        return generated, []
+    try:
+        questions = parse_systemone({"state": "", "questions": config.questions}).questions
+    except DecisionRequestError:
+        return generated, []
+    problems = []
+    try:
+        columns = table_column_types(questions)
+    except ValueError as exc:
+        problems.append(f"questions: {exc}; rename a question id or an option")
+        columns = {}
+    judged = column_types(config, questions)
+    both = [name for name in judged if name in columns]
+    if both:
+        problems.append(f"questions: {both[0]!r} is both a question's answer column and a calibration or review "
+                        "column of another; rename a question id or an option")
+    return generated | set(columns) | set(judged), problems
+
+
+def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
+    """A questions job's calibration and review: the job's own questions, a table output, one
+    truth column per question (`calibrate.truth_columns`), the methods that apply to them."""
+
+    method, cal = config.score.calibrate, config.calibrate
+    if cal.truth_columns:
+        asked = asked + ["calibrate.truth_columns"]
+    if not asked:
+        return []
+    if config.questions is None:
+        return [f"{asked[0]}: calibration and review apply to the job's questions (questions:), not to per-row "
+                "questions (input.questions_column)"]
+    if config.output_format == "openai_batch":
+        return [f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
+                "not output.format openai_batch"]
+    problems = []
+    if cal.truth_column is not None:
+        problems.append("calibrate.truth_column: a questions job has one truth column per question — write "
+                        "calibrate.truth_columns: {<question id>: <input column>}")
+    if method not in QUESTION_METHODS:
+        problems.append(f"score.calibrate {method}: applies to labels jobs; for questions use one of "
+                        f"{', '.join(QUESTION_METHODS)}")
+    if not isinstance(cal.truth_columns, dict):
+        return problems + [f"calibrate.truth_columns: a map of question id -> input column, got {cal.truth_columns!r}"]
+    ids = [str(k) for k in config.questions]
+    unknown = [str(k) for k in cal.truth_columns if str(k) not in ids]
+    if unknown:
+        problems.append(f"calibrate.truth_columns: {unknown} are not questions of this job (its questions: {ids})")
+    not_names = [f"{k}: {v!r}" for k, v in cal.truth_columns.items() if not isinstance(v, str) or not v]
+    if not_names:
+        problems.append(f"calibrate.truth_columns: each value is an input column name; got {', '.join(not_names)}")
+    # questions without a truth column stay uncalibrated and unreviewed (stated per question); none at all is refused
+    given = [q for q in ids if q in {str(k) for k in cal.truth_columns}]
+    if method in FITTED and cal.from_ is None and not given:
+        problems.append(f"score.calibrate {method}: fitted on labeled records — calibrate.truth_columns names no "
+                        f"question (its questions: {ids}); give a truth column for the questions to calibrate, or "
+                        "reuse fitted values with calibrate.from")
+    if config.output.review is not None and not given:
+        problems.append(f"output.review: needs a truth column for the questions to review (the threshold is chosen "
+                        f"where the accepted records' error is known); calibrate.truth_columns names none of {ids}")
+    if method == "platt":
+        try:
+            questions = parse_systemone({"state": "", "questions": config.questions}).questions
+        except Exception:  # noqa: BLE001 — job_problems names what is wrong with them
+            questions = ()
+        wide = [f"{q.key} ({len(q.options)} options)" for q in questions
+                if len(q.options) != 2 and (cal.from_ is not None or str(q.key) in given)]
+        if wide:
+            problems.append(f"score.calibrate platt: two-option questions only (noul, or a choice of two); "
+                            f"{', '.join(wide)} — use temperature or vector")
+    return problems

@@ -1,0 +1,53 @@
+"""The names of a questions output's columns: each question's columns are `<question id>.<part>`
+(and `<question id>.<part>.<option>` for a value per option), named here and nowhere else."""
+
+from __future__ import annotations
+
+# the parts of a question's columns
+STATUS, ERROR, LABEL_MASS, ARGMAX_IS_LABEL = "status", "error", "label_mass", "argmax_is_label"
+CHOICE, P_YES, SCORE, CONFIDENCE = "choice", "p_yes", "score", "confidence"
+P, P_CAL = "p", "p_cal"  # per option: the probability, the calibrated probability
+NEEDS_REVIEW, OUT_OF_SCOPE = "needs_review", "out_of_scope"
+
+EVERY_QUESTION = (STATUS, ERROR, LABEL_MASS, ARGMAX_IS_LABEL)  # every question has these columns
+VALUE_PARTS = (CHOICE, P_YES, SCORE, CONFIDENCE)  # and one of these (or `.p.<option>` columns)
+NOT_ASKED = "not asked"  # `<id>.status` of a record whose own questions did not include this one
+
+
+def column(key: str, part: str, option: object = None) -> str:
+    """The name of question `key`'s column `part` (of `option`, for a per-option part)."""
+    return f"{key}.{part}" if option is None else f"{key}.{part}.{option}"
+
+
+def key_of(name: str, part: str) -> str | None:
+    """The question id whose `part` column `name` is, else None."""
+    tail = column("", part)
+    return name[: -len(tail)] if name.endswith(tail) else None
+
+
+def is_question_column(name: str, key: str, part: str | None = None) -> bool:
+    """`name` is one of question `key`'s columns (of `part`'s options, when given)."""
+    return name.startswith(column(key, "") if part is None else column(key, part, ""))
+
+
+def question_keys(names: list[str]) -> list[str]:
+    """The question ids of a questions output, in column order ([] for another output). A
+    question is an `<id>.status` column with at least one more of its columns; one missing some of
+    EVERY_QUESTION is still a question (`missing_question_columns` says which), so it is reported,
+    not dropped. A kept input column such as `order.status` alone makes no question."""
+    present = set(names)
+    keys = []
+    for name in names:
+        key = key_of(name, STATUS)
+        if key is None:
+            continue
+        own = [column(key, part) for part in EVERY_QUESTION[1:] + VALUE_PARTS]
+        if any(c in present for c in own) or any(is_question_column(n, key, P) for n in names):
+            keys.append(key)
+    return keys
+
+
+def missing_question_columns(names: list[str], key: str) -> list[str]:
+    """The columns every question has (EVERY_QUESTION) that question `key` lacks."""
+    present = set(names)
+    return [column(key, part) for part in EVERY_QUESTION if column(key, part) not in present]

@@ -1,0 +1,99 @@
+"""The questions task: typed questions asked of each record (a `questions:` job, per-row
+questions in `input.questions_column`, or the System One / OpenAI Decisions lines of an
+openai_batch file), one read per question, answers written per record."""
+
+from __future__ import annotations
+
+import logging
+
+from batchscore.errors import LabelError, ReportError
+from batchscore.faults import fault_point
+from batchscore.jobfile import common_quality_problems
+from batchscore.prepare.job import PreparedJob, load_tokenizer, prompt_limits
+from batchscore.task import Task, TaskPage, register
+from batchscore.tasks.questions import checks
+from batchscore.tasks.questions.columns import question_keys
+from batchscore.tasks.questions.files import run_metadata, write_decision_output
+from batchscore.tasks.questions.quality import check_calibration_source
+from batchscore.tasks.questions.reads import is_decision_input, prepare_decisions
+from batchscore.tasks.questions.report_table import is_answered_line, lines_left_out, lines_table, with_row_answers
+from batchscore.tasks.questions.requests import check_question, parse_systemone
+
+log = logging.getLogger("batchscore")
+
+
+def _quality_problems(config, asked: list[str]) -> list[str]:
+    return checks.quality_problems(config, asked) + common_quality_problems(config)
+
+
+def _prepare(config, source, tokenize: bool, progress) -> PreparedJob:
+    """A questions job's reads (reads.py). The labels of a `questions:` job are checked once, up
+    front: a label this model cannot read refuses the job (LabelError)."""
+    tokenizer = max_length = vocab_size = None
+    if tokenize:
+        tokenizer = load_tokenizer(source.model_dir)
+        max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
+        if config.questions:
+            request = parse_systemone({"state": "", "questions": config.questions})
+            problems = [p for q in request.questions if (p := check_question(tokenizer, request, q))]
+            if problems:
+                raise LabelError(f"questions: {'; '.join(problems)} (model {config.model})")
+    prepared = prepare_decisions(config, source.files, tokenizer, max_length, vocab_size, progress)
+    log.info("read %d records: %d reads (%d not scorable)", prepared.num_records, prepared.num_rows,
+             len(prepared.errors))
+    return PreparedJob(source, None, prepared)
+
+
+def _assemble(job, scores, errors: dict[int, str], content_free, files, approx_keep):
+    """Reads gathered back into records: one response body or table row per record."""
+    fault_point("assemble")
+    failed, quality = write_decision_output(job.config, job.input.task_input, scores, errors, files,
+                                            str(job.config.model))
+    fault_point("output")
+    return failed, quality
+
+
+def _summary(prepared) -> dict:
+    """The rows are reads: the run summary counts them and says how answers were read."""
+    return {"reads": prepared.num_rows, "decisions": run_metadata(prepared.task_input)}
+
+
+def _row_name(prepared, row: int) -> str:
+    """A read is named by its record's id and the question it answers."""
+    decisions = prepared.task_input
+    for index, record in enumerate(decisions.records):
+        if record.first_read <= row < record.first_read + record.num_reads:
+            question = record.request.questions[row - record.first_read].key if record.request else "?"
+            return f"read {row} (record {decisions.ids[index].as_py()!r}, question {question!r})"
+    return f"read {row}"
+
+
+def _owns_output(columns: list[str]) -> bool:
+    return bool(question_keys(columns))  # `<id>.status` and the answer columns of a question
+
+
+def _report(path, table, metrics: dict | None, note: str, *, previous=None, truth=None) -> str:
+    from batchscore.tasks.questions.report import render_questions
+
+    if previous is not None or truth is not None:
+        raise ReportError("the report of a questions output has no drift or truth section yet: "
+                          "leave out --previous and --truth (per-question calibration is read from the run summary)")
+    return render_questions(path, table, metrics, note)
+
+
+QUESTIONS = register(Task(
+    name="questions",
+    claims=is_decision_input,
+    job_problems=checks.job_problems,
+    output_columns=checks.output_columns,
+    quality_problems=_quality_problems,
+    check_calibration_source=check_calibration_source,
+    prepare=_prepare,
+    assemble=_assemble,
+    summary=_summary,
+    row_name=_row_name,
+    page=TaskPage(owns=_owns_output, render=_report, table=with_row_answers, owns_line=is_answered_line,
+                  lines_table=lines_table, lines_left_out=lines_left_out),
+    audit_by_sum=True,
+    rederive_problem="a decision or questions job's answers are re-derived only from its parts",
+))
