@@ -210,9 +210,13 @@ def test_hybrid_prefilling_inside_vllm_keeps_scores(engine, sample, sample_score
 @pytest.mark.slow  # a second vLLM engine, and the 60-row run on the first
 def test_group_aware_scheduler_keeps_the_scores_of_stock_scheduling(model_dir, sample, sample_scores):
     """The plan through vLLM with the group-aware scheduler, in a KV cache that holds a few prefixes
-    only: every row, in plan order, the same log-probs as vLLM's own scheduler."""
+    only and a step budget shorter than a prefix (a group's prefix is prefilled over several steps
+    before the scheduler holds it): every row, in plan order, the same log-probs as vLLM's own
+    scheduler."""
     _, labels, groups = sample
-    eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=2048, vllm_args={"kv_cache_memory_bytes": 32 << 20},
+    budget = 64
+    assert max(g.prefix_len for g in groups) > budget
+    eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=budget, vllm_args={"kv_cache_memory_bytes": 32 << 20},
                      group_scheduling=True)
     try:
         got = list(eng.score(groups, labels))
