@@ -14,7 +14,9 @@ shows that ordering costs nothing when every prefix fits.
 
 Reported per run: requests/s, logical prompt tokens, processed tokens (measured: prompt
 tokens minus vLLM's cached tokens; predicted: batchscore.plan.cache_sim with vLLM's real cache
-size and block size), vLLM's own prefix-cache hit rate (its `vllm:prefix_cache_*` counters).
+size and block size), vLLM's own prefix-cache hit rate (its `vllm:prefix_cache_*` counters),
+and the CPU seconds vLLM's engine processes spent (far steadier than wall time on a machine other
+jobs share: runs doing the same work spend about the same CPU seconds as the load moves).
 
 vLLM spawns its engine process, which re-imports `__main__`: hence the guard at the bottom
 (`python -m batchscore.bench.vllm_bench` works too; the `batchscore` console script has its own).
@@ -23,6 +25,7 @@ vLLM spawns its engine process, which re-imports `__main__`: hence the guard at 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import click
@@ -43,6 +46,24 @@ class VllmRun(Throughput):
 
     predicted_tokens: int | None = None  # batchscore.plan.cache_sim's prediction for this order
     vllm_hit_rate: float | None = None  # vLLM's prefix_cache_hits / prefix_cache_queries
+    engine_cpu_seconds: float | None = None  # CPU time of vLLM's engine-core and worker processes
+
+
+def engine_cpu_seconds() -> float | None:
+    """User + system CPU seconds of this process's live child processes (vLLM's engine core and
+    its workers: the bench runs one engine at a time), or None without psutil."""
+    try:
+        import psutil  # a dependency of vLLM
+    except ImportError:
+        return None
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # exited (a closed engine's zombie)
+            continue
+        total += times.user + times.system
+    return total
 
 
 def make_requests(groups: int, degree: int, prefix: int, distinct: int, vocab: int, seed: int) -> list[Request]:
@@ -89,7 +110,11 @@ def run_once(engine, name: str, groups: list[PrefixGroup], labels: list[int]) ->
     engine.metrics.batch_token_counts = []
     before = engine.vllm_prefix_cache_counters()
     run = VllmRun(name)
+    cpu_before = engine_cpu_seconds()
     run.time(lambda: engine_probs(engine, groups, labels))
+    cpu_after = engine_cpu_seconds()
+    if cpu_before is not None and cpu_after is not None:
+        run.engine_cpu_seconds = cpu_after - cpu_before
     after = engine.vllm_prefix_cache_counters()
     if before is not None and after is not None and after.queries > before.queries:
         run.vllm_hit_rate = (after.hits - before.hits) / (after.queries - before.queries)
@@ -149,8 +174,8 @@ def _compare_on(model_dir, requests, labels, *, dtype, token_budget, kv_bytes, r
 
 def markdown_table(results: list[VllmRun]) -> str:
     lines = ["| run | requests/s | vs shuffled | vs sorted | logical tokens | processed (measured) "
-             "| processed (predicted) | vLLM prefix-cache hit rate | seconds |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| processed (predicted) | vLLM prefix-cache hit rate | seconds | vLLM CPU seconds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     shuffled: dict[str, VllmRun] = {}
     ordered: dict[str, VllmRun] = {}
     for r in results:
@@ -162,8 +187,9 @@ def markdown_table(results: list[VllmRun]) -> str:
         ratio = lambda base: f"{r.requests_per_s / base[key].requests_per_s:.2f}x" if key in base else "n/a"  # noqa: E731
         pred = f"{r.predicted_tokens:,}" if r.predicted_tokens is not None else "n/a"
         hit = f"{r.vllm_hit_rate:.1%}" if r.vllm_hit_rate is not None else "n/a"
+        cpu = f"{r.engine_cpu_seconds:.1f}" if r.engine_cpu_seconds is not None else "n/a"
         lines.append(f"| {r.name} | {r.requests_per_s:.2f} | {ratio(shuffled)} | {ratio(ordered)} | "
-                     f"{r.logical_tokens:,} | {r.processed_tokens:,} | {pred} | {hit} | {r.seconds:.1f} |")
+                     f"{r.logical_tokens:,} | {r.processed_tokens:,} | {pred} | {hit} | {r.seconds:.1f} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -195,6 +221,7 @@ def vllm(model, groups, degree, prefix, distinct, dtype, token_budget, kv_mib, a
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
+    load_at_start = os.getloadavg()[0]  # other jobs stretch wall times far more than CPU seconds
     model_dir = resolve_model(model)
     vocab = int(read_model_config(model_dir)["vocab_size"])
     requests = make_requests(groups, degree, prefix, distinct, vocab, seed)
@@ -210,7 +237,8 @@ def vllm(model, groups, degree, prefix, distinct, dtype, token_budget, kv_mib, a
         if diff is not None and diff > 0.05:
             click.echo(f"warning: {r.name} differs from the first run by max |ΔP| = {diff:.3f}")
     click.echo(f"\nWorkload: {groups} groups x {degree} requests, prefix {prefix} / distinct {distinct} "
-               f"random tokens ({len(requests)} requests), {model}, {dtype}\n")
+               f"random tokens ({len(requests)} requests), {model}, {dtype}; load average (1 min) "
+               f"{load_at_start:.1f} at start, {os.getloadavg()[0]:.1f} at end\n")
     click.echo(markdown_table(results))
 
 
