@@ -132,7 +132,7 @@ def test_a_truth_problem_fixed_in_the_input_reruns_without_fresh_and_without_a_f
     forwards[0] = 0
     summary = run_job(_labels_job(tmp_path, data), progress=False)  # no --fresh
     assert forwards[0] == 0 and summary.resumed_rows == 10 and summary.rows_ok == 10
-    assert summary.review is not None
+    assert summary.quality.review is not None
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("relevant").to_pylist()[3] == "Yes"
     assert run_job(_labels_job(tmp_path, data), progress=False).skipped  # finished is finished
@@ -201,7 +201,7 @@ def test_a_questions_truth_problem_fixed_in_the_input_reruns_without_a_forward(t
     _edit(data, "true_team", 4, "other")
     forwards[0] = 0
     summary = run_job(load_job(job), progress=False)
-    assert forwards[0] == 0 and summary.resumed_rows == summary.reads == 12
+    assert forwards[0] == 0 and summary.resumed_rows == summary.questions.reads == 12
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("true_team").to_pylist() == TICKET_TRUTH
     assert pc.all(pc.equal(out.column("status"), "ok")).as_py()
