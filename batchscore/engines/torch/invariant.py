@@ -69,12 +69,49 @@ def _tiled_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(out).reshape(*x.shape[:-1], module.out_features)
 
 
-PAIRS_PER_CALL = 256  # (query tile, key block) pairs per kernel call: bounds the gathered copies
+@dataclass
+class Stage:
+    """Chains of one stage of a pass's attention: a chain is one tile of `QUERY_TILE` query slots
+    and the key blocks it attends to, in block order. Chains are sorted by length (longest first),
+    so step s (every chain's s-th block) covers the first `counts[s]` chains: each step is one
+    kernel call and one merge on contiguous slices, no gather or scatter of the accumulator."""
+
+    query: torch.Tensor  # [C * QUERY_TILE] packed row of each query slot (0 for padding)
+    slot: torch.Tensor  # [C * QUERY_TILE] row each slot's result belongs to (scratch for padding)
+    counts: list[int]  # [steps] chains taking part in each step (non-increasing)
+    keys: list[torch.Tensor]  # per step: [counts[s] * BLOCK] source row of each key slot
+    masks: list[torch.Tensor]  # per step: [counts[s], 1, QUERY_TILE, BLOCK] 0 or -inf
+    unused: list[torch.Tensor | None]  # per step: [counts[s], 1, QUERY_TILE] slots that see nothing here
+
+    @classmethod
+    def build(cls, chains: list[tuple], scratch: int) -> Stage:
+        """`chains`: (query rows [QT] (-1: padding), [(key rows [BLOCK], mask [QT, BLOCK], used [QT])] per block)."""
+        chains = sorted(chains, key=lambda c: -len(c[1]))  # stable: packed order within a length
+        steps = len(chains[0][1]) if chains else 0
+        counts = [sum(len(c[1]) > s for c in chains) for s in range(steps)]
+        query = np.concatenate([c[0] for c in chains]) if chains else np.zeros(0, np.int64)
+        keys, masks, unused = [], [], []
+        for step, count in enumerate(counts):
+            blocks = [c[1][step] for c in chains[:count]]
+            keys.append(torch.from_numpy(np.concatenate([b[0] for b in blocks])))
+            masks.append(torch.from_numpy(np.stack([b[1] for b in blocks])[:, None]))
+            idle = np.stack([~b[2] for b in blocks])[:, None]  # [count, 1, QT]
+            unused.append(torch.from_numpy(idle) if idle.any() else None)
+        return cls(torch.from_numpy(np.where(query >= 0, query, 0)), torch.from_numpy(np.where(query >= 0, query, scratch)),
+                   counts, keys, masks, unused)
+
+    def to(self, device: torch.device | str) -> Stage:
+        return Stage(self.query.to(device), self.slot.to(device), self.counts, [k.to(device) for k in self.keys],
+                     [m.to(device) for m in self.masks], [None if u is None else u.to(device) for u in self.unused])
 
 
 @dataclass
 class PassBlocks:
-    """A pass's attention as (query tile, key block) pairs, sorted by block (built once per pass).
+    """A pass's attention as (query tile, key block) pairs, planned once per pass in two stages:
+    `shared`, every part's query tiles against the blocks wholly inside its prefix (all of the
+    part's queries see them), then `own`, each sequence's query tiles against its later blocks.
+    A query's blocks merge in block order either way; the second stage starts from the first's
+    result for its rows.
 
     Keys come from one source per layer: the earlier segments of every prefix the pass reads
     (`segments`: (PrefixKV, how many), in source order), then the pass's own K/V rows.
@@ -82,11 +119,8 @@ class PassBlocks:
 
     rows: int  # the pass's tokens T
     segments: list[tuple[object, int]]
-    pair_query: torch.Tensor  # [n_pairs * QUERY_TILE] packed row of each query slot (0 for padding)
-    pair_key: torch.Tensor  # [n_pairs * BLOCK] source row of each key slot
-    pair_mask: torch.Tensor  # [n_pairs, 1, QUERY_TILE, BLOCK] float32, 0 or -inf
-    pair_block: np.ndarray  # [n_pairs] absolute block index (non-decreasing)
-    pair_slot: torch.Tensor  # [n_pairs * QUERY_TILE] accumulator row of each slot (T: scratch)
+    shared: Stage
+    own: Stage
 
     @classmethod
     def build(cls, parts, layer: int) -> PassBlocks:
@@ -104,30 +138,23 @@ class PassBlocks:
                 source_of[(key, index)] = earlier
                 earlier += k.shape[2]
         recorded: dict[int, list[np.ndarray]] = {}  # id(prefix) -> rows this pass records, in part order
-        pairs, offset = [], 0
+        shared, own, offset = [], [], 0
         for part in parts:
             prefix_rows = [source_of[(id(part.prefix), i)] + np.arange(k.shape[2])
                            for i, (k, _) in enumerate(part.prefix.layers[layer])]
             prefix_rows += [earlier + r for r in recorded.get(id(part.prefix), [])]
             prefix_rows = np.concatenate(prefix_rows) if prefix_rows else np.zeros(0, np.int64)
             sequences = part.options.sequences if part.options is not None else _causal_sequences(part, offset)
-            pairs += _part_pairs(offset, part.num_tokens, prefix_rows, earlier, sequences)
+            part_shared, part_own = _part_chains(offset, part.num_tokens, prefix_rows, earlier, sequences)
+            shared += part_shared
+            own += part_own
             if part.record_into is not None:
                 recorded.setdefault(id(part.record_into), []).append(offset + np.arange(part.num_tokens))
             offset += part.num_tokens
-        pairs.sort(key=lambda p: p[0])  # stable: each row's blocks merge in block order
-        scratch = offset
-        blocks = np.array([p[0] for p in pairs], dtype=np.int64)
-        query = np.concatenate([p[1] for p in pairs]) if pairs else np.zeros(0, np.int64)
-        keys = np.concatenate([p[2] for p in pairs]) if pairs else np.zeros(0, np.int64)
-        masks = np.stack([p[3] for p in pairs])[:, None] if pairs else np.zeros((0, 1, QUERY_TILE, BLOCK), np.float32)
-        slots = np.concatenate([np.where(p[4] >= 0, p[4], scratch) for p in pairs]) if pairs else np.zeros(0, np.int64)
-        return cls(offset, segments, torch.from_numpy(np.where(query >= 0, query, 0)), torch.from_numpy(keys),
-                   torch.from_numpy(masks), blocks, torch.from_numpy(slots))
+        return cls(offset, segments, Stage.build(shared, offset), Stage.build(own, offset))
 
     def to(self, device: torch.device | str) -> PassBlocks:
-        return PassBlocks(self.rows, self.segments, self.pair_query.to(device), self.pair_key.to(device),
-                          self.pair_mask.to(device), self.pair_block, self.pair_slot.to(device))
+        return PassBlocks(self.rows, self.segments, self.shared.to(device), self.own.to(device))
 
 
 def _causal_sequences(part, offset: int) -> list[OwnSequence]:
@@ -137,21 +164,21 @@ def _causal_sequences(part, offset: int) -> list[OwnSequence]:
     return [OwnSequence(s + np.arange(n), np.arange(n), offset + s + np.arange(n)) for s, n in zip(starts.tolist(), lengths)]
 
 
-def _part_pairs(offset: int, rows: int, prefix_rows: np.ndarray, own_base: int,
-                sequences: list[OwnSequence]) -> list[tuple]:
-    """The (block, query rows [QT] (-1: none), key source rows [BLOCK], mask [QT, BLOCK], slot rows
-    [QT] (-1: not read)) pairs of one part at packed row `offset`; its prefix's keys are the source
-    rows `prefix_rows`, its own keys the source rows `own_base` + packed row."""
-    prefix_len = len(prefix_rows)
-    shared = prefix_len // BLOCK
-    pairs = []
+def _part_chains(offset: int, rows: int, prefix_rows: np.ndarray, own_base: int,
+                 sequences: list[OwnSequence]) -> tuple[list[tuple], list[tuple]]:
+    """The chains (see `Stage.build`) of one part at packed row `offset`: (its tiles against the
+    blocks wholly in its prefix, its sequences' tiles against the later blocks). Its prefix's keys
+    are the source rows `prefix_rows`, its own keys the source rows `own_base` + packed row."""
+    shared = len(prefix_rows) // BLOCK
     everyone = offset + np.arange(rows)
     full = np.zeros((QUERY_TILE, BLOCK), np.float32)
-    for first in range(0, rows, QUERY_TILE):  # blocks wholly in the prefix: every query of the part sees all
-        tile = np.full(QUERY_TILE, -1, np.int64)
-        tile[: min(QUERY_TILE, rows - first)] = everyone[first : first + QUERY_TILE]
-        for block in range(shared):
-            pairs.append((block, tile, prefix_rows[block * BLOCK : (block + 1) * BLOCK], full, tile))
+    shared_chains, own_chains = [], []
+    if shared:
+        blocks = [(prefix_rows[b * BLOCK : (b + 1) * BLOCK], full, np.ones(QUERY_TILE, bool)) for b in range(shared)]
+        for first in range(0, rows, QUERY_TILE):
+            tile = np.full(QUERY_TILE, -1, np.int64)
+            tile[: min(QUERY_TILE, rows - first)] = everyone[first : first + QUERY_TILE]
+            shared_chains.append((tile, blocks))
     lead = prefix_rows[shared * BLOCK :]
     slot = np.arange(BLOCK)
     for seq in sequences:
@@ -166,15 +193,16 @@ def _part_pairs(offset: int, rows: int, prefix_rows: np.ndarray, own_base: int,
             index = np.full(QUERY_TILE, -1, np.int64)
             n = min(QUERY_TILE, len(query_rows) - first)
             tile[:n], index[:n] = query_rows[first : first + n], query_index[first : first + n]
+            blocks = []
             for block in range(int(index.max()) // BLOCK + 1):
                 position = block * BLOCK + slot  # [BLOCK] index of each key slot in the sequence's tail
                 seen = (position[None, :] <= index[:, None]) & (position[None, :] < count)  # [QT, BLOCK]
-                needed = seen.any(axis=1) & (tile >= 0)
-                seen[~seen.any(axis=1), 0] = True  # a slot that sees nothing here sees key 0; dropped
-                mask = np.where(seen, 0.0, -np.inf).astype(np.float32)
-                pairs.append((shared + block, tile, keys[block * BLOCK : (block + 1) * BLOCK], mask,
-                              np.where(needed, tile, -1)))
-    return pairs
+                used = seen.any(axis=1)
+                seen[~used, 0] = True  # a slot that sees nothing here sees key 0; its result is not merged
+                blocks.append((keys[block * BLOCK : (block + 1) * BLOCK], np.where(seen, 0.0, -np.inf).astype(np.float32),
+                               used))
+            own_chains.append((tile, blocks))
+    return shared_chains, own_chains
 
 
 def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: PassBlocks, layer: int,
@@ -183,36 +211,51 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     the prefixes' earlier segments and the pass's rows, block by block (see the module docstring).
     Returns [1, H, T, D] in query's dtype."""
     heads, rows, dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads = key.shape[1]
     earlier = [s for prefix, count in plan.segments for s in prefix.layers[layer][:count]]
     source_key = torch.cat([k for k, _ in earlier] + [key], dim=2)[0]  # [H_kv, S, D]
     source_value = torch.cat([v for _, v in earlier] + [value], dim=2)[0]
-    acc = query.new_zeros((heads, rows + 1, dim), dtype=torch.float32)  # the last row: scratch
-    acc_lse = torch.full((heads, rows + 1), float("-inf"), device=query.device)
-    mask = plan.pair_mask.to(query.dtype)
-    total = len(plan.pair_block)
-    for lo in range(0, total, PAIRS_PER_CALL):
-        hi = min(lo + PAIRS_PER_CALL, total)
-        n = hi - lo
-        q_slots = plan.pair_query[lo * QUERY_TILE : hi * QUERY_TILE]
-        k_slots = plan.pair_key[lo * BLOCK : hi * BLOCK]
-        q = query[0].index_select(1, q_slots).reshape(heads, n, QUERY_TILE, dim).transpose(0, 1).contiguous()
-        k = source_key.index_select(1, k_slots).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
-        v = source_value.index_select(1, k_slots).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
-        out, lse = attention_with_lse_masked(q, k, v, mask[lo:hi], scale)  # [n, H, QT, D], [n, H, QT]
-        blocks = plan.pair_block[lo:hi]
-        start = 0
-        while start < n:  # block by block: a row's blocks merge in block order
-            end = start + int(np.searchsorted(blocks[start:], blocks[start], side="right"))
-            slots = plan.pair_slot[(lo + start) * QUERY_TILE : (lo + end) * QUERY_TILE]
-            step_out = out[start:end].transpose(0, 1).reshape(heads, (end - start) * QUERY_TILE, dim)
-            step_lse = lse[start:end].transpose(0, 1).reshape(heads, (end - start) * QUERY_TILE)
-            merged, merged_lse = merge_partial_attention(acc.index_select(1, slots), acc_lse.index_select(1, slots),
-                                                         step_out, step_lse)
-            acc.index_copy_(1, slots, merged)
-            acc_lse.index_copy_(1, slots, merged_lse)
-            start = end
-    return acc[None, :, :rows].to(query.dtype)
+    out = query.new_zeros((heads, rows + 1, dim), dtype=torch.float32)  # the last row: scratch
+    out_lse = torch.full((heads, rows + 1), float("-inf"), device=query.device)
+    for stage in (plan.shared, plan.own):
+        if not stage.counts:
+            continue
+        chains = stage.counts[0]
+        q = query[0].index_select(1, stage.query).reshape(heads, chains, QUERY_TILE, dim).transpose(0, 1).contiguous()
+        if stage is plan.shared:  # nothing attended yet
+            acc = query.new_zeros((chains, heads, QUERY_TILE, dim), dtype=torch.float32)
+            acc_lse = torch.full((chains, heads, QUERY_TILE), float("-inf"), device=query.device)
+        else:  # [C, H, QT, D], [C, H, QT]: the shared blocks' result of each slot's row
+            acc = out.index_select(1, stage.slot).reshape(heads, chains, QUERY_TILE, dim).transpose(0, 1).contiguous()
+            acc_lse = out_lse.index_select(1, stage.slot).reshape(heads, chains, QUERY_TILE).transpose(0, 1).contiguous()
+        for count, keys, mask, unused in zip(stage.counts, stage.keys, stage.masks, stage.unused):
+            step_out, step_lse = _block_attention(q[:count], source_key, source_value, keys, mask, scale)
+            _merge_into(acc[:count], acc_lse[:count], step_out, step_lse, unused)
+        out.index_copy_(1, stage.slot, acc.transpose(0, 1).reshape(heads, chains * QUERY_TILE, dim))
+        out_lse.index_copy_(1, stage.slot, acc_lse.transpose(0, 1).reshape(heads, chains * QUERY_TILE))
+    return out[None, :, :rows].to(query.dtype)
+
+
+def _merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                unused: torch.Tensor | None) -> None:
+    """`merge_partial_attention(acc, acc_lse, out, lse)` written into `acc`, `acc_lse` [n, H, QT(, D)],
+    except the slots `unused` [n, 1, QT] marks, which keep their values. (Not by an lse of -inf:
+    the vectorized log-sum-exp then rounds the other slots of the call differently.)"""
+    merged, merged_lse = merge_partial_attention(acc, acc_lse, out, lse)
+    if unused is not None:
+        merged = torch.where(unused[..., None], acc, merged)
+        merged_lse = torch.where(unused, acc_lse, merged_lse)
+    acc.copy_(merged)
+    acc_lse.copy_(merged_lse)
+
+
+def _block_attention(q: torch.Tensor, source_key: torch.Tensor, source_value: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step: q [n, H, QT, D] against its key block (source rows `keys` [n * BLOCK]) under
+    `mask`, in one fixed-shape kernel call per (tile, block). Returns ([n, H, QT, D], [n, H, QT])."""
+    n, kv_heads, dim = q.shape[0], source_key.shape[0], q.shape[3]
+    k = source_key.index_select(1, keys).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
+    v = source_value.index_select(1, keys).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
+    return attention_with_lse_masked(q, k, v, mask.to(q.dtype), scale)
 
 
 def attend_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cascade,
