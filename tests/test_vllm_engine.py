@@ -176,12 +176,14 @@ def test_memory_budget_is_the_kv_cache_vllm_gets(engine, sample):
 
 @pytest.mark.slow  # needs the 60-row vLLM run
 def test_hybrid_prefilling_inside_vllm_keeps_scores(engine, sample, sample_scores):
-    """Hybrid prefilling inside vLLM (every projection, norm, rotary and MLP 32 tokens at a time,
-    through the worker extension) gives the same log-probs as whole steps, for one-token labels
-    (the sample job) and multi-token labels (option trie, prefill requests)."""
+    """Hybrid prefilling inside vLLM (each decoder layer 32 tokens at a time, attention included:
+    a chunk's queries over the keys before them, through the worker extension) gives the same
+    log-probs as whole steps, for one-token labels (the sample job, several requests per step, so
+    chunks cut requests), multi-token labels (option trie, prefill requests) and plan groups whose
+    members read their prefix's blocks from vLLM's prefix cache."""
     from batchscore.plan.options import OptionTokens
 
-    requests, labels, _ = sample
+    requests, labels, groups = sample
     assert min(len(r.token_ids) for r in requests[:6]) > 32
     plain = PrefixGroup(np.zeros(0, np.int32), [GroupMember(r.row_id, r.token_ids) for r in requests[:6]])
     options = OptionTokens.from_lists([[5, 17, 230], [5, 99], [1044, 3, 8, 12]])  # three multi-token labels
@@ -189,8 +191,10 @@ def test_hybrid_prefilling_inside_vllm_keeps_scores(engine, sample, sample_score
     multi = PrefixGroup(np.zeros(0, np.int32), [GroupMember(r.row_id, r.token_ids, options=options)
                                                 for r in shortest])
     counts = engine.llm.collective_rpc("batchscore_rowwise_modules")[0]
-    assert counts == {"LlamaAttention": 30, "LlamaMLP": 30, "RMSNorm": 61}, counts  # projections, rotary inside
-    scores = {}
+    assert counts == {"LlamaDecoderLayer": 30, "RMSNorm": 1}, counts  # the final norm is outside the layers
+    shared = [g for g in groups if g.prefix_len >= 64 and len(g.members) > 1][:2]
+    assert shared, "the sample plan has groups with a shared prefix"
+    scores, hits = {}, {}
     engine.option_mode = "prefill"  # the fixture's vLLM has no forcing processor; the trie is exact too
     try:
         for chunk in (32, None):
@@ -198,11 +202,14 @@ def test_hybrid_prefilling_inside_vllm_keeps_scores(engine, sample, sample_score
             engine.reset_prefix_cache()  # recompute every prompt
             one = [r.logp for r in engine.score([plain], labels)]
             many = [r.logp for r in engine.score([multi], None)]
-            scores[chunk] = np.concatenate([np.stack(one).ravel(), np.stack(many).ravel()])
+            cached = [r.logp for r in engine.score(shared, labels)]
+            hits[chunk] = engine.cache_stats.hits  # this call's
+            scores[chunk] = np.concatenate([np.stack(one).ravel(), np.stack(many).ravel(), np.stack(cached).ravel()])
     finally:
         engine.set_hybrid_chunk(None)
         engine.option_mode = "decode"
     assert np.isfinite(scores[32]).all()
+    assert hits[32] >= 64, hits  # members read cached prefix blocks while their own tokens ran in chunks
     diff = float(np.abs(scores[32] - scores[None]).max())
     assert diff <= {"float32": 1e-5, "bfloat16": 0.05}[DTYPE], f"max |Δ log P| hybrid on/off = {diff:.2e}"
 

@@ -66,6 +66,33 @@ def test_an_in_place_fused_add_norm_writes_into_its_inputs():
     torch.testing.assert_close(got[1], expected[1])
 
 
+def test_a_norm_writes_its_fused_add_results_over_its_inputs():
+    """A norm's (x, residual) form may run in place in vLLM (no caller reads its inputs after), so
+    an out-of-place one writes its chunks' results over its inputs: no [T, hidden] outputs beside
+    them. With x alone, the caller still holds x (as its residual): the result gets rows of its own."""
+    torch.manual_seed(0)
+    weight = torch.randn(8)
+
+    def norm(x, residual=None):  # out of place, as vLLM's native fused add + norm
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+        return out if residual is None else (out, residual)
+
+    x, residual = torch.randn(37, 8), torch.randn(37, 8)
+    expected = norm(x.clone(), residual.clone())
+    got = RowChunked(norm, 10, into_inputs=True)(x, residual)
+    assert got[0] is x and got[1] is residual
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
+    alone = torch.randn(37, 8)
+    kept = alone.clone()
+    out = RowChunked(norm, 10, into_inputs=True)(alone)
+    assert out is not alone and torch.equal(alone, kept)
+    torch.testing.assert_close(out, norm(kept))
+
+
 def test_rotary_over_non_contiguous_q_k_views():
     torch.manual_seed(0)
     qkv = torch.randn(45, 3 * 16)

@@ -29,7 +29,8 @@ from typing import Callable
 import click
 
 from batchscore.bench.common import in_fresh_process, nonempty_int_list
-from batchscore.bench.peak_memory import Measurement, process_memory, reset_peak_memory
+from batchscore.bench.peak_memory import Measurement
+from batchscore.engines.peak_memory import process_memory, reset_peak_memory
 from batchscore.bench.results import Throughput
 from batchscore.engines.shape import DTYPE_BYTES
 
@@ -61,7 +62,7 @@ def measure_here(model: str, mode: str, tokens: int, dtype: str, hybrid_chunk: i
     list(engine.score([group(64)], [0, 1]))  # warm-up: kernels, thread pools
     prompt = group(tokens)
     estimated = engine.memory_needed(prompt, 0)
-    baseline = reset_peak_memory(release_free_memory=False)["rss"]
+    baseline = reset_peak_memory(release_free=False)["rss"]
     list(engine.score([prompt], [0, 1]))
     peak = process_memory()["hwm"]
     return asdict(Measurement(mode, tokens, baseline, peak, estimated))

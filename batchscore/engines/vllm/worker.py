@@ -9,27 +9,38 @@ worker's own).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
+
+from batchscore.engines.peak_memory import process_memory, reset_peak_memory
 
 
 class WorkerExtension:
     """Mixed into vLLM's worker class (`self` is the worker: `self.model_runner.model`)."""
 
     def batchscore_set_hybrid_chunk(self, chunk: int | None) -> int:
-        """Hybrid prefilling: every row-wise op runs `chunk` tokens at a time (None: off).
-        Returns how many modules changed."""
+        """Hybrid prefilling: every row-wise op runs `chunk` tokens at a time, decoder layers of a
+        known layout whole chunk by chunk, attention included (None: off). Returns how many
+        modules changed."""
         from batchscore.engines.vllm.hybrid import chunk_rowwise
+        from batchscore.engines.vllm.query_chunks import StepMetadata, supports_query_chunks
 
-        return chunk_rowwise(self.model_runner.get_model(), chunk)
+        step = self.__dict__.pop("_batchscore_step", None)
+        if step is not None:
+            step.remove()
+        step = None  # without: attention over the whole step, the row-wise ops chunked one by one
+        if chunk is not None and supports_query_chunks(self.model_runner):
+            step = self._batchscore_step = StepMetadata(self.model_runner)
+        return chunk_rowwise(self.model_runner.get_model(), chunk, step)
 
     def batchscore_rowwise_modules(self) -> dict[str, int]:
         """How many modules of each class hybrid prefilling chunks (for the log and tests)."""
         from batchscore.engines.vllm.hybrid import rowwise_modules
+        from batchscore.engines.vllm.query_chunks import supports_query_chunks
 
         counts: dict[str, int] = {}
-        for _, module, _ in rowwise_modules(self.model_runner.get_model()):
+        layers = supports_query_chunks(self.model_runner)
+        for _, module, _ in rowwise_modules(self.model_runner.get_model(), layers):
             counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
         return counts
 
@@ -65,15 +76,7 @@ class WorkerExtension:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             return {"now": int(torch.cuda.memory_allocated()), "pid": os.getpid()}
-        process = ctypes.CDLL(None)
-        for name in ("MallocExtension_ReleaseFreeMemory", "malloc_trim"):  # tcmalloc, else glibc
-            release = getattr(process, name, None)
-            if release is not None:
-                release(*([0] if name == "malloc_trim" else []))
-                break
-        with open("/proc/self/clear_refs", "w") as clear:  # "5": VmHWM := VmRSS
-            clear.write("5")
-        return {"now": _status()["rss"], "pid": os.getpid()}
+        return {"now": reset_peak_memory()["rss"], "pid": os.getpid()}
 
     def batchscore_peak(self) -> dict[str, int]:
         """The memory in use now and its peak since `batchscore_reset_peak` (bytes)."""
@@ -84,7 +87,7 @@ class WorkerExtension:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             return {"now": int(torch.cuda.memory_allocated()), "peak": int(torch.cuda.max_memory_allocated()), **tensors}
-        status = _status()
+        status = process_memory()
         return {"now": status["rss"], "peak": status["hwm"], **tensors}
 
     def batchscore_touch_kv_cache(self) -> int:
@@ -95,15 +98,6 @@ class WorkerExtension:
             cache.zero_()
             total += cache.numel() * cache.element_size()
         return total
-
-
-def _status() -> dict[str, int]:
-    values = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                values[line[2:5].lower()] = int(line.split()[1]) * 1024
-    return values
 
 
 EXTENSION = f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}"
