@@ -208,10 +208,10 @@ def test_a_key_twice_in_a_line_or_a_lone_surrogate_in_its_custom_id_is_that_line
     batch_file.write_text("\n".join(lines) + "\n")
     config = load_job(batch_job(tmp_path, batch_file))
     prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
-    records = prepared.decisions.records
+    records = prepared.task_input.records
     assert len(records) == 4 and records[0].error is None
     assert records[1].error.startswith(f"{batch_file}:2") and "key 'billing' appears twice" in records[1].error
     assert "key 'content' appears twice" in records[2].error
     assert "field 'custom_id' holds a lone UTF-16 surrogate" in prepared.errors[records[3].first_read]
-    ids = prepared.decisions.ids.to_pylist()
+    ids = prepared.task_input.ids.to_pylist()
     assert ids == ["good", "twice", "chat-twice", "surrogate-\\ud83d"]  # each line keeps its custom_id
