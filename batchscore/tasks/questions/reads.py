@@ -16,6 +16,7 @@ so its error is counted and written like any other.
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -25,7 +26,7 @@ from batchscore.config import JobConfig
 from batchscore.errors import DecisionRequestError, InputError, PromptTemplateError, RowRenderError
 from batchscore.formats import iter_batches
 from batchscore.formats.openai_batch import DECISION_URLS
-from batchscore.io.readers import input_base
+from batchscore.io.readers import DuplicateKey, input_base, unique_object
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
 from batchscore.plan.validate import prompt_problem
@@ -89,10 +90,12 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
             table.check_types(batch)
         ids.append(batch_ids(batch, id_column, len(records)))
         kept.append(select_kept(batch.table, keep))
-        rows = batch.table.select([c for c in needed if c in batch.table.column_names]).to_pylist()
+        rows, map_problems = _python_rows(batch.table.select([c for c in needed if c in batch.table.column_names]))
         pending: list[tuple[int, RenderedPrompt, list[str], str]] = []  # (read, prompt, labels, where)
         for offset, (row, read_error) in enumerate(zip(rows, batch.row_errors)):
             where = f"{batch.file}:{batch.first_line + offset}"
+            if read_error is None and offset in map_problems:
+                read_error = f"{where}: {map_problems[offset]}"
             if batch_file and row.get("custom_id") is not None:
                 where += f": request {row['custom_id']!r}"
             record = _record(row, read_error, where, batch_file, table, config)
@@ -286,13 +289,42 @@ def _nesting(value: Any) -> int:
     return deepest
 
 
+def _python_rows(table: pa.Table) -> tuple[list[dict], dict[int, str]]:
+    """The rows as Python values, a map column's value as the object it is (not a list of
+    pairs), and {row offset: why} for a row whose map holds a key twice (an object cannot)."""
+    try:
+        return table.to_pylist(maps_as_pydicts="strict"), {}
+    except KeyError:
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pyarrow warns per repeated key; each such row is named below
+        rows = table.to_pylist(maps_as_pydicts="lossy")
+    problems: dict[int, str] = {}
+    for name in table.column_names:
+        column = table.column(name)
+        try:
+            column.to_pylist(maps_as_pydicts="strict")
+            continue
+        except KeyError:
+            pass
+        for row in range(len(column)):
+            try:
+                column.slice(row, 1).to_pylist(maps_as_pydicts="strict")
+            except KeyError as exc:  # pyarrow names the key: "... (duplicate key was 'size')."
+                key = str(exc.args[0]).rpartition("duplicate key was ")[2].rstrip(".)") or "a key"
+                problems.setdefault(row, f"field {name!r}: the map holds {key} twice; an object holds a key once")
+    return rows, problems
+
+
 def _json_value(value: Any) -> Any:
     """A column value as JSON can hold it: a date, time, timestamp, duration or decimal (which
-    JSON has no type for) as its text (ISO 8601 for dates and times), inside lists and structs too."""
+    JSON has no type for) as its text (ISO 8601 for dates and times), inside lists, structs and
+    maps too (a map is an object; a key that is no string or number as its text)."""
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if isinstance(value, dict):
-        return {key: _json_value(v) for key, v in value.items()}
+        return {key if isinstance(key, (str, bool, int, float)) else str(_json_value(key)): _json_value(v)
+                for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_value(v) for v in value]
     if hasattr(value, "isoformat"):  # datetime, date, time
@@ -322,7 +354,10 @@ def _row_questions(value: Any, column: str) -> dict:
         return {}
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json.loads(value, object_pairs_hook=unique_object)  # a question defined twice: refused
+        except DuplicateKey as exc:
+            raise DecisionRequestError(f"field {column!r}: key {exc.args[0]!r} appears twice in one JSON object; "
+                                       "a JSON reader keeps only the last") from None
         except json.JSONDecodeError as exc:
             raise DecisionRequestError(f"field {column!r}: not JSON ({exc.msg})") from None
     if not isinstance(value, dict):

@@ -1,0 +1,41 @@
+"""Questions jobs' inputs read as the values they are: a map column of the state is an object,
+and a record that failed as a whole is reported once, under no question."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchscore.jobfile import config_from_dict
+from batchscore.prepare.job import locate_job, prepare_job
+
+
+def test_a_map_state_column_is_an_object_and_a_repeated_map_key_is_that_rows_error(tmp_path):
+    data = tmp_path / "in.parquet"
+    attrs = pa.array([[("size", "L"), ("color", "red")], [("size", "S"), ("size", "M")], []],
+                     pa.map_(pa.string(), pa.string()))
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "subject": ["Shirt", "Shoe", "Hat"], "attrs": attrs}), data)
+    config = config_from_dict({"input": {"path": str(data), "id_column": "id"},
+                               "prompt": {"state_columns": ["subject", "attrs"]},
+                               "questions": {"fits": {"type": "noul", "instructions": "Does it fit?"}},
+                               "output": {"path": str(tmp_path / "out.parquet")}})
+    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    a, b, c = prepared.decisions.records
+    assert json.loads(a.request.state_text) == {"subject": "Shirt", "attrs": {"size": "L", "color": "red"}}
+    assert json.loads(c.request.state_text)["attrs"] == {}  # an empty map is an empty object, not a list
+    assert b.request is None
+    assert b.error == f"{data}:2: field 'attrs': the map holds 'size' twice; an object holds a key once"
+
+
+def test_per_row_questions_as_json_text_refuse_a_key_written_twice(tmp_path):
+    data = tmp_path / "in.parquet"
+    good = json.dumps({"fits": {"type": "noul", "instructions": "Does it fit?"}})
+    twice = '{"fits": {"type": "noul", "instructions": "Does it fit?"}, "fits": {"type": "noul", "instructions": "Red?"}}'
+    pq.write_table(pa.table({"id": ["a", "b"], "subject": ["Shirt", "Shoe"], "qs": [good, twice]}), data)
+    config = config_from_dict({"input": {"path": str(data), "id_column": "id", "questions_column": "qs"},
+                               "prompt": {"state_columns": ["subject"]}, "output": {"path": str(tmp_path / "o.parquet")}})
+    a, b = prepare_job(config, source=locate_job(config, for_output=False)).input.decisions.records
+    assert a.error is None and [q.key for q in a.request.questions] == ["fits"]
+    assert b.error == f"{data}:2: field 'qs': key 'fits' appears twice in one JSON object; a JSON reader keeps only the last"
