@@ -39,3 +39,29 @@ def test_per_row_questions_as_json_text_refuse_a_key_written_twice(tmp_path):
     a, b = prepare_job(config, source=locate_job(config, for_output=False)).input.decisions.records
     assert a.error is None and [q.key for q in a.request.questions] == ["fits"]
     assert b.error == f"{data}:2: field 'qs': key 'fits' appears twice in one JSON object; a JSON reader keeps only the last"
+
+
+def test_a_record_that_failed_as_a_whole_is_reported_once_under_no_question(tmp_path):
+    from batchscore.report import write_report
+    from batchscore.tasks.questions.report import read_questions
+
+    null = pa.array([None] * 3, pa.float64())
+    table = pa.table({
+        "id": ["a", "b", "c"],
+        "team.choice": ["billing", None, None], "team.p.billing": [0.7, None, None],
+        "team.p.shipping": [0.3, None, None], "team.confidence": [0.4, None, None],
+        "team.label_mass": [0.9, None, None], "team.argmax_is_label": [True, None, None],
+        "team.status": ["ok", "error", None], "team.error": [None, "question 'team': has 300 options", None],
+        "refund.p_yes": [0.8, 0.3, None], "refund.confidence": null, "refund.label_mass": [0.9, 0.9, None],
+        "refund.argmax_is_label": [True, True, None], "refund.status": ["ok", "ok", None],
+        "refund.error": pa.array([None] * 3, pa.string()),
+        "status": ["ok", "error", "error"], "error": [None, "team: has 300 options", "in.jsonl:3: not valid JSON"]})
+    team, refund = read_questions(table)
+    assert (team.answered, team.failed, team.whole) == (1, 1, 1)
+    assert team.errors == {"question 'team': has 300 options": 1}  # its own failure only
+    assert (refund.answered, refund.failed, refund.whole, refund.errors) == (2, 0, 1, {})
+    path = tmp_path / "out.parquet"
+    pq.write_table(table, path)
+    html = write_report(path).read_text()
+    assert html.count("in.jsonl:3: not valid JSON") == 1  # once, in the summary
+

@@ -42,12 +42,14 @@ class QuestionReport:
     top_not_answer: int
     needs_review: int | None = None
     out_of_scope: int | None = None
-    errors: dict[str, int] = field(default_factory=dict)  # error message -> records
+    errors: dict[str, int] = field(default_factory=dict)  # this question's own error message -> records
     missing: list[str] = field(default_factory=list)  # columns every question has that this one lacks
+    whole: int = 0  # records that failed as a whole (no question read): counted once, in the summary
 
     @property
     def failed(self) -> int:
-        return self.records - self.answered
+        """Records whose read of this question failed (not those that failed as a whole)."""
+        return self.records - self.answered - self.whole
 
 
 def read_questions(table) -> list[QuestionReport]:
@@ -105,10 +107,12 @@ def _question(key: str, names: set[str], values: dict[str, list], rows: int,
     sureness = np.array([v for v, good in zip(values.get(sure_column, [None] * rows), ok) if good and v is not None],
                         dtype=float)
     errors: dict[str, int] = {}
-    record_errors = values.get("error", [None] * rows)
-    for message, own, record_error, good in zip(values[question_column(key, ERROR)], status, record_errors, ok):
-        if not good:  # a record that failed as a whole leaves its questions' columns null
-            text = str(message if own is not None else record_error)
+    whole = 0
+    for message, own, good in zip(values[question_column(key, ERROR)], status, ok):
+        if own is None:  # the record failed as a whole (its questions' columns null): not this question's
+            whole += 1
+        elif not good:
+            text = str(message)
             errors[text] = errors.get(text, 0) + 1
     counted = {flag: int(sum(1 for v, good in zip(values[question_column(key, flag)], ok) if good and v))
                for flag in (NEEDS_REVIEW, OUT_OF_SCOPE) if question_column(key, flag) in names}
@@ -117,7 +121,7 @@ def _question(key: str, names: set[str], values: dict[str, list], rows: int,
         low_mass=int(np.sum(ok & (mass < LOW_MASS))),
         top_not_answer=int(sum(1 for v, good in zip(values[question_column(key, ARGMAX_IS_LABEL)], ok) if good and v is False)),
         needs_review=counted.get(NEEDS_REVIEW), out_of_scope=counted.get(OUT_OF_SCOPE), errors=errors,
-        missing=list(missing or []))
+        missing=list(missing or []), whole=whole)
 
 
 def render_questions(path: Path, output, metrics: dict | None, metrics_note: str) -> str:
@@ -136,6 +140,7 @@ def render_questions(path: Path, output, metrics: dict | None, metrics_note: str
 def _overview(output, questions: list[QuestionReport], calibration: dict, metrics_note: str) -> str:
     statuses = output.column("status").to_pylist() if "status" in output.column_names else []
     failed = sum(1 for s in statuses if s != "ok")
+    whole = whole_failures(output, questions)
     rows = []
     for q in questions:
         top = max(q.answers.items(), key=lambda item: item[1], default=None)
@@ -146,16 +151,34 @@ def _overview(output, questions: list[QuestionReport], calibration: dict, metric
                      "–" if q.needs_review is None else f"{q.needs_review:,}",
                      "–" if q.out_of_scope is None else f"{q.out_of_scope:,}",
                      _ece(calibration.get(q.key))))
-    head = table(["", ""], [("records", f"{output.num_rows:,}"), ("records with a failed question", f"{failed:,}"),
+    head = table(["", ""], [("records", f"{output.num_rows:,}"),
+                            ("records that failed as a whole (no question read)", f"{sum(whole.values()):,}"),
+                            ("records with a failed question", f"{failed - sum(whole.values()):,}"),
                             ("questions", ", ".join(q.key for q in questions)), ("run summary", metrics_note)],
                  header=False)
-    return section("summary", "Summary", head, table(
+    whole_errors = [table(["error of a record that failed as a whole", "records"],
+                          sorted(((m, f"{n:,}") for m, n in whole.items()), key=lambda r: r[0])[:10])] if whole else []
+    return section("summary", "Summary", head, *whole_errors, table(
         ["question", "kind", "answered", "failed", "most common answer", "mean confidence",
          f"label mass < {LOW_MASS}", "top token not an answer", "needs review", "out of scope",
          "ECE before → after calibration"], rows,
         note=f"Label mass under {LOW_MASS} or a top token that is no answer: the model mostly wanted to say "
              "something else — read the prompt and the question's instructions for these records. "
              "Needs review and out of scope: the output's own columns (output.review, output.out_of_scope)."))
+
+
+def whole_failures(output, questions: list[QuestionReport]) -> dict[str, int]:
+    """The records that failed as a whole — the record's error set and no question read (every
+    question's status null) — by error message. Each is counted here once, under no question."""
+    if "error" not in output.column_names or not questions:
+        return {}
+    statuses = [output.column(question_column(q.key, STATUS)).to_pylist() for q in questions
+                if question_column(q.key, STATUS) in output.column_names]
+    counts: dict[str, int] = {}
+    for row, message in enumerate(output.column("error").to_pylist()):
+        if message is not None and all(column[row] is None for column in statuses):
+            counts[str(message)] = counts.get(str(message), 0) + 1
+    return counts
 
 
 def _score_levels(output, metrics: dict | None) -> dict[str, list[str]]:
@@ -186,7 +209,8 @@ def _question_section(q: QuestionReport, calibration: dict | None, levels: list[
 
     rows = [(named(a) if q.kind == "score" else a, f"{q.answers[a]:,}",
              pct(q.answers[a] / q.answered if q.answered else 0.0)) for a in answers]
-    rows.append(("(failed)", f"{q.failed:,}", pct(q.failed / q.records if q.records else 0.0)))
+    read = q.records - q.whole  # the records this question was read for
+    rows.append(("(failed)", f"{q.failed:,}", pct(q.failed / read if read else 0.0)))
     fig, (left, right) = figure(9, 2.6, 1, 2)
     left.bar(answers + ["(failed)"], [q.answers[a] for a in answers] + [q.failed],
              color=["#1f77b4"] * len(answers) + ["#bbbbbb"])
