@@ -53,6 +53,13 @@ class NullFieldError(RowRenderError, KeyError):
     (a KeyError like the format engine's, so both engines report it the same way)."""
 
 
+class DuplicateKeyError(BatchscoreError, ValueError):
+    """A JSON object holds one key twice (`args[0]`: the key). JSON readers keep only the last, so
+    the line or value that holds it is its row's error; never ends a run itself."""
+
+    exit_code = EXIT_INPUT
+
+
 class LabelError(BatchscoreError, ValueError):
     """Labels that cannot be scored as the job asks (e.g. per-row options with speculative prefill)."""
 

@@ -23,7 +23,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from batchscore.errors import InputError
+from batchscore.errors import DuplicateKeyError, InputError
 from batchscore.io.storage import as_path, describe_store_error, is_remote, is_url, relative_folder, store_error_types
 
 @dataclass
@@ -444,16 +444,12 @@ def _escaped(value):
     return value, False
 
 
-class DuplicateKey(ValueError):
-    """A JSON object holds a key twice (args[0]: the key); JSON readers would keep the last."""
-
-
 def unique_object(pairs: list) -> dict:
     """A `json.loads` object_pairs_hook: the object, unless a key appears in it twice."""
     value = dict(pairs)
     if len(value) != len(pairs):
         seen = set()
-        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        raise DuplicateKeyError(next(k for k, _ in pairs if k in seen or seen.add(k)))
     return value
 
 
@@ -469,7 +465,7 @@ def _parse_json_line(raw: bytes, path: Path, number: int, unique_keys: bool = Fa
         unreadable = f"{path}:{number}: invalid UTF-8 ({exc.reason} at byte {exc.start})"
     try:
         value = json.loads(text, object_pairs_hook=unique_object) if unique_keys else json.loads(text)
-    except DuplicateKey as exc:  # the line read as JSON readers do (its id kept), with its error
+    except DuplicateKeyError as exc:  # the line read as JSON readers do (its id kept), with its error
         key, value = _escaped(exc.args[0])[0], json.loads(text)
         return value if isinstance(value, dict) else {}, (
             f"{path}:{number}: key {key!r} appears twice in one JSON object; a JSON reader keeps only the "

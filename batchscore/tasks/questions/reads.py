@@ -23,10 +23,10 @@ import numpy as np
 import pyarrow as pa
 
 from batchscore.config import JobConfig
-from batchscore.errors import DecisionRequestError, InputError, PromptTemplateError, RowRenderError
+from batchscore.errors import DecisionRequestError, DuplicateKeyError, InputError, PromptTemplateError, RowRenderError
 from batchscore.formats import iter_batches
 from batchscore.formats.openai_batch import DECISION_URLS
-from batchscore.io.readers import DuplicateKey, input_base, unique_object
+from batchscore.io.readers import input_base, unique_object
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
 from batchscore.plan.validate import prompt_problem
@@ -355,7 +355,7 @@ def _row_questions(value: Any, column: str) -> dict:
     if isinstance(value, str):
         try:
             value = json.loads(value, object_pairs_hook=unique_object)  # a question defined twice: refused
-        except DuplicateKey as exc:
+        except DuplicateKeyError as exc:
             raise DecisionRequestError(f"field {column!r}: key {exc.args[0]!r} appears twice in one JSON object; "
                                        "a JSON reader keeps only the last") from None
         except json.JSONDecodeError as exc:
