@@ -133,8 +133,9 @@ def throughput(
 @click.option("--token-budget", type=click.IntRange(min=16), default=2048, show_default=True,
               help="Chunk size of the chunked-prefill mode.")
 @click.option("--engine", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True,
-              help="torch: a fresh process per measurement; vllm: one vLLM engine, every row-wise op chunked "
-                   "inside it (plain = one-pass prefill without chunking), the peak read inside vLLM's worker, "
+              help="torch: a fresh process per measurement; vllm: one vLLM engine, its decoder layers run "
+                   "chunk by chunk inside it, attention included (plain = one-pass prefill without chunking), "
+                   "the peak read inside vLLM's worker, "
                    "then the torch engine's at the longest length beside it.")
 @click.option("--kv-space-gib", type=click.IntRange(min=1), default=1, show_default=True,
               help="vllm: the fixed KV cache (VLLM_CPU_KVCACHE_SPACE, GiB).")

@@ -199,7 +199,8 @@ class VllmEngine:
 
     def set_hybrid_chunk(self, chunk: int | None) -> int:
         """Run every row-wise op (projections, norms, rotary, MLP) inside vLLM `chunk` tokens at a
-        time (None: whole steps again), through the worker extension (`worker.py`). Returns the
+        time, decoder layers of a known layout whole with attention over each chunk's queries
+        (None: whole steps again), through the worker extension (`worker.py`). Returns the
         number of modules changed per worker."""
         if self._llm is None:
             raise RuntimeError("start the engine before changing its hybrid chunk")
