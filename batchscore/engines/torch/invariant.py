@@ -69,19 +69,24 @@ def _tiled_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(out).reshape(*x.shape[:-1], module.out_features)
 
 
+PAIRS_PER_CALL = 256  # (query tile, key block) pairs per kernel call at most: bounds the gathered copies
+
+
 @dataclass
 class Stage:
     """Chains of one stage of a pass's attention: a chain is one tile of `QUERY_TILE` query slots
     and the key blocks it attends to, in block order. Chains are sorted by length (longest first),
-    so step s (every chain's s-th block) covers the first `counts[s]` chains: each step is one
-    kernel call and one merge on contiguous slices, no gather or scatter of the accumulator."""
+    so step s (every chain's s-th block) covers the first `counts[s]` chains, and a step merges
+    into a contiguous slice of the accumulator (no gather or scatter of it per block). Pairs are
+    laid out step after step and run `PAIRS_PER_CALL` to a kernel call, whatever steps that spans."""
 
-    query: torch.Tensor  # [C * QUERY_TILE] packed row of each query slot (0 for padding)
-    slot: torch.Tensor  # [C * QUERY_TILE] row each slot's result belongs to (scratch for padding)
+    slot: torch.Tensor  # [C * QUERY_TILE] row each chain slot's result belongs to (scratch for padding)
     counts: list[int]  # [steps] chains taking part in each step (non-increasing)
-    keys: list[torch.Tensor]  # per step: [counts[s] * BLOCK] source row of each key slot
-    masks: list[torch.Tensor]  # per step: [counts[s], 1, QUERY_TILE, BLOCK] 0 or -inf
-    unused: list[torch.Tensor | None]  # per step: [counts[s], 1, QUERY_TILE] slots that see nothing here
+    firsts: list[int]  # [steps + 1] first pair of each step
+    query: torch.Tensor  # [pairs * QUERY_TILE] packed row of each pair's query slot (0 for padding)
+    keys: torch.Tensor  # [pairs * BLOCK] source row of each pair's key slot
+    masks: torch.Tensor  # [pairs, 1, QUERY_TILE, BLOCK] 0 or -inf
+    unused: list[torch.Tensor | None]  # per step: [counts[s], 1, QUERY_TILE] slots that see nothing there
 
     @classmethod
     def build(cls, chains: list[tuple], scratch: int) -> Stage:
@@ -89,20 +94,26 @@ class Stage:
         chains = sorted(chains, key=lambda c: -len(c[1]))  # stable: packed order within a length
         steps = len(chains[0][1]) if chains else 0
         counts = [sum(len(c[1]) > s for c in chains) for s in range(steps)]
-        query = np.concatenate([c[0] for c in chains]) if chains else np.zeros(0, np.int64)
-        keys, masks, unused = [], [], []
+        firsts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+        rows = [np.where(c[0] >= 0, c[0], 0) for c in chains]
+        query, keys, masks, unused = [], [], [], []
         for step, count in enumerate(counts):
             blocks = [c[1][step] for c in chains[:count]]
-            keys.append(torch.from_numpy(np.concatenate([b[0] for b in blocks])))
-            masks.append(torch.from_numpy(np.stack([b[1] for b in blocks])[:, None]))
+            query += rows[:count]
+            keys += [b[0] for b in blocks]
+            masks += [b[1] for b in blocks]
             idle = np.stack([~b[2] for b in blocks])[:, None]  # [count, 1, QT]
             unused.append(torch.from_numpy(idle) if idle.any() else None)
-        return cls(torch.from_numpy(np.where(query >= 0, query, 0)), torch.from_numpy(np.where(query >= 0, query, scratch)),
-                   counts, keys, masks, unused)
+        slot = np.concatenate([np.where(c[0] >= 0, c[0], scratch) for c in chains]) if chains else np.zeros(0, np.int64)
+        return cls(torch.from_numpy(slot), counts, firsts,
+                   torch.from_numpy(np.concatenate(query) if query else np.zeros(0, np.int64)),
+                   torch.from_numpy(np.concatenate(keys) if keys else np.zeros(0, np.int64)),
+                   torch.from_numpy(np.stack(masks)[:, None] if masks else np.zeros((0, 1, QUERY_TILE, BLOCK), np.float32)),
+                   unused)
 
     def to(self, device: torch.device | str) -> Stage:
-        return Stage(self.query.to(device), self.slot.to(device), self.counts, [k.to(device) for k in self.keys],
-                     [m.to(device) for m in self.masks], [None if u is None else u.to(device) for u in self.unused])
+        return Stage(self.slot.to(device), self.counts, self.firsts, self.query.to(device),
+                     self.keys.to(device), self.masks.to(device), [None if u is None else u.to(device) for u in self.unused])
 
 
 @dataclass
@@ -220,16 +231,25 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         if not stage.counts:
             continue
         chains = stage.counts[0]
-        q = query[0].index_select(1, stage.query).reshape(heads, chains, QUERY_TILE, dim).transpose(0, 1).contiguous()
         if stage is plan.shared:  # nothing attended yet
             acc = query.new_zeros((chains, heads, QUERY_TILE, dim), dtype=torch.float32)
             acc_lse = torch.full((chains, heads, QUERY_TILE), float("-inf"), device=query.device)
         else:  # [C, H, QT, D], [C, H, QT]: the shared blocks' result of each slot's row
             acc = out.index_select(1, stage.slot).reshape(heads, chains, QUERY_TILE, dim).transpose(0, 1).contiguous()
             acc_lse = out_lse.index_select(1, stage.slot).reshape(heads, chains, QUERY_TILE).transpose(0, 1).contiguous()
-        for count, keys, mask, unused in zip(stage.counts, stage.keys, stage.masks, stage.unused):
-            step_out, step_lse = _block_attention(q[:count], source_key, source_value, keys, mask, scale)
-            _merge_into(acc[:count], acc_lse[:count], step_out, step_lse, unused)
+        pairs, step = stage.firsts[-1], 0
+        for lo in range(0, pairs, PAIRS_PER_CALL):
+            hi = min(lo + PAIRS_PER_CALL, pairs)
+            call_out, call_lse = _block_attention(query, source_key, source_value, stage, lo, hi, scale)
+            while step < len(stage.counts) and stage.firsts[step] < hi:  # the steps (or their parts) in this call
+                first = max(lo, stage.firsts[step]) - stage.firsts[step]  # chains first..end of the step
+                end = min(hi, stage.firsts[step + 1]) - stage.firsts[step]
+                at, unused = stage.firsts[step] - lo, stage.unused[step]  # the step's first pair in this call
+                _merge_into(acc[first:end], acc_lse[first:end], call_out[at + first : at + end],
+                            call_lse[at + first : at + end], None if unused is None else unused[first:end])
+                if stage.firsts[step + 1] > hi:
+                    break  # the step goes on in the next call
+                step += 1
         out.index_copy_(1, stage.slot, acc.transpose(0, 1).reshape(heads, chains * QUERY_TILE, dim))
         out_lse.index_copy_(1, stage.slot, acc_lse.transpose(0, 1).reshape(heads, chains * QUERY_TILE))
     return out[None, :, :rows].to(query.dtype)
@@ -240,22 +260,28 @@ def _merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse
     """`merge_partial_attention(acc, acc_lse, out, lse)` written into `acc`, `acc_lse` [n, H, QT(, D)],
     except the slots `unused` [n, 1, QT] marks, which keep their values. (Not by an lse of -inf:
     the vectorized log-sum-exp then rounds the other slots of the call differently.)"""
+    if unused is None:  # the same operations as `merge_partial_attention`, written in place
+        share = torch.sigmoid(acc_lse - lse).unsqueeze(-1)  # [n, H, QT, 1]
+        torch.lerp(out.float(), acc, share, out=acc)
+        torch.logaddexp(acc_lse, lse, out=acc_lse)
+        return
     merged, merged_lse = merge_partial_attention(acc, acc_lse, out, lse)
-    if unused is not None:
-        merged = torch.where(unused[..., None], acc, merged)
-        merged_lse = torch.where(unused, acc_lse, merged_lse)
-    acc.copy_(merged)
-    acc_lse.copy_(merged_lse)
+    acc.copy_(torch.where(unused[..., None], acc, merged))
+    acc_lse.copy_(torch.where(unused, acc_lse, merged_lse))
 
 
-def _block_attention(q: torch.Tensor, source_key: torch.Tensor, source_value: torch.Tensor, keys: torch.Tensor,
-                     mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step: q [n, H, QT, D] against its key block (source rows `keys` [n * BLOCK]) under
-    `mask`, in one fixed-shape kernel call per (tile, block). Returns ([n, H, QT, D], [n, H, QT])."""
-    n, kv_heads, dim = q.shape[0], source_key.shape[0], q.shape[3]
+def _block_attention(query: torch.Tensor, source_key: torch.Tensor, source_value: torch.Tensor, stage: Stage,
+                     lo: int, hi: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs lo..hi of `stage` in one kernel call, each a fixed-shape tile: its `QUERY_TILE` queries
+    (rows of query [1, H, T, D]) against its `BLOCK` keys (source rows) under its mask.
+    Returns ([n, H, QT, D], [n, H, QT] float32)."""
+    n, heads, kv_heads, dim = hi - lo, query.shape[1], source_key.shape[0], query.shape[3]
+    q = query[0].index_select(1, stage.query[lo * QUERY_TILE : hi * QUERY_TILE])
+    q = q.reshape(heads, n, QUERY_TILE, dim).transpose(0, 1).contiguous()
+    keys = stage.keys[lo * BLOCK : hi * BLOCK]
     k = source_key.index_select(1, keys).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
     v = source_value.index_select(1, keys).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
-    return attention_with_lse_masked(q, k, v, mask.to(q.dtype), scale)
+    return attention_with_lse_masked(q, k, v, stage.masks[lo:hi].to(q.dtype), scale)
 
 
 def attend_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cascade,
