@@ -170,11 +170,11 @@ def test_config_stays_on_the_ground_floor():
 
 
 def test_engines_layout():
-    """engines/ is a face, device.py, factory.py, base.py, shape.py, cpu_features.py and three
-    sub-packages; nothing flat is told apart by a prefix."""
+    """engines/ is a face, device.py, factory.py, base.py, shape.py, cpu_features.py, peak_memory.py
+    and three sub-packages; nothing flat is told apart by a prefix."""
     flat = sorted(p.name for p in (PACKAGE / "engines").glob("*.py"))
-    assert flat == ["__init__.py", "base.py", "cpu_features.py", "device.py", "factory.py", "registry.py",
-                    "shape.py"], flat
+    assert flat == ["__init__.py", "base.py", "cpu_features.py", "device.py", "factory.py", "peak_memory.py",
+                    "registry.py", "shape.py"], flat
     assert sorted(p.name for p in (PACKAGE / "engines").iterdir() if p.is_dir() and p.name != "__pycache__") == [
         "speculative", "torch", "vllm"]
 
