@@ -16,12 +16,13 @@ What changes the rounding in the default engine, and what this mode does instead
     has several rows, which the padding also guarantees;
   - on a GPU, cuBLAS picks a float32 GEMM's kernel (and split of the sum) by its row count: every
     linear layer runs `LINEAR_TILE` rows per call, the last call padded (`tile_linear_layers`).
-The whole pass is planned once (`PassBlocks`, at its first layer): every (query tile, key block)
-pair of every part, the tiles of a block wholly inside a part's shared prefix holding all the
-part's queries, the later blocks' tiles one sequence's queries. Each layer then gathers the pairs'
-queries and keys (from the prefixes' earlier segments and the pass's own K/V, which already holds
-the prefix pieces this pass records) and runs them in a few large kernel calls, merging block
-after block.
+The whole pass is planned once (`PassBlocks`, at its first layer) in two stages: every part's
+query tiles (all of its queries) against the blocks wholly inside its shared prefix, then each
+sequence's own tiles against its later blocks. Each layer gathers the pairs' queries and keys
+(from the prefixes' earlier segments and the pass's own K/V, which already holds the prefix pieces
+this pass records) and runs them in a few large kernel calls. A tile's accumulator stays in place
+while its blocks merge into it in block order (tiles sorted by how many blocks they have, so each
+block step is a contiguous slice); the rows' results move between the stages once per layer.
 """
 
 from __future__ import annotations
