@@ -32,7 +32,7 @@ def rowwise_modules(model: torch.nn.Module, layers: bool = True) -> list[tuple[s
     """(name, module, how) of every part of `model` hybrid prefilling chunks: decoder layers of a
     known layout (with `layers`; how = `ChunkedDecoderLayer`), self-attention blocks of a known
     layout (`ChunkedSelfAttention`), MLPs (`*MLP` with a `down_proj`), linear layers outside them,
-    norms and rotary embeddings (how = the output positions that are not rows)."""
+    norms (how = `NORM`) and rotary embeddings (how = the output positions that are not rows)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
