@@ -77,14 +77,14 @@ PAIRS_PER_CALL = 256  # (query tile, key block) pairs per kernel call at most: b
 class Stage:
     """Chains of one stage of a pass's attention: a chain is one tile of `QUERY_TILE` query slots
     and the key blocks it attends to, in block order. Chains are sorted by length (longest first),
-    so step s (every chain's s-th block) covers the first `counts[s]` chains, and a step merges
-    into a contiguous slice of the accumulator (no gather or scatter of it per block). Pairs are
-    laid out step after step and run `PAIRS_PER_CALL` to a kernel call, whatever steps that spans."""
+    so step s (every chain's s-th block) covers the first `counts[s]` chains: its queries and its
+    accumulator are contiguous slices of the chains' (no gather or scatter per block). Pairs are
+    laid out step after step; a step runs in kernel calls of at most `PAIRS_PER_CALL` pairs."""
 
+    query: torch.Tensor  # [C * QUERY_TILE] packed row of each chain slot's query (0 for padding)
     slot: torch.Tensor  # [C * QUERY_TILE] row each chain slot's result belongs to (scratch for padding)
     counts: list[int]  # [steps] chains taking part in each step (non-increasing)
     firsts: list[int]  # [steps + 1] first pair of each step
-    query: torch.Tensor  # [pairs * QUERY_TILE] packed row of each pair's query slot (0 for padding)
     keys: torch.Tensor  # [pairs * BLOCK] source row of each pair's key slot
     masks: torch.Tensor  # [pairs, 1, QUERY_TILE, BLOCK] 0 or -inf
     unused: list[torch.Tensor | None]  # per step: [counts[s], 1, QUERY_TILE] slots that see nothing there
@@ -96,24 +96,21 @@ class Stage:
         steps = len(chains[0][1]) if chains else 0
         counts = [sum(len(c[1]) > s for c in chains) for s in range(steps)]
         firsts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
-        rows = [np.where(c[0] >= 0, c[0], 0) for c in chains]
-        query, keys, masks, unused = [], [], [], []
+        keys, masks, unused = [], [], []
         for step, count in enumerate(counts):
             blocks = [c[1][step] for c in chains[:count]]
-            query += rows[:count]
             keys += [b[0] for b in blocks]
             masks += [b[1] for b in blocks]
             idle = np.stack([~b[2] for b in blocks])[:, None]  # [count, 1, QT]
             unused.append(torch.from_numpy(idle) if idle.any() else None)
-        slot = np.concatenate([np.where(c[0] >= 0, c[0], scratch) for c in chains]) if chains else np.zeros(0, np.int64)
-        return cls(torch.from_numpy(slot), counts, firsts,
-                   torch.from_numpy(np.concatenate(query) if query else np.zeros(0, np.int64)),
-                   torch.from_numpy(np.concatenate(keys) if keys else np.zeros(0, np.int64)),
+        rows = np.concatenate([c[0] for c in chains]) if chains else np.zeros(0, np.int64)
+        return cls(torch.from_numpy(np.where(rows >= 0, rows, 0)), torch.from_numpy(np.where(rows >= 0, rows, scratch)),
+                   counts, firsts, torch.from_numpy(np.concatenate(keys) if keys else np.zeros(0, np.int64)),
                    torch.from_numpy(np.stack(masks)[:, None] if masks else np.zeros((0, 1, QUERY_TILE, BLOCK), np.float32)),
                    unused)
 
     def to(self, device: torch.device | str) -> Stage:
-        return Stage(self.slot.to(device), self.counts, self.firsts, self.query.to(device),
+        return Stage(self.query.to(device), self.slot.to(device), self.counts, self.firsts,
                      self.keys.to(device), self.masks.to(device), [None if u is None else u.to(device) for u in self.unused])
 
 
@@ -238,19 +235,16 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         else:  # [C, H, QT, D], [C, H, QT]: the shared blocks' result of each slot's row
             acc = out.index_select(1, stage.slot).reshape(heads, chains, QUERY_TILE, dim).transpose(0, 1).contiguous()
             acc_lse = out_lse.index_select(1, stage.slot).reshape(heads, chains, QUERY_TILE).transpose(0, 1).contiguous()
-        pairs, step = stage.firsts[-1], 0
-        for lo in range(0, pairs, PAIRS_PER_CALL):
-            hi = min(lo + PAIRS_PER_CALL, pairs)
-            call_out, call_lse = _block_attention(query, source_key, source_value, stage, lo, hi, scale)
-            while step < len(stage.counts) and stage.firsts[step] < hi:  # the steps (or their parts) in this call
-                first = max(lo, stage.firsts[step]) - stage.firsts[step]  # chains first..end of the step
-                end = min(hi, stage.firsts[step + 1]) - stage.firsts[step]
-                at, unused = stage.firsts[step] - lo, stage.unused[step]  # the step's first pair in this call
-                _merge_into(acc[first:end], acc_lse[first:end], call_out[at + first : at + end],
-                            call_lse[at + first : at + end], None if unused is None else unused[first:end])
-                if stage.firsts[step + 1] > hi:
-                    break  # the step goes on in the next call
-                step += 1
+        q = query[0].index_select(1, stage.query).reshape(heads, chains, QUERY_TILE, dim).transpose(0, 1).contiguous()
+        for step, count in enumerate(stage.counts):
+            unused = stage.unused[step]
+            for first in range(0, count, PAIRS_PER_CALL):  # chains first..end of the step
+                end = min(first + PAIRS_PER_CALL, count)
+                pairs = slice(stage.firsts[step] + first, stage.firsts[step] + end)
+                step_out, step_lse = _block_attention(q[first:end], source_key, source_value, stage.keys[
+                    pairs.start * BLOCK : pairs.stop * BLOCK], stage.masks[pairs], scale)
+                _merge_into(acc[first:end], acc_lse[first:end], step_out, step_lse,
+                            None if unused is None else unused[first:end])
         out.index_copy_(1, stage.slot, acc.transpose(0, 1).reshape(heads, chains * QUERY_TILE, dim))
         out_lse.index_copy_(1, stage.slot, acc_lse.transpose(0, 1).reshape(heads, chains * QUERY_TILE))
     return out[None, :, :rows].to(query.dtype)
@@ -271,18 +265,15 @@ def _merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse
     acc_lse.copy_(torch.where(unused, acc_lse, merged_lse))
 
 
-def _block_attention(query: torch.Tensor, source_key: torch.Tensor, source_value: torch.Tensor, stage: Stage,
-                     lo: int, hi: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs lo..hi of `stage` in one kernel call, each a fixed-shape tile: its `QUERY_TILE` queries
-    (rows of query [1, H, T, D]) against its `BLOCK` keys (source rows) under its mask.
+def _block_attention(q: torch.Tensor, source_key: torch.Tensor, source_value: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """n (query tile, key block) pairs in one kernel call, each a fixed-shape tile: q [n, H, QT, D]
+    against its `BLOCK` keys (source rows `keys` [n * BLOCK]) under `mask` [n, 1, QT, BLOCK].
     Returns ([n, H, QT, D], [n, H, QT] float32)."""
-    n, heads, kv_heads, dim = hi - lo, query.shape[1], source_key.shape[0], query.shape[3]
-    q = query[0].index_select(1, stage.query[lo * QUERY_TILE : hi * QUERY_TILE])
-    q = q.reshape(heads, n, QUERY_TILE, dim).transpose(0, 1).contiguous()
-    keys = stage.keys[lo * BLOCK : hi * BLOCK]
+    n, kv_heads, dim = q.shape[0], source_key.shape[0], q.shape[3]
     k = source_key.index_select(1, keys).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
     v = source_value.index_select(1, keys).reshape(kv_heads, n, BLOCK, dim).transpose(0, 1).contiguous()
-    return attention_with_lse_masked(q, k, v, stage.masks[lo:hi].to(q.dtype), scale)
+    return attention_with_lse_masked(q, k, v, mask.to(q.dtype), scale)
 
 
 def attend_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cascade,
