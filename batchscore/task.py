@@ -26,7 +26,7 @@ class TaskPage:
     """What the report shows of a task's outputs, found from the output alone (no job file).
 
     `owns(columns)`: an output table with these columns is this task's. `render(path, table,
-    metrics, note, *, previous, truth)`: the page's HTML. `table(table)`: an output table in the
+    summary, note, *, previous, truth)`: the page's HTML (`summary`: the run's RunSummary, or None). `table(table)`: an output table in the
     layout the page reads (unchanged when it is not this task's). `owns_line(line)`: an OpenAI
     Batch output line this task answered; `lines_table(lines, failed)`: such lines, with the
     batch's failed lines ((custom_id, error)), as the page's table; `lines_left_out(count)`: what

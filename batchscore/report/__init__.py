@@ -70,11 +70,11 @@ def write_report(output: str | os.PathLike, *, previous: str | os.PathLike | Non
     target = as_path(html_path) if html_path is not None else default_report_path(output)
     table = read_output_table(output)
     page = page_for_output(table.column_names)
+    summary = RunSummary.from_dict(metrics_data) if metrics_data is not None else None
     if page is not None:  # the task's own page (questions: one section per question)
-        return write_html(page.render(as_path(output), table, metrics_data, note, previous=previous, truth=truth),
+        return write_html(page.render(as_path(output), table, summary, note, previous=previous, truth=truth),
                           target)
     current = load_output(output, id_column, table)
     before = load_output(previous, id_column or current.id_column) if previous is not None else None
-    summary = RunSummary.from_dict(metrics_data) if metrics_data is not None else None
     truth = truth_column(current, truth, summary)
     return write_html(render(current, before, summary, note, truth), target)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from batchscore.output.summary import RunSummary
 from batchscore.tasks.questions.columns import (ARGMAX_IS_LABEL, CHOICE, CONFIDENCE, ERROR, LABEL_MASS, NEEDS_REVIEW,
                                                 NOT_ASKED, OUT_OF_SCOPE, P, P_CAL, P_YES, SCORE, STATUS,
                                                 is_question_column, missing_question_columns, question_keys)
@@ -124,13 +125,13 @@ def _question(key: str, names: set[str], values: dict[str, list], rows: int,
         missing=list(missing or []), whole=whole)
 
 
-def render_questions(path: Path, output, metrics: dict | None, metrics_note: str) -> str:
+def render_questions(path: Path, output, summary: RunSummary | None, metrics_note: str) -> str:
     """The whole HTML document for a questions output (`output`: its table)."""
     from matplotlib import rc_context
 
     questions = read_questions(output)
-    calibration = ((metrics or {}).get("calibration") or {}).get("questions") or {}
-    levels = _score_levels(output, metrics)
+    calibration = ((summary.quality.calibration if summary else None) or {}).get("questions") or {}
+    levels = _score_levels(output, summary)
     with rc_context(PLAIN_TEXT):
         sections = [_overview(output, questions, calibration, metrics_note)]
         sections += [_question_section(q, calibration.get(q.key), levels.get(q.key)) for q in questions]
@@ -181,10 +182,10 @@ def whole_failures(output, questions: list[QuestionReport]) -> dict[str, int]:
     return counts
 
 
-def _score_levels(output, metrics: dict | None) -> dict[str, list[str]]:
+def _score_levels(output, summary: RunSummary | None) -> dict[str, list[str]]:
     """Each score question's level names by 0-based index: from the run summary, else the output's
     Parquet metadata (tasks/questions/files.run_metadata)."""
-    text = ((metrics or {}).get("decisions") or {}).get("score_levels")
+    text = ((summary.questions.decisions if summary else None) or {}).get("score_levels")
     if text is None:
         text = ((output.schema.metadata or {}).get(b"batchscore.score_levels") or b"").decode() or None
     try:

@@ -72,13 +72,13 @@ def _owns_output(columns: list[str]) -> bool:
     return bool(question_keys(columns))  # `<id>.status` and the answer columns of a question
 
 
-def _report(path, table, metrics: dict | None, note: str, *, previous=None, truth=None) -> str:
+def _report(path, table, summary, note: str, *, previous=None, truth=None) -> str:
     from batchscore.tasks.questions.report import render_questions
 
     if previous is not None or truth is not None:
         raise ReportError("the report of a questions output has no drift or truth section yet: "
                           "leave out --previous and --truth (per-question calibration is read from the run summary)")
-    return render_questions(path, table, metrics, note)
+    return render_questions(path, table, summary, note)
 
 
 QUESTIONS = register(Task(
