@@ -42,6 +42,17 @@ class TaskPage:
 
 
 @dataclass(frozen=True)
+class InputColumns:
+    """The input columns a task's requests are built from, in a fixed order (`scoring`), and those
+    of them read per JSON line as the line's own JSON text (`as_json`, io/readers.iter_batches).
+    The run identity fingerprints them apart from the columns only assembly reads
+    (prepare/input_columns.py), so a fix to a truth or kept value reruns without scoring."""
+
+    scoring: tuple[str, ...]
+    as_json: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Task:
     """One kind of job.
 
@@ -58,7 +69,9 @@ class Task:
     row)`: how the output names a row. `page`: its own report page (None: the report's labels
     page). `rederive_problem`: why an output's post-processing cannot be re-derived without scoring
     (None: it can). `top_token`: it writes `output.top_token`'s columns. The `default` task runs
-    every job no other task claims.
+    every job no other task claims. `input_columns(config)`: the `InputColumns` its requests are
+    built from (None, or no such function: the scores may depend on any part of the input, which is
+    then fingerprinted whole).
     """
 
     name: str
@@ -76,6 +89,7 @@ class Task:
     rederive_problem: str | None = None
     top_token: bool = False
     default: bool = False
+    input_columns: Callable[[Any], InputColumns | None] | None = None
 
 
 _TASKS: Registry[Task] = Registry(BUILT_IN, lambda task: task.prepare.__module__)

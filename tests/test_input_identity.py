@@ -10,18 +10,22 @@ row groups, and a change names the column.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from click.testing import CliRunner
 
 from batchscore import run_job
+from batchscore.cli import main
 from batchscore.errors import CalibrationError, ResumeMismatch
 from batchscore.jobfile import config_from_dict, load_job
 from batchscore.output.identity import describe_changes, input_identities
-from batchscore.prepare.input_columns import assembly_columns, scoring_columns
+from batchscore.prepare.input_columns import assembly_columns, input_columns, line_reader, scoring_columns
+from batchscore.task import InputColumns, register, task_for, unregister
 from tests.conftest import REPO, SAMPLE, write_job
 
 
@@ -107,14 +111,92 @@ def test_a_questions_jobs_truth_columns_are_assembly_inputs():
     assert assembly_columns(config) == ["channel", "true_refund"]  # subject is a state column: scoring
 
 
-def test_files_without_columns_stay_whole(tmp_path):
+def _line_identity(config, path):
+    columns = input_columns(config)
+    return input_identities([(path, "jsonl")], list(columns.scoring), assembly_columns(config),
+                            line_reader(config, columns))
+
+
+def _write_lines(path, rows) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_a_json_lines_input_is_fingerprinted_column_by_column_as_its_reader_decodes_it(tmp_path):
+    data = tmp_path / "in.jsonl"
+    rows = [{"pair_id": f"P{i}", "query": f"q {i}", "title": "t", "description": "d", "relevant": "Yes",
+             "note": {"n": i}} for i in range(5)]
+    _write_lines(data, rows)
+    config = _labels_job(tmp_path, data)
+    before = _line_identity(config, data)
+    assert set(before[0][0]["columns"]) == {"pair_id", "title", "description", "query"}
+    assert before[0][0]["rows"] == 5 and "unread" not in before[0][0]
+
+    # the same values written otherwise (keys reordered, spaces, a blank line): the same identity
+    data.write_text("\n".join(json.dumps(dict(reversed(list(r.items()))), indent=None, separators=(" ,", ": "))
+                              for r in rows) + "\n\n")
+    assert _line_identity(config, data) == before
+
+    rows[2]["relevant"], rows[3]["note"] = "No", {"n": "edited"}  # truth and kept edits: assembly only
+    _write_lines(data, rows)
+    truth_fixed = _line_identity(config, data)
+    assert truth_fixed[0] == before[0] and truth_fixed[1] != before[1]
+
+    rows[1]["title"] = "another title"  # a prompt field: another job, named
+    _write_lines(data, rows)
+    edited = _line_identity(config, data)
+    assert describe_changes({"input": before[0]}, {"input": edited[0]}) == [
+        f"input file {data.resolve()} changed (column 'title')"]
+
+    rows[1]["title"] = "t"
+    _write_lines(data, rows)
+    data.write_text(data.read_text().replace('"note": {"n": 4}', '"note": {"n": 4'))  # a line no longer JSON
+    broken = _line_identity(config, data)
+    assert broken[0][0]["unread"] and describe_changes({"input": before[0]}, {"input": broken[0]}) == [
+        f"input file {data.resolve()} changed (which lines can be read)"]
+
+
+def test_token_ids_of_a_json_lines_input_are_digested_as_each_line_writes_them(tmp_path):
+    """Token lists are read per line as JSON text, as scoring reads them: one line's NaN does not
+    retype the other lines' lists, so it changes the digest of its column alone."""
+    data = tmp_path / "in.jsonl"
+    rows = [{"id": i, "tokens": [1, 2, 3 + i], "truth": "Yes"} for i in range(3)]
+    _write_lines(data, rows)
+    config = config_from_dict({"input": {"path": str(data), "id_column": "id", "token_ids_column": "tokens"},
+                               "labels": ["Yes", "No"], "calibrate": {"truth_column": "truth"},
+                               "output": {"path": str(tmp_path / "out.parquet")}})
+    assert input_columns(config).as_json == ("tokens",)
+    before = _line_identity(config, data)
+    assert before[0][0]["columns"].keys() == {"id", "tokens"} and before[1][0]["columns"].keys() == {"truth"}
+    data.write_text(data.read_text().replace("[1, 2, 4]", "[1, 2, 4.0]"))
+    assert describe_changes({"input": before[0]}, {"input": _line_identity(config, data)[0]}) == [
+        f"input file {data.resolve()} changed (column 'tokens')"]
+
+
+def test_files_whose_lines_are_requests_stay_whole(tmp_path):
     lines = tmp_path / "in.jsonl"
     lines.write_text('{"q": "a", "t": "Yes"}\n')
-    scoring, assembly = input_identities([(lines, "jsonl")], ["q"], ["t"])
+    scoring, assembly = input_identities([(lines, "jsonl")], ["q"], ["t"])  # no reader given: whole
     assert set(scoring[0]) == {"file", "size", "digest"} and assembly == []
-    openai = config_from_dict({"input": {"path": "b.jsonl", "format": "openai_batch"}, "labels": ["Yes", "No"],
+    openai = config_from_dict({"input": {"path": str(lines), "format": "openai_batch"}, "labels": ["Yes", "No"],
                                "output": {"path": "out.jsonl"}})
-    assert scoring_columns(openai) is None  # the request bodies are the prompts
+    assert input_columns(openai) is None and scoring_columns(openai) is None  # the request bodies are the prompts
+    assert line_reader(openai, None)(lines, "openai_batch", ["custom_id"]) is None
+
+
+def test_the_task_says_which_columns_its_requests_are_built_from(tmp_path):
+    labels = config_from_dict({"input": {"path": "in.jsonl", "id_column": "id", "choices_column": "options"},
+                               "prompt": {"template": "{a} and {b}"}, "output": {"path": "out.parquet"}})
+    questions = config_from_dict({"input": {"path": "in.jsonl", "id_column": "id", "questions_column": "asks"},
+                                  "prompt": {"state_columns": ["a"]}, "output": {"path": "out.parquet"}})
+    assert task_for(labels).input_columns(labels) == InputColumns(("id", "a", "b", "options"))
+    assert task_for(questions).input_columns(questions) == InputColumns(("id", "a", "asks"), ("asks",))
+    toy = replace(task_for(labels), name="toy", claims=lambda config, files: True, default=False, input_columns=None)
+    register(toy)
+    try:
+        assert input_columns(labels) is None  # a task that does not say: every file whole
+    finally:
+        unregister("toy")
+    assert input_columns(labels) is not None
 
 
 # ---------------------------------------------------------------------------- real runs
@@ -205,3 +287,49 @@ def test_a_questions_truth_problem_fixed_in_the_input_reruns_without_a_forward(t
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("true_team").to_pylist() == TICKET_TRUTH
     assert pc.all(pc.equal(out.column("status"), "ok")).as_py()
+
+
+@pytest.mark.slow  # one real run scores, two read
+def test_a_questions_truth_problem_fixed_in_a_json_lines_input_reruns_without_fresh(tmp_path, forwards):
+    """The shipped tickets as JSON Lines with a truth column: a truth value no option names stops
+    assembly with exit 2; fixing it in the file reruns to exit 0 with nothing scored, while a state
+    field edited beside it is refused, naming the field."""
+    lines = (REPO / "sample_data" / "tickets.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    for row, team in zip(rows, TICKET_TRUTH):
+        row["true_team"] = team
+    rows[4]["true_team"] = "sales"  # not an option of the question
+    data = tmp_path / "tickets.jsonl"
+    _write_lines(data, rows)
+    questions = yaml.safe_load((REPO / "jobs" / "decisions.yaml").read_text())["questions"]
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "input": {"path": str(data), "id_column": "ticket_id"},
+        "prompt": {"state_columns": ["subject", "body"], "system": "You route customer-support tickets."},
+        "questions": {"team": questions["team"]}, "model": "smollm2-135m-instruct",
+        "engine": {"kind": "torch", "dtype": "float32"}, "calibrate": {"truth_columns": {"team": "true_team"}},
+        "score": {"calibrate": "batch"},
+        "output": {"path": str(tmp_path / "out.parquet"), "audit_rows": 0, "keep_columns": ["subject"]}},
+        sort_keys=False))
+    first = CliRunner().invoke(main, ["run", str(job), "-q"])
+    assert first.exit_code == 2 and "'sales'" in first.output, first.output
+    assert forwards[0] > 0 and not (tmp_path / "out.parquet").exists()
+
+    rows[4]["true_team"] = "other"  # the fix
+    rows[7]["body"] += " Please hurry."  # a state field: what the reads are made of
+    _write_lines(data, rows)
+    forwards[0] = 0
+    refused = CliRunner().invoke(main, ["run", str(job), "-q"])
+    assert refused.exit_code == 2 and "tickets.jsonl changed (column 'body')" in refused.output, refused.output
+    assert "--fresh" in refused.output and forwards[0] == 0
+
+    rows[7]["body"] = json.loads(lines[7])["body"]  # the state as it was, the truth fixed
+    _write_lines(data, rows)
+    rerun = CliRunner().invoke(main, ["run", str(job), "-q"])
+    assert rerun.exit_code == 0, rerun.output
+    assert forwards[0] == 0  # nothing scored: every read came from the kept parts
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.column("true_team").to_pylist() == TICKET_TRUTH
+    assert pc.all(pc.equal(out.column("status"), "ok")).as_py()
+    summary = json.loads((tmp_path / "out.parquet.complete.json").read_text())["summary"]
+    assert summary["resumed_rows"] == 12

@@ -194,4 +194,6 @@ def write_batch(table: pa.Table, path, *, id_name: str, labels: list[str], model
     write_lines(path, ok)
 
 
-OPENAI_BATCH = register(WireFormat("openai_batch", read=read_requests, write=write_batch, error_file=True))
+# A line's body is its request (no truth or kept column a job names): the file is fingerprinted whole.
+OPENAI_BATCH = register(WireFormat("openai_batch", read=read_requests, write=write_batch, error_file=True,
+                                   named_columns=False))

@@ -29,6 +29,9 @@ class WireFormat:
     (`dataset`, Parquet). `write(table, path, *, id_name, labels, model, error_path)`: the
     results table in this format; None for an input-only format. `error_file`: whether its
     output writes failed rows to a second file beside the output (`OutputFiles.errors`).
+    `named_columns`: a row's fields are columns a job names (prompt fields, ids, truth), so the
+    run identity fingerprints a file of it column by column; False where each line is one request
+    read whole (OpenAI Batch): such a file is fingerprinted whole.
     """
 
     name: str
@@ -37,6 +40,7 @@ class WireFormat:
     dataset: bool = False
     write: Callable[..., None] | None = None
     error_file: bool = False
+    named_columns: bool = True
 
 
 _FORMATS: Registry[WireFormat] = Registry(BUILT_IN, lambda fmt: (fmt.write or fmt.read).__module__)

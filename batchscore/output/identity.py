@@ -11,12 +11,15 @@ whole, streaming (its rows are read anyway); a large weight file by its size and
 samples (start, middle, end). An object in a store (io/storage.py) other than JSONL: by what the
 store says of it (ETag, MD5 or CRC), its size and, for Parquet, its footer — never downloaded whole.
 
-A local Parquet file of a table job is fingerprinted column by column instead
-(`input_identities`): the columns the scores are made from (prompt fields, options, token ids, row
-ids) give the scoring identity, and the columns only assembly reads (truth and kept columns) an
-assembly identity of their own. Editing a truth or kept value then leaves every scored part
-valid: the run only assembles again. Each column's digest is over its decoded values
-(output/column_digest.py), read column by column, so it costs reading those columns once.
+A local Parquet file or a JSON Lines file of a table job is fingerprinted column by column
+instead (`input_identities`): the columns the scores are made from (prompt fields, options, token
+ids, row ids) give the scoring identity, and the columns only assembly reads (truth and kept
+columns) an assembly identity of their own. Editing a truth or kept value then leaves every scored
+part valid: the run only assembles again. Each column's digest is over its decoded values
+(output/column_digest.py): a Parquet file's read column by column, a JSON Lines file's as its
+format's reader decodes them, batch by batch, with the lines it cannot read (their positions and
+messages) in the scoring identity, since they decide which rows are scored. It costs reading
+those columns once more. An OpenAI Batch file's lines are its requests: fingerprinted whole.
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ import json
 import os
 from importlib import metadata
 from pathlib import Path
+from typing import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchscore.errors import InputError
 from batchscore.io.storage import as_path, file_size, is_remote
 from batchscore.output.column_digest import ColumnDigest
 
 FULL_HASH_BYTES = 64 * 2**20
+_UNREAD = ("unread",)  # the key of a line file's unreadable lines beside its columns' digests (no column name)
 SAMPLE_BYTES = 2**20
 
 
@@ -99,25 +105,34 @@ def input_identity(files: list[tuple[Path, str]]) -> list[dict]:
             for f, fmt in files]
 
 
-def input_identities(files: list[tuple[Path, str]], scoring: list[str] | None,
-                     assembly: list[str]) -> tuple[list[dict], list[dict]]:
+def input_identities(files: list[tuple[Path, str]], scoring: list[str] | None, assembly: list[str],
+                     read_lines: Callable[[Path, str, list[str]], Iterable | None] | None = None
+                     ) -> tuple[list[dict], list[dict]]:
     """(the scoring identity of the input, its assembly identity).
 
     `scoring`: the columns the scores are made from (None: every file whole, as `input_identity`);
-    `assembly`: the columns only assembly reads. A local Parquet file gets one entry per part with
-    its row count and each named column's digest (None for a column the file lacks: a hive
-    partition's, or one the reader will refuse); any other file is fingerprinted whole in the
-    scoring identity, so an edit anywhere in it is a different job."""
+    `assembly`: the columns only assembly reads. A local Parquet file, and a file `read_lines(path,
+    format, columns)` reads (its batches, io/readers.InputBatch; None: it does not), get one entry
+    per file with its row count and each named column's digest (None for a column the file lacks:
+    a hive partition's, or one the reader will refuse); any other file is fingerprinted whole in
+    the scoring identity, so an edit anywhere in it is a different job."""
     if scoring is None:
         return input_identity(files), []
     score_part, assembly_part = [], []
+    named = list(dict.fromkeys(scoring + assembly))
     for path, fmt in files:
-        digests = _parquet_columns(path, scoring + assembly) if fmt == "parquet" and not is_remote(path) else None
+        if fmt == "parquet" and not is_remote(path):
+            digests = _parquet_columns(path, named)
+        else:
+            batches = read_lines(path, fmt, named) if read_lines is not None else None
+            digests = _line_columns(batches, named) if batches is not None else None
         if digests is None:
             score_part.extend(input_identity([(path, fmt)]))
             continue
-        name, rows = str(Path(path).resolve()), digests.pop(None)
-        score_part.append({"file": name, "rows": rows, "columns": {c: digests[c] for c in scoring}})
+        name, rows = str(path) if is_remote(path) else str(Path(path).resolve()), digests.pop(None)
+        unread = digests.pop(_UNREAD, None)
+        entry = {"file": name, "rows": rows, "columns": {c: digests[c] for c in scoring}}
+        score_part.append({**entry, "unread": unread} if unread else entry)
         if assembly:
             assembly_part.append({"file": name, "columns": {c: digests[c] for c in assembly}})
     return score_part, assembly_part
@@ -138,6 +153,32 @@ def _parquet_columns(path: Path, columns: list[str]) -> dict | None:
         return None
     found = {c: digests[c].hexdigest() if c in digests else None for c in columns}
     return {**found, None: rows}
+
+
+def _line_columns(batches: Iterable, columns: list[str]) -> dict | None:
+    """As `_parquet_columns`, over a line file's batches as its reader decodes them; under
+    `_UNREAD` a digest of the lines read with an error (position and message: such a row is not
+    scored), None when every line reads. A batch without a column (no line of it has the key) counts
+    as nulls there. None when the file cannot be read (reading it will say why)."""
+    digests = {c: ColumnDigest() for c in columns}
+    seen: set[str] = set()
+    unread, failed, rows = hashlib.sha256(), False, 0
+    try:
+        for batch in batches:
+            table = batch.table
+            for name in columns:
+                present = name in table.column_names
+                seen |= {name} if present else set()
+                digests[name].update(table.column(name) if present else pa.nulls(table.num_rows))
+            for offset, error in enumerate(batch.row_errors):
+                if error:
+                    unread.update(f"{rows + offset}\t{error}\n".encode())
+                    failed = True
+            rows += table.num_rows
+    except (InputError, OSError):
+        return None
+    found = {c: digests[c].hexdigest() if c in seen else None for c in columns}
+    return {**found, None: rows, _UNREAD: unread.hexdigest() if failed else None}
 
 
 def model_identity(model_dir: str | os.PathLike | None) -> dict[str, str]:
@@ -173,6 +214,8 @@ def _input_change(name: str, before: dict, now: dict) -> str:
         return f"input file {name} changed"
     if before.get("rows") != now.get("rows"):
         return f"input file {name} changed ({before.get('rows')} rows → {now.get('rows')})"
+    if before.get("unread") != now.get("unread"):
+        return f"input file {name} changed (which lines can be read)"
     columns = [c for c in sorted(set(before["columns"]) | set(now["columns"]))
                if before["columns"].get(c) != now["columns"].get(c)]
     named = f"column{'s' if len(columns) > 1 else ''} {', '.join(repr(c) for c in columns)}"

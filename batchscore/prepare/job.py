@@ -33,7 +33,7 @@ from batchscore.scores.quality import content_free_rows
 from batchscore.formats import discover_files, iter_batches, suffix_formats
 from batchscore.io.readers import InputBatch, input_base
 from batchscore.io.storage import as_path, is_url, use_storage_options
-from batchscore.prepare.input_columns import assembly_columns, scoring_columns
+from batchscore.prepare.input_columns import assembly_columns, input_columns, line_reader
 from batchscore.prepare.options import RowOptionSource, max_length_name
 from batchscore.models import resolve_model
 from batchscore.plan import Plan, PlanOptions, build_plan, prompt_problem
@@ -118,7 +118,9 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
                             model_config=read_model_config(model_dir) if model_dir else None)
     if not for_output:
         return JobSource(config, engine, files, model_dir, {})
-    scoring_input, assembly_input = input_identities(files, scoring_columns(config), assembly_columns(config))
+    columns = input_columns(config, files)
+    scoring_input, assembly_input = input_identities(files, None if columns is None else list(columns.scoring),
+                                                     assembly_columns(config, files), line_reader(config, columns))
     identity = {
         "config": scoring_config(config),
         "input": scoring_input,

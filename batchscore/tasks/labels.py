@@ -18,13 +18,13 @@ from batchscore.prepare.job import (JobSource, PreparedJob, load_tokenizer, make
                                     prompt_limits)
 from batchscore.prepare.options import (OptionEncoder, RowOptionSource, choices_for_output, label_problems,
                                         max_length_name)
-from batchscore.prepare.prompts import PromptRenderer
+from batchscore.prepare.prompts import PromptRenderer, compile_template
 from batchscore.scores import quality
 from batchscore.scores.calibration import FITTED, PER_ROW_CHOICES
 from batchscore.scores.normalize import score_columns, top_columns
 from batchscore.scores.quality import (add_quality_columns, check_calibration_source, content_free_row,
                                        content_free_rows)
-from batchscore.task import Task, register
+from batchscore.task import InputColumns, Task, register
 
 log = logging.getLogger("batchscore")
 
@@ -88,6 +88,20 @@ def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
             problems.append(f"labels: {same[0]!r} would be both a label's p_ column and a calibrated p_cal_ column; "
                             "rename the label")
     return problems
+
+
+def input_columns(config: JobConfig) -> InputColumns | None:
+    """The columns a row's request is made from, as `prepare_input` reads them: the id, the token
+    ids (read per JSON line as JSON text) or else the template's fields, and the row's choices.
+    None for an openai_batch file, whose lines are the requests."""
+    inp = config.input
+    if inp.format == "openai_batch" or not (inp.token_ids_column or config.prompt.template):
+        return None
+    columns = [inp.id_column] if inp.id_column else []
+    columns += [inp.token_ids_column] if inp.token_ids_column else \
+        compile_template(config.prompt.template, config.prompt.engine).columns
+    columns += [inp.choices_column] if inp.choices_column else []
+    return InputColumns(tuple(dict.fromkeys(columns)), (inp.token_ids_column,) if inp.token_ids_column else ())
 
 
 def prepare(config: JobConfig, source: JobSource, tokenize: bool,
@@ -196,4 +210,5 @@ LABELS = register(Task(
     row_name=row_name,
     top_token=True,
     default=True,
+    input_columns=input_columns,
 ))

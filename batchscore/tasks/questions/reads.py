@@ -30,6 +30,7 @@ from batchscore.io.readers import input_base, unique_object
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
 from batchscore.plan.validate import prompt_problem
+from batchscore.task import InputColumns
 from batchscore.tasks.questions.requests import (API_OPENAI, API_SYSTEMONE, DecisionRequest, check_question,
                                           parse_openai_decisions, parse_systemone, read_prompt)
 from batchscore.prepare.options import OptionEncoder, RowOptionSource, max_length_name
@@ -204,6 +205,18 @@ def _record(row: dict, read_error: str | None, where: str, batch_file: bool, tab
         return Record(CHAT, None, f"{where}: a {url or 'chat/completions'} request is scored over the job's "
                                   "labels, and this job has none (set labels: [...])", 0, 1, url)
     return Record(CHAT, None, None, 0, 1, url)
+
+
+def input_columns(config: JobConfig) -> InputColumns | None:
+    """The columns a table job's reads are made from: the id, the state (or the template's
+    fields) and the per-row questions, read per JSON line as JSON text (`prepare_decisions`).
+    None for an openai_batch file's lines, whose bodies are the requests."""
+    if config.input.format == "openai_batch" or not (config.prompt.state_columns or config.prompt.template):
+        return None
+    inp = config.input
+    columns = [inp.id_column] if inp.id_column else []
+    columns += _TableRecords(config, None).columns
+    return InputColumns(tuple(dict.fromkeys(columns)), (inp.questions_column,) if inp.questions_column else ())
 
 
 class _TableRecords:

@@ -15,7 +15,7 @@ from batchscore.tasks.questions import checks
 from batchscore.tasks.questions.columns import question_keys
 from batchscore.tasks.questions.files import run_metadata, write_decision_output
 from batchscore.tasks.questions.quality import check_calibration_source
-from batchscore.tasks.questions.reads import is_decision_input, prepare_decisions
+from batchscore.tasks.questions.reads import input_columns, is_decision_input, prepare_decisions
 from batchscore.tasks.questions.report_table import is_answered_line, lines_left_out, lines_table, with_row_answers
 from batchscore.tasks.questions.requests import check_question, parse_systemone
 
@@ -96,4 +96,5 @@ QUESTIONS = register(Task(
                   lines_table=lines_table, lines_left_out=lines_left_out),
     audit_by_sum=True,
     rederive_problem="a decision or questions job's answers are re-derived only from its parts",
+    input_columns=input_columns,
 ))
