@@ -181,6 +181,10 @@ def test_files_whose_lines_are_requests_stay_whole(tmp_path):
                                "output": {"path": "out.jsonl"}})
     assert input_columns(openai) is None and scoring_columns(openai) is None  # the request bodies are the prompts
     assert line_reader(openai, None)(lines, "openai_batch", ["custom_id"]) is None
+    plain = config_from_dict({"input": {"path": str(lines)}, "prompt": {"template": "{q}"}, "labels": ["Yes", "No"],
+                              "output": {"path": "out.parquet"}})
+    [whole], assembly = _line_identity(plain, lines)  # no truth or kept column: the bytes say as much
+    assert set(whole) == {"file", "size", "digest"} and assembly == []
 
 
 def test_the_task_says_which_columns_its_requests_are_built_from(tmp_path):

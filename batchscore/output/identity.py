@@ -19,7 +19,9 @@ part valid: the run only assembles again. Each column's digest is over its decod
 (output/column_digest.py): a Parquet file's read column by column, a JSON Lines file's as its
 format's reader decodes them, batch by batch, with the lines it cannot read (their positions and
 messages) in the scoring identity, since they decide which rows are scored. It costs reading
-those columns once more. An OpenAI Batch file's lines are its requests: fingerprinted whole.
+those columns once more, so a JSON Lines file is read so only when the job has a truth or kept
+column no prompt reads (else its bytes, far cheaper, say as much). An OpenAI Batch file's lines are
+its requests: fingerprinted whole.
 """
 
 from __future__ import annotations
@@ -111,9 +113,9 @@ def input_identities(files: list[tuple[Path, str]], scoring: list[str] | None, a
     """(the scoring identity of the input, its assembly identity).
 
     `scoring`: the columns the scores are made from (None: every file whole, as `input_identity`);
-    `assembly`: the columns only assembly reads. A local Parquet file, and a file `read_lines(path,
-    format, columns)` reads (its batches, io/readers.InputBatch; None: it does not), get one entry
-    per file with its row count and each named column's digest (None for a column the file lacks:
+    `assembly`: the columns only assembly reads. A local Parquet file, and where `assembly` names
+    any a file `read_lines(path, format, columns)` reads (its batches, io/readers.InputBatch; None:
+    it does not), get one entry per file with its row count and each named column's digest (None for a column the file lacks:
     a hive partition's, or one the reader will refuse); any other file is fingerprinted whole in
     the scoring identity, so an edit anywhere in it is a different job."""
     if scoring is None:
@@ -124,7 +126,8 @@ def input_identities(files: list[tuple[Path, str]], scoring: list[str] | None, a
         if fmt == "parquet" and not is_remote(path):
             digests = _parquet_columns(path, named)
         else:
-            batches = read_lines(path, fmt, named) if read_lines is not None else None
+            # a line file without assembly columns: its bytes say as much, far cheaper than parsing it
+            batches = read_lines(path, fmt, named) if read_lines is not None and assembly else None
             digests = _line_columns(batches, named) if batches is not None else None
         if digests is None:
             score_part.extend(input_identity([(path, fmt)]))
