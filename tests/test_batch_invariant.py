@@ -67,6 +67,21 @@ def test_scores_are_bit_identical_in_every_context(dtype, names):
         assert max(np.abs(np.exp(base[r]) - np.exp(reference[r])).max() for r in base) < 1e-6
 
 
+def test_block_steps_split_over_kernel_calls_give_the_same_bits(monkeypatch):
+    """A block step larger than one kernel call (PAIRS_PER_CALL) is run in pieces: same bits."""
+    from batchscore.engines.torch import invariant
+
+    model = tiny_model("llama")
+    groups = make_groups()
+    base = scores(model, groups, 400)
+    monkeypatch.setattr(invariant, "PAIRS_PER_CALL", 3)
+    for name in ("alone", "one pass", "prefixes cut to 70"):
+        other_groups, budget = contexts(groups)[name]
+        other = scores(model, other_groups, budget)
+        differ = [row for row in other if not np.array_equal(other[row], base[row])]
+        assert not differ, f"{name}: rows {differ} differ"
+
+
 def test_default_mode_is_not_bit_identical_here():
     """The check above can fail: the default engine's rounding follows the batch on this model."""
     model = tiny_model("llama")
