@@ -249,6 +249,9 @@ class VllmEngine:
         llm, self._llm = self._llm, None
         if llm is None:
             return
+        import psutil
+
+        children = psutil.Process().children(recursive=True)  # vLLM's engine core and workers among them
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # noqa: BLE001 - closing must not mask the job's own result
@@ -257,6 +260,12 @@ class VllmEngine:
         import gc
 
         gc.collect()
+        # Wait for vLLM's processes to be gone: a worker still exiting holds memory and a core that the
+        # next engine (a bench's second engine, a job's next) would otherwise share with it.
+        vllm_children = [p for p in children if _is_vllm_process(p)]
+        _, alive = psutil.wait_procs(vllm_children, timeout=30)
+        if alive:
+            log.warning("vLLM processes still running 30 s after shutdown: %s", [p.pid for p in alive])
 
     def __enter__(self) -> VllmEngine:
         return self
@@ -484,3 +493,13 @@ def _weight_bytes(model_dir: Path) -> int:
 
 
 __all__ = ["VllmEngine", "PrefixCacheStats", "import_vllm"]
+
+
+def _is_vllm_process(process) -> bool:
+    """vLLM names its engine core and worker processes `VLLM::…`."""
+    import psutil
+
+    try:
+        return process.name().startswith("VLLM") or " ".join(process.cmdline()[:1]).startswith("VLLM")
+    except psutil.Error:
+        return False
