@@ -21,6 +21,18 @@ def model_dir() -> Path:
     return resolve_model("smollm2-135m-instruct")
 
 
+@pytest.fixture
+def forwards():
+    """Counts every torch module forward in this process (the engines' and the audit's alike)."""
+    import torch
+
+    count = [0]
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: count.__setitem__(
+        0, count[0] + 1))
+    yield count
+    handle.remove()
+
+
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
     from transformers import AutoTokenizer

@@ -29,18 +29,6 @@ from batchscore.task import InputColumns, register, task_for, unregister
 from tests.conftest import REPO, SAMPLE, write_job
 
 
-@pytest.fixture
-def forwards():
-    """Counts every torch module forward in this process (the engines' and the audit's alike)."""
-    import torch
-
-    count = [0]
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: count.__setitem__(
-        0, count[0] + 1))
-    yield count
-    handle.remove()
-
-
 def _relevance(path, bad_row: int | None = None, **row_groups):
     """P001's ten sample rows with a truth column `relevant` (one value not a label at `bad_row`)
     and a pass-through column `note`."""
@@ -263,23 +251,34 @@ TICKET_TRUTH = ["billing", "shipping", "security", "shipping", "other", "billing
                 "shipping", "billing", "security", "shipping"]
 
 
-@pytest.mark.slow  # two real runs
-def test_a_questions_truth_problem_fixed_in_the_input_reruns_without_a_forward(tmp_path, forwards):
+def _ticket_rows_with_a_bad_truth() -> list[dict]:
+    """The shipped tickets with a `true_team` column; row 4's value names no option of the question."""
     rows = [json.loads(line) for line in (REPO / "sample_data" / "tickets.jsonl").read_text().splitlines()]
     for row, team in zip(rows, TICKET_TRUTH):
         row["true_team"] = team
-    rows[4]["true_team"] = "sales"  # not an option of the question
-    data = tmp_path / "tickets.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), data)
+    rows[4]["true_team"] = "sales"
+    return rows
+
+
+def _team_job(folder, data, **output):
+    """A questions job asking the shipped `team` question of `data`, calibrated against `true_team`."""
     questions = yaml.safe_load((REPO / "jobs" / "decisions.yaml").read_text())["questions"]
-    job = tmp_path / "job.yaml"
+    job = folder / "job.yaml"
     job.write_text(yaml.safe_dump({
         "input": {"path": str(data), "id_column": "ticket_id"},
         "prompt": {"state_columns": ["subject", "body"], "system": "You route customer-support tickets."},
         "questions": {"team": questions["team"]}, "model": "smollm2-135m-instruct",
         "engine": {"kind": "torch", "dtype": "float32"}, "calibrate": {"truth_columns": {"team": "true_team"}},
         "score": {"calibrate": "batch"},
-        "output": {"path": str(tmp_path / "out.parquet"), "audit_rows": 0}}, sort_keys=False))
+        "output": {"path": str(folder / "out.parquet"), "audit_rows": 0, **output}}, sort_keys=False))
+    return job
+
+
+@pytest.mark.slow  # two real runs
+def test_a_questions_truth_problem_fixed_in_the_input_reruns_without_a_forward(tmp_path, forwards):
+    data = tmp_path / "tickets.parquet"
+    pq.write_table(pa.Table.from_pylist(_ticket_rows_with_a_bad_truth()), data)
+    job = _team_job(tmp_path, data)
     with pytest.raises(CalibrationError) as caught:
         run_job(load_job(job), progress=False)
     assert caught.value.exit_code == 2 and "'sales'" in str(caught.value)
@@ -298,28 +297,16 @@ def test_a_questions_truth_problem_fixed_in_a_json_lines_input_reruns_without_fr
     """The shipped tickets as JSON Lines with a truth column: a truth value no option names stops
     assembly with exit 2; fixing it in the file reruns to exit 0 with nothing scored, while a state
     field edited beside it is refused, naming the field."""
-    lines = (REPO / "sample_data" / "tickets.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    for row, team in zip(rows, TICKET_TRUTH):
-        row["true_team"] = team
-    rows[4]["true_team"] = "sales"  # not an option of the question
+    rows = _ticket_rows_with_a_bad_truth()
     data = tmp_path / "tickets.jsonl"
     _write_lines(data, rows)
-    questions = yaml.safe_load((REPO / "jobs" / "decisions.yaml").read_text())["questions"]
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "input": {"path": str(data), "id_column": "ticket_id"},
-        "prompt": {"state_columns": ["subject", "body"], "system": "You route customer-support tickets."},
-        "questions": {"team": questions["team"]}, "model": "smollm2-135m-instruct",
-        "engine": {"kind": "torch", "dtype": "float32"}, "calibrate": {"truth_columns": {"team": "true_team"}},
-        "score": {"calibrate": "batch"},
-        "output": {"path": str(tmp_path / "out.parquet"), "audit_rows": 0, "keep_columns": ["subject"]}},
-        sort_keys=False))
+    job = _team_job(tmp_path, data, keep_columns=["subject"])
     first = CliRunner().invoke(main, ["run", str(job), "-q"])
     assert first.exit_code == 2 and "'sales'" in first.output, first.output
     assert forwards[0] > 0 and not (tmp_path / "out.parquet").exists()
 
     rows[4]["true_team"] = "other"  # the fix
+    body = rows[7]["body"]
     rows[7]["body"] += " Please hurry."  # a state field: what the reads are made of
     _write_lines(data, rows)
     forwards[0] = 0
@@ -327,7 +314,7 @@ def test_a_questions_truth_problem_fixed_in_a_json_lines_input_reruns_without_fr
     assert refused.exit_code == 2 and "tickets.jsonl changed (column 'body')" in refused.output, refused.output
     assert "--fresh" in refused.output and forwards[0] == 0
 
-    rows[7]["body"] = json.loads(lines[7])["body"]  # the state as it was, the truth fixed
+    rows[7]["body"] = body  # the state as it was, the truth fixed
     _write_lines(data, rows)
     rerun = CliRunner().invoke(main, ["run", str(job), "-q"])
     assert rerun.exit_code == 0, rerun.output

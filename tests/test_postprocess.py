@@ -17,18 +17,6 @@ from tests.conftest import SAMPLE, write_job
 RAW = ["pair_id", "product_id", "p_Yes", "p_No", "label_mass", "logp_Yes", "logp_No", "status", "error"]
 
 
-@pytest.fixture
-def forwards():
-    """Counts every torch module forward in this process (the engines' and the audit's alike)."""
-    import torch
-
-    count = [0]
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: count.__setitem__(
-        0, count[0] + 1))
-    yield count
-    handle.remove()
-
-
 def _labelled(path, products=("P001", "P002", "P003")):
     """Sample rows with `relevant` (Yes when the query's number is the product's − 1) and `bad`
     (the same, with one value that is not a label)."""
