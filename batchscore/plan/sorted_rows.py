@@ -1,0 +1,109 @@
+"""Rows in lexicographic token order and their neighbours' common-prefix lengths, from one flat
+token array (the token store's, memory-mapped) without a Python object per row or per token.
+
+An MSD radix sort in numpy: rows are sorted on a key of their next few tokens packed into one
+uint64 (4 tokens of 16 bits when every id fits, else 2 of 32), then only the runs of rows whose
+keys tie are sorted again on the following tokens, read from the store, until no tie is left.
+A token is packed as id + 1 and a position past a row's end as 0, so a row that is a prefix of
+another sorts first and integer order is token order: the order equals `tree.lexicographic_order`
+(stable: duplicates keep input order). The common-prefix length of two neighbours falls out of
+the first word where their keys differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class FlatTokens:
+    """Prompts as one flat token array: row i is `tokens[offsets[i]:offsets[i + 1]]`."""
+
+    tokens: np.ndarray  # [T] int32 (a memmap is fine: only the rows' leading words are read)
+    offsets: np.ndarray  # [N + 1] int64
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    @classmethod
+    def from_arrays(cls, arrays) -> FlatTokens:
+        """From a list of token arrays (tests, small plans)."""
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        tokens = np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays]) if arrays else np.zeros(0, np.int32)
+        return cls(tokens, offsets)
+
+
+def _key_words(flat: FlatTokens, rows: np.ndarray, word: int, per_word: int, bits: int) -> np.ndarray:
+    """[len(rows)] uint64: tokens [word * per_word, (word + 1) * per_word) of each row, packed."""
+    starts = flat.offsets[rows]
+    lengths = flat.offsets[rows + 1] - starts
+    last = max(len(flat.tokens) - 1, 0)
+    key = np.zeros(len(rows), dtype=np.uint64)
+    for j in range(per_word):
+        at = word * per_word + j
+        inside = at < lengths
+        values = np.asarray(flat.tokens[np.minimum(starts + at, last)]).astype(np.uint64) + np.uint64(1)
+        key = (key << np.uint64(bits)) | np.where(inside, values, np.uint64(0))
+    return key
+
+
+def _equal_leading(x: np.ndarray, per_word: int, bits: int) -> np.ndarray:
+    """For x = a ^ b of two differing keys: how many leading tokens of the word are equal."""
+    mask = np.uint64((1 << bits) - 1)
+    count = np.zeros(len(x), dtype=np.int64)
+    still = np.ones(len(x), dtype=bool)
+    for j in range(per_word):
+        still &= ((x >> np.uint64(bits * (per_word - 1 - j))) & mask) == 0
+        count += still
+    return count
+
+
+def sort_rows(flat: FlatTokens, max_token: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, lcp): row indices in lexicographic token order, and lcp[k] the common prefix
+    length of sorted rows k-1 and k (lcp[0] = 0). Reads the tokens; changes nothing."""
+    n = len(flat)
+    lengths = flat.lengths
+    per_word, bits = (4, 16) if max_token < 0xFFFF else (2, 32)
+    order = np.arange(n, dtype=np.int64)
+    lcp = np.zeros(n, dtype=np.int64)
+    positions = np.arange(n, dtype=np.int64)  # sorted positions still tied with a neighbour
+    runs = np.zeros(n, dtype=np.int64)  # the first position of each one's tied run
+    word = 0
+    while len(positions) > 1:
+        rows = order[positions]
+        key = _key_words(flat, rows, word, per_word, bits)
+        # runs are contiguous and ascending: sorting by (run, key) reorders rows within runs only
+        perm = np.argsort(key, kind="stable") if word == 0 else np.lexsort((key, runs))
+        rows, key = rows[perm], key[perm]
+        order[positions] = rows
+        same_run = runs[1:] == runs[:-1]
+        equal = same_run & (key[1:] == key[:-1])
+        ended = lengths[rows] <= (word + 1) * per_word
+        differ = np.flatnonzero(same_run & ~equal)
+        lcp[positions[1:][differ]] = word * per_word + _equal_leading(key[1:][differ] ^ key[:-1][differ],
+                                                                      per_word, bits)
+        # a chain of equal keys stays tied while any of its rows goes on (all ended: duplicates)
+        chain = np.cumsum(~np.concatenate(([False], equal))) - 1
+        going_on = np.bincount(chain, weights=~ended) > 0
+        same = equal & ~going_on[chain[1:]]
+        duplicates = np.flatnonzero(same)
+        lcp[positions[1:][duplicates]] = lengths[rows[1:][duplicates]]
+        tied = equal & going_on[chain[1:]]
+        keep = np.zeros(len(positions), dtype=bool)
+        keep[1:] |= tied
+        keep[:-1] |= tied
+        starts = ~np.concatenate(([False], tied))
+        first = np.maximum.accumulate(np.where(starts, np.arange(len(positions)), 0))
+        positions, runs = positions[keep], positions[first][keep]
+        word += 1
+    return order, lcp

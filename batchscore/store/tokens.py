@@ -1,0 +1,263 @@
+"""The token store: a job's prompts tokenized once, on disk, memory-mapped.
+
+A folder (in the run's folder, beside the parts) holding, for every row that can be scored, in
+input order (a row's *position* in the store):
+
+    tokens.i32       every prompt's token ids, one flat int32 array
+    offsets.i64      [N + 1] row position i is tokens[offsets[i]:offsets[i + 1]]
+    row_ids.i64      [N] the input row of each position (rows with errors have none)
+    option_set.i32   [N] each row's options: an index into the option sets, -1 for none
+    option_sets.npz  the distinct option sets (labels, or each row's choices), packed
+    errors.jsonl     the rows that cannot be scored: {"row": row id, "error": message}
+    manifest.json    counts, the widest token id, and the content identity; written last,
+                     so a store without it is incomplete and is rebuilt
+
+Writing streams: a batch's rows are appended and forgotten, so building holds no Python object
+per row or per token beyond one input batch. Reading maps the arrays: a process's anonymous
+memory does not grow with the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from batchscore.io.atomic import atomic_write
+from batchscore.plan.options import OptionTokens
+from batchscore.plan.sorted_rows import FlatTokens
+from batchscore.plan.types import Request
+
+FORMAT = 1
+_FILES = ("tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "option_sets.npz", "errors.jsonl",
+          "manifest.json")
+
+
+def identity_digest(identity: dict) -> str:
+    """The store's content identity: a digest of what its tokens depend on (input, prompt,
+    labels, tokenizer, software), as canonical JSON."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class StoreWriter:
+    """Appends batches of rows to a new store in `folder` (anything there before is removed).
+
+    `add_requests` takes a batch's Requests; `add_flat` takes a batch already flat (arrays);
+    `add_errors` a batch's row errors. `close(num_input_rows)` writes the manifest; until then
+    the store is incomplete."""
+
+    def __init__(self, folder, identity: dict | None = None) -> None:
+        self.folder = Path(folder)
+        if self.folder.exists():
+            shutil.rmtree(self.folder)
+        self.folder.mkdir(parents=True)
+        self.identity = identity_digest(identity or {})
+        self._tokens = open(self.folder / "tokens.i32", "wb")
+        self._offsets = open(self.folder / "offsets.i64", "wb")
+        self._row_ids = open(self.folder / "row_ids.i64", "wb")
+        self._option_set = open(self.folder / "option_set.i32", "wb")
+        self._errors = open(self.folder / "errors.jsonl", "w", encoding="utf-8")
+        self._offsets.write(np.zeros(1, np.int64).tobytes())
+        self._total = 0
+        self.num_rows = 0
+        self.num_errors = 0
+        self.max_token = 0
+        self._sets: dict[tuple[bytes, bytes], int] = {}
+        self._set_list: list[OptionTokens] = []
+        self._last_row_id = -1
+
+    def _set_index(self, options: OptionTokens | None) -> int:
+        if options is None:
+            return -1
+        key = options.key()
+        index = self._sets.get(key)
+        if index is None:
+            index = self._sets[key] = len(self._set_list)
+            self._set_list.append(options)
+        return index
+
+    def add_requests(self, requests: Sequence[Request]) -> None:
+        """Append a batch of requests (in row id order); their arrays are not kept."""
+        if not requests:
+            return
+        row_ids = np.fromiter((r.row_id for r in requests), dtype=np.int64, count=len(requests))
+        lengths = np.fromiter((len(r.token_ids) for r in requests), dtype=np.int64, count=len(requests))
+        tokens = np.concatenate([r.token_ids for r in requests])
+        sets = np.fromiter((self._set_index(r.options) for r in requests), dtype=np.int32, count=len(requests))
+        self.add_flat(row_ids, tokens, lengths, sets)
+
+    def add_flat(self, row_ids: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, option_sets: np.ndarray,
+                 options: Sequence[OptionTokens] = ()) -> None:
+        """Append a batch given as arrays: `option_sets[i]` indexes `options` (-1: none)."""
+        if len(row_ids) == 0:
+            return
+        if int(row_ids[0]) <= self._last_row_id or (len(row_ids) > 1 and (np.diff(row_ids) <= 0).any()):
+            raise ValueError("rows must be added in increasing row id order")
+        if len(options):
+            remap = np.asarray([self._set_index(o) for o in options] + [-1], dtype=np.int32)
+            option_sets = remap[option_sets]  # -1 picks the last entry: -1
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        self._tokens.write(tokens.tobytes())
+        offsets = self._total + np.cumsum(lengths, dtype=np.int64)
+        self._offsets.write(offsets.tobytes())
+        self._row_ids.write(np.ascontiguousarray(row_ids, dtype=np.int64).tobytes())
+        self._option_set.write(np.ascontiguousarray(option_sets, dtype=np.int32).tobytes())
+        self._total = int(offsets[-1])
+        self.num_rows += len(row_ids)
+        if len(tokens):
+            self.max_token = max(self.max_token, int(tokens.max()))
+        self._last_row_id = int(row_ids[-1])
+
+    def add_errors(self, errors: dict[int, str] | Iterable[tuple[int, str]]) -> None:
+        """Append row errors (row id -> message)."""
+        items = errors.items() if isinstance(errors, dict) else errors
+        for row, message in items:
+            self._errors.write(json.dumps({"row": int(row), "error": message}) + "\n")
+            self.num_errors += 1
+
+    def close(self, num_input_rows: int, extra: dict | None = None) -> TokenStore:
+        """Finish the store (the manifest last) and open it for reading."""
+        for handle in (self._tokens, self._offsets, self._row_ids, self._option_set, self._errors):
+            handle.close()
+        tokens = [o.tokens for o in self._set_list]
+        offsets = [o.offsets for o in self._set_list]
+        np.savez(self.folder / "option_sets.npz",
+                 tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+                 offsets=np.concatenate(offsets) if offsets else np.zeros(0, np.int64),
+                 token_counts=np.asarray([len(t) for t in tokens], dtype=np.int64),
+                 option_counts=np.asarray([len(o) for o in offsets], dtype=np.int64))
+        manifest = {"format": FORMAT, "identity": self.identity, "num_rows": self.num_rows,
+                    "num_tokens": self._total, "num_errors": self.num_errors, "num_input_rows": int(num_input_rows),
+                    "max_token": self.max_token, **(extra or {})}
+        text = json.dumps(manifest, indent=1)
+        atomic_write(self.folder / "manifest.json", lambda tmp: Path(tmp).write_text(text))
+        return TokenStore.open(self.folder)
+
+
+def _map(path: Path, dtype, count: int) -> np.ndarray:
+    """A read-only memory map of `count` values (an empty file cannot be mapped)."""
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+class TokenStore:
+    """A finished store, memory-mapped (see the module docstring). Positions 0..num_rows-1 are
+    the scorable rows in input order; `row_ids[pos]` is the input row."""
+
+    def __init__(self, folder: Path, manifest: dict) -> None:
+        self.folder = Path(folder)
+        self.manifest = manifest
+        n, t = manifest["num_rows"], manifest["num_tokens"]
+        self.flat = FlatTokens(_map(self.folder / "tokens.i32", np.int32, t),
+                               _map(self.folder / "offsets.i64", np.int64, n + 1) if n else np.zeros(1, np.int64))
+        self.row_ids = _map(self.folder / "row_ids.i64", np.int64, n)
+        self.option_set = _map(self.folder / "option_set.i32", np.int32, n)
+        with np.load(self.folder / "option_sets.npz") as sets:
+            self._set_tokens = sets["tokens"]
+            self._set_offsets = sets["offsets"]
+            token_counts, option_counts = sets["token_counts"], sets["option_counts"]
+        self._token_starts = np.concatenate(([0], np.cumsum(token_counts))).astype(np.int64)
+        self._offset_starts = np.concatenate(([0], np.cumsum(option_counts))).astype(np.int64)
+        self._option_set_cache = lru_cache(maxsize=4096)(self._build_option_set)
+
+    @classmethod
+    def open(cls, folder) -> TokenStore:
+        """Open a finished store; raises FileNotFoundError when it is missing or incomplete."""
+        manifest_path = Path(folder) / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != FORMAT:
+            raise FileNotFoundError(f"{folder}: a token store of another format ({manifest.get('format')})")
+        return cls(Path(folder), manifest)
+
+    @classmethod
+    def reusable(cls, folder, identity: dict) -> TokenStore | None:
+        """The store in `folder` if it is complete and was built from the same content, else None."""
+        try:
+            store = cls.open(folder)
+        except (FileNotFoundError, ValueError, KeyError, OSError):
+            return None
+        return store if store.manifest.get("identity") == identity_digest(identity) else None
+
+    # ------------------------------------------------------------------ rows
+
+    @property
+    def num_rows(self) -> int:
+        """Rows that can be scored (the store's positions)."""
+        return self.manifest["num_rows"]
+
+    @property
+    def num_input_rows(self) -> int:
+        """Every input row, scorable or not."""
+        return self.manifest["num_input_rows"]
+
+    @property
+    def max_token(self) -> int:
+        return self.manifest["max_token"]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[N] int64 each position's prompt length (computed from the offsets: 8 bytes a row)."""
+        return self.flat.lengths
+
+    @property
+    def logical_tokens(self) -> int:
+        return self.manifest["num_tokens"]
+
+    def tokens_of(self, position: int) -> np.ndarray:
+        """Position's prompt token ids (a read-only int32 view of the map)."""
+        return self.flat.row(position)
+
+    def options_at(self, position: int) -> OptionTokens | None:
+        """Position's options (None: the job's one-token labels, shared by every row)."""
+        index = int(self.option_set[position])
+        return None if index < 0 else self._option_set_cache(index)
+
+    def _build_option_set(self, index: int) -> OptionTokens:
+        tokens = self._set_tokens[self._token_starts[index] : self._token_starts[index + 1]]
+        offsets = self._set_offsets[self._offset_starts[index] : self._offset_starts[index + 1]]
+        return OptionTokens(tokens, offsets)
+
+    def request(self, position: int) -> Request:
+        """Position as a Request (its tokens copied out of the map)."""
+        return Request(int(self.row_ids[position]), np.array(self.tokens_of(position)), self.options_at(position))
+
+    def requests(self, positions: Iterable[int] | None = None) -> list[Request]:
+        """Requests for `positions` (default: every row; small stores only)."""
+        return [self.request(p) for p in (range(self.num_rows) if positions is None else positions)]
+
+    @property
+    def errors(self) -> dict[int, str]:
+        """Row id -> why the row cannot be scored (read from the file on each call)."""
+        with open(self.folder / "errors.jsonl", encoding="utf-8") as lines:
+            return {entry["row"]: entry["error"] for entry in map(json.loads, lines)}
+
+    def option_counts(self) -> tuple[int, int]:
+        """(tokens plain forwards add for the rows' options, option positions computed), as
+        plan/options.option_token_counts counts them, without an object per row."""
+        sets = len(self._token_starts) - 1
+        if sets == 0 or self.num_rows == 0:
+            return 0, 0
+        token_counts = np.diff(self._token_starts)
+        option_counts = np.diff(self._offset_starts) - 1
+        extra_rows = token_counts - option_counts  # n - 1 per option of n tokens
+        index = np.asarray(self.option_set)
+        has = index >= 0
+        chosen = index[has]
+        lengths = self.lengths[has]
+        plain_extra = np.where(extra_rows[chosen] == 0, 0, (option_counts[chosen] - 1) * lengths + extra_rows[chosen])
+        return int(plain_extra.sum()), int(extra_rows[chosen].sum())
+
+    def remove(self) -> None:
+        """Delete the store's files."""
+        for name in _FILES:
+            try:
+                os.unlink(self.folder / name)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,99 @@
+"""The plan as metadata (plan/metadata.py) equals build_plan: the same groups, members, prefixes,
+order and statistics, on generated batches, the Table 3 workloads and the shipped jobs."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchscore.plan import PlanOptions, Request, build_plan
+from batchscore.plan.metadata import RequestRows, plan_rows
+from batchscore.plan.options import OptionTokens
+from batchscore.plan.sorted_rows import FlatTokens, sort_rows
+from batchscore.plan.tree import TokenTable, lexicographic_order, neighbour_lcp
+from batchscore.prepare.synthetic import WORKLOADS
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def assert_same_plan(requests, options):
+    """build_plan and the metadata plan of `requests` agree group by group, member by member."""
+    expected = build_plan(requests, options)
+    rows = RequestRows.from_requests(requests)
+    meta = plan_rows(rows, options)
+    got = meta.to_plan(rows)
+    timing = ("plan_seconds", "plan_cpu_seconds")
+    assert {k: v for k, v in got.stats.to_dict().items() if k not in timing} == \
+        {k: v for k, v in expected.stats.to_dict().items() if k not in timing}
+    assert len(got.groups) == len(expected.groups)
+    for mine, theirs in zip(got.groups, expected.groups):
+        assert mine.prefix.tolist() == theirs.prefix.tolist()
+        assert [m.row_id for m in mine.members] == [m.row_id for m in theirs.members]
+        assert all(a.suffix.tolist() == b.suffix.tolist() and a.options is b.options
+                   for a, b in zip(mine.members, theirs.members))
+        assert mine.processed_tokens == theirs.processed_tokens
+    assert meta.group_tokens.tolist() == [g.prefix_len + sum(len(m.suffix) for m in g.members) for g in got.groups]
+    return meta
+
+
+@st.composite
+def batches(draw):
+    """Prompts from a few shared stems plus short tails: duplicates, prefixes of others, and ids
+    that need 16 or 32 bits."""
+    high = draw(st.sampled_from([3, 70000]))
+    alphabet = st.integers(max(0, high - 4), high)
+    stems = draw(st.lists(st.lists(alphabet, min_size=0, max_size=14), min_size=1, max_size=4))
+    prompts = []
+    for _ in range(draw(st.integers(1, 30))):
+        stem = draw(st.sampled_from(stems))
+        cut = draw(st.integers(0, len(stem)))
+        prompt = stem[:cut] + draw(st.lists(alphabet, min_size=0, max_size=6))
+        prompts.append(prompt if prompt else [high])
+    return prompts
+
+
+metadata_options = st.builds(PlanOptions, min_prefix_tokens=st.integers(0, 5), block_size=st.integers(1, 4),
+                             order=st.sampled_from(["r_group", "input"]), enlarge=st.booleans())
+
+
+@SETTINGS
+@given(batches())
+def test_sort_and_lcp_equal_the_tree_builders(prompts):
+    arrays = [np.asarray(p, dtype=np.int32) for p in prompts]
+    table = TokenTable(arrays, np.asarray([len(a) for a in arrays]), max(int(a.max()) for a in arrays))
+    order = lexicographic_order(table)
+    order2, lcp2 = sort_rows(FlatTokens.from_arrays(arrays), table.max_token)
+    assert order2.tolist() == order
+    assert lcp2.tolist() == neighbour_lcp(table, order)
+
+
+@SETTINGS
+@given(batches(), metadata_options)
+def test_metadata_plan_equals_build_plan(prompts, options):
+    assert_same_plan([Request(10 + 3 * i, p) for i, p in enumerate(prompts)], options)
+
+
+def test_rows_with_options_keep_them_and_count_them():
+    rng = np.random.default_rng(5)
+    labels = OptionTokens.from_lists([[7, 8], [9]])
+    requests = [Request(i, np.concatenate([[1, 2, 3, 4] * 5, rng.integers(0, 50, 3)]),
+                        labels if i % 2 else OptionTokens.from_lists([[i % 7 + 1], [2, 3, 4]])) for i in range(40)]
+    meta = assert_same_plan(requests, PlanOptions(min_prefix_tokens=4, block_size=4))
+    assert meta.stats.option_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["table3_a", "table3_b", "microbench", "industry"])
+@pytest.mark.parametrize("options", [PlanOptions(), PlanOptions(block_size=16), PlanOptions(order="input"),
+                                     PlanOptions(enlarge=False, block_size=32)])
+def test_metadata_plan_on_the_generated_workloads(name, options):
+    params = {"industry": {"num_requests": 3000}}.get(name, {})
+    prompts = WORKLOADS[name](**params)
+    assert_same_plan([Request(i, p) for i, p in enumerate(prompts)], options)
+
+
+def test_srjf_is_build_plan_only_and_an_empty_row_is_named():
+    with pytest.raises(ValueError, match="srjf"):
+        plan_rows(RequestRows.from_requests([Request(0, [1])]), PlanOptions(order="srjf"))
+    rows = RequestRows(FlatTokens(np.asarray([1, 2], np.int32), np.asarray([0, 2, 2])), np.asarray([4, 9]), 2, [None] * 2)
+    with pytest.raises(Exception, match="row 9: empty"):
+        plan_rows(rows, PlanOptions())
