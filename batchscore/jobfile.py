@@ -85,6 +85,12 @@ def load_job(path: str | os.PathLike, overrides: dict[str, str] | None = None,
 
 def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code: bool = False) -> JobConfig:
     """Build and validate a JobConfig from plain data; raises JobConfigError listing all problems."""
+    from batchscore.io.readers import lone_surrogate_field
+
+    surrogate = lone_surrogate_field(raw)  # YAML and JSON can write one; no label, path or template can hold it
+    if surrogate is not None:
+        raise JobConfigError([f"{surrogate}: holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its "
+                              "pair), which is not text"], source)
     problems: list[str] = []
     config = _build(JobConfig, raw, "", problems)
     config.source = source

@@ -46,6 +46,9 @@ FIELD_NAMES = {"messages": "body.messages", "prompt": "body.prompt", "model": "b
 DECISION_URLS = ("/v1/systemone", "/v1/decisions")
 
 
+# the request columns a job keeps beside its results: each answer is shaped by its own request
+ANSWER_COLUMNS = ("url", "reply")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the Chat Completions API's message roles
 def openai_request(value: dict) -> tuple[dict, str | None]:
     """One OpenAI Batch request line as a row of OPENAI_BATCH_SCHEMA, and the problem that keeps
     it from being scored (None if it can be). The row keeps its custom_id even when it fails,
@@ -143,6 +146,9 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
 
 def _logprob(p: float, mass: float) -> float:
     """log P(label) before normalizing over the labels: the model's own log probability."""
+        if message["role"] not in CHAT_ROLES:  # a role is rendered into the prompt: text there forges turns
+            return [], (f"message {i}: role {_short_text(message['role'])} is not one of the API's roles "
+                        f"({', '.join(CHAT_ROLES)})")
     value = p * mass
     return max(math.log(value), MIN_LOGPROB) if value > 0 else MIN_LOGPROB
 

@@ -45,6 +45,19 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]):
     return path
 
 
+def refuse_link(path, what: str) -> None:
+    """Refuse a symbolic link planted where batchscore makes a file or folder of its own (an
+    output's lock, its parts folder): opened or filled through the link, it would overwrite or
+    fill whatever the link points to. Files written whole are safe without this: `atomic_write`
+    renames over the link itself. Raises OutputError (exit 6); an object store has no links."""
+    from batchscore.errors import OutputError
+
+    if is_remote(path) or not os.path.islink(path):
+        return
+    raise OutputError(f"{what} {path} is a symbolic link (to {os.readlink(path)}); batchscore does not write "
+                      "through a link at a path of its own: remove it and rerun")
+
+
 def _upload(path, write: Callable[[str], object]):
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

@@ -352,8 +352,7 @@ def jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema |
         raise InputError(f"{path}: cannot open ({exc})") from None
     with handle:
         for number, raw in enumerate(handle, start=1):
-            if number == 1 and raw.startswith(_UTF8_BOM):
-                raw = raw[len(_UTF8_BOM):]  # written by some Windows tools; not part of the row
+            raw = without_bom(raw, number)
             if not raw.strip():
                 continue  # blank lines are not rows
             if not rows:
@@ -378,6 +377,13 @@ def jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema |
 
 
 _UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def without_bom(raw: bytes, number: int) -> bytes:
+    """A JSON Lines file's line `number` (1-based) without the UTF-8 byte order mark some Windows
+    tools write at the start of a file: one rule for every reader of request lines (`run`'s
+    readers and `serve`'s own checks), so a file one accepts the other reads the same."""
+    return raw[len(_UTF8_BOM):] if number == 1 and raw.startswith(_UTF8_BOM) else raw
 
 # JSON can write a lone UTF-16 surrogate (`"\\ud83d"`): valid JSON, but not text that UTF-8 (Arrow,
 # Parquet, the tokenizer) can hold. Only a line with such an escape is searched for one.

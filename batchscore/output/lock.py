@@ -11,6 +11,7 @@ one that fits the output; both have `check()` (a lease can be lost; a flock cann
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -20,7 +21,10 @@ from pathlib import Path
 
 from batchscore.errors import OutputError, OutputLocked
 from batchscore.output.layout import RUN_WRITER, OutputFiles
+from batchscore.io.atomic import refuse_link
 from batchscore.output.lease import LeaseLock
+
+_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
 
 
 def OutputLock(files: OutputFiles, writer: str = RUN_WRITER):
@@ -54,11 +58,13 @@ class FileLock:
             raise OutputError(f"cannot create the output folder {self.path.parent}: {exc.strerror}") from None
         while True:
             try:
-                try:
-                    fd, self.created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
+                try:  # O_NOFOLLOW: a link planted at the lock's path is refused, never written through
+                    fd, self.created = os.open(self.path, _FLAGS | os.O_EXCL, 0o666), True
                 except FileExistsError:
-                    fd, self.created = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666), False
+                    fd, self.created = os.open(self.path, _FLAGS, 0o666), False
             except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    refuse_link(self.path, "the lock file")
                 raise OutputError(f"cannot create the lock file {self.path}: {exc.strerror} "
                                   "(is the output folder writable?)") from None
             try:

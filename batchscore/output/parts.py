@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from batchscore.errors import ResumeMismatch
 from batchscore.faults import fault_point
-from batchscore.io.atomic import atomic_write
+from batchscore.io.atomic import atomic_write, refuse_link
 from batchscore.io.storage import file_size, list_files, remove_file, remove_tree
 from batchscore.output.identity import describe_changes
 from batchscore.output.layout import RUN_WRITER, OutputFiles
@@ -189,6 +189,7 @@ class PartStore:
         output never needs to tokenize the input again.
         The caller holds the output's lock.
         """
+        refuse_link(self.folder, "the parts folder")  # its parts would be written into the linked folder
         existing, stale = (None, None) if fresh else self._read_manifest()
         if fresh:
             self._remove_own_files()

@@ -3,6 +3,8 @@ objects, statuses, list pagination and `{"error": {message, type, param, code}}`
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 from fastapi import FastAPI, File, Form, Request, UploadFile
@@ -12,8 +14,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchscore.errors import APIError
 from batchscore.formats.openai_batch import CHAT_URLS, DECISION_URLS
+from batchscore.io.readers import lone_surrogate_field
 from batchscore.serve.auth import authorized
-from batchscore.serve.requests import metadata_labels
+from batchscore.serve.requests import SURROGATE, metadata_labels
 from batchscore.serve.store import Store, new_id, now
 from batchscore.serve.worker import Worker, stage_input
 
@@ -30,7 +33,8 @@ class Limits:
 
 
 def create_app(store: Store, worker: Worker, key: str | None, model: str, limits: Limits) -> FastAPI:
-    app = FastAPI(title="batchscore", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="batchscore", docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=EncodableJSON)
 
     @app.middleware("http")
     async def require_key(request: Request, call_next):
@@ -153,8 +157,19 @@ def create_app(store: Store, worker: Worker, key: str | None, model: str, limits
     return app
 
 
+class EncodableJSON(JSONResponse):
+    """A JSON answer that can always be sent: UTF-8 where its text allows, else ASCII escapes (a
+    lone UTF-16 surrogate a client sent and a message echoes has no UTF-8)."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return EncodableJSON(exc.body(), status_code=exc.status)
 
 
 def _too_large(limits: Limits) -> APIError:
@@ -169,6 +184,9 @@ async def _json_object(request: Request) -> dict:
         raise APIError(400, "the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    field = lone_surrogate_field(body)  # JSON can escape one; no store, file or answer can hold it
+    if field is not None:
+        raise APIError(400, f"{field}: {SURROGATE}", param=re.split(r"[.\[ ]", field)[0], code="invalid_value")
     return body
 
 

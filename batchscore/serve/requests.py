@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from batchscore.formats.openai_batch import CHAT_URLS
+from batchscore.io.readers import lone_surrogate_field, without_bom
 
 LABELS_KEY = "labels"  # batch metadata key: a JSON list of label texts, in a string value
 TOKEN_IDS_KEY = "logprob_token_ids"  # a request's own labels, as vLLM takes them: token ids
@@ -51,7 +52,12 @@ def metadata_labels(metadata: dict | None) -> list[str] | None:
     if (not isinstance(labels, list) or len(labels) < 2 or len(set(labels)) != len(labels)
             or not all(isinstance(x, str) and x for x in labels)):
         raise ValueError(f"metadata.{LABELS_KEY}: must list two or more distinct non-empty label texts")
+    if lone_surrogate_field(labels) is not None:
+        raise ValueError(f"metadata.{LABELS_KEY}: {SURROGATE}")
     return labels
+
+
+SURROGATE = "holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair), which is not text"
 
 
 def sort_lines(path: Path, shown_as: str, endpoint: str, model: str, labels: list[str] | None,
@@ -64,6 +70,7 @@ def sort_lines(path: Path, shown_as: str, endpoint: str, model: str, labels: lis
     jobs: dict[tuple | None, JobLines] = {}
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
+            raw = without_bom(raw, number)  # as `batchscore run` reads the file (io/readers.py)
             if not raw.strip():
                 continue
             out.total += 1
@@ -105,6 +112,8 @@ def _check_line(raw: bytes, endpoint: str, model: str, labels: list[str] | None,
     custom_id = value.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return None, "custom_id: missing or not a string", None
+    if lone_surrogate_field(custom_id) is not None:  # answered under it (escaped), never run
+        return custom_id, f"custom_id: {SURROGATE}", None
     url = value.get("url")
     if url != endpoint:
         return custom_id, f"url: {json.dumps(url)[:80]} is not this batch's endpoint {endpoint!r}", None
@@ -130,13 +139,13 @@ def _check_line(raw: bytes, endpoint: str, model: str, labels: list[str] | None,
 
 
 def error_line(custom_id: str | None, message: str, number: int) -> str:
-    """One error-file line, shaped as the job's own error lines (formats/openai_batch.py)."""
+    """One error-file line, shaped as the job's own error lines (formats/openai_batch.py). ASCII
+    JSON: whatever the client sent (a lone surrogate in its custom_id), the line can be written."""
     key = f"line{number}"
     response = {"status_code": 400, "request_id": key,
                 "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,
                                    "code": "invalid_request"}}}
-    return json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response, "error": None},
-                      ensure_ascii=False)
+    return json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response, "error": None})
 
 
 def write_job_input(source: Path, target: Path, lines: set[int]) -> None:

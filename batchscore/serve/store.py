@@ -42,6 +42,7 @@ class Store:
                          "id TEXT UNIQUE NOT NULL, object TEXT NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                          "id TEXT UNIQUE NOT NULL, status TEXT NOT NULL, object TEXT NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS failures (id TEXT PRIMARY KEY, attempts INTEGER NOT NULL)")
 
     # --- files ------------------------------------------------------------------------------
 
@@ -127,6 +128,13 @@ class Store:
                                         (cursor[0], limit + 1)).fetchall()
         items = [json.loads(r[0]) for r in rows]
         return items[:limit], len(items) > limit
+
+    def count_failure(self, batch_id: str) -> int:
+        """Record one more unexpected failure of the worker on a batch; returns how many so far."""
+        with self._lock:
+            self._db.execute("INSERT INTO failures (id, attempts) VALUES (?, 1) "
+                             "ON CONFLICT(id) DO UPDATE SET attempts = attempts + 1", (batch_id,))
+            return self._db.execute("SELECT attempts FROM failures WHERE id = ?", (batch_id,)).fetchone()[0]
 
     def batches_in(self, statuses: tuple[str, ...]) -> list[dict]:
         """Batches in any of `statuses`, oldest first (the queue's order)."""

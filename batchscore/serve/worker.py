@@ -42,6 +42,7 @@ from batchscore.serve.token_labels import TokenLabels
 log = logging.getLogger(__name__)
 
 LOCK_RETRY_S = 2.0  # a run still saving (a server killed a moment ago) holds the output's lock
+MAX_ATTEMPTS = 3  # a batch the worker fails on this often (an unexpected error, restarts included) is failed
 
 
 @dataclass
@@ -50,6 +51,7 @@ class WorkerSettings:
     sets: list[str] = field(default_factory=list)  # `--set KEY=VALUE` for every job, as `batchscore run` takes them
     max_requests: int = 50_000
     poll_s: float = 0.5
+    retry_s: float = 5.0  # the pause after an unexpected error in a batch, before its next attempt
 
 
 class Worker:
@@ -81,20 +83,40 @@ class Worker:
         while not self._stop.is_set():
             try:
                 batch = self._next()
-                if batch is not None:
-                    self._process(batch)
-                    continue
-            except Exception:  # a bug in one batch must not stop the queue; the batch stays where it was
-                log.exception("worker: unexpected error")
-                self._stop.wait(5)
+            except Exception:  # the store itself failed: wait, then look again
+                log.exception("worker: reading the queue")
+                self._stop.wait(self.settings.retry_s)
+                continue
+            if batch is not None:
+                self._guarded(batch, self._process)
+                continue
             self._wake.wait(self.settings.poll_s)
             self._wake.clear()
+
+    def _guarded(self, batch: dict, step) -> None:
+        """`step(batch)`, where an unexpected error (a bug, something a client sent that nothing
+        foresaw) costs that batch one of its MAX_ATTEMPTS, counted in the store across restarts:
+        then the batch is failed, so one batch can never hold the queue."""
+        try:
+            step(batch)
+        except Exception as exc:
+            log.exception("worker: batch %s: unexpected error", batch["id"])
+            attempts = self.store.count_failure(batch["id"])
+            if attempts < MAX_ATTEMPTS:
+                self._stop.wait(self.settings.retry_s)
+                return
+            message = (f"the server failed on this batch {attempts} times ({type(exc).__name__}; its log says "
+                       "where); it is not retried")
+            self.store.update_batch(batch["id"], only_from=("validating", "in_progress", "finalizing", "cancelling"),
+                                    status="failed", errors={"object": "list", "data": [
+                                        {"code": "internal_error", "message": message, "param": None,
+                                         "line": None}]})
 
     def _next(self) -> dict | None:
         """Settle what needs no run (cancels of batches not running, expiries), then the batch to
         run: one already started first (a restart), else the oldest queued."""
         for batch in self.store.batches_in(("cancelling",)):
-            self._cancel(batch)
+            self._guarded(batch, self._cancel)
         for batch in self.store.batches_in(("validating",)):
             if batch["expires_at"] is not None and now() >= batch["expires_at"]:
                 self.store.update_batch(batch["id"], only_from=("validating",), status="expired")
@@ -304,7 +326,7 @@ class Worker:
         return {"output_file_id": output_id, "error_file_id": error_id}
 
     def _result_file(self, path: Path, lines: list[str], filename: str, file_id: str) -> str:
-        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        path.write_text("".join(_encodable(line) + "\n" for line in lines), encoding="utf-8")
         return self.store.add_file(path, filename, "batch_output", file_id=file_id)["id"]
 
 
@@ -321,6 +343,16 @@ def stage_input(store: Store, batch_id: str, file_id: str) -> None:
     except OSError:
         shutil.copyfile(source, work / "input.jsonl")
     (work / "filename").write_text(safe_name(store.file(file_id)["filename"]), encoding="utf-8")
+
+
+def _encodable(line: str) -> str:
+    """A result line as UTF-8 can write it: as it is, or (a lone surrogate a client sent) as
+    ASCII JSON, the same value with its non-ASCII characters escaped."""
+    try:
+        line.encode("utf-8")
+        return line
+    except UnicodeEncodeError:
+        return json.dumps(json.loads(line))
 
 
 def _counts(total: int, done: Counter) -> dict:
