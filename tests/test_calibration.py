@@ -257,6 +257,33 @@ def test_per_row_choices_get_temperature_scaled_and_choice_follows():
     assert cal["after"]["nll"] < cal["before"]["nll"]
 
 
+def test_a_calibration_that_worsens_its_evaluation_rows_keeps_the_raw_labels(caplog):
+    """Every true label is Yes and the model leans Yes: Batch Calibration removes that lean and the
+    evaluation rows get worse in log-loss. label, confidence and review stay on the raw
+    probabilities; p_cal_<label> is still written; the warning gives both log-losses."""
+    from batchscore.scores.quality import add_quality_columns
+
+    rng = np.random.default_rng(5)
+    yes = np.clip(rng.normal(0.75, 0.1, 60), 0.3, 0.99)
+    columns = {"p_Yes": pa.array(yes), "p_No": pa.array(1 - yes),
+               "label": pa.array(np.where(yes >= 0.5, "Yes", "No")), "label_mass": pa.array(np.full(60, 0.9))}
+    config = config_from_dict(_job(score={"calibrate": "batch"}, calibrate={"truth_column": "relevant"},
+                                   output={"review": {"max_error": 0.2, "confidence": 0.9}}))
+    with caplog.at_level("WARNING", logger="batchscore"):
+        out, result = add_quality_columns(config, columns, np.ones(60, dtype=bool), pa.table({"relevant": ["Yes"] * 60}),
+                                          pa.array(range(60)))
+    cal = result.calibration
+    assert cal["applied"] is False and cal["after"]["nll"] > cal["before"]["nll"]
+    assert out["label"].to_pylist() == columns["label"].to_pylist()  # raw kept
+    raw = np.log(np.column_stack([yes, 1 - yes]))
+    expected = np.exp(raw - raw.mean(axis=0)) / np.exp(raw - raw.mean(axis=0)).sum(axis=1, keepdims=True)
+    assert np.column_stack([out["p_cal_Yes"], out["p_cal_No"]]) == pytest.approx(expected, abs=1e-9)
+    assert out["confidence"].to_numpy() == pytest.approx(np.maximum(yes, 1 - yes))  # over the raw probabilities
+    warned = [r.getMessage() for r in caplog.records if "worse in log-loss" in r.getMessage()]
+    assert len(warned) == 1 and f"before {cal['before']['nll']:.4f}, after {cal['after']['nll']:.4f}" in warned[0]
+    assert warned[0] in cal["warnings"]
+
+
 # ---------------------------------------------------------------------------- real runs
 
 
@@ -293,13 +320,16 @@ def test_batch_run_writes_calibrated_columns_and_the_summary(batch_run):
     bias = raw.mean(axis=0)  # Batch Calibration by hand, from the written raw probabilities
     expected = np.exp(raw - bias) / np.exp(raw - bias).sum(axis=1, keepdims=True)
     assert out[["p_cal_Yes", "p_cal_No"]].to_numpy() == pytest.approx(expected, abs=1e-9)
-    assert (out["label"] == np.where(expected[:, 0] >= expected[:, 1], "Yes", "No")).all()  # label follows p_cal
-    assert out["confidence"].to_numpy() == pytest.approx(expected.max(axis=1))  # score.confidence top
-
     cal = summary.quality.calibration
+    # label follows p_cal, unless the calibration made the evaluation rows worse in log-loss
+    assert cal["applied"] == (cal["after"]["nll"] <= cal["before"]["nll"])
+    follows = expected if cal["applied"] else np.exp(raw)
+    assert (out["label"] == np.where(follows[:, 0] >= follows[:, 1], "Yes", "No")).all()
+    assert out["confidence"].to_numpy() == pytest.approx(follows.max(axis=1))  # score.confidence top
+
     assert cal["method"] == "batch" and cal["params"]["bias"] == pytest.approx(bias, abs=1e-9)
     assert cal["labeled_rows"] == cal["eval_rows"] == 40 and cal["fit_rows"] == 0  # nothing fitted: all evaluate
-    assert cal["label_counts"]["calibrated"]["Yes"] == int((out["label"] == "Yes").sum())
+    assert cal["label_counts"]["calibrated"]["Yes"] == int((expected[:, 0] >= expected[:, 1]).sum())
     assert cal["before"]["rows"] == 40 and cal["after"]["ece"] is not None
     assert summary.quality.confidence_method == "top"
     stored = recorded_summary(OutputFiles(str(folder / "out.parquet")))  # the completion marker keeps it

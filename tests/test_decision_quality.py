@@ -150,6 +150,33 @@ def test_review_meets_the_budget_per_question_on_held_out_records():
     assert set(column_types(config, questions())) == {f"{k}.needs_review" for k in QUESTIONS}
 
 
+def test_a_calibration_that_worsens_its_evaluation_records_is_not_applied(caplog):
+    """Batch Calibration assumes every answer about equally common; here every true team is billing
+    and the model says so: removing the mean makes the evaluation records worse in log-loss. The
+    team's choice stays raw, its p_cal columns are still written, and the warning names the
+    question and both log-losses."""
+    rng = np.random.default_rng(3)
+    rows = 40
+    team = np.log(softmax(np.column_stack([rng.normal(3.0, 0.5, rows), rng.normal(size=(rows, 3))])) * 0.9)
+    logits = {**made_up(rows), "team": team}
+    kept = pa.table({"t_team": ["billing"] * rows})
+    config = config_from_dict(job(score={"calibrate": "batch"}, calibrate={"truth_columns": {"team": "t_team"}}))
+    with caplog.at_level("WARNING", logger="batchscore"):
+        columns, follow, result = add_question_quality(config, questions(), answers_from(logits), kept,
+                                                        pa.array(range(rows)))
+    info = result.calibration["questions"]["team"]
+    assert info["applied"] is False and info["after"]["nll"] > info["before"]["nll"]
+    assert "team.choice" not in follow  # the writer keeps the raw choice (billing for every record)
+    cal = np.column_stack([columns[f"team.p_cal.{o}"] for o in questions()[0].options])
+    np.testing.assert_allclose(cal, softmax(np.log(softmax(team)) - np.log(softmax(team)).mean(axis=0)), atol=1e-9)
+    warned = [r.getMessage() for r in caplog.records if "worse in log-loss" in r.getMessage()]
+    assert len(warned) == 1 and "question 'team'" in warned[0]
+    assert f"before {info['before']['nll']:.4f}, after {info['after']['nll']:.4f}" in warned[0]
+    assert warned[0] in info["warnings"]
+    # the questions without a truth column have no evaluation records to judge by: calibrated as asked
+    assert result.calibration["questions"]["mood"]["applied"] is True
+
+
 @pytest.mark.parametrize("key, value, index", [
     ("team", "shipping", 1), ("team", " other ", 3), ("team", "Shipping", None),
     ("refund", True, 0), ("refund", "no", 1), ("refund", "YES", 0), ("refund", 0, 1), ("refund", "maybe", None),
@@ -242,8 +269,12 @@ def test_a_real_run_writes_batch_calibrated_columns_of_its_own_raw_columns(batch
         assert summary["out_of_scope"]["questions"][key]["auto"] is True
         assert sum(table[f"{key}.out_of_scope"]) == summary["out_of_scope"]["questions"][key]["rows"]
     team = questions()[0]
-    cal = np.column_stack([table[f"team.p_cal.{o}"] for o in team.options])
-    assert table["team.choice"] == [team.options[i] for i in cal.argmax(axis=1)]
+    applied = summary["calibration"]["questions"]["team"]["applied"]
+    # the choice follows the calibration unless it made the evaluation records worse in log-loss
+    follows = np.column_stack([table[f"team.{'p_cal' if applied else 'p'}.{o}"] for o in team.options])
+    assert table["team.choice"] == [team.options[i] for i in follows.argmax(axis=1)]
+    assert applied == (summary["calibration"]["questions"]["team"]["after"]["nll"]
+                       <= summary["calibration"]["questions"]["team"]["before"]["nll"])
 
 
 def test_the_report_of_a_real_run_reads_each_question_and_its_calibration(batch_run):

@@ -50,7 +50,7 @@ def _render(current: ScoredOutput, previous: ScoredOutput | None, run: RunSummar
         quality_html.prevalence_section(quality.prevalence(current, assessed)),
         quality_html.audit_section(run),
         _label_section(summary),
-        _probability_section(current),
+        _probability_section(current, _calibration_applied(run)),
         _mass_section(current),
         _errors_section(current),
         _throughput_section(current, run, metrics_note),
@@ -87,10 +87,17 @@ def _label_section(summary: stats.Summary) -> str:
                     _table(["label", "rows", "share of ok rows"], rows), _img(fig, "label distribution"))
 
 
-def _probability_section(current: ScoredOutput) -> str:
+def _calibration_applied(run: RunSummary | None) -> bool:
+    """False when the run wrote p_cal_<label> columns but kept the labels raw: the calibration made
+    its evaluation rows worse (scores/quality.worse_warning)."""
+    return ((run.quality.calibration if run else None) or {}).get("applied", True) is not False
+
+
+def _probability_section(current: ScoredOutput, applied: bool = True) -> str:
     # the answers follow the calibrated probabilities where the run calibrated: show those
-    shown = current.calibrated if current.calibrated else current.probs
-    name = "P_cal" if current.calibrated else "P"
+    follows = bool(current.calibrated) and applied
+    shown = current.calibrated if follows else current.probs
+    name = "P_cal" if follows else "P"
     dists = {label: stats.distribution(shown[label]) for label in current.labels}
     rows = [(f"{name}({label})", _num(d.mean), _num(d.quantiles.get("p10")), _num(d.quantiles.get("p50")),
              _num(d.quantiles.get("p90"))) for label, d in dists.items()]
@@ -106,11 +113,14 @@ def _probability_section(current: ScoredOutput) -> str:
         ax.bar(centers, dists[label].counts, width=0.05, color=COLORS[k % len(COLORS)], edgecolor="white")
         ax.set_xlim(0, 1)
         ax.set_title(f"{name}({label})", fontsize=9)
-        ax.set_xlabel("calibrated probability (p_cal_<label>, which label follows)" if current.calibrated
+        ax.set_xlabel("calibrated probability (p_cal_<label>, which label follows)" if follows
                       else "probability (normalized over the labels)", fontsize=8)
         ax.set_ylabel("rows", fontsize=8)
     note = ("The output is calibrated: these are the p_cal_<label> columns, which label follows; the raw "
-            "p_<label> columns are in the quality section's tables." if current.calibrated else None)
+            "p_<label> columns are in the quality section's tables." if follows else
+            "The calibration made its evaluation rows worse in log-loss, so label follows these raw "
+            "probabilities; the p_cal_<label> columns are written for inspection only." if current.calibrated
+            else None)
     return _section("probabilities", f"{name}(label) per label",
                     _table(["column", "mean", "10th pct", "median", "90th pct"], rows, note=note),
                     _img(fig, f"{name}(label) histograms"))

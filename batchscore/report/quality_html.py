@@ -86,6 +86,9 @@ def _held_out(summary: RunSummary | None) -> str | None:
     if after:
         text += (f" before calibration ({calibration.get('method')}), ECE {page.num(after.get('ece'), 4)}, "
                  f"Brier {page.num(after.get('brier'), 4)} after")
+    if calibration.get("applied") is False:
+        text += (f" — worse in log-loss ({page.num(before.get('nll'), 4)} → {page.num((after or {}).get('nll'), 4)}), "
+                 "so the calibration was not applied: label follows the raw p_<label>")
     fit = calibration.get("fit_rows") or 0
     split = (f" The {fit:,} fit rows are a seeded draw of the {calibration.get('labeled_rows', 0):,} labeled rows "
              f"(calibrate.seed {calibration.get('seed')}, holdout_fraction {calibration.get('holdout_fraction')}); "

@@ -2,7 +2,8 @@
 row's scores exist (`runner.assemble_output`, right after `scores.score_columns`).
 
 - `score.calibrate`: `p_cal_<label>` (`p_cal_choices`) beside the raw `p_<label>`; `label`
-  (`choice`, `choice_index`) then follows the calibrated probabilities.
+  (`choice`, `choice_index`) then follows the calibrated probabilities — unless the calibration
+  made its own evaluation rows worse in log-loss (`worse_warning`): then the answers stay raw.
 - `score.confidence`: the `confidence` column (over the calibrated probabilities when calibrated).
 - `output.review`: `needs_review`, true below the threshold chosen on the evaluation rows.
 - `output.out_of_scope`: `out_of_scope`, true where label_mass is below the floor.
@@ -159,12 +160,18 @@ def add_quality_columns(config, columns: dict[str, pa.Array], ok: np.ndarray, ke
     if method != "none":
         params, info["source"] = _params(config, method, log_p, ok, truth, fit_rows, labels, content_free)
         info["params"] = params
-        final_p, info["after"] = calibrate_rows(method, params, log_p, ok, truth, eval_rows)
-        columns = _with_calibrated(columns, final_p, num_options, ok, labels, choices)
+        cal_p, info["after"] = calibrate_rows(method, params, log_p, ok, truth, eval_rows)
+        worse = worse_warning(method, info["before"], info["after"])
+        info["applied"] = worse is None
+        if worse is None:
+            final_p = cal_p
+        columns = _with_calibrated(columns, cal_p, num_options, ok, labels, choices, follow=worse is None)
         if labels is not None:
-            info["label_counts"] = {"raw": _counts(p, ok, labels), "calibrated": _counts(final_p, ok, labels)}
+            info["label_counts"] = {"raw": _counts(p, ok, labels), "calibrated": _counts(cal_p, ok, labels)}
         if method == "batch" and labels is not None:
-            info["warnings"] = batch_warnings(p, final_p, ok, labels)
+            info["warnings"] = batch_warnings(p, cal_p, ok, labels)
+        if worse is not None:
+            info["warnings"] = [*info.get("warnings", []), worse]
     if method != "none" or config.calibrate.truth_column is not None:
         result.calibration = info
     conf = review.confidence(np.nan_to_num(final_p, nan=0.0), num_options, mass, config.score.confidence)
@@ -189,6 +196,25 @@ def calibrate_rows(method: str, params: dict, log_p: np.ndarray, ok: np.ndarray,
     cal[ok] = calibration.apply(method, log_p[ok], params)
     after = calibration.measures(cal[eval_rows], truth[eval_rows]) if len(eval_rows) else None
     return np.where(ok[:, None], np.exp(cal), np.nan), after
+
+
+def worse_warning(method: str, before: dict | None, after: dict | None, what: str = "") -> str | None:
+    """None when the calibration may be applied; else why not (logged): it made its own evaluation
+    rows worse in log-loss (mean −log P(true label)). Such a calibration is not applied to the
+    answers — label (choice), confidence and review stay on the raw probabilities — though its
+    p_cal columns are still written, so it can be inspected. Without evaluation rows there is
+    nothing to judge by, and the calibration is applied."""
+    if not before or not after or before.get("nll") is None or after.get("nll") is None:
+        return None
+    if not after["nll"] > before["nll"]:
+        return None
+    where = f"{what}: " if what else ""
+    text = (f"{where}score.calibrate {method} made its {before['rows']} evaluation rows worse in log-loss "
+            f"(before {before['nll']:.4f}, after {after['nll']:.4f}; accuracy {before['accuracy']:.3f} → "
+            f"{after['accuracy']:.3f}), so it is not applied: the answers stay on the raw probabilities "
+            "(the calibrated ones are still written); label more rows, or try another method")
+    log.warning("%s", text)
+    return text
 
 
 def batch_warnings(p: np.ndarray, cal: np.ndarray, ok: np.ndarray, options: list[str], what: str = "") -> list[str]:
@@ -309,21 +335,25 @@ def _params(config, method: str, log_p: np.ndarray, ok: np.ndarray, truth: np.nd
 
 
 def _with_calibrated(columns: dict[str, pa.Array], p: np.ndarray, num_options: np.ndarray, ok: np.ndarray,
-                     labels: list[str] | None, choices: list | None) -> dict[str, pa.Array]:
-    """The columns with the calibrated probabilities added and the chosen label (or choice)
-    following them (the first of equal probabilities, as `score_columns` chooses)."""
+                     labels: list[str] | None, choices: list | None, follow: bool = True) -> dict[str, pa.Array]:
+    """The columns with the calibrated probabilities added and, when `follow`, the chosen label
+    (or choice) following them (the first of equal probabilities, as `score_columns` chooses)."""
     columns = dict(columns)
     mask = ~ok
     best = np.argmax(np.where(padding(num_options, p.shape[1]), -np.inf, np.nan_to_num(p, nan=-np.inf)), axis=1)
     if labels is not None:
         for i, label in enumerate(labels):
             columns[layout.calibrated_column(label)] = pa.array(p[:, i], mask=mask, type=pa.float64())
-        columns[layout.LABEL] = pa.array([labels[b] if good else None for b, good in zip(best, ok)], type=pa.string())
+        if follow:
+            columns[layout.LABEL] = pa.array([labels[b] if good else None for b, good in zip(best, ok)],
+                                             type=pa.string())
         return columns
     offsets = pa.array(np.concatenate(([0], np.cumsum(num_options))).astype(np.int32))
     flat = p[~padding(num_options, p.shape[1])]
     lists = pa.ListArray.from_arrays(offsets, pa.array(flat, type=pa.float64()))
     columns[layout.P_CAL_CHOICES] = pc.if_else(pa.array(ok), lists, pa.scalar(None, lists.type))
+    if not follow:
+        return columns
     columns[layout.CHOICE] = pa.array([choices[i][b] if good else None for i, (b, good) in enumerate(zip(best, ok))],
                                       type=pa.string())
     columns[layout.CHOICE_INDEX] = pa.array(best, mask=mask, type=pa.int64())

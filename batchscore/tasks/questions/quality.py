@@ -8,7 +8,9 @@ labeled records (a non-null value in `calibrate.truth_columns.<id>`) are split b
 from `calibrate.from`), and the measures and the review threshold use the evaluation records.
 
 Columns per question `<id>` (after all the questions' own columns): `<id>.p_cal.<option>` with
-`score.calibrate` (and `<id>.choice` follows them); `<id>.needs_review` with `output.review`
+`score.calibrate` (and `<id>.choice` follows them, unless the calibration made the question's
+evaluation records worse in log-loss: then it stays raw, with a warning naming the question);
+`<id>.needs_review` with `output.review`
 (over `score.confidence`'s definition of the calibrated probabilities; `<id>.confidence` stays
 TypeSafe's, as the formats define it); `<id>.out_of_scope` with `output.out_of_scope`.
 """
@@ -25,7 +27,7 @@ from batchscore.errors import CalibrationError
 from batchscore.scores import calibration, review
 from batchscore.tasks.questions.answers import QuestionAnswer
 from batchscore.scores.quality import (SHOWN, QualityResult, batch_warnings, calibrate_rows, out_of_scope_column,
-                                       review_column, split_labeled, wanted as quality_wanted)
+                                       review_column, split_labeled, wanted as quality_wanted, worse_warning)
 from batchscore.tasks.questions.columns import CHOICE, NEEDS_REVIEW, OUT_OF_SCOPE, P_CAL
 from batchscore.tasks.questions.columns import column as question_column
 from batchscore.tasks.questions.requests import parse_systemone
@@ -131,12 +133,18 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
         elif method != "none":
             params, info["source"] = _params(config, question, method, log_p, ok, truth, fit_rows, previous)
             info["params"] = params
-            final_p, info["after"] = calibrate_rows(method, params, log_p, ok, truth, eval_rows)
+            cal_p, info["after"] = calibrate_rows(method, params, log_p, ok, truth, eval_rows)
+            worse = worse_warning(method, info["before"], info["after"], f"question {q!r}")
+            info["applied"] = worse is None
+            if worse is None:
+                final_p = cal_p
             if method == "batch":
-                info["warnings"] = batch_warnings(p, final_p, ok, list(question.options), f"question {q!r}")
+                info["warnings"] = batch_warnings(p, cal_p, ok, list(question.options), f"question {q!r}")
+            if worse is not None:
+                info["warnings"] = [*info.get("warnings", []), worse]
             for i, option in enumerate(question.options):
-                columns[question_column(q, P_CAL, option)] = [float(v) if good else None for v, good in zip(final_p[:, i], ok)]
-            if question.type == "choice":
+                columns[question_column(q, P_CAL, option)] = [float(v) if good else None for v, good in zip(cal_p[:, i], ok)]
+            if question.type == "choice" and worse is None:
                 best = np.argmax(np.nan_to_num(final_p, nan=-np.inf), axis=1)
                 choices[question_column(q, CHOICE)] = [question.options[b] if good else None for b, good in zip(best, ok)]
         info["calibrated"] = method != "none" and bool(info["params"])

@@ -15,6 +15,7 @@ import json
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -53,10 +54,12 @@ class QuestionReport:
         return self.records - self.answered - self.whole
 
 
-def read_questions(table) -> list[QuestionReport]:
-    """Each question's report from the output table."""
+def read_questions(table, raw: Sequence[str] = ()) -> list[QuestionReport]:
+    """Each question's report from the output table. `raw`: the questions whose calibration was
+    not applied (it made their evaluation records worse): their answers are read from the raw
+    probabilities, not their `<id>.p_cal.…` columns."""
     keys = question_keys(table.column_names)
-    names = set(table.column_names)
+    names = {n for n in table.column_names if not any(is_question_column(n, key, P_CAL) for key in raw)}
     wanted = [n for n in table.column_names if n == "error" or any(is_question_column(n, key) for key in keys)]
     values = {name: table.column(name).to_pylist() for name in wanted}  # not the kept input columns
     reports = []
@@ -129,8 +132,9 @@ def render_questions(path: Path, output, summary: RunSummary | None, metrics_not
     """The whole HTML document for a questions output (`output`: its table)."""
     from matplotlib import rc_context
 
-    questions = read_questions(output)
     calibration = ((summary.quality.calibration if summary else None) or {}).get("questions") or {}
+    questions = read_questions(output, [key for key, info in calibration.items()
+                                        if isinstance(info, dict) and info.get("applied") is False])
     levels = _score_levels(output, summary)
     with rc_context(PLAIN_TEXT):
         sections = [_overview(output, questions, calibration, metrics_note)]
