@@ -4,6 +4,7 @@ worker, then serve HTTP with uvicorn until SIGTERM/SIGINT (the running batch sav
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,22 @@ def check_job_settings(state_dir: Path, model: str, sets: list[str]) -> None:
         probe.unlink(missing_ok=True)
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, but a SIGTERM is a deliberate stop: after the graceful shutdown (the running
+        batch saves its parts) the server exits 0, where uvicorn raises the signal again (143)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM:
+                self.should_exit = True
+            else:
+                super().handle_exit(sig, frame)
+
+    return Server
+
+
 def run_server(options: ServeOptions) -> None:
     import uvicorn
 
@@ -58,18 +75,22 @@ def run_server(options: ServeOptions) -> None:
     key = resolve_key(options.api_key_file, options.no_auth, options.host)
     state_dir = Path(options.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    check_job_settings(state_dir, options.model, options.sets)
-    from batchscore.models import resolve_model
+    store = Store(state_dir)  # first: refused while another server uses this state dir, or its state is damaged
+    try:
+        check_job_settings(state_dir, options.model, options.sets)
+        from batchscore.models import resolve_model
 
-    resolve_model(options.model)  # a model that cannot be found refuses the start, not every batch
+        resolve_model(options.model)  # a model that cannot be found refuses the start, not every batch
+    except BaseException:
+        store.close()
+        raise
     limits = Limits(max_file_bytes=options.max_file_mb * 1024 * 1024, max_requests=options.max_requests)
-    store = Store(state_dir)
     worker = Worker(store, WorkerSettings(model=options.model, sets=list(options.sets),
                                           max_requests=options.max_requests))
     app = create_app(store, worker, key, options.model, limits)
     worker.start()
     try:
-        uvicorn.run(app, host=options.host, port=options.port, log_level="warning")
+        _server_class()(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")).run()
     finally:
         worker.stop()
         store.close()

@@ -4,6 +4,7 @@ file it cannot read; batches keep their whole OpenAI object as JSON beside the c
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -12,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from batchscore.errors import APIError
+from batchscore.errors import EXIT_CONFIG, APIError, BatchscoreError, OutputLocked
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
@@ -30,19 +31,18 @@ class Store:
         self.blobs = self.root / "files"
         self.incoming = self.root / "incoming"  # uploads being received; emptied at start
         self.work = self.root / "batches"  # each batch's job files, parts and outputs
-        for folder in (self.blobs, self.incoming, self.work):
-            folder.mkdir(parents=True, exist_ok=True)
-        for stale in self.incoming.iterdir():
-            stale.unlink(missing_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / "state.db", check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS files (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-                         "id TEXT UNIQUE NOT NULL, object TEXT NOT NULL)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-                         "id TEXT UNIQUE NOT NULL, status TEXT NOT NULL, object TEXT NOT NULL)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS failures (id TEXT PRIMARY KEY, attempts INTEGER NOT NULL)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._held = _hold(self.root / "serve.lock")  # before anything is touched: one server per state dir
+        try:
+            for folder in (self.blobs, self.incoming, self.work):
+                folder.mkdir(parents=True, exist_ok=True)
+            for stale in self.incoming.iterdir():
+                stale.unlink(missing_ok=True)
+            self._lock = threading.Lock()
+            self._db = _open_db(self.root / "state.db")
+        except BaseException:
+            os.close(self._held)
+            raise
 
     # --- files ------------------------------------------------------------------------------
 
@@ -147,6 +147,53 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        if self._held is not None:
+            os.close(self._held)  # releases the state dir for the next server
+            self._held = None
+
+
+class StateError(BatchscoreError):
+    """The state dir's database cannot be read (damaged, or not batchscore's): the server does not start."""
+
+    exit_code = EXIT_CONFIG
+
+
+def _hold(path: Path) -> int:
+    """An flock on `path` for as long as this server runs (the kernel drops it when the process
+    dies, however); OutputLocked (exit 75) when another server holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputLocked(f"another batchscore serve is using the state dir {path.parent}; two servers on "
+                           "one state would run its batches twice. Stop it first, or give another --state-dir") from None
+    return fd
+
+
+def _open_db(path: Path) -> sqlite3.Connection:
+    """The server's database, its tables made and checked; StateError naming the file when it is
+    not a database of this shape (damaged, truncated, another program's)."""
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("CREATE TABLE IF NOT EXISTS files (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                   "id TEXT UNIQUE NOT NULL, object TEXT NOT NULL)")
+        db.execute("CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                   "id TEXT UNIQUE NOT NULL, status TEXT NOT NULL, object TEXT NOT NULL)")
+        db.execute("CREATE TABLE IF NOT EXISTS failures (id TEXT PRIMARY KEY, attempts INTEGER NOT NULL)")
+        problems = [row[0] for row in db.execute("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise sqlite3.DatabaseError("; ".join(problems[:3]))
+        db.execute("SELECT seq, id, object FROM files LIMIT 1").fetchall()
+        db.execute("SELECT seq, id, status, object FROM batches LIMIT 1").fetchall()
+        db.execute("SELECT id, attempts FROM failures LIMIT 1").fetchall()
+    except sqlite3.DatabaseError as exc:  # OperationalError (a missing column) included
+        db.close()
+        raise StateError(f"{path}: the server's state cannot be read ({exc}). Restore it from a backup, or move "
+                         "it away to start with no files and batches") from None
+    return db
 
 
 def _fsync_dir(folder: Path) -> None:
