@@ -10,9 +10,12 @@ Nothing else in batchscore imports this module, so batchscore does not depend on
 Exit codes (README, "Exit codes") decide what Airflow does with a failed try:
 
     retried (AirflowException):     75 another run holds the output's lock, 5 engine did not start,
-                                    130 interrupted (preemption, SIGTERM), crashes (1, signals)
-    failed now (AirflowFailException): 2 invalid job, 3 unreadable input, 4 too many row errors,
-                                    6 output not writable, 7 exactness audit failed
+                                    130 interrupted (preemption, SIGTERM), killed by a signal (the OOM killer)
+    failed now (AirflowFailException): 1 a bug, 2 invalid job, 3 unreadable input, 4 too many row errors,
+                                    6 output not writable, 7 exactness audit failed,
+                                    8 wrong environment (a package batchscore needs is missing where it runs)
+
+`NOT_RETRYABLE` (errors.py) is that table; the README's exit-code table says the same (tests/test_exit_codes.py).
 
 A retry resumes: the rows already scored are kept beside the output. The task's return value,
 pushed to XCom as one value (`return_value`), is the run's `--metrics` JSON as a dict.
@@ -28,7 +31,7 @@ import signal
 import subprocess
 import tempfile
 
-from batchscore.errors import EXIT_AUDIT, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INPUT, EXIT_OUTPUT
+from batchscore.errors import NOT_RETRYABLE  # exit code -> why a retry would fail the same way
 
 try:  # Airflow 3: the Task SDK (the airflow.models / airflow.exceptions names are deprecated there)
     from airflow.sdk import BaseOperator
@@ -43,14 +46,6 @@ try:
 except ImportError:  # Airflow 2.x and 3.0
     from airflow.exceptions import AirflowException, AirflowFailException
 
-# A retry would fail the same way: fail the task now.
-NOT_RETRYABLE = {
-    EXIT_CONFIG: "invalid job (job file, model, or a resume of another job)",
-    EXIT_INPUT: "unreadable input",
-    EXIT_ERROR_RATE: "too many row errors (the output is written)",
-    EXIT_OUTPUT: "output not writable",
-    EXIT_AUDIT: "exactness audit failed (the output is written)",
-}
 TAIL_LINES = 20  # of batchscore's output, quoted in a failed task's exception
 
 
@@ -63,6 +58,8 @@ class BatchscoreOperator(BaseOperator):
     :param metrics_path: where the `--metrics` JSON is kept (templated); None: a temporary file,
         read and removed (the metrics still go to XCom).
     :param sets: `--set key=value` overrides (templated).
+    :param shard: `--shard I/N` (templated): score only static shard I of N, one task per shard; the
+        task that finishes the set writes the output (`jobs/airflow_sharded_dag.py`).
     :param batchscore_bin: the `batchscore` executable of batchscore's environment; default
         `$BATCHSCORE_BIN`, else `batchscore` on PATH.
     :param env: extra environment variables for batchscore (templated); the worker's environment
@@ -70,12 +67,13 @@ class BatchscoreOperator(BaseOperator):
     :param extra_args: more `batchscore run` arguments (`--fresh`, `--report`, ...).
     """
 
-    template_fields = ("job", "output_path", "metrics_path", "sets", "env")
+    template_fields = ("job", "output_path", "metrics_path", "sets", "env", "shard")
     ui_color = "#e8f0fe"
 
     def __init__(self, *, job: str, output_path: str | None = None, metrics_path: str | None = None,
                  sets: list[str] | None = None, batchscore_bin: str | None = None,
-                 env: dict[str, str] | None = None, extra_args: list[str] | None = None, **kwargs) -> None:
+                 env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+                 shard: str | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.job = job
         self.output_path = output_path
@@ -84,6 +82,7 @@ class BatchscoreOperator(BaseOperator):
         self.batchscore_bin = batchscore_bin
         self.env = dict(env or {})
         self.extra_args = list(extra_args or [])
+        self.shard = shard
         self._process: subprocess.Popen | None = None
 
     def command(self, metrics_path: str) -> list[str]:
@@ -93,6 +92,8 @@ class BatchscoreOperator(BaseOperator):
             command += ["--output", str(self.output_path)]
         for item in self.sets:
             command += ["--set", str(item)]
+        if self.shard:
+            command += ["--shard", str(self.shard)]
         return command + [str(arg) for arg in self.extra_args]
 
     def execute(self, context) -> dict:

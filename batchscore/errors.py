@@ -12,6 +12,7 @@ EXIT_INPUT = 3  # input files that cannot be read at all
 EXIT_ERROR_RATE = 4  # more row errors than output.max_error_rate (the output is written)
 EXIT_ENGINE = 5  # the engine cannot be started or cannot run this job
 EXIT_OUTPUT = 6  # the output cannot be written (a folder, no permission, disk full): rerun resumes
+EXIT_ENVIRONMENT = 8  # the Python running `batchscore` lacks a package it needs (or has one too old): fix the install
 EXIT_LOCKED = 75  # another run holds this output's lock; nothing was touched (EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130  # SIGTERM/SIGINT: progress saved, rerun to resume
 
@@ -222,3 +223,36 @@ class APIError(BatchscoreError):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def wrong_environment(exc: BaseException) -> str | None:
+    """Why `exc` (an ImportError that escaped a command) means the Python running batchscore is not
+    batchscore's environment — a dependency missing (numpy in an Airflow worker's Python after
+    `pip install --no-deps`) or too old to hold a name — or None when it is not one (a module of
+    batchscore's own that does not import is a bug). A retry cannot fix it: exit EXIT_ENVIRONMENT."""
+    import sys
+
+    if not isinstance(exc, ImportError):
+        return None
+    name = exc.name or ""
+    if name == "batchscore" or name.startswith("batchscore."):
+        return None
+    what = f"the package {name.split('.')[0]!r}" if name else "a package"
+    return (f"wrong environment: the Python that runs batchscore ({sys.executable}) lacks {what} it needs "
+            f"({type(exc).__name__}: {exc}); install batchscore with its dependencies there "
+            "(pip install -e '.[...]' in its checkout), or run the batchscore of the environment that has them "
+            "(Airflow: batchscore_bin= or $BATCHSCORE_BIN)")
+
+
+# The exits a retry would end the same way (the Airflow operator fails the task at once; README's
+# exit-code table says "no" for exactly these). Every other non-zero exit is retried: 5, 75, 130, signals.
+NOT_RETRYABLE = {
+    EXIT_INTERNAL: "a bug in batchscore (the same run fails the same way; run it with -v for the traceback)",
+    EXIT_CONFIG: "invalid job (job file, model, or a resume of another job)",
+    EXIT_INPUT: "unreadable input",
+    EXIT_ERROR_RATE: "too many row errors (the output is written)",
+    EXIT_OUTPUT: "output not writable",
+    EXIT_AUDIT: "exactness audit failed (the output is written)",
+    EXIT_ENVIRONMENT: "wrong environment: the Python running batchscore lacks a package it needs (set batchscore_bin "
+                      "or $BATCHSCORE_BIN to batchscore's own environment)",
+}

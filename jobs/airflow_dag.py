@@ -7,8 +7,9 @@ defaults; the environment variables override them (docs/operations.md, "Airflow"
 Retries resume: `batchscore run` keeps the rows already scored next to the output, and a retry
 of the same command scores only the rest; a retry after the output is complete does nothing.
 The operator retries only the exit codes a retry can fix (75 another run holds the lock, 5, 130,
-crashes) and fails the others at once (2, 3, 4, 6, 7); the run's metrics are the task's XCom
-value (`return_value`, one dict).
+a kill by a signal) and fails the others at once (1, 2, 3, 4, 6, 7, 8: README, "Exit codes"); the
+run's metrics are the task's XCom value (`return_value`, one dict). Several workers at once, one
+static shard each: jobs/airflow_sharded_dag.py.
 """
 
 import os

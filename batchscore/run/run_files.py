@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from batchscore.errors import (EXIT_CONFIG, EXIT_ENGINE, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OUTPUT,
-                               BatchscoreError, OutputLocked, Terminated)
+from batchscore.errors import (EXIT_CONFIG, EXIT_ENGINE, EXIT_ENVIRONMENT, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED,
+                               EXIT_OUTPUT, BatchscoreError, OutputLocked, Terminated, wrong_environment)
 
 log = logging.getLogger("batchscore")
 
@@ -56,6 +56,9 @@ def exit_status(exc: BaseException, command: str | None = None) -> tuple[int, st
         return (EXIT_INPUT if reading else EXIT_OUTPUT), f"{type(exc).__name__}: {text}"
     if isinstance(exc, MemoryError):
         return EXIT_ENGINE, "out of memory"
+    environment = wrong_environment(exc)
+    if environment is not None:
+        return EXIT_ENVIRONMENT, environment
     return EXIT_INTERNAL, (f"unexpected {type(exc).__name__}: {text} (a bug in batchscore; "
                            "`batchscore -v` shows where)")
 
