@@ -168,7 +168,7 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
 
         batchscore plan jobs/table3_a.yaml --json
     """
-    from batchscore.prepare.job import plan_job
+    from batchscore.run.open import plan_job
 
     config = _load(job, sets)
     plan = plan_job(config)

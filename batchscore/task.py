@@ -46,7 +46,7 @@ class InputColumns:
     """The input columns a task's requests are built from, in a fixed order (`scoring`), and those
     of them read per JSON line as the line's own JSON text (`as_json`, io/readers.iter_batches).
     The run identity fingerprints them apart from the columns only assembly reads
-    (prepare/input_columns.py), so a fix to a truth or kept value reruns without scoring."""
+    (run/open.py), so a fix to a truth or kept value reruns without scoring."""
 
     scoring: tuple[str, ...]
     as_json: tuple[str, ...] = ()

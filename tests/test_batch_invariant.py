@@ -121,7 +121,7 @@ def test_refused_where_it_cannot_hold(engine, problem):
 
 
 def test_in_the_run_identity_only_when_set():
-    from batchscore.prepare.job import scoring_config
+    from batchscore.run.open import scoring_config
 
     raw = {"input": {"path": "in.parquet"}, "prompt": {"template": "{text}"}, "labels": ["Yes", "No"]}
     assert "batch_invariant" not in scoring_config(config_from_dict(raw))["engine"]

@@ -261,7 +261,7 @@ def test_bench_commands_are_registered_and_production_does_not_import_them():
     for name in sorted(names):
         result = CliRunner().invoke(main, ["bench", name, "--help"])
         assert result.exit_code == 0, result.output
-    code = ("import sys, batchscore.cli, batchscore.run.runner, batchscore.api, batchscore.prepare.job; "
+    code = ("import sys, batchscore.cli, batchscore.run.runner, batchscore.api, batchscore.run.open; "
             "bad = sorted(m for m in sys.modules if m.startswith('batchscore.bench')); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -19,7 +19,7 @@ from batchscore.jobfile import ALLOWED, config_from_dict, load_job
 from batchscore.scores import calibration, review
 from batchscore.output.layout import OutputFiles
 from batchscore.output.parts import recorded_summary
-from batchscore.prepare.job import assembly_config, scoring_config
+from batchscore.run.open import assembly_config, scoring_config
 from batchscore.run.runner import run_job
 
 from .conftest import SAMPLE, write_job

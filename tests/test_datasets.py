@@ -34,7 +34,7 @@ def _bytes_read() -> int:
 
 
 def test_a_job_asks_the_reader_for_its_columns_only(wide_parquet, monkeypatch, tokenizer):
-    import batchscore.prepare.job as prepare
+    import batchscore.prepare.read as prepare
 
     asked = []
 
@@ -144,7 +144,7 @@ def test_a_job_on_filtered_partitions_keeps_every_row_in_order(tmp_path):
 
 
 def test_a_damaged_file_or_a_column_no_file_has_is_an_input_error(tmp_path, tokenizer):
-    from batchscore.prepare.job import make_renderer, prepare_input
+    from batchscore.prepare.read import make_renderer, prepare_input
 
     root = _partitioned(tmp_path / "data")
     config = config_from_dict({"input": {"path": str(root)}, "prompt": {"template": "{qeury}"}, "labels": ["Yes", "No"]})

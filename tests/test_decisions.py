@@ -572,7 +572,7 @@ SMOL_HEADER = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, 
 def prepared_reads(folder: Path, lines: list) -> dict:
     """Each line's only read, tokenized as a run would (no model weights loaded): custom_id -> ids."""
     from batchscore.jobfile import config_from_dict
-    from batchscore.prepare.job import locate_job, prepare_job
+    from batchscore.run.open import locate_job, prepare_job
 
     source = folder / "requests.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -340,7 +340,7 @@ def test_a_repeated_per_row_option_is_that_rows_error(tmp_path):
     """Two copies of one option would split its probability between them: the row is refused,
     naming its line and both copies; the other rows are scored."""
     from batchscore.jobfile import load_job
-    from batchscore.prepare.job import locate_job, prepare_job
+    from batchscore.run.open import locate_job, prepare_job
 
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"id": f"r{i}", "q": "Capital of France?", "c": c}) + "\n" for i, c in
@@ -358,7 +358,7 @@ def test_a_per_row_choice_with_one_option_is_that_rows_error(tmp_path):
     """One option alone would get P = 1 whatever the model says (a labels job needs two labels):
     the row is refused naming its line and field; the other rows are scored."""
     from batchscore.jobfile import load_job
-    from batchscore.prepare.job import locate_job, prepare_job
+    from batchscore.run.open import locate_job, prepare_job
 
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"id": f"r{i}", "q": "Capital of France?", "c": c}) + "\n" for i, c in

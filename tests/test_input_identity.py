@@ -24,7 +24,7 @@ from batchscore.cli import main
 from batchscore.errors import CalibrationError, ResumeMismatch
 from batchscore.jobfile import config_from_dict, load_job
 from batchscore.output.identity import describe_changes, input_identities
-from batchscore.prepare.input_columns import assembly_columns, input_columns, line_reader, scoring_columns
+from batchscore.run.open import assembly_columns, input_columns, line_reader, scoring_columns
 from batchscore.task import InputColumns, register, task_for, unregister
 from tests.conftest import REPO, SAMPLE, write_job
 

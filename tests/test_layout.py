@@ -77,7 +77,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_imports():
     graph = import_graph()
-    assert "batchscore.prepare.job" in graph["batchscore.run.runner"]
+    assert "batchscore.run.open" in graph["batchscore.run.runner"]
     assert "batchscore.engines.torch.engine" in graph["batchscore.engines.torch.kind"]  # a lazy import counts
 
 

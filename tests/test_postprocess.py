@@ -11,7 +11,7 @@ import pytest
 from batchscore import run_job
 from batchscore.errors import CalibrationError
 from batchscore.jobfile import config_from_dict, load_job
-from batchscore.prepare.job import assembly_config, scoring_config
+from batchscore.run.open import assembly_config, scoring_config
 from tests.conftest import SAMPLE, write_job
 
 RAW = ["pair_id", "product_id", "p_Yes", "p_No", "label_mass", "logp_Yes", "logp_No", "status", "error"]

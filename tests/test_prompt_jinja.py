@@ -103,7 +103,7 @@ def few_shot_job(job_factory, small_input):
 
 
 def test_prompts_of_a_real_input_hold_the_examples(few_shot_job, tokenizer):
-    from batchscore.prepare.job import locate_job, prepare_job
+    from batchscore.run.open import locate_job, prepare_job
 
     config = load_job(few_shot_job)
     prepared = prepare_job(config, source=locate_job(config, for_output=False)).input

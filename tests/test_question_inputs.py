@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchscore.jobfile import config_from_dict
-from batchscore.prepare.job import locate_job, prepare_job
+from batchscore.run.open import locate_job, prepare_job
 
 
 def test_a_map_state_column_is_an_object_and_a_repeated_map_key_is_that_rows_error(tmp_path):

@@ -32,7 +32,7 @@ from batchscore.jobfile import config_from_dict, load_job
 from batchscore.tasks.questions.quality import add_question_quality, column_types, truth_index
 from batchscore.tasks.questions.answers import read_answer
 from batchscore.tasks.questions.requests import parse_systemone
-from batchscore.prepare.job import prepare_job
+from batchscore.run.open import prepare_job
 from tests.conftest import REPO
 
 TICKETS = [json.loads(line) for line in (REPO / "sample_data" / "tickets.jsonl").read_text().splitlines()]

@@ -304,7 +304,7 @@ def test_run_marks_rows_approximate_and_keep_one_is_exact(job_factory, small_inp
     import pyarrow.parquet as pq
 
     from batchscore.engines.speculative.kept_tokens import plan_drop_stats
-    from batchscore.prepare.job import plan_job
+    from batchscore.run.open import plan_job
     from tests.test_cli import invoke
 
     assert invoke("run", job_factory(small_input), "-q", "-o", tmp_path / "exact.parquet").exit_code == 0

@@ -11,7 +11,7 @@ import pytest
 from batchscore import run_job
 from batchscore.errors import JobConfigError
 from batchscore.jobfile import config_from_dict, load_job
-from batchscore.prepare.job import prepare_job
+from batchscore.run.open import prepare_job
 from batchscore.run.audit import load_reference
 
 

@@ -61,11 +61,11 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool, compile_mode: s
     from batchscore.engines.factory import build_engine
     from batchscore.errors import BatchscoreError, EngineUnavailable
     from batchscore.jobfile import load_job
-    from batchscore.prepare.job import locate_job, prepare_job
+    from batchscore.run.open import open_job, prepare_job
 
     try:
         config = load_job(job)
-        prepared = prepare_job(config, source=locate_job(config, for_output=False))  # as `batchscore plan`: no output
+        prepared = prepare_job(config, source=open_job(config, for_output=False))  # as `batchscore plan`: no output
     except BatchscoreError as exc:
         raise click.ClickException(str(exc)) from None
     prepared = replace(prepared, input=replace(prepared.input, requests=prepared.input.requests[:rows]))

@@ -118,7 +118,7 @@ def text_workload(model_dir, rows: int) -> Workload:
     from batchscore.prepare.options import OptionEncoder
     from batchscore.plan import PlanOptions, build_plan
     from batchscore.plan.types import Request
-    from batchscore.prepare.job import load_tokenizer, make_renderer
+    from batchscore.prepare.read import load_tokenizer, make_renderer
 
     job = load_job(REPO / "jobs" / "sample.yaml")
     tokenizer = load_tokenizer(model_dir)

@@ -103,7 +103,7 @@ class RunSummary:
     complete: bool = True  # False: a shard finished but others have not (no output yet)
     resumed_rows: int = 0
     skipped: bool = False  # True: the output was already complete; nothing was scored
-    assembly_hash: str | None = None  # the post-processing keys' hash (prepare/job.assembly_config)
+    assembly_hash: str | None = None  # the post-processing keys' hash (run/open.assembly_config)
     rederived: bool = False  # True: only the post-processing changed; re-derived from the raw scores, nothing scored
     timing: Timing = field(default_factory=Timing)
     execution: Execution = field(default_factory=Execution)

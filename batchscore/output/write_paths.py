@@ -54,12 +54,13 @@ class Protected:
 
     @classmethod
     def for_job(cls, config, files=(), *, read_suffixes: tuple[str, ...],
-                with_error_file: bool = True) -> Protected:
-        """The files of a JobConfig: its job file, input files (`files`, as discovered) and output;
+                with_error_file: bool = True, output: OutputFiles | None = None) -> Protected:
+        """The files of a JobConfig: its job file, input files (`files`, as discovered) and output
+        (`output`: the job's OutputFiles, named by the caller; else from the job);
         `read_suffixes`: what a folder input reads (`formats.suffix_formats()`)."""
-        output = None
         if config.output.path:
-            output = OutputFiles.for_job(config) if with_error_file else OutputFiles(os.fspath(config.output.path))
+            output = output or OutputFiles.for_job(config)
+            output = output if with_error_file else OutputFiles(output.output)
         inputs = tuple(str(f) for f in files) + ((config.source,) if config.source else ())
         return cls(output, inputs, None if config.input.synthetic is not None else config.input.path,
                    tuple(read_suffixes))
@@ -122,7 +123,7 @@ class Protected:
 
 def check_writable(option: str, path) -> None:
     """Refuse a local path whose folder cannot be made or written (under a plain file, or a
-    read-only folder) with OutputError, as output.path is refused (prepare/job.py), before any
+    read-only folder) with OutputError, as output.path is refused (run/open.py), before any
     work rather than after every row is scored. An object-store path is checked by its write."""
     if is_remote(path):
         return
@@ -164,11 +165,13 @@ def check_report_path(option: str, path, output, read=()) -> None:
                              "would replace it); choose another path")
 
 
-def check_job_write_paths(config, files=(), *, read_suffixes: tuple[str, ...]) -> None:
+def check_job_write_paths(config, files=(), *, read_suffixes: tuple[str, ...],
+                          output: OutputFiles | None = None) -> None:
     """Refuse, before any work, an output that is the job file, and an openai_batch output's error
     file (output.error_path, or its default) that is an input, the output or another file of the
     output (see the module's rule). `files`: the input files (the output itself is checked against
-    them and the input folder by prepare/job.py); `read_suffixes`: what a folder input reads."""
+    them and the input folder by run/open.py); `read_suffixes`: what a folder input reads;
+    `output`: the job's OutputFiles (run/open.py names them once)."""
     if not config.output.path:
         return
     if config.source and _key(config.output.path) == _key(config.source):
@@ -177,7 +180,7 @@ def check_job_write_paths(config, files=(), *, read_suffixes: tuple[str, ...]) -
     if config.output_format != "openai_batch":
         return
     path = config.output.error_path or default_error_path(config.output.path)
-    Protected.for_job(config, files, read_suffixes=read_suffixes, with_error_file=False).check(
+    Protected.for_job(config, files, read_suffixes=read_suffixes, with_error_file=False, output=output).check(
         "output.error_path", path, default=default_error_path(config.output.path))
 
 

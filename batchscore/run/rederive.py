@@ -1,7 +1,7 @@
 """Post-processing without re-scoring: a finished output's calibration, confidence, review and
 out-of-scope columns derived again from the raw score columns it already holds.
 
-A run's scoring identity (`prepare/job.scoring_config`) covers only what changes a raw score; the
+A run's scoring identity (`run/open.scoring_config`) covers only what changes a raw score; the
 keys that act after scoring (`score.calibrate` except contextual's content-free input,
 `score.confidence`, the `calibrate` section, `output.review`, `output.out_of_scope`) have their own
 hash, `assembly_hash`, recorded in the run summary. When a rerun finds its output complete for the
@@ -29,15 +29,14 @@ from batchscore.formats import write_output
 from batchscore.scores.quality import QualityResult, add_quality_columns, content_free_rows
 from batchscore.prepare.options import choices_for_output
 from batchscore.output.table import ok_rows, scores_table
-from batchscore.prepare.job import PreparedJob
-from batchscore.task import task_for
+from batchscore.prepare.source import PreparedJob
 
 log = logging.getLogger("batchscore")
 
 
 def rederive_problem(config, source) -> str | None:
     """Why the job's output cannot be re-derived from its raw columns (None: it can)."""
-    problem = task_for(config, source.files).rederive_problem  # the job's task may keep no raw columns
+    problem = source.task.rederive_problem  # the job's task may keep no raw columns
     if problem is not None:
         return problem
     if config.output_format != "parquet":

@@ -27,7 +27,8 @@ from batchscore.engines.base import Engine
 from batchscore.engines.factory import ResolvedEngine, create_engine, decide_compile
 from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
-from batchscore.errors import EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, OutputError, ResumeMismatch
+from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError, OutputError,
+                               ResumeMismatch)
 from batchscore.run.audit import audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
 from batchscore.run.run_files import RunFiles
@@ -41,10 +42,9 @@ from batchscore.output.parts import Manifest, PartStore, completed_summary, writ
 from batchscore.output.summary import Audit, Execution, Questions, RunSummary, Timing
 from batchscore.scores.quality import QualityResult, content_free_rows, split_content_free
 from batchscore.plan.placement import place_groups
-from batchscore.prepare.job import (JobSource, PreparedJob, assembly_config, locate_job, prepare_job,
-                                    use_job_storage)
+from batchscore.run.open import (JobSource, PreparedJob, assembly_config, open_job, output_files, prepare_job,
+                                 use_job_storage)
 from batchscore.run.rederive import rederive_output, rederive_problem
-from batchscore.task import task_for
 
 log = logging.getLogger("batchscore")
 
@@ -107,8 +107,8 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
     rows scored so far), and ErrorRateExceeded (after writing) when too many rows failed.
     """
     started = time.perf_counter()
-    source = locate_job(config)  # registers the storage options: the output files are named after it
-    files = OutputFiles.for_job(config)
+    source = open_job(config)  # task, formats, engine and output files decided once; the storage options registered
+    files = source.output
     writer = shard.name if shard else RUN_WRITER
     with OutputLock(files, writer) as lock, _output_errors(files.output), _lock_left_clean(lock, files):
         store = PartStore(files, writer, guard=lock.check)
@@ -177,7 +177,7 @@ def _rederive(source: JobSource, store: PartStore, done: dict, started: float) -
     if problem is not None:
         log.info("only the post-processing changed, but %s: scoring again", problem)
         return None
-    task_for(config).check_calibration_source(config)
+    source.task.check_calibration_source(config)
     write_started = time.perf_counter()
     job = prepare_job(config, tokenize=False, source=source)
     store.guard()
@@ -199,7 +199,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     every writer has finished, assemble the output."""
     config = source.config
     # calibrate.from: refused before any scoring
-    task_for(config).check_calibration_source(config)
+    source.task.check_calibration_source(config)
     job = prepare_job(config, source=source)
     plan = job.plan()
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
@@ -287,11 +287,13 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     Raises ResumeMismatch naming the shards that are missing or unfinished.
     """
     started = time.perf_counter()
-    use_job_storage(config)
-    files = OutputFiles.for_job(config)
+    files = output_files(config)
+    if files is None:
+        raise InputError("output.path is not set (set it in the job file or pass --output)")
+    use_job_storage(config, files)
     if not files.parts.exists() and file_size(files.path) is not None:
         return None  # the shard that finished last already wrote the output
-    source = locate_job(config)
+    source = open_job(config, output=files)
     job = prepare_job(config, tokenize=False, source=source)
     names = [Shard(i, count).name for i in range(count)]
     with OutputLock(files, MERGE_WRITER) as lock, _output_errors(files.output):

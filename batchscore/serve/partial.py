@@ -20,15 +20,15 @@ def write_partial_output(job_path: str, sets: list[str]) -> bool:
     there are none of this job to write from."""
     from batchscore.jobfile import load_job, parse_set_options
     from batchscore.output.identity import identity_hash
-    from batchscore.output.layout import RUN_WRITER, OutputFiles
+    from batchscore.output.layout import RUN_WRITER
     from batchscore.output.lock import OutputLock
     from batchscore.output.parts import PartStore
-    from batchscore.prepare.job import locate_job, prepare_job
+    from batchscore.run.open import open_job, prepare_job
     from batchscore.run.runner import assemble_output
 
     config = load_job(job_path, parse_set_options(sets))
-    source = locate_job(config)
-    files = OutputFiles.for_job(config)
+    source = open_job(config)
+    files = source.output
     with OutputLock(files, RUN_WRITER) as lock:
         store = PartStore(files, RUN_WRITER, guard=lock.check)
         manifest = store.load_manifest()

@@ -14,8 +14,8 @@ from batchscore.jobfile import common_quality_problems
 from batchscore.output.layout import DEFAULT_ID, TOP_COLUMNS, calibrated_column, label_column, output_columns
 from batchscore.output.table import ok_rows, scores_table
 from batchscore.plan.types import Request
-from batchscore.prepare.job import (JobSource, PreparedJob, load_tokenizer, make_renderer, prepare_input,
-                                    prompt_limits)
+from batchscore.prepare.read import load_tokenizer, make_renderer, prepare_input, prompt_limits
+from batchscore.prepare.source import JobSource, PreparedJob
 from batchscore.prepare.options import (OptionEncoder, RowOptionSource, choices_for_output, label_problems,
                                         max_length_name)
 from batchscore.prepare.prompts import PromptRenderer, compile_template

@@ -9,7 +9,8 @@ import logging
 from batchscore.errors import LabelError, ReportError
 from batchscore.faults import fault_point
 from batchscore.jobfile import common_quality_problems
-from batchscore.prepare.job import PreparedJob, load_tokenizer, prompt_limits
+from batchscore.prepare.read import load_tokenizer, prompt_limits
+from batchscore.prepare.source import PreparedJob
 from batchscore.task import Task, TaskPage, register
 from batchscore.tasks.questions import checks
 from batchscore.tasks.questions.columns import question_keys

@@ -1,0 +1,230 @@
+"""Reading a job's rows into requests: every input row becomes a Request (its prompt rendered and
+tokenized, or its token ids read) or a per-row error, and the model limits a prompt is checked
+against. The tasks read their rows through here (tasks/labels.py, tasks/questions/); nothing here
+decides which task or format a job has (run/open.py does, once).
+
+Every input row gets a `row_id` (its position across all input files, in reading order); rows
+that cannot be scored keep their row id and an error message, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from batchscore.config import JobConfig
+from batchscore.engines.registry import get_kind
+from batchscore.engines.shape import context_length, read_model_config
+from batchscore.errors import BatchscoreError, InputError, RowRenderError
+from batchscore.formats import iter_batches
+from batchscore.formats.openai_batch import ANSWER_COLUMNS
+from batchscore.io.readers import InputBatch, input_base
+from batchscore.plan import prompt_problem
+from batchscore.plan.types import Request
+from batchscore.plan.validate import token_ids_problem
+from batchscore.prepare.options import RowOptionSource, max_length_name
+from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
+from batchscore.prepare.rows import (PreparedInput, RowLocations, batch_ids, check_columns, check_unique_ids,
+                                     concat_arrays, concat_tables, select_kept)
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def prompt_limits(config: JobConfig, kind: str, model_dir, tokenizer) -> tuple[int, int]:
+    """(longest prompt scored, vocabulary size) for this model, engine and job."""
+    model_config = read_model_config(model_dir)
+    context = context_length(model_config)
+    context -= get_kind(kind).output_tokens  # vLLM counts the one output token against max_model_len
+    max_length = min(config.engine.max_length or context, context)
+    return max_length, int(model_config.get("vocab_size") or len(tokenizer))
+
+
+def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
+    """The prompt renderer, or None when the input already carries token ids."""
+    if config.input.token_ids_column is not None or config.input.synthetic is not None:
+        return None
+    if config.input.format == "openai_batch":
+        return RequestRenderer(tokenizer)
+    return PromptRenderer(tokenizer, config.prompt.template, system=config.prompt.system, chat=config.prompt.chat,
+                          engine=config.prompt.engine)
+
+
+
+def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=None, max_length: int | None = None,
+                  vocab_size: int | None = None, tokenize: bool = True,
+                  progress: Callable[[int], None] | None = None,
+                  options: RowOptionSource | None = None) -> PreparedInput:
+    """Read every input row of `files` and turn it into a Request or a per-row error.
+
+    `renderer` (a PromptRenderer) is needed unless the input carries token ids or `tokenize` is
+    False (then only ids, kept columns and choices are read, and no requests made). `options`
+    gives each request its options (labels or the row's choices; None: requests get none).
+    Raises InputError for
+    problems that concern a whole file (missing, empty, a template field that is not a column);
+    everything row-level becomes an entry in `errors`.
+    """
+    if config.input.synthetic is not None:
+        return _prepare_synthetic(config, options)
+    id_column = config.input.id_column
+    choices_column = config.input.choices_column
+    keep_columns = list(config.output.keep_columns)
+    if config.input.format == "openai_batch" and config.output_format == "openai_batch":
+        keep_columns += [c for c in ANSWER_COLUMNS if c not in keep_columns]  # each answer shaped by its request
+    token_column = config.input.token_ids_column if tokenize else None
+    prompt_columns = [token_column] if token_column else renderer.columns if renderer and tokenize else []
+    needed = list(dict.fromkeys(([id_column] if id_column else []) + keep_columns + prompt_columns
+                                + ([choices_column] if choices_column else [])))
+
+    ids, kept_tables, choice_arrays, requests, errors = [], [], [], [], {}
+    locations = RowLocations()
+    row_id = 0
+    saw_rows = False
+    # token lists are read per JSONL line: one line's NaN or string must not retype every row's list
+    for batch in iter_batches(files, config.input.batch_rows, columns=needed, base=input_base(config.input.path),
+                              json_columns=(token_column,) if token_column else ()):
+        n = batch.table.num_rows
+        if n == 0:
+            continue
+        saw_rows = True
+        check_columns(batch, needed)
+        locations.add(row_id, batch)
+        ids.append(batch_ids(batch, id_column, row_id))
+        kept_tables.append(select_kept(batch.table, keep_columns))
+        if choices_column:
+            choice_arrays.append(select_kept(batch.table, [choices_column]).column(0).combine_chunks())
+        prompts = None
+        if not tokenize:
+            rows_tokens = []
+        elif token_column:
+            rows_tokens = _token_rows(batch, token_column, errors, row_id)
+        else:
+            rows_tokens, prompts = _rendered_rows(batch, renderer, errors, row_id)
+        for offset, tokens in enumerate(rows_tokens):
+            rid = row_id + offset
+            if tokens is None:
+                continue
+            problem = prompt_problem(len(tokens), max_length, largest_token=int(np.max(tokens)) if len(tokens) else None,
+                                     vocab_size=vocab_size, limit_name=max_length_name(config.engine.max_length,
+                                                                                       max_length))
+            if problem:
+                errors[rid] = f"{batch.file}:{batch.first_line + offset}: {problem}"
+                rows_tokens[offset] = None
+        row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id)
+        for offset, tokens in enumerate(rows_tokens):
+            if tokens is not None and row_id + offset not in errors:
+                requests.append(Request(row_id + offset, tokens, row_options[offset]))
+        row_id += n
+        if progress:
+            progress(n)
+    if not saw_rows:
+        raise InputError(f"input.path: {config.input.path} holds no rows")
+    id_array = concat_arrays(ids)
+    if id_column:
+        check_unique_ids(id_array, id_column)
+    kept = concat_tables(kept_tables) if keep_columns else pa.table({})
+    choices = concat_arrays(choice_arrays) if choices_column else None
+    return PreparedInput(row_id, id_array, kept, requests, errors, choices, locations=locations)
+
+
+def _row_options(options: RowOptionSource | None, batch: InputBatch, rows_tokens: list, prompts: list | None,
+                 renderer, choices_column: str | None, errors: dict[int, str], first_row_id: int) -> list:
+    """Each row's OptionTokens (None without `options` or for rows with errors); option problems
+    become row errors. `prompts`: the rows' RenderedPrompts (None: pre-tokenized prompts)."""
+    if options is None or not rows_tokens:
+        return [None] * len(rows_tokens)
+    choices = None
+    if choices_column:
+        choices = batch.table.column(choices_column).to_pylist() if choices_column in batch.table.column_names \
+            else [None] * batch.table.num_rows
+    texts = chat = pieces = None
+    if prompts is not None:
+        texts = [p.text if p is not None else None for p in prompts]
+        chat = [renderer.chat if p is None or p.chat is None else p.chat for p in prompts]
+        pieces = [renderer.last_piece(p) if p is not None and renderer.in_pieces(p) else None for p in prompts]
+    where = [f"{batch.file}:{batch.first_line + offset}" for offset in range(len(rows_tokens))]
+    result = []
+    for offset, (row_options, problem) in enumerate(options.batch(rows_tokens, texts, choices, where, chat, pieces)):
+        if problem:
+            errors[first_row_id + offset] = problem
+        result.append(row_options)
+    return result
+
+
+def _prepare_synthetic(config: JobConfig, options: RowOptionSource | None = None) -> PreparedInput:
+    from batchscore.prepare.synthetic import WORKLOADS
+
+    sequences = [np.asarray(s, dtype=np.int32) for s in
+                 WORKLOADS[config.input.synthetic.workload](**config.input.synthetic.params)]
+    errors: dict[int, str] = {}
+    row_options = [None] * len(sequences)
+    if options is not None:
+        where = [f"{config.input.synthetic.workload} row {i}" for i in range(len(sequences))]
+        results = options.batch(sequences, None, [None] * len(sequences), where)
+        row_options = [o for o, _ in results]
+        errors = {i: problem for i, (_, problem) in enumerate(results) if problem}
+    requests = [Request(i, s, o) for i, (s, o) in enumerate(zip(sequences, row_options)) if i not in errors]
+    n = len(sequences)
+    return PreparedInput(n, pa.array(np.arange(n, dtype=np.int64)), pa.table({}), requests, errors)
+
+
+def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int) -> tuple[list, list]:
+    """(each row's prompt token ids, each row's RenderedPrompt); None for rows with errors."""
+    columns = [c for c in renderer.columns if c in batch.table.column_names]
+    rows = batch.table.select(columns).to_pylist()
+    texts, positions = [], []
+    for offset, (row, read_error) in enumerate(zip(rows, batch.row_errors)):
+        rid = first_row_id + offset
+        if read_error:
+            errors[rid] = read_error
+            continue
+        try:
+            texts.append(renderer.prompt(row))
+            positions.append(offset)
+        except KeyError as exc:
+            errors[rid] = f"{batch.file}:{batch.first_line + offset}: field {exc.args[0]!r} is null or missing"
+        except RowRenderError as exc:  # prompt.engine jinja: any other failure of this row's template
+            errors[rid] = f"{batch.file}:{batch.first_line + offset}: {exc}"
+        except BatchscoreError:  # about the job, not this row (a model without a chat template)
+            raise
+        except Exception as exc:  # noqa: BLE001 — e.g. a chat template refusing this row's messages
+            errors[rid] = f"{batch.file}:{batch.first_line + offset}: cannot render the prompt ({type(exc).__name__}: {exc})"
+    result: list = [None] * len(rows)
+    rendered: list = [None] * len(rows)
+    for offset, prompt, tokens in zip(positions, texts, renderer.encode(texts)):
+        result[offset] = tokens
+        rendered[offset] = prompt
+    return result, rendered
+
+
+def _json_list(text: str):
+    """The list a JSON text holds (NaN and Infinity included, as JSON readers allow), else the text."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, list) else text
+
+
+def _token_rows(batch: InputBatch, column: str, errors: dict[int, str], first_row_id: int) -> list:
+    values = batch.table.column(column).to_pylist() if column in batch.table.column_names else [None] * batch.table.num_rows
+    result: list = []
+    for offset, (value, read_error) in enumerate(zip(values, batch.row_errors)):
+        rid = first_row_id + offset
+        if isinstance(value, str):  # a JSONL line's own list, kept as its JSON text (iter_batches)
+            value = _json_list(value)
+        tokens, problem = (None, read_error) if read_error else (None, "is null") if value is None \
+            else (None, "must be a list of integer token ids") if not isinstance(value, (list, tuple)) \
+            else token_ids_problem(value)
+        if problem:
+            sep = " " if problem.startswith(("is ", "must ")) else ": "
+            errors[rid] = problem if read_error else f"{batch.file}:{batch.first_line + offset}: field {column!r}{sep}{problem}"
+        result.append(tokens)
+    return result
