@@ -6,6 +6,7 @@ is checked where it enters."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -224,3 +225,54 @@ def test_serve_exits_0_on_sigterm_and_refuses_a_second_server(tmp_path):
     _, damaged = serve(None)
     output, _ = damaged.communicate(timeout=60)
     assert damaged.returncode == 2 and "the server's state cannot be read" in output, output
+
+
+def test_an_upload_over_the_limit_is_refused_before_it_is_read_whole(tmp_path):
+    """No Content-Length (chunked): the body is counted as it arrives and refused past the limit;
+    the client's chunks after that are never asked for (the app driven as ASGI, chunk by chunk)."""
+    import asyncio
+
+    from batchscore.serve.app import Limits
+
+    store, client = _client(tmp_path, Limits(max_file_bytes=1000, max_requests=10))
+    boundary = "b0undary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
+            "Content-Type: application/jsonl\r\n\r\n").encode()
+    chunks = [head] + [b"{}\n" * 21845 + b"x"] * 1000 + [f"\r\n--{boundary}--\r\n".encode()]  # 64 MB, were it read
+    asked, sent = [], []
+
+    async def receive():
+        asked.append(1)
+        body = chunks[len(asked) - 1]
+        return {"type": "http.request", "body": body, "more_body": len(asked) < len(chunks)}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/files", "raw_path": b"/v1/files", "query_string": b"", "root_path": "",
+             "headers": [(b"authorization", f"Bearer {KEY}".encode()),
+                         (b"content-type", f"multipart/form-data; boundary={boundary}".encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(client.app(scope, receive, send))
+    assert sent[0]["status"] == 413 and b"file_too_large" in sent[1]["body"]
+    assert len(asked) < 20, len(asked)  # the limit and the envelope allowance (1 MiB): not 64 MB
+    declared = client.post("/v1/files", headers={**AUTH, "Content-Type": f"multipart/form-data; boundary={boundary}",
+                                                 "Content-Length": str(10**9)}, content=b"")
+    assert declared.status_code == 413
+    assert list(store.incoming.iterdir()) == []
+
+
+def test_a_files_content_names_it_safely_and_a_lost_blob_is_a_json_error(tmp_path):
+    store, client = _client(tmp_path)
+    file_id = _upload(client, '{"custom_id": "a"}\n', name='../../etc/in"; x=y\r\n.jsonl').json()["id"]
+    answer = client.get(f"/v1/files/{file_id}/content", headers=AUTH)
+    assert answer.status_code == 200 and answer.text == '{"custom_id": "a"}\n'
+    disposition = answer.headers["content-disposition"]
+    assert re.fullmatch(r'attachment; filename="[A-Za-z0-9._-]+\.jsonl"', disposition) and "/" not in disposition, \
+        disposition
+    store.file_path(file_id).unlink()  # the blob lost on disk, its File object still listed
+    lost = client.get(f"/v1/files/{file_id}/content", headers=AUTH)
+    assert lost.status_code == 500 and lost.json()["error"]["code"] == "file_content_missing"
+    assert str(tmp_path) not in lost.text

@@ -7,16 +7,17 @@ import json
 import re
 from dataclasses import dataclass
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchscore.errors import APIError
 from batchscore.formats.openai_batch import CHAT_URLS, DECISION_URLS
 from batchscore.io.readers import lone_surrogate_field
 from batchscore.serve.auth import authorized
-from batchscore.serve.requests import SURROGATE, metadata_labels
+from batchscore.serve.requests import SURROGATE, metadata_labels, safe_name
 from batchscore.serve.store import Store, new_id, now
 from batchscore.serve.worker import Worker, stage_input
 
@@ -66,13 +67,21 @@ def create_app(store: Store, worker: Worker, key: str | None, model: str, limits
     # --- files ------------------------------------------------------------------------------
 
     @app.post("/v1/files")
-    async def upload(request: Request, file: UploadFile = File(...), purpose: str = Form(...)):
+    async def upload(request: Request):
+        # The form is parsed here, not by FastAPI before the call: an upload over the limit is
+        # refused as its bytes arrive (a declared length at once), never received whole first.
+        declared = request.headers.get("content-length") or "0"
+        if not declared.isdigit() or int(declared) > limits.max_file_bytes + CHUNK:  # + the multipart envelope
+            raise _too_large(limits)
+        form = await Request(request.scope, _at_most(request.receive, limits.max_file_bytes + CHUNK, limits)).form(
+            max_files=1, max_fields=4)
+        file, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(file, UploadFile):
+            raise APIError(400, "file: missing (send the file as the multipart field 'file')", param="file",
+                           code="missing_required_parameter")
         if purpose != "batch":
             raise APIError(400, f"purpose: {purpose!r} is not accepted; this server takes 'batch' files",
                            param="purpose", code="invalid_value")
-        declared = int(request.headers.get("content-length") or 0)
-        if declared > limits.max_file_bytes + CHUNK:  # the multipart envelope adds a little
-            raise _too_large(limits)
         target, size, lines = store.incoming_path(), 0, 0
         try:
             with target.open("wb") as out:
@@ -88,6 +97,7 @@ def create_app(store: Store, worker: Worker, key: str | None, model: str, limits
             return store.add_file(target, file.filename or "input.jsonl", purpose)
         finally:
             target.unlink(missing_ok=True)
+            await form.close()
 
     @app.get("/v1/files/{file_id}")
     def get_file(file_id: str):
@@ -95,8 +105,12 @@ def create_app(store: Store, worker: Worker, key: str | None, model: str, limits
 
     @app.get("/v1/files/{file_id}/content")
     def file_content(file_id: str):
-        return FileResponse(store.file_path(file_id), media_type="application/jsonl",
-                            filename=store.file(file_id)["filename"])
+        path = store.file_path(file_id)
+        if not path.is_file():
+            raise APIError(500, f"the content of {file_id} is missing on this server", type="server_error",
+                           param="file_id", code="file_content_missing")
+        # the name as a plain file name: an uploaded name can hold folders, quotes, line breaks
+        return FileResponse(path, media_type="application/jsonl", filename=safe_name(store.file(file_id)["filename"]))
 
     @app.delete("/v1/files/{file_id}")
     def delete_file(file_id: str):
@@ -170,6 +184,21 @@ class EncodableJSON(JSONResponse):
 
 def _error(exc: APIError) -> JSONResponse:
     return EncodableJSON(exc.body(), status_code=exc.status)
+
+
+def _at_most(receive, most: int, limits: Limits):
+    """`receive` that refuses (413) a request body past `most` bytes as it arrives."""
+    seen = 0
+
+    async def counted():
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > most:
+            raise _too_large(limits)
+        return message
+
+    return counted
 
 
 def _too_large(limits: Limits) -> APIError:
