@@ -26,15 +26,53 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the dtypes the engines run (job k
 DEFAULT_CONTEXT = 2048  # when a config names no max_position_embeddings
 
 
+# What a decoder's config must give (by these names, or the names its transformers config class maps them to)
+REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
 @functools.lru_cache(maxsize=8)
 def read_model_config(model_dir: str | Path) -> dict[str, Any]:
-    """The model folder's `config.json` as a dict (read once per process and folder)."""
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    """The model folder's `config.json` as a dict (read once per process and folder), checked to
+    give a decoder's sizes: ModelError (exit 2) naming the folder and what it lacks otherwise."""
+    from batchscore.errors import ModelError
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        ModelShape.from_config(config)
+    except ValueError as exc:
+        raise ModelError(f"model {model_dir}: {exc}") from None
+    return config
+
+
+def config_value(config, key: str, default=None):
+    """A model config's `key` as transformers reads it: by that name, else by the name the
+    model's config class maps it to (`attribute_map`: GPT-2's `n_embd` is its `hidden_size`)."""
+    if not isinstance(config, dict):
+        value = getattr(config, key, None)  # a transformers config applies its attribute_map itself
+    else:
+        value = config.get(key)
+        alias = _attribute_map(config.get("model_type")).get(key)
+        if value is None and alias is not None:
+            value = config.get(alias)
+    return default if value is None else value
+
+
+@functools.lru_cache(maxsize=16)
+def _attribute_map(model_type) -> dict[str, str]:
+    """transformers' attribute_map of a model type's config class ({} for one it does not know)."""
+    if not isinstance(model_type, str):
+        return {}
+    try:
+        from transformers import CONFIG_MAPPING  # the config classes only: no torch
+
+        return dict(CONFIG_MAPPING[model_type].attribute_map)
+    except (ImportError, KeyError, ValueError):
+        return {}
 
 
 def context_length(config: dict[str, Any]) -> int:
-    """Longest sequence the model takes (`max_position_embeddings`)."""
-    return int(config.get("max_position_embeddings") or DEFAULT_CONTEXT)
+    """Longest sequence the model takes (`max_position_embeddings`, GPT-2's `n_positions`)."""
+    return int(config_value(config, "max_position_embeddings") or DEFAULT_CONTEXT)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -59,18 +97,24 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config, dtype_bytes: int = 4) -> ModelShape:
-        """From a `config.json` dict or a transformers config object."""
-        get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-        heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
+        """From a `config.json` dict or a transformers config object, read through transformers'
+        names (config_value); ValueError naming the model type and the sizes it does not give."""
+        kind = config_value(config, "model_type")
+        missing = [key for key in REQUIRED if not _positive_int(config_value(config, key))]
+        if missing:
+            raise ValueError(f"its config (model_type {kind!r}) gives no {', '.join(missing)} as a positive "
+                             f"integer: batchscore scores decoder-only models that give {', '.join(REQUIRED)} "
+                             "(Llama, Mistral, Qwen, SmolLM layouts)")
+        heads = int(config_value(config, "num_attention_heads"))
+        hidden = int(config_value(config, "hidden_size"))
         return cls(
-            num_layers=int(get("num_hidden_layers")),
+            num_layers=int(config_value(config, "num_hidden_layers")),
             hidden=hidden,
-            intermediate=int(get("intermediate_size")),
+            intermediate=int(config_value(config, "intermediate_size")),
             heads=heads,
-            kv_heads=int(get("num_key_value_heads", None) or heads),
-            head_dim=int(get("head_dim", None) or hidden // heads),
-            vocab=int(get("vocab_size")),
+            kv_heads=int(config_value(config, "num_key_value_heads") or heads),
+            head_dim=int(config_value(config, "head_dim") or hidden // heads),
+            vocab=int(config_value(config, "vocab_size")),
             dtype_bytes=dtype_bytes,
         )
 
@@ -91,6 +135,10 @@ class ModelShape:
         linear = 2.0 * self.num_layers * self.layer_params * tokens
         attention = 4.0 * self.num_layers * self.heads * self.head_dim * attended_pairs
         return linear + attention + 2.0 * self.hidden * self.vocab * requests
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _option_rows(member) -> list[int]:

@@ -27,6 +27,7 @@ from batchscore.formats.lines import write_lines
 from batchscore.formats.registry import WireFormat, register
 from batchscore.io.readers import jsonl_batches
 from batchscore.output import layout
+from batchscore.output.token_usage import prompt_usage
 
 # The smallest log probability written (OpenAI writes -9999.0 for "practically never").
 MIN_LOGPROB = -9999.0
@@ -39,16 +40,17 @@ OPENAI_BATCH_SCHEMA = pa.schema([
     ("messages", pa.string()),  # JSON text: [{"role": ..., "content": "..."}], contents as plain text
     ("prompt", pa.string()),
     ("decision", pa.string()),  # JSON text: the body of a /v1/systemone or /v1/decisions request
+    ("reply", pa.string()),  # JSON text: what a chat/completions answer shows as asked ({"logprobs": false, ...})
 ])
 
 CHAT_URLS = ("/v1/chat/completions", "/v1/completions")
 FIELD_NAMES = {"messages": "body.messages", "prompt": "body.prompt", "model": "body.model"}  # in messages
 DECISION_URLS = ("/v1/systemone", "/v1/decisions")
-
-
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the Chat Completions API's message roles
 # the request columns a job keeps beside its results: each answer is shaped by its own request
 ANSWER_COLUMNS = ("url", "reply")
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the Chat Completions API's message roles
+
+
 def openai_request(value: dict) -> tuple[dict, str | None]:
     """One OpenAI Batch request line as a row of OPENAI_BATCH_SCHEMA, and the problem that keeps
     it from being scored (None if it can be). The row keeps its custom_id even when it fails,
@@ -83,7 +85,53 @@ def openai_request(value: dict) -> tuple[dict, str | None]:
         row["prompt"] = prompt
     else:
         return row, "body: has neither messages (chat completions) nor prompt (completions)"
+    reply, problem = _reply(body, completions=body.get("messages") is None)
+    if problem:
+        return row, problem
+    row["reply"] = json.dumps(reply) if reply else None
     return row, None
+
+
+# Options that would change what is generated: a scored request's answer is one of its labels, so
+# each is refused by name unless it asks what scoring gives anyway (n: 1, response_format text).
+_REFUSED = {"stream": "streaming: a batch line is answered whole",
+            "tools": "tool calls: the answer is one of the labels", "functions": "function calls: the answer is one "
+            "of the labels", "logit_bias": "logit_bias: the labels' probabilities are the model's own",
+            "echo": "echo: the prompt is not returned", "suffix": "suffix: the answer is read right after the prompt"}
+
+
+def _reply(body: dict, completions: bool) -> tuple[dict, str | None]:
+    """What a chat/completions request asks its answer to show ({} : everything, as `logprobs:
+    true` with every label), or the option that cannot be honoured, named."""
+    for name, why in _REFUSED.items():
+        if body.get(name) not in (None, False, [], {}):
+            return {}, f"body.{name}: not supported ({why}); leave it out"
+    if body.get("tool_choice") not in (None, "none"):
+        return {}, "body.tool_choice: not supported (tool calls: the answer is one of the labels); leave it out"
+    for name in ("n", "best_of"):
+        if body.get(name) not in (None, 1):
+            return {}, f"body.{name}: {_short_text(body[name])}: one answer per request; give 1 or leave it out"
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        return {}, (f"body.response_format: {_short_text(kind)} is not supported: the answer is one of the labels "
+                    "as plain text; give {\"type\": \"text\"} or leave it out")
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if completions:  # /v1/completions: `logprobs: N` is the number of top entries
+        if logprobs is None:
+            return {}, None
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 5:
+            return {}, f"body.logprobs: {_short_text(logprobs)}: an integer from 0 to 5, or leave it out"
+        return {"top_logprobs": logprobs}, None
+    if logprobs is not None and not isinstance(logprobs, bool):
+        return {}, f"body.logprobs: {_short_text(logprobs)}: true or false"
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            return {}, f"body.top_logprobs: {_short_text(top)}: an integer from 0 to 20"
+        if logprobs is not True:
+            return {}, "body.top_logprobs: needs body.logprobs: true"
+        return {"top_logprobs": top}, None
+    return ({"logprobs": False}, None) if logprobs is False else ({}, None)
 
 
 def _short_text(value, limit: int = 60) -> str:
@@ -98,6 +146,9 @@ def _chat_messages(messages) -> tuple[list[dict], str | None]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             return [], f"message {i} has no role"
+        if message["role"] not in CHAT_ROLES:  # a role is rendered into the prompt: text there forges turns
+            return [], (f"message {i}: role {_short_text(message['role'])} is not one of the API's roles "
+                        f"({', '.join(CHAT_ROLES)})")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -115,13 +166,16 @@ def _text_or_none(value):
 
 
 def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: str,
-                       created: int | None = None) -> tuple[list[str], list[str]]:
-    """(output lines, error lines) of the OpenAI Batch API for the results table."""
+                       created: int | None = None, usage: dict[int, tuple[int, int]] | None = None
+                       ) -> tuple[list[str], list[str]]:
+    """(output lines, error lines) of the OpenAI Batch API for the results table. `usage`: row ->
+    (prompt tokens, cached tokens) (output/token_usage.py), for each answer's `usage`."""
     created = int(time.time()) if created is None else created
     column = {name: table.column(name).to_pylist() for name in
               [id_name, layout.LABEL, layout.LABEL_MASS, layout.STATUS, layout.ERROR,
                *map(layout.label_column, labels)]}
-    urls = table.column("url").to_pylist() if "url" in table.column_names else [None] * table.num_rows
+    urls, replies = (table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+                            for name in ANSWER_COLUMNS)
     approx = table.column(layout.APPROX_KEEP).to_pylist() if layout.APPROX_KEEP in table.column_names else None
     ok, failed = [], []
     for i in range(table.num_rows):
@@ -130,8 +184,9 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
         key = hashlib.sha256(f"{i}:{custom_id}".encode()).hexdigest()[:24]
         if column[layout.STATUS][i] == layout.STATUS_OK:
             probs = {label: column[layout.label_column(label)][i] for label in labels}
-            body = completion_body(key, created, model, column[layout.LABEL][i], probs, column[layout.LABEL_MASS][i],
-                               completions=str(urls[i] or "").endswith("/v1/completions"))
+            body = completion_body(key, created, model, column[layout.LABEL][i], probs,
+                                   column[layout.LABEL_MASS][i], completions=str(urls[i] or "").endswith("/v1/completions"),
+                                   usage=(usage or {}).get(i), reply=json.loads(replies[i]) if replies[i] else None)
             if approx is not None:
                 body[layout.APPROX_KEEP] = approx[i]  # speculative prefill: the scores are approximate
             response = {"status_code": 200, "request_id": key, "body": body}
@@ -146,20 +201,27 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
 
 def _logprob(p: float, mass: float) -> float:
     """log P(label) before normalizing over the labels: the model's own log probability."""
-        if message["role"] not in CHAT_ROLES:  # a role is rendered into the prompt: text there forges turns
-            return [], (f"message {i}: role {_short_text(message['role'])} is not one of the API's roles "
-                        f"({', '.join(CHAT_ROLES)})")
     value = p * mass
     return max(math.log(value), MIN_LOGPROB) if value > 0 else MIN_LOGPROB
 
 
 def completion_body(key: str, created: int, model: str, label: str, probs: dict[str, float], mass: float,
-                completions: bool) -> dict:
+                    completions: bool, usage: tuple[int, int] | None = None, reply: dict | None = None) -> dict:
+    """A chat completion (or text completion) whose answer is `label`, the most probable label:
+    finished (`finish_reason` "stop": the label is the whole answer), every label's log probability
+    in `logprobs` unless the request asked otherwise (`reply`: `{"logprobs": false}` or
+    `{"top_logprobs": N}`, the N most probable labels), and `usage` when the prompt's tokens are
+    known (`(prompt, cached)`: the label counts as one completion token, one answer)."""
+    reply = reply or {}
     logprobs = {name: _logprob(p, mass) for name, p in probs.items()}
-    ranked = sorted(logprobs, key=logprobs.get, reverse=True)
+    ranked = sorted(logprobs, key=logprobs.get, reverse=True)[:reply.get("top_logprobs")]
     extra = {layout.BATCH_SCORES: probs, layout.LABEL_MASS: mass}
+    if usage is not None:
+        prompt, cached = usage
+        extra["usage"] = {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1,
+                          "prompt_tokens_details": {"cached_tokens": cached}}
     if completions:  # /v1/completions
-        choice = {"index": 0, "text": label, "finish_reason": "length",
+        choice = {"index": 0, "text": label, "finish_reason": "stop",
                   "logprobs": {"tokens": [label], "token_logprobs": [logprobs[label]], "text_offset": [0],
                                "top_logprobs": [{name: logprobs[name] for name in ranked}]}}
         return {"id": f"cmpl-{key}", "object": "text_completion", "created": created, "model": model,
@@ -169,8 +231,9 @@ def completion_body(key: str, created: int, model: str, label: str, probs: dict[
         return {"token": name, "logprob": logprobs[name], "bytes": list(name.encode("utf-8"))}
 
     choice = {"index": 0, "message": {"role": "assistant", "content": label, "refusal": None},
-              "logprobs": {"content": [{**entry(label), "top_logprobs": [entry(n) for n in ranked]}], "refusal": None},
-              "finish_reason": "length"}
+              "logprobs": {"content": [{**entry(label), "top_logprobs": [entry(n) for n in ranked]}], "refusal": None}
+              if reply.get("logprobs", True) else None,
+              "finish_reason": "stop"}
     return {"id": f"chatcmpl-{key}", "object": "chat.completion", "created": created, "model": model,
             "choices": [choice], **extra}
 
@@ -193,9 +256,11 @@ def read_requests(path, batch_rows: int, columns, json_columns):
 
 
 def write_batch(table: pa.Table, path, *, id_name: str, labels: list[str], model: str = "", error_path=None,
-                **_) -> None:
-    """The output file and the error file (`error_path`), the error file first."""
-    ok, failed = openai_batch_lines(table, id_name, labels, model)
+                requests=None, **_) -> None:
+    """The output file and the error file (`error_path`), the error file first; each answer's
+    `usage` counted from its request's tokens (`requests`; none without them)."""
+    usage = prompt_usage(requests) if requests is not None else None
+    ok, failed = openai_batch_lines(table, id_name, labels, model, usage=usage)
     write_lines(error_path, failed)
     write_lines(path, ok)
 

@@ -27,6 +27,7 @@ from batchscore.tasks.questions.quality import add_question_quality, column_type
 from batchscore.tasks.questions.answers import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
                                          row_values, systemone_answer, systemone_body, table_column_types)
 from batchscore.output.layout import OutputFiles
+from batchscore.output.token_usage import prompt_usage
 from batchscore.scores.quality import QualityResult
 from batchscore.output.raw_scores import RowScores
 from batchscore.output.table import write_parquet_atomic
@@ -70,26 +71,30 @@ def record_answers(record: Record, logp: list, errors: dict[int, str], tops: lis
 
 
 def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: RowScores, errors: dict[int, str],
-                          files: OutputFiles, model: str) -> tuple[dict[int, str], QualityResult]:
+                          files: OutputFiles, model: str, requests: list | None = None
+                          ) -> tuple[dict[int, str], QualityResult]:
     """Write the output of a decision job (and, for a batch file, its error file) atomically.
     Returns (record -> error for the records that are errors (the run's failed rows), what
     calibration and review did (tasks/questions/quality.py))."""
     logp = scores.logp.to_pylist()
     tops = scores.top_logp.to_pylist() if scores.top_logp is not None else None
     if config.output_format == "openai_batch":
-        return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels)), QualityResult()
+        usage = prompt_usage(requests) if requests else {}  # read -> its prompt's (tokens, cached tokens)
+        return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels), usage), QualityResult()
     return _write_table(config, decisions, logp, tops, errors, files)
 
 
 def _write_batch(decisions: DecisionInput, logp: list, tops: list | None, errors: dict[int, str], files: OutputFiles,
-                 model: str, labels: list[str]) -> dict[int, str]:
+                 model: str, labels: list[str], usage: dict[int, tuple[int, int]]) -> dict[int, str]:
     created = int(time.time())
     ids = decisions.ids.to_pylist()
+    replies = decisions.kept.column("reply").to_pylist() if "reply" in decisions.kept.column_names else [None] * len(ids)
     ok_lines, failed_lines, failed = [], [], {}
     for index, record in enumerate(decisions.records):
         custom_id = None if ids[index] is None else str(ids[index])
         key = hashlib.sha256(f"{index}:{custom_id}".encode()).hexdigest()[:24]
-        body, problem = _record_body(record, logp, tops, errors, decisions.read_tokens, model, key, created, labels)
+        body, problem = _record_body(record, logp, tops, errors, decisions.read_tokens, model, key,
+                                     created, labels, usage, json.loads(replies[index]) if replies[index] else None)
         if problem is not None:
             failed[index] = problem
             failed_lines.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id,
@@ -104,8 +109,11 @@ def _write_batch(decisions: DecisionInput, logp: list, tops: list | None, errors
 
 
 def _record_body(record: Record, logp: list, tops: list | None, errors: dict[int, str], read_tokens: dict[int, int], model: str,
-                 key: str, created: int, labels: list[str]) -> tuple[dict | None, str | None]:
-    """(the response body, None) or (None, why the record failed)."""
+                 key: str, created: int, labels: list[str], usage: dict[int, tuple[int, int]] | None = None,
+                 reply: dict | None = None) -> tuple[dict | None, str | None]:
+    """(the response body, None) or (None, why the record failed). `usage`: read -> its prompt's
+    (tokens, cached tokens); `reply`: what a chat/completions line asks its answer to show."""
+    usage = usage or {}
     if record.error is not None:
         return None, record.error
     if record.request is None:  # a chat/completions line: one read over the job's labels
@@ -121,18 +129,20 @@ def _record_body(record: Record, logp: list, tops: list | None, errors: dict[int
         mass = float(np.exp(totals).sum())
         return completion_body(key, created, model, labels[int(np.argmax(probs))],
                            dict(zip(labels, map(float, probs))), mass,
-                           completions=str(record.url or "").endswith("/v1/completions")), None
+                           completions=str(record.url or "").endswith("/v1/completions"), usage=usage.get(read),
+                           reply=reply), None
     answers = record_answers(record, logp, errors, tops)
     problems = [a for a in answers if not isinstance(a, QuestionAnswer)]
     if problems:
         return None, problems[0]
     reads = range(record.first_read, record.first_read + record.num_reads)
     tokens = sum(read_tokens.get(r, 0) for r in reads)
+    cached = sum(usage.get(r, (0, 0))[1] for r in reads)  # the state each question's read shares
     if record.kind == API_SYSTEMONE:
         return systemone_body(record.request, answers, model=record.request.model or model,
                               input_tokens=tokens, output_tokens=len(answers)), None
     return openai_body(record.request, answers, model=record.request.model or model,
-                       input_tokens=tokens, output_tokens=len(answers)), None
+                       input_tokens=tokens, output_tokens=len(answers), cached_tokens=cached), None
 
 
 def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: list | None, errors: dict[int, str],

@@ -25,7 +25,7 @@ import pyarrow as pa
 from batchscore.config import JobConfig
 from batchscore.errors import DecisionRequestError, DuplicateKeyError, InputError, PromptTemplateError, RowRenderError
 from batchscore.formats import iter_batches
-from batchscore.formats.openai_batch import DECISION_URLS
+from batchscore.formats.openai_batch import ANSWER_COLUMNS, DECISION_URLS
 from batchscore.io.readers import input_base, unique_object
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
@@ -67,8 +67,9 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
     batch_file = config.input.format == "openai_batch"
     id_column = config.input.id_column
     keep = list(config.output.keep_columns)
-    if batch_file and "url" not in keep:
-        keep.append("url")
+    if batch_file:  # the url says each line's kind; a batch output shapes each answer by its request
+        answer_columns = ANSWER_COLUMNS if config.output_format == "openai_batch" else ("url",)
+        keep += [c for c in answer_columns if c not in keep]
     table = None if batch_file else _TableRecords(config, tokenizer)
     needed = list(dict.fromkeys(([id_column] if id_column else []) + keep + (
         ["custom_id", "url", "messages", "prompt", "decision"] if batch_file else table.columns)))

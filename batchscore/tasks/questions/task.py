@@ -49,7 +49,7 @@ def _assemble(job, scores, errors: dict[int, str], content_free, files, approx_k
     """Reads gathered back into records: one response body or table row per record."""
     fault_point("assemble")
     failed, quality = write_decision_output(job.config, job.input.task_input, scores, errors, files,
-                                            str(job.config.model))
+                                            str(job.config.model), job.input.requests)
     fault_point("output")
     return failed, quality
 
