@@ -226,7 +226,8 @@ def test_progress_counts_the_rows_a_running_jobs_parts_hold(tmp_path):
 
 
 def test_usage_and_cancelled_lines_take_the_batch_apis_shapes(tmp_path):
-    from batchscore.serve.partial import NOT_RUN
+    from batchscore.formats.openai_batch import error_response
+    from batchscore.row_errors import RowError, TOO_LONG, no_result
     from batchscore.serve.results import batch_usage, cancelled_if_not_run
 
     for k, (logical, processed) in enumerate([(1000, 300), (200, 200)]):
@@ -238,16 +239,19 @@ def test_usage_and_cancelled_lines_take_the_batch_apis_shapes(tmp_path):
     assert usage == {"input_tokens": 1200, "input_tokens_details": {"cached_tokens": 700}, "output_tokens": 3,
                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 1203}
 
-    def error_line(message):
-        return json.dumps({"id": "batch_req_x", "custom_id": "x", "response": {"status_code": 500, "body": {
-            "error": {"message": message, "type": "server_error", "param": None, "code": "not_scored"}}},
-            "error": None})
+    def error_line(error):
+        return json.dumps({"id": "batch_req_x", "custom_id": "x", "response": error_response("x", error),
+                           "error": None})
 
-    cancelled = json.loads(cancelled_if_not_run(error_line(NOT_RUN)))
+    cancelled = json.loads(cancelled_if_not_run(error_line(no_result())))
     assert cancelled["custom_id"] == "x" and cancelled["response"] is None
     assert cancelled["error"]["code"] == "batch_cancelled"
-    failed = error_line("in.jsonl:3: longer than the maximum")
+    failed = error_line(RowError(TOO_LONG, "in.jsonl:3: prompt is 9 tokens, longer than the maximum 8"))
     assert cancelled_if_not_run(failed) == failed  # it ran and failed: stays as it is
+    # the kind decides, not the text: a failure whose message reads like a never-run row stays failed
+    for kind in ("failed", "input"):
+        failed = error_line(RowError(kind, "not scored: no result from the engine"))
+        assert cancelled_if_not_run(failed) == failed
 
 
 def test_a_cancelled_batch_keeps_its_finished_jobs_lines_and_cancels_the_rest(tmp_path, tokenizer):

@@ -28,6 +28,7 @@ from batchscore.formats.registry import WireFormat, register
 from batchscore.io.readers import jsonl_batches
 from batchscore.output import layout
 from batchscore.output.token_usage import prompt_usage
+from batchscore.row_errors import FAILED, INPUT, NOT_SCORED, TOO_LONG, RowError, kind_of
 
 # The smallest log probability written (OpenAI writes -9999.0 for "practically never").
 MIN_LOGPROB = -9999.0
@@ -166,10 +167,11 @@ def _text_or_none(value):
 
 
 def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: str,
-                       created: int | None = None, usage: dict[int, tuple[int, int]] | None = None
-                       ) -> tuple[list[str], list[str]]:
+                       created: int | None = None, usage: dict[int, tuple[int, int]] | None = None,
+                       row_errors: dict | None = None) -> tuple[list[str], list[str]]:
     """(output lines, error lines) of the OpenAI Batch API for the results table. `usage`: row ->
-    (prompt tokens, cached tokens) (output/token_usage.py), for each answer's `usage`."""
+    (prompt tokens, cached tokens) (output/token_usage.py), for each answer's `usage`; `row_errors`:
+    row -> its RowError (the table's row i is row i), whose kind picks a failed line's status."""
     created = int(time.time()) if created is None else created
     column = {name: table.column(name).to_pylist() for name in
               [id_name, layout.LABEL, layout.LABEL_MASS, layout.STATUS, layout.ERROR,
@@ -194,7 +196,8 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
                                   "error": None}, ensure_ascii=False))
         else:
             failed.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id,
-                                      "response": error_response(key, column[layout.ERROR][i] or "not scored"),
+                                      "response": error_response(key, (row_errors or {}).get(i)
+                                                                 or RowError(NOT_SCORED, column[layout.ERROR][i] or "not scored")),
                                       "error": None}, ensure_ascii=False))
     return ok, failed
 
@@ -238,16 +241,22 @@ def completion_body(key: str, created: int, model: str, label: str, probs: dict[
             "choices": [choice], **extra}
 
 
-def error_response(key: str, message: str) -> dict:
-    """A failed request as the Batch API's error file holds it: the HTTP status and an error body."""
-    if "longer than the maximum" in message:
-        status, kind, code = 400, "invalid_request_error", "context_length_exceeded"
-    elif message.startswith("not scored"):
-        status, kind, code = 500, "server_error", "not_scored"
-    else:
-        status, kind, code = 400, "invalid_request_error", "invalid_request"
+# A failed request's HTTP status, error type and code, by its row error's kind (row_errors.py).
+ERROR_STATUS = {
+    TOO_LONG: (400, "invalid_request_error", "context_length_exceeded"),
+    NOT_SCORED: (500, "server_error", "not_scored"),  # never scored: serve/ answers such a request as cancelled
+    FAILED: (500, "server_error", "scoring_failed"),
+    INPUT: (400, "invalid_request_error", "invalid_request"),
+}
+NOT_SCORED_CODE = ERROR_STATUS[NOT_SCORED][2]
+
+
+def error_response(key: str, error: str) -> dict:
+    """A failed request as the Batch API's error file holds it: the HTTP status and an error body,
+    chosen by the error's kind (`error`: a RowError; a plain message is the request's own input)."""
+    status, kind, code = ERROR_STATUS[kind_of(error, INPUT)]
     return {"status_code": status, "request_id": key,
-            "body": {"error": {"message": message, "type": kind, "param": None, "code": code}}}
+            "body": {"error": {"message": str(error), "type": kind, "param": None, "code": code}}}
 
 
 def read_requests(path, batch_rows: int, columns, json_columns):
@@ -256,11 +265,11 @@ def read_requests(path, batch_rows: int, columns, json_columns):
 
 
 def write_batch(table: pa.Table, path, *, id_name: str, labels: list[str], model: str = "", error_path=None,
-                requests=None, **_) -> None:
+                requests=None, row_errors=None, **_) -> None:
     """The output file and the error file (`error_path`), the error file first; each answer's
     `usage` counted from its request's tokens (`requests`; none without them)."""
     usage = prompt_usage(requests) if requests is not None else None
-    ok, failed = openai_batch_lines(table, id_name, labels, model, usage=usage)
+    ok, failed = openai_batch_lines(table, id_name, labels, model, usage=usage, row_errors=row_errors)
     write_lines(error_path, failed)
     write_lines(path, ok)
 

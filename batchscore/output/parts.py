@@ -42,6 +42,7 @@ from batchscore.io.storage import file_size, list_files, remove_file, remove_tre
 from batchscore.output.identity import describe_changes
 from batchscore.output.layout import RUN_WRITER, OutputFiles
 from batchscore.output.raw_scores import RowScores
+from batchscore.row_errors import FAILED, INPUT, kind_of, typed
 
 log = logging.getLogger("batchscore")
 
@@ -138,6 +139,14 @@ def _digest(path) -> str:
     return digest.hexdigest()
 
 
+def _row_errors(table: pa.Table, default: str) -> list:
+    """A part's (or the input-errors file's) `error` column as typed row errors (row_errors.py),
+    with their recorded kinds (`default` for a parts folder written before the kinds were)."""
+    messages = table.column("error").to_pylist()
+    kinds = table.column("error_kind").to_pylist() if "error_kind" in table.column_names else [None] * len(messages)
+    return [typed(message, kind, default) for message, kind in zip(messages, kinds)]
+
+
 def _read_parquet(path):
     with path.open("rb") as handle:  # a local file or an object (io/storage.py)
         return pq.read_table(handle)
@@ -208,7 +217,8 @@ class PartStore:
         errors = input_errors or {}
         manifest.input_errors_file = f"{self.name}-input-errors.parquet"
         table = pa.table({"row_id": pa.array(list(errors), type=pa.int64()),
-                          "error": pa.array(list(errors.values()), type=pa.string())})
+                          "error": pa.array(list(errors.values()), type=pa.string()),
+                          "error_kind": pa.array([kind_of(e) for e in errors.values()], type=pa.string())})
         atomic_write(self.folder / manifest.input_errors_file, lambda tmp: pq.write_table(table, tmp))
         self.write_manifest(manifest)
         return manifest
@@ -234,6 +244,7 @@ class PartStore:
             "option_tokens": pa.array([None if t is None else np.asarray(t, dtype=np.int32) for t in option_tokens],
                                       type=pa.list_(pa.int32())),
             "error": pa.array([errors.get(int(r)) for r in row_ids], type=pa.string()),
+            "error_kind": pa.array([kind_of(errors.get(int(r)), FAILED) for r in row_ids], type=pa.string()),
             "top_logp": pa.array(np.full(len(row_ids), np.nan) if top_logp is None else np.asarray(top_logp, np.float64),
                                  type=pa.float64()),
             "top_token": pa.array(np.full(len(row_ids), -1) if top_token is None else np.asarray(top_token, np.int64),
@@ -267,7 +278,7 @@ class PartStore:
             table = _read_parquet(self.folder / name)
             rows = table.column("row_id").to_numpy()
             np.add.at(seen, rows, 1)
-            errors.update(zip(rows.tolist(), table.column("error").to_pylist()))
+            errors.update(zip(rows.tolist(), _row_errors(table, INPUT)))
         for part in (p for m in manifests for p in m.parts):
             table = _read_parquet(self.folder / part.file)
             rows = table.column("row_id").to_numpy()
@@ -280,7 +291,7 @@ class PartStore:
             top_chunks.append(table.column("top_logp").combine_chunks())
             top_id_chunks.append(table.column("top_token").combine_chunks() if "top_token" in table.column_names
                                  else pa.array(np.full(len(rows), -1), type=pa.int64()))  # parts from before the column
-            for row_id, message in zip(rows.tolist(), table.column("error").to_pylist()):
+            for row_id, message in zip(rows.tolist(), _row_errors(table, FAILED)):
                 if message is not None:
                     errors[row_id] = message
         twice = np.flatnonzero(seen > 1)

@@ -13,6 +13,7 @@ import numpy as np
 from batchscore.errors import PlanInputError
 from batchscore.plan.tree import TokenTable
 from batchscore.plan.types import Request
+from batchscore.row_errors import INPUT, TOO_LONG, RowError
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -40,18 +41,19 @@ def requests_from_token_lists(
 
 
 def prompt_problem(num_tokens: int, max_length: int | None, *, largest_token: int | None = None,
-                   vocab_size: int | None = None, limit_name: str = "the model's context") -> str | None:
-    """Why a prompt of `num_tokens` tokens cannot be scored, or None when it can.
+                   vocab_size: int | None = None, limit_name: str = "the model's context") -> RowError | None:
+    """Why a prompt of `num_tokens` tokens cannot be scored (a typed row error: too long, or a bad
+    input), or None when it can.
 
     The one check of a prompt's length and ids against a model, used where rows are read and by
     each engine (whose `limit_name` says whose limit `max_length` is).
     """
     if num_tokens == 0:
-        return "empty prompt: no tokens to score"
+        return RowError(INPUT, "empty prompt: no tokens to score")
     if max_length is not None and num_tokens > max_length:
-        return f"prompt is {num_tokens} tokens, longer than the maximum {max_length} ({limit_name})"
+        return RowError(TOO_LONG, f"prompt is {num_tokens} tokens, longer than the maximum {max_length} ({limit_name})")
     if vocab_size is not None and largest_token is not None and largest_token >= vocab_size:
-        return f"token id {largest_token} is outside the model's vocabulary (size {vocab_size})"
+        return RowError(INPUT, f"token id {largest_token} is outside the model's vocabulary (size {vocab_size})")
     return None
 
 

@@ -28,6 +28,7 @@ from batchscore.plan.types import Request
 from batchscore.plan.validate import token_ids_problem
 from batchscore.prepare.options import RowOptionSource, max_length_name
 from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
+from batchscore.row_errors import with_kinds
 from batchscore.prepare.rows import (PreparedInput, RowLocations, batch_ids, check_columns, check_unique_ids,
                                      concat_arrays, concat_tables, select_kept)
 
@@ -115,7 +116,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
                                      vocab_size=vocab_size, limit_name=max_length_name(config.engine.max_length,
                                                                                        max_length))
             if problem:
-                errors[rid] = f"{batch.file}:{batch.first_line + offset}: {problem}"
+                errors[rid] = problem.at(f"{batch.file}:{batch.first_line + offset}")  # typed: too long, or bad ids
                 rows_tokens[offset] = None
         row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id)
         for offset, tokens in enumerate(rows_tokens):
@@ -131,6 +132,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
         check_unique_ids(id_array, id_column)
     kept = concat_tables(kept_tables) if keep_columns else pa.table({})
     choices = concat_arrays(choice_arrays) if choices_column else None
+    with_kinds(errors)  # every other row error is the row's own input (row_errors.py)
     return PreparedInput(row_id, id_array, kept, requests, errors, choices, locations=locations)
 
 

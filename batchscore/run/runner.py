@@ -45,6 +45,7 @@ from batchscore.plan.placement import place_groups
 from batchscore.run.open import (JobSource, PreparedJob, assembly_config, open_job, output_files, prepare_job,
                                  use_job_storage)
 from batchscore.run.rederive import rederive_output, rederive_problem
+from batchscore.row_errors import no_result
 
 log = logging.getLogger("batchscore")
 
@@ -383,7 +384,7 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
     scores, content_free = split_content_free(scores, errors, prepared.num_rows, config)
     unscored = scores.unscored()
     for row in unscored[~np.isin(unscored, np.fromiter(errors, dtype=np.int64, count=len(errors)))]:
-        errors[int(row)] = "not scored: no result from the engine"  # never silently lost
+        errors[int(row)] = no_result()  # never silently lost
     return job.task.assemble(job, scores, errors, content_free, store.files, _approx_keep(config))
 
 

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import sys
 
-# What the assembly writes for a row no part holds (run/runner.py): in a cancelled job, a row never scored.
-NOT_RUN = "not scored: no result from the engine"
-
 
 def write_partial_output(job_path: str, sets: list[str]) -> bool:
     """Write the job's output (and error file) from the parts its stopped run saved; False when

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from batchscore.serve.partial import NOT_RUN
+from batchscore.formats.openai_batch import NOT_SCORED_CODE
 
 CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request ran."}
 
@@ -54,10 +54,11 @@ def cancelled_line(custom_id: str | None, number: int) -> str:
 
 
 def cancelled_if_not_run(line: str) -> str:
-    """An error line of a stopped job: a row no part held never ran (cancelled); others failed."""
+    """An error line of a stopped job: a row no part held never ran (cancelled: its error's code
+    says it was never scored, row_errors.NOT_SCORED); others failed."""
     value = json.loads(line)
     error = ((value.get("response") or {}).get("body") or {}).get("error") or {}
-    if error.get("message") != NOT_RUN:
+    if error.get("code") != NOT_SCORED_CODE:
         return line
     return json.dumps({**value, "response": None, "error": CANCELLED}, ensure_ascii=False)
 

@@ -168,7 +168,7 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
         raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
     fault_point("assemble")
     write_output(table, files.output, config.output_format, id_name=id_name, labels=config.labels,
-                 model=str(config.model), error_path=files.errors, requests=prepared.requests)
+                 model=str(config.model), error_path=files.errors, requests=prepared.requests, row_errors=errors)
     fault_point("output")
     return errors, result
 

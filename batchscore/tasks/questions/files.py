@@ -30,6 +30,7 @@ from batchscore.output.layout import OutputFiles
 from batchscore.output.token_usage import prompt_usage
 from batchscore.scores.quality import QualityResult
 from batchscore.output.raw_scores import RowScores
+from batchscore.row_errors import FAILED, RowError, no_result
 from batchscore.output.table import write_parquet_atomic
 from batchscore.tasks.questions.requests import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT, parse_systemone
 from batchscore.tasks.questions.records import DecisionInput, Record
@@ -66,7 +67,7 @@ def record_answers(record: Record, logp: list, errors: dict[int, str], tops: lis
             top = tops[read] if tops is not None and question.layout != WIDE_LAYOUT else None
             answers.append(read_answer(question, logp[read], None if top is None or top != top else top))
         except (ValueError, TypeError) as exc:
-            answers.append(f"not scored: {exc}")
+            answers.append(RowError(FAILED, f"not scored: {exc}"))
     return answers
 
 
@@ -122,7 +123,7 @@ def _record_body(record: Record, logp: list, tops: list | None, errors: dict[int
             return None, errors[read]
         totals = np.asarray(logp[read], dtype=np.float64) if logp[read] is not None else None
         if totals is None or not np.isfinite(totals).any():
-            return None, "not scored: no result from the engine"
+            return None, no_result()
         top = totals.max()
         weights = np.exp(totals - top)
         probs = weights / weights.sum()

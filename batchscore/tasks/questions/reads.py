@@ -30,6 +30,7 @@ from batchscore.io.readers import input_base, unique_object
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
 from batchscore.plan.validate import prompt_problem
+from batchscore.row_errors import with_kinds
 from batchscore.task import InputColumns
 from batchscore.tasks.questions.requests import (API_OPENAI, API_SYSTEMONE, DecisionRequest, check_question,
                                           parse_openai_decisions, parse_systemone, read_prompt)
@@ -138,6 +139,7 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
     if id_column:
         check_unique_ids(id_array, id_column)
     decisions = DecisionInput(records, id_array, concat_tables(kept) if keep else pa.table({}), read_tokens)
+    with_kinds(errors)  # every other read error is its record's own input (row_errors.py)
     return PreparedInput(reads, pa.array(np.arange(reads, dtype=np.int64)), pa.table({}), requests, errors,
                          task_input=decisions, record_count=decisions.num_records)
 
@@ -151,7 +153,7 @@ def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource,
         problem = prompt_problem(len(tokens[i]), max_length, largest_token=int(np.max(tokens[i])) if len(tokens[i])
                                  else None, vocab_size=vocab_size, limit_name=options.limit_name)
         if problem:
-            errors[read] = f"{where}: {problem}"
+            errors[read] = problem.at(where)  # typed: too long, or bad ids
             tokens[i] = None
     pieces = [renderer.last_piece(p) if renderer.in_pieces(p) else None for p in prompts]
     results = options.batch(tokens, [p.text for p in prompts], [labels for _, _, labels, _ in pending],
