@@ -308,13 +308,18 @@ def test_vllm_bench_orders_without_vllm():
     assert len(groups) == 3 and all(g.prefix_len == 48 and len(g.members) == 4 for g in groups)
 
 
-def test_scale_bench_runs_the_production_data_path():
+def test_scale_bench_runs_the_production_data_path(model_dir):
+    """`bench scale` at its smallest: the run path with the stand-in engine, killed (SIGKILL) after
+    half its parts and resumed; every row once with its tokens' score, and a table per run."""
     from batchscore.bench.scale_bench import scale
 
-    result = CliRunner().invoke(scale, ["--rows", "300", "--group-size", "10", "--prefix", "20", "--distinct", "4"])
+    result = CliRunner().invoke(scale, ["--rows", "300", "--group-size", "10", "--prefix", "20", "--distinct", "4",
+                                        "--part-rows", "50"])
     assert result.exit_code == 0, result.output
-    assert "rows: 300  groups: 30" in result.output
-    for stage in ("read", "plan", "write parts", "assemble", "peak RSS"):
+    assert "rows: 300  logical tokens: 7,200" in result.output
+    assert "killed run" in result.output and "resumed run" in result.output
+    assert "check: 300 rows, each once, in input order, all scored; the first 300 rows' scores match" in result.output
+    for stage in ("read", "plan", "score", "assemble", "peak RssAnon"):
         assert stage in result.output
 
 

@@ -1,128 +1,401 @@
-"""`batchscore bench scale`: the data path for N rows — read, plan, write parts, assemble the output.
+"""`batchscore bench scale`: N rows through the real run path, killed once and resumed.
 
-Measures the stages around the engine, with peak RSS, on N rows of short pre-tokenized prompts
-(default 1,000,000), by running `batchscore run` itself (`runner.run_job`) with a stand-in engine
-passed through its `engine_factory`: scoring a million rows does not fit a 2-core CPU, so the
-stand-in gives every row a fixed label distribution. Everything else — locating and reading the
-input, planning, placing, streaming results into durable parts, assembling the output — is the
-production code. Stage times come from the hooks the runner offers: `read` until the engine is
-created (locating the job, with its input and model fingerprints, reading, placing; less `plan`,
-the planner's own `PlanStats.plan_seconds`), `write parts` until the engine is closed, `assemble`
-until `run_job` returns. Engine throughput lives in `batchscore bench
-WORKLOAD` / `bench engine`.
+The job runs as `batchscore run` runs it (`runner.run_job`) in a child process, with one
+stand-in: the engine (`bench/standin.py`, a CRC-32 of each prompt's tokens: deterministic and
+instant — scoring millions of rows does not fit a 2-core CPU). Reading, rendering and tokenizing
+(`--text`: documents × questions through a template and the built-in model's tokenizer; else
+pre-tokenized Parquet), planning, placing, writing parts, resuming and assembling are the
+production code. The first child is killed with SIGKILL (`BATCHSCORE_FAULT=part:K`, faults.py)
+after about half its parts; the second resumes it. The benchmark then checks every row is in the
+output once, in input order, with the score its tokens call for.
+
+Per stage (the runner announces them, run/stages.py; `open` is locating and fingerprinting the
+job): seconds, rows/s, logical tokens/s and the peak anonymous resident memory (RssAnon of
+/proc/self/status, sampled every 10 ms: memory-mapped files do not count).
+
+`--plan-only` plans N rows from generated sort keys, no tokens materialized (`plan_only`).
 """
 
 from __future__ import annotations
 
-import resource
+import json
+import os
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import click
 import numpy as np
 
+DOCUMENT_WORDS = ("market", "energy", "council", "report", "league", "season", "policy", "growth", "film",
+                  "music", "school", "health", "court", "budget", "storm", "river", "company", "price",
+                  "shares", "record", "minister", "players", "festival", "science", "election", "police")
+QUESTIONS = ("Is this article about business?", "Is this article about politics?", "Is this article about sport?",
+             "Is this article about technology?", "Is this article about entertainment?")
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+# ------------------------------------------------------------------ memory
 
 
-def write_input(path: Path, rows: int, group_size: int, prefix_len: int, distinct_len: int, seed: int) -> None:
-    """Pre-tokenized prompts: groups of `group_size` rows sharing a prefix, shuffled."""
+def rss_anon() -> int:
+    """This process's anonymous resident memory now (bytes): RssAnon of /proc/self/status."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class StageMeter:
+    """Seconds and peak RssAnon per stage: a thread samples RssAnon every `interval` seconds and
+    charges it to the stage running; `enter(name)` starts the next stage. `on_change` is called
+    with the table after each stage ends (the child saves it: a SIGKILL loses at most one stage)."""
+
+    def __init__(self, interval: float = 0.01, on_change=None):
+        self.interval, self.on_change = interval, on_change
+        self.stages: dict[str, dict] = {}
+        self.current: str | None = None
+        self.started = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def enter(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.current is not None:
+            self.stages[self.current]["seconds"] = now - self.started
+            self._peak()
+            if self.on_change is not None:
+                self.on_change(self.stages)
+        self.current, self.started = name, now
+        self.stages[name] = {"seconds": 0.0, "peak_anon": rss_anon()}
+
+    def _peak(self) -> None:
+        entry = self.stages.get(self.current) if self.current else None
+        if entry is not None:
+            entry["peak_anon"] = max(entry["peak_anon"], rss_anon())
+
+    def _sample(self) -> None:
+        saved = time.perf_counter()
+        while not self._stop.wait(self.interval):
+            self._peak()
+            if self.on_change is not None and time.perf_counter() - saved >= 1.0 and self.current in self.stages:
+                saved = time.perf_counter()  # the stage so far, in case the process is killed inside it
+                self.on_change({**self.stages, self.current: {**self.stages[self.current],
+                                                              "seconds": saved - self.started}})
+
+    def close(self) -> dict[str, dict]:
+        self.enter("done")
+        self._stop.set()
+        self.stages.pop("done")
+        return self.stages
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def write_token_input(path: Path, rows: int, group_size: int, prefix_len: int, distinct_len: int, seed: int,
+                      chunk: int = 500_000) -> None:
+    """Pre-tokenized prompts: groups of `group_size` rows sharing a prefix, shuffled; written in
+    chunks (a 10M-row input never sits in memory whole). Row i's tokens: `token_rows(...)`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rng = np.random.default_rng(seed)
-    groups = -(-rows // group_size)
-    prefixes = rng.integers(0, 49152, size=(groups, prefix_len), dtype=np.int32)
-    distinct = rng.integers(0, 49152, size=(rows, distinct_len), dtype=np.int32)
-    order = rng.permutation(rows)
-    tokens = np.concatenate([prefixes[order // group_size], distinct], axis=1)  # [rows, P + D]
-    flat = pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), tokens.shape[1])
-    pq.write_table(pa.table({"id": pa.array(np.arange(rows)), "tokens": flat.cast(pa.list_(pa.int32()))}), path)
+    schema = pa.schema([("id", pa.int64()), ("tokens", pa.list_(pa.int32()))])
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, rows, chunk):
+            ids = np.arange(start, min(start + chunk, rows))
+            tokens = token_rows(ids, rows, group_size, prefix_len, distinct_len, seed)
+            flat = pa.ListArray.from_arrays(pa.array(np.arange(0, tokens.size + 1, tokens.shape[1], dtype=np.int32)),
+                                            pa.array(tokens.reshape(-1)))
+            writer.write_table(pa.table({"id": pa.array(ids), "tokens": flat}, schema=schema), row_group_size=chunk)
 
 
-class FixedScores:
-    """A stand-in engine: every member gets the same label distribution, nothing is computed.
+def token_rows(ids: np.ndarray, rows: int, group_size: int, prefix_len: int, distinct_len: int,
+               seed: int) -> np.ndarray:
+    """[len(ids), P + D] the tokens of input rows `ids`: their group's prefix (the group of a row:
+    a fixed shuffle of the rows, `shuffled`) then tokens of their own, each a hash of (seed, group
+    or row, position): any row's tokens without generating the others."""
+    groups = shuffled(ids, rows) // group_size
+    prefix = _mix(np.uint64(seed) * np.uint64(1 << 40) + groups[:, None].astype(np.uint64) * np.uint64(prefix_len)
+                  + np.arange(prefix_len, dtype=np.uint64))
+    own = _mix(np.uint64(seed) * np.uint64(1 << 40) + np.uint64(1 << 62) + ids[:, None].astype(np.uint64)
+               * np.uint64(distinct_len) + np.arange(distinct_len, dtype=np.uint64))
+    return (np.concatenate((prefix, own), axis=1) % np.uint64(49152)).astype(np.int32)
 
-    Records when it was created and closed (the runner creates it after planning and closes it
-    right after scoring), the groups it was given and how many parts the run had written by then."""
 
-    def __init__(self, probs: tuple[float, ...], output: Path):
-        from batchscore.engines.base import EngineMetrics
+def shuffled(ids: np.ndarray, rows: int) -> np.ndarray:
+    """A fixed permutation of 0..rows-1 evaluated at `ids` (multiplication by a number coprime
+    to `rows`): the rows of one document lie apart in the input, as in a real table."""
+    step = next(a for a in range(2654435761, 2654435761 + 1000) if np.gcd(a, rows) == 1)
+    return (ids.astype(np.int64) * (step % rows)) % rows if rows > 1 else ids.astype(np.int64)
 
-        self.logp = np.log(np.asarray(probs, dtype=np.float64) * 0.5)  # raw totals: label mass 0.5
-        self.metrics = EngineMetrics()
-        self.output = output
-        self.created = time.perf_counter()
-        self.closed: float | None = None
-        self.groups = 0
-        self.parts = 0
 
-    def memory_problems(self, groups) -> list:
-        return []
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a well-spread uint64 hash of each uint64."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
-    def score(self, groups, label_token_ids):
-        from batchscore.engines.base import RawScores
 
-        for group in groups:
-            self.groups += 1
-            for member in group.members:
-                yield RawScores(member.row_id, self.logp)
+def write_text_input(path: Path, rows: int, group_size: int, words: int, seed: int, chunk: int = 200_000) -> None:
+    """Text prompts: documents of `words` words, each asked `group_size` questions (rows of one
+    document apart in the file, as rows of a real table usually are)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    def close(self) -> None:
-        from batchscore.output.layout import OutputFiles
-        from batchscore.output.parts import PartStore
+    vocabulary = np.array(DOCUMENT_WORDS)
+    schema = pa.schema([("id", pa.int64()), ("document", pa.string()), ("question", pa.string())])
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, rows, chunk):
+            ids = np.arange(start, min(start + chunk, rows))
+            position = shuffled(ids, rows)
+            docs = position // group_size
+            picks = _mix(np.uint64(seed) * np.uint64(1 << 40) + docs[:, None].astype(np.uint64) * np.uint64(words)
+                         + np.arange(words, dtype=np.uint64)) % np.uint64(len(vocabulary))
+            text = [" ".join(row) for row in vocabulary[picks.astype(np.int64)].tolist()]
+            questions = [QUESTIONS[q % len(QUESTIONS)] for q in (position % group_size).tolist()]
+            writer.write_table(pa.table({"id": pa.array(ids), "document": text, "question": questions}, schema=schema))
 
-        self.closed = time.perf_counter()
-        manifest = PartStore(OutputFiles(str(self.output))).load_manifest()
-        self.parts = len(manifest.parts) if manifest is not None else 0
+
+def job_dict(source: Path, output: Path, text: bool, part_rows: int) -> dict:
+    """The benchmark's job: two labels, parts by rows only, no exactness audit (the stand-in's
+    scores are not the model's), no compile decision (no model runs)."""
+    job = {"labels": ["Yes", "No"], "model": "smollm2-135m-instruct",
+           "engine": {"kind": "torch", "compile": False},
+           "output": {"path": str(output), "part_seconds": 1e9, "part_rows": part_rows, "audit_rows": 0}}
+    if text:
+        job["input"] = {"path": str(source), "id_column": "id"}
+        job["prompt"] = {"template": "Article: {document}\n\nQuestion: {question} Answer Yes or No.\nAnswer:"}
+    else:
+        job["input"] = {"path": str(source), "token_ids_column": "tokens", "id_column": "id"}
+    return job
+
+
+# ------------------------------------------------------------------ the child: one `run_job`
+
+
+def child(job_path: str, stats_path: str) -> None:
+    """Run the job once with the stand-in engine, saving the stage table to `stats_path` as
+    each stage ends (and the run's summary at the end)."""
+    from batchscore.bench.standin import HashScores
+    from batchscore.jobfile import config_from_dict
+    from batchscore.run.runner import run_job
+    from batchscore.run.stages import listen
+
+    stats: dict = {"stages": {}}
+    saving = threading.Lock()  # the meter's thread saves too
+
+    def save(stages) -> None:
+        with saving:
+            stats["stages"] = stages
+            Path(stats_path + ".tmp").write_text(json.dumps(stats))
+            os.replace(stats_path + ".tmp", stats_path)
+
+    meter = StageMeter(on_change=save)
+    meter.enter("open")
+    config = config_from_dict(json.loads(Path(job_path).read_text()))
+    engines: list[HashScores] = []
+
+    def stand_in(resolved, model_dir, engine_section) -> HashScores:
+        engines.append(HashScores())
+        return engines[-1]
+
+    with listen(meter.enter):
+        summary = run_job(config, progress=False, engine_factory=stand_in)
+    stats["summary"] = {"rows": summary.rows, "rows_ok": summary.rows_ok, "resumed_rows": summary.resumed_rows,
+                        "logical_tokens": summary.logical_tokens, "saving_ratio": summary.saving_ratio,
+                        "groups_scored": sum(e.groups for e in engines), "rows_scored": sum(e.rows for e in engines)}
+    save(meter.close())
+
+
+def run_child(job: Path, stats: Path, fault: str | None) -> int:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("BATCHSCORE_FAULT", None)
+    if fault:
+        env["BATCHSCORE_FAULT"] = fault
+    command = [sys.executable, "-m", "batchscore.bench.scale_bench", "--child", str(job), str(stats)]
+    return subprocess.run(command, env=env).returncode
+
+
+# ------------------------------------------------------------------ checks and the table
+
+
+def check_output(output: Path, source: Path, rows: int, text: bool, args: dict) -> str:
+    """Every input row once, in input order, scored, with the stand-in's score for its tokens
+    (token inputs: the first row group's rows recomputed from their tokens). Raises AssertionError."""
+    import pyarrow.parquet as pq
+
+    from batchscore.bench.standin import expected_p_first
+
+    table = pq.read_table(output, columns=["id", "p_Yes", "status"])
+    ids = table.column("id").to_numpy()
+    assert len(ids) == rows, f"the output holds {len(ids)} rows for {rows} input rows"
+    assert np.array_equal(ids, np.arange(rows)), "the output's ids are not every input row once, in input order"
+    assert table.column("status").to_pylist().count("ok") == rows, "rows not scored"
+    if text:
+        return f"{rows:,} rows, each once, in input order, all scored"
+    checked = min(rows, 20_000)
+    tokens = token_rows(np.arange(checked), rows, **args)
+    p = table.column("p_Yes").to_numpy()[:checked]
+    expected = np.array([expected_p_first(t) for t in tokens])
+    assert np.allclose(p, expected, rtol=0, atol=1e-12), "a row's score is not its own tokens' score"
+    return f"{rows:,} rows, each once, in input order, all scored; the first {checked:,} rows' scores match their tokens"
+
+
+def stage_table(stages: dict, rows: dict, tokens: dict) -> list[str]:
+    lines = [f"  {'stage':<10} {'seconds':>9} {'rows/s':>12} {'tokens/s':>13} {'peak RssAnon':>13}"]
+    for name, entry in stages.items():
+        seconds = entry["seconds"]
+        rate = lambda n: f"{n / seconds:,.0f}" if n and seconds > 0 else "-"  # noqa: E731
+        lines.append(f"  {name:<10} {seconds:9.1f} {rate(rows.get(name)):>12} {rate(tokens.get(name)):>13} "
+                     f"{entry['peak_anon'] / 2**20:10,.0f} MiB")
+    return lines
+
+
+# ------------------------------------------------------------------ plan only
+
+
+def generated_sort_keys(rows: int, group_size: int, seed: int, chunk: int = 10_000_000) -> np.ndarray:
+    """[rows] uint64 sort keys of rows in documents of `group_size` questions, no tokens: the high
+    40 bits stand for the document's shared prefix (its first tokens), the low 24 for the row's
+    own first tokens. Rows of a document are apart in the input (a fixed shuffle)."""
+    keys = np.empty(rows, dtype=np.uint64)
+    documents = -(-rows // group_size)
+    scramble = np.uint64(0x9E3779B97F4A7C15)
+    for start in range(0, rows, chunk):
+        ids = np.arange(start, min(start + chunk, rows), dtype=np.uint64)
+        doc = (ids * np.uint64(2654435761) + np.uint64(seed)) % np.uint64(documents)  # a fixed shuffle
+        mixed = (doc + np.uint64(1)) * scramble
+        own = (ids * np.uint64(0xBF58476D1CE4E5B9)) >> np.uint64(40)
+        keys[start:start + len(ids)] = (mixed & ~np.uint64((1 << 24) - 1)) | own
+        del ids, doc, mixed, own
+    return keys
+
+
+def plan_from_keys(keys: np.ndarray, prefix_len: int, distinct_len: int, min_prefix: int, workers: int) -> dict:
+    """The plan as metadata from sort keys: the sorted order, the neighbours' common-prefix lengths,
+    groups (runs sharing at least `min_prefix` tokens), their r_group order (fewest processed
+    tokens first) and W cost-balanced ranges cut at group boundaries. A few integers per row."""
+    order = np.argsort(keys)
+    sorted_keys = keys[order]
+    same_prefix = (sorted_keys[1:] >> np.uint64(24)) == (sorted_keys[:-1] >> np.uint64(24))
+    del sorted_keys
+    lcp = np.where(same_prefix, prefix_len, 0).astype(np.int32)  # neighbour i-1, i
+    del same_prefix
+    starts = np.flatnonzero(np.concatenate(([True], lcp < max(min_prefix, 1))))
+    del lcp
+    sizes = np.diff(np.append(starts, len(keys)))
+    shared = sizes > 1
+    processed = np.where(shared, prefix_len + sizes * distinct_len, sizes * (prefix_len + distinct_len))
+    group_order = np.lexsort((order[starts], processed))  # r_group: cost, then first row
+    cost = np.cumsum(processed[group_order])
+    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, workers) / workers)
+    logical = len(keys) * (prefix_len + distinct_len)
+    return {"rows": len(keys), "groups": len(starts), "shared_groups": int(shared.sum()),
+            "processed_tokens": int(cost[-1]), "saving_ratio": 1 - int(cost[-1]) / logical,
+            "ranges": np.diff(np.concatenate(([0], cuts, [len(starts)]))).tolist(), "order": order,
+            "group_order": group_order}
+
+
+def plan_only(rows: int, group_size: int, prefix_len: int, distinct_len: int, workers: int) -> None:
+    meter = StageMeter()
+    meter.enter("keys")
+    keys = generated_sort_keys(rows, group_size, seed=0)
+    meter.enter("plan")
+    plan = plan_from_keys(keys, prefix_len, distinct_len, min_prefix=16, workers=workers)
+    stages = meter.close()
+    click.echo(f"plan only: {rows:,} rows (generated sort keys, no tokens), {plan['groups']:,} groups "
+               f"({plan['shared_groups']:,} shared), saving ratio {plan['saving_ratio']:.3f}, "
+               f"{workers} ranges of {min(plan['ranges']):,}..{max(plan['ranges']):,} groups")
+    for line in stage_table(stages, {s: rows for s in stages}, {}):
+        click.echo(line)
+    click.echo(f"total {sum(s['seconds'] for s in stages.values()):.1f} s, "
+               f"peak RssAnon {max(s['peak_anon'] for s in stages.values()) / 2**30:.2f} GiB")
+
+
+# ------------------------------------------------------------------ the command
 
 
 @click.command("scale")
 @click.option("--rows", type=click.IntRange(min=1), default=1_000_000, show_default=True)
-@click.option("--group-size", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Rows sharing one prefix.")
-@click.option("--prefix", type=click.IntRange(min=1), default=40, show_default=True, help="Shared prefix tokens.")
-@click.option("--distinct", type=click.IntRange(min=1), default=12, show_default=True, help="Distinct tokens per row.")
-def scale(rows: int, group_size: int, prefix: int, distinct: int) -> None:
-    """Time and peak memory of reading, planning, writing parts and assembling N rows (no engine).
+@click.option("--group-size", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Rows sharing one prefix (questions per document).")
+@click.option("--prefix", type=click.IntRange(min=1), default=40, show_default=True,
+              help="Shared prefix tokens (token inputs; --text: words per document).")
+@click.option("--distinct", type=click.IntRange(min=1), default=8, show_default=True, help="Distinct tokens per row.")
+@click.option("--text", is_flag=True, help="Text prompts (documents × questions) tokenized by the built-in model.")
+@click.option("--kill/--no-kill", default=True, show_default=True,
+              help="SIGKILL the first run after about half its parts, then resume.")
+@click.option("--part-rows", type=click.IntRange(min=1), default=20_000, show_default=True)
+@click.option("--plan-only", is_flag=True, help="Plan N rows from generated sort keys (no tokens, no run).")
+@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True, help="--plan-only: ranges cut.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where the input and output go (default: a temporary folder, removed after).")
+@click.option("--child", nargs=2, hidden=True, default=None)
+def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, kill: bool, part_rows: int,
+          plan_only: bool, workers: int, workdir: str | None, child: tuple[str, str] | None) -> None:
+    """N rows through `batchscore run` with a stand-in engine, killed once and resumed; seconds,
+    rows/s, tokens/s and peak RssAnon per stage.
 
-    Example:
+    Examples:
 
         batchscore bench scale --rows 1000000
+        batchscore bench scale --rows 200000 --text
+        batchscore bench scale --rows 100000000 --plan-only
     """
-    import pyarrow.parquet as pq
+    if child:
+        globals()["child"](*child)
+        return
+    if plan_only:
+        globals()["plan_only"](rows, group_size, prefix, distinct, workers)
+        return
+    with tempfile.TemporaryDirectory(prefix="batchscore-scale-", dir=workdir) as tmp:
+        _scale(Path(tmp), rows, group_size, prefix, distinct, text, kill, part_rows)
 
-    from batchscore.jobfile import config_from_dict
-    from batchscore.run.runner import run_job
 
-    with tempfile.TemporaryDirectory(prefix="batchscore-scale-") as tmp:
-        source, output = Path(tmp) / "input.parquet", Path(tmp) / "scores.parquet"
-        write_input(source, rows, group_size, prefix, distinct, seed=0)
-        base_rss = peak_rss_mib()
-        config = config_from_dict({"input": {"path": str(source), "token_ids_column": "tokens", "id_column": "id"},
-                                   "labels": ["Yes", "No"],
-                                   # parts by rows only; no exactness audit: the stand-in's scores are not the model's
-                                   "output": {"path": str(output), "part_seconds": 1e9, "audit_rows": 0}})
-        engines: list[FixedScores] = []
-
-        def stand_in(resolved, model_dir, engine_section) -> FixedScores:
-            engines.append(FixedScores((0.25, 0.75), output))
-            return engines[-1]
-
-        started = time.perf_counter()
-        summary = run_job(config, progress=False, fresh=True, engine_factory=stand_in)
-        finished = time.perf_counter()
-        (engine,) = engines
-        assert pq.read_metadata(output).num_rows == rows and summary.rows_ok == rows
-    timings = {"read": engine.created - started - summary.timing.plan_seconds, "plan": summary.timing.plan_seconds,
-               "write parts": engine.closed - engine.created, "assemble": finished - engine.closed}
-    click.echo(f"rows: {rows:,}  groups: {engine.groups:,}  "
-               f"parts: {engine.parts}  saving ratio: {summary.saving_ratio:.3f}")
-    for stage, seconds in timings.items():
-        click.echo(f"{stage:<12} {seconds:7.1f} s")
-    click.echo(f"peak RSS: {peak_rss_mib():,.0f} MiB (after writing the input: {base_rss:,.0f} MiB)")
+def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, text: bool, kill: bool,
+           part_rows: int) -> None:
+    source, output, job = tmp / "input.parquet", tmp / "scores.parquet", tmp / "job.json"
+    args = {"group_size": group_size, "prefix_len": prefix, "distinct_len": distinct, "seed": 0}
+    started = time.perf_counter()
+    if text:
+        write_text_input(source, rows, group_size, prefix, seed=0)
+    else:
+        write_token_input(source, rows, **args)
+    click.echo(f"input: {rows:,} rows ({'text' if text else 'token ids'}) written in {time.perf_counter() - started:.1f} s")
+    job.write_text(json.dumps(job_dict(source, output, text, part_rows)))
+    parts = -(-rows // part_rows)
+    runs = []
+    if kill and parts >= 2:
+        code = run_child(job, tmp / "killed.json", fault=f"part:{max(1, parts // 2)}")
+        if code != -9:
+            raise click.ClickException(f"the first run was to be killed (SIGKILL) but exited with {code}")
+        manifest = json.loads((tmp / "scores.parquet.parts" / "run.manifest.json").read_text())
+        runs.append(("killed", json.loads((tmp / "killed.json").read_text()),
+                     sum(p["end"] - p["start"] for p in manifest["parts"])))
+    code = run_child(job, tmp / "resumed.json", fault=None)
+    if code != 0:
+        raise click.ClickException(f"the run exited with {code}")
+    final = json.loads((tmp / "resumed.json").read_text())
+    summary = final["summary"]
+    runs.append(("resumed" if runs else "run", final, summary["rows_scored"]))
+    checked = check_output(output, source, rows, text, args)
+    tokens_per_row = summary["logical_tokens"] / rows
+    click.echo(f"rows: {rows:,}  logical tokens: {summary['logical_tokens']:,}  saving ratio: "
+               f"{summary['saving_ratio']:.3f}  resumed rows: {summary['resumed_rows']:,}")
+    for name, stats, scored in runs:
+        every = {"read": rows, "plan": rows, "score": scored, "assemble": rows}  # open, audit: no per-row rate
+        click.echo(f"{name} run ({scored:,} rows scored):")
+        for line in stage_table(stats["stages"], every, {k: v * tokens_per_row for k, v in every.items()}):
+            click.echo(line)
+    peak = max(e["peak_anon"] for _, stats, _ in runs for e in stats["stages"].values())
+    click.echo(f"peak RssAnon of any run: {peak / 2**30:.2f} GiB")
+    click.echo(f"check: {checked}")
 
 
 if __name__ == "__main__":

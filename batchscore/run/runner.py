@@ -29,10 +29,12 @@ from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError, OutputError,
                                ResumeMismatch)
+from batchscore.run.assemble import assemble_in_windows, assembles_in_windows
 from batchscore.run.audit import audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
 from batchscore.run.run_files import RunFiles
 from batchscore.run.sinks import PartSink, RowProgress
+from batchscore.run.stages import stage
 from batchscore.faults import fault_point
 from batchscore.output.identity import identity_hash
 from batchscore.output.layout import MERGE_WRITER, RUN_WRITER, OutputFiles
@@ -201,7 +203,9 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     config = source.config
     # calibrate.from: refused before any scoring
     source.task.check_calibration_source(config)
+    stage("read")
     job = prepare_job(config, source=source)
+    stage("plan")
     plan = job.plan()
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
 
@@ -221,6 +225,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     if resumed:
         log.info("resuming: %d rows already scored", resumed)
 
+    stage("score")
     score_started = time.perf_counter()
     sinks = [PartSink(store, manifest, w, placement.workers[w].groups, manifest.rows_done(w),
                       config.output.part_rows, config.output.part_seconds) for w in my_workers]
@@ -253,9 +258,11 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     if complete:
         store.guard()  # the output is written only by the holder of the lock
     processed = plan.stats.processed_tokens + placement.split_extra_tokens
+    stage("assemble")
     write_started = time.perf_counter()
     errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
     write_seconds = time.perf_counter() - write_started
+    stage("audit")
     audit = audit_output(job, store, manifests, plan, processed) if complete else Audit()
     return RunSummary(
         output_path=str(store.files.output),
@@ -380,6 +387,8 @@ def assemble_output(job: PreparedJob, store: PartStore, manifests: list[Manifest
     the scores are normalized here, once (scores/normalize.py), then calibrated and judged
     (scores/quality.py). Returns the row errors and what calibration and review did."""
     config, prepared = job.config, job.input
+    if assembles_in_windows(job):  # never every row's results in memory (run/assemble.py)
+        return assemble_in_windows(job, store, manifests, _approx_keep(config))
     scores, errors = store.read_results(manifests, prepared.num_rows + content_free_rows(config))
     scores, content_free = split_content_free(scores, errors, prepared.num_rows, config)
     unscored = scores.unscored()

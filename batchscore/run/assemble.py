@@ -1,0 +1,79 @@
+"""A labels job's output assembled window by window (output/row_merge.py): the parts merged into
+row order, each window normalized and written as it comes, so the output of a 10M-row job never
+sits in memory whole.
+
+Taken by jobs whose output needs nothing beyond each row's own results: fixed labels, a Parquet
+output, no calibration, review or confidence columns (they are fitted over every row), no
+`output.top_token` (it reads each row's options). Other jobs assemble the whole table at once
+(their task's `assemble`). Both write the same rows, columns and values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchscore.faults import fault_point
+from batchscore.io.atomic import atomic_write
+from batchscore.output.layout import DEFAULT_ID
+from batchscore.output.parts import Manifest, PartStore
+from batchscore.output import row_merge
+from batchscore.output.table import ok_rows, scores_table
+from batchscore.scores import quality
+from batchscore.scores.normalize import score_columns
+from batchscore.scores.quality import QualityResult
+
+NOT_SCORED = "not scored: no result from the engine"
+
+
+def assembles_in_windows(job) -> bool:
+    """Whether `job`'s output can be written window by window (see the module docstring)."""
+    config = job.config
+    return (job.task.name == "labels" and bool(config.labels) and config.input.choices_column is None
+            and config.output_format == "parquet" and not config.output.top_token and not quality.wanted(config)
+            and job.content_free is None)
+
+
+def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx_keep: float | None,
+                        window_rows: int | None = None) -> tuple[dict[int, str], QualityResult]:
+    """Write the output from every part, `window_rows` rows at a time (default
+    `row_merge.WINDOW_ROWS`), atomically; returns the row errors (a row without a result gets
+    NOT_SCORED: never silently lost)."""
+    config, prepared = job.config, job.input
+    id_name = config.input.id_column or DEFAULT_ID
+    errors: dict[int, str] = {}
+    written = 0
+
+    def write(tmp: str) -> None:
+        nonlocal written
+        writer = None
+        try:
+            for window in row_merge.row_windows(store, manifests, prepared.num_rows,
+                                                 window_rows or row_merge.WINDOW_ROWS):
+                local = {row - window.start: message for row, message in window.errors.items()}
+                unscored = window.scores.unscored()
+                for row in unscored[~np.isin(unscored, np.fromiter(local, dtype=np.int64, count=len(local)))]:
+                    local[int(row)] = NOT_SCORED
+                ok = ok_rows(window.rows, local)
+                columns = score_columns(labels=config.labels, choices=None, scores=window.scores, ok=ok,
+                                        normalize=config.score.normalize, logprobs=config.output.logprobs)
+                table = scores_table(prepared.ids.slice(window.start, window.rows), id_name,
+                                     prepared.kept.slice(window.start, window.rows), columns, local,
+                                     approx_keep=approx_keep)
+                if writer is None:
+                    fault_point("assemble")
+                    writer = pq.ParquetWriter(tmp, table.schema)
+                writer.write_table(table.cast(writer.schema))
+                written += table.num_rows
+                errors.update({row + window.start: message for row, message in local.items()})
+        finally:
+            if writer is not None:
+                writer.close()
+        if written != prepared.num_rows:  # the invariant: every input row exactly once
+            raise RuntimeError(f"the output would hold {written} rows for {prepared.num_rows} input rows")
+
+    atomic_write(store.files.output, write)
+    fault_point("output")
+    return errors, QualityResult()
+

@@ -1,0 +1,130 @@
+"""Streaming assembly: the parts merged into row order window by window (output/row_merge.py,
+run/assemble.py) give what reading every part at once gives, keep exactly-once, and hold one
+window's results in memory whatever the job's size."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchscore.bench.scale_bench import rss_anon
+from batchscore.output import row_merge
+from batchscore.output.layout import OutputFiles
+from batchscore.output.parts import Manifest, PartStore
+from batchscore.output.row_merge import row_windows
+
+
+def parts_of(tmp_path, rows: int, part_rows: int, refused=(), failed=(), twice=()) -> tuple[PartStore, Manifest]:
+    """A parts folder of `rows` rows scored in a shuffled order: `refused` rows refused before
+    scoring, `failed` ones failed by the engine (NaN totals), `twice` ones in two parts."""
+    store = PartStore(OutputFiles(str(tmp_path / "out.parquet")))
+    scored = np.random.default_rng(0).permutation(np.setdiff1d(np.arange(rows), refused))
+    scored = np.concatenate((scored, np.asarray(twice, dtype=np.int64)))
+    manifest = store.start(Manifest(job_hash="h", identity={}, num_groups=1, num_rows=rows,
+                                    worker_rows={"0": len(scored)}), fresh=True,
+                           input_errors={int(r): f"row {r}: refused" for r in refused})
+    for start in range(0, len(scored), part_rows):
+        ids = scored[start:start + part_rows]
+        p = (ids % 97 + 1) / 99
+        logp = [np.array([np.nan, np.nan]) if r in failed else np.log([q, 1 - q]) for r, q in zip(ids.tolist(), p)]
+        errors = {int(r): "engine: too long" for r in ids if r in failed}
+        store.write_part(manifest, ids, logp, [None] * len(ids), errors, start, start + len(ids),
+                         top_logp=list(-p), top_token=list(ids % 5))
+    return store, manifest
+
+
+def listed(array) -> str:
+    return repr(array.to_pylist())  # NaN equal to NaN, null to null
+
+
+@pytest.mark.parametrize("window", [7, 64, 10_000])
+def test_windows_in_row_order_equal_reading_every_part_at_once(tmp_path, window):
+    store, manifest = parts_of(tmp_path, rows=300, part_rows=41, refused=[0, 5, 299], failed=[3, 150])
+    whole, errors = store.read_results([manifest], 300)
+    windows = list(row_windows(store, [manifest], 300, window))
+    assert [w.start for w in windows] == list(range(0, 300, window))
+    assert sum(w.rows for w in windows) == 300
+    assert {r: m for w in windows for r, m in w.errors.items()} == errors
+    for name in ("logp", "tokens", "top_logp", "top_token"):
+        merged = pa.concat_arrays([getattr(w.scores, name) for w in windows])
+        assert listed(merged) == listed(getattr(whole, name)), name
+
+
+@pytest.mark.parametrize("window", [7, 10_000])
+def test_a_row_with_two_results_is_refused_in_any_window(tmp_path, window):
+    store, manifest = parts_of(tmp_path, rows=100, part_rows=30, twice=[42])
+    with pytest.raises(RuntimeError, match=r"rows \[42\] have more than one result"):
+        list(row_windows(store, [manifest], 100, window))
+
+
+def merge_peak(store, manifest, rows: int, window: int) -> int:
+    """Peak RssAnon above the start while merging every window (sampled every 2 ms)."""
+    start, peak, done = rss_anon(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_anon())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        for window_result in row_windows(store, [manifest], rows, window):
+            assert window_result.scores.logp.null_count == 0
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0] - start, 0)
+
+
+def test_merge_memory_does_not_grow_with_the_rows(tmp_path):
+    small, manifest_small = parts_of(tmp_path / "small", rows=20_000, part_rows=10_000)
+    large, manifest_large = parts_of(tmp_path / "large", rows=200_000, part_rows=10_000)
+    merge_peak(small, manifest_small, 20_000, 10_000)  # warm the allocator and pyarrow's pools
+    grown_small = merge_peak(small, manifest_small, 20_000, 10_000)
+    grown_large = merge_peak(large, manifest_large, 200_000, 10_000)
+    whole = merge_peak(large, manifest_large, 200_000, 10_000_000)  # one window: every row at once
+    # 10x the rows: the windowed merge grows by a few MiB at most, all at once grows with the rows
+    assert grown_large < grown_small + 8 * 2**20, (grown_small, grown_large)
+    assert whole > grown_large + 8 * 2**20, (grown_large, whole)
+
+
+def test_windowed_output_equals_the_whole_table_output(tmp_path, monkeypatch):
+    """The labels job's output written window by window equals the one assembled at once (the
+    task's own assemble), bit for bit, with refused rows among them; every row once, in order."""
+    from batchscore.bench.standin import HashScores, expected_p_first
+    from batchscore.jobfile import config_from_dict
+    from batchscore.run import assemble
+    from batchscore.run.runner import run_job
+
+    tokens = [[(7 * r + j) % 900 + 10 for j in range(20 + r % 3)] if r % 11 else [] for r in range(40)]
+    tokens[1] = [(11 + j) for j in range(20)]
+    tokens[2] = list(tokens[1])  # the same prompt twice: a shared group
+    pq.write_table(pa.table({"id": [f"r{r}" for r in range(40)], "tokens": tokens, "keep": list(range(40))}),
+                   tmp_path / "in.parquet")
+
+    def run(name: str):
+        config = config_from_dict({"input": {"path": str(tmp_path / "in.parquet"), "token_ids_column": "tokens",
+                                             "id_column": "id"}, "labels": ["Yes", "No"],
+                                   "model": "smollm2-135m-instruct", "engine": {"kind": "torch", "compile": False},
+                                   "output": {"path": str(tmp_path / f"{name}.parquet"), "part_rows": 6,
+                                              "audit_rows": 0, "keep_columns": ["keep"], "max_error_rate": 0.5}})
+        run_job(config, progress=False, engine_factory=lambda *_: HashScores())
+        return pq.read_table(tmp_path / f"{name}.parquet")
+
+    monkeypatch.setattr(row_merge, "WINDOW_ROWS", 4)
+    windowed = run("windowed")
+    monkeypatch.setattr(assemble, "assembles_in_windows", lambda job: False)
+    monkeypatch.setattr("batchscore.run.runner.assembles_in_windows", lambda job: False)
+    whole = run("whole")
+    assert windowed.equals(whole)
+    assert windowed.column("id").to_pylist() == [f"r{r}" for r in range(40)]
+    status = windowed.column("status").to_pylist()
+    assert [r for r in range(40) if status[r] != "ok"] == [0, 11, 22, 33]  # the empty prompts, refused
+    p = windowed.column("p_Yes").to_pylist()
+    assert p[5] == pytest.approx(expected_p_first(np.array(tokens[5])), abs=1e-12)
