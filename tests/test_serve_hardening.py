@@ -276,3 +276,30 @@ def test_a_files_content_names_it_safely_and_a_lost_blob_is_a_json_error(tmp_pat
     lost = client.get(f"/v1/files/{file_id}/content", headers=AUTH)
     assert lost.status_code == 500 and lost.json()["error"]["code"] == "file_content_missing"
     assert str(tmp_path) not in lost.text
+
+
+@pytest.mark.slow  # a real run of the model (~30 s on a loaded machine)
+def test_a_batch_whose_run_fails_its_audit_keeps_its_scored_lines(tmp_path):
+    """A job's run exits 7 (the exactness audit, here held to an impossible |ΔP|): its output is
+    written, so the batch fails with its output and error files attached, and its message names
+    no path of the server's."""
+    from batchscore.serve.worker import Worker, WorkerSettings
+
+    store = Store(tmp_path / "state")
+    words = ["apple", "river", "stone", "cloud"]
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": " ".join(words * 8) + f". Question {i}: {words[i]}? Yes or No?"}]}})
+        for i in range(3)] + ["{broken"]
+    _queued(store, "batch_audit", "\n".join(lines) + "\n", {"labels": LABELS})
+    worker = Worker(store, WorkerSettings(model=MODEL, sets=["output.audit_rows=3",
+                                                             "output.audit_max_dp=0.00000000000000001"]))
+    worker._process(store.batch("batch_audit"))
+    batch = store.batch("batch_audit")
+    assert batch["status"] == "failed", batch
+    assert batch["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
+    output = store.file_path(batch["output_file_id"]).read_text().splitlines()
+    assert sorted(json.loads(line)["custom_id"] for line in output) == ["c0", "c1", "c2"]
+    message = batch["errors"]["data"][0]["message"]
+    assert message.startswith("batchscore run exited 7: error: exactness audit"), message
+    assert str(tmp_path) not in json.dumps(batch) and "/" not in message, message
+    store.close()

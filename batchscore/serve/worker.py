@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from batchscore.errors import EXIT_LOCKED
+from batchscore.errors import EXIT_AUDIT, EXIT_ERROR_RATE, EXIT_LOCKED
 from batchscore.output.layout import OutputFiles
 from batchscore.serve.progress import JobProgress
 from batchscore.serve.results import (batch_usage, cancelled_if_not_run, cancelled_line, custom_ids, job_lines, lines,
@@ -42,6 +43,7 @@ from batchscore.serve.token_labels import TokenLabels
 log = logging.getLogger(__name__)
 
 LOCK_RETRY_S = 2.0  # a run still saving (a server killed a moment ago) holds the output's lock
+OUTPUT_WRITTEN = (EXIT_ERROR_RATE, EXIT_AUDIT)  # a run that exits so has written its output whole
 MAX_ATTEMPTS = 3  # a batch the worker fails on this often (an unexpected error, restarts included) is failed
 
 
@@ -51,6 +53,12 @@ class WorkerSettings:
     sets: list[str] = field(default_factory=list)  # `--set KEY=VALUE` for every job, as `batchscore run` takes them
     max_requests: int = 50_000
     poll_s: float = 0.5
+    served_names: list[str] = field(default_factory=list)  # names requests may give the model; [] : its own
+
+    @property
+    def names(self) -> list[str]:
+        """The names a request's `body.model` may give (the first is shown on batches and answers)."""
+        return self.served_names or [self.model]
     retry_s: float = 5.0  # the pause after an unexpected error in a batch, before its next attempt
 
 
@@ -61,6 +69,7 @@ class Worker:
         self._wake = threading.Event()
         self._child: subprocess.Popen | None = None
         self._shown: dict[str, dict] = {}  # batch id -> the request counts last stored
+        self._run_errors: dict[str, list[dict]] = {}  # batch id -> errors of runs that wrote their output
         self._token_labels = TokenLabels(settings.model)
         self._thread = threading.Thread(target=self._loop, name="batchscore-worker", daemon=True)
 
@@ -124,9 +133,14 @@ class Worker:
         queued = self.store.batches_in(("validating",))
         return (started or queued or [None])[0]
 
+    @property
+    def _shown_model(self) -> str | None:
+        """The model answers show when it is served under other names (vLLM: the first name)."""
+        return self.settings.served_names[0] if self.settings.served_names else None
+
     def _sorted(self, batch: dict):
         work = self.store.work / batch["id"]
-        return sort_lines(work / "input.jsonl", uploaded_name(work), batch["endpoint"], self.settings.model,
+        return sort_lines(work / "input.jsonl", uploaded_name(work), batch["endpoint"], self.settings.names,
                           metadata_labels(batch.get("metadata")), self.settings.max_requests, self._token_labels)
 
     def _process(self, batch: dict) -> None:
@@ -207,11 +221,20 @@ class Worker:
                     lines = logfile.read().decode("utf-8", "replace").strip().splitlines() or ["(no output)"]
                 at = max([i for i, line in enumerate(lines) if line.startswith("error:")] or [len(lines) - 1])
                 said = " ".join(line.strip() for line in lines[at:])  # the CLI's error and its listed problems
-                message = f"batchscore run exited {code}: {said[:1000]}"
-                self.store.update_batch(batch_id, status="failed", errors={"object": "list", "data": [
-                    {"code": "run_failed", "message": message, "param": None, "line": None}]})
+                message = self._for_client(f"batchscore run exited {code}: {said[:1000]}", job_input, shown_as)
+                error = {"code": "run_failed", "message": message, "param": None, "line": None}
+                if code in OUTPUT_WRITTEN and OutputFiles(str(folder / "output.jsonl")).marker.exists():
+                    self._run_errors.setdefault(batch_id, []).append(error)  # its lines stay the batch's
+                    return "done"
+                self.store.update_batch(batch_id, status="failed", errors={"object": "list", "data": [error]})
                 return "failed"
             return "done"
+
+    def _for_client(self, message: str, job_input: Path, shown_as: str) -> str:
+        """A run's message as a client may read it: the job's copy of the input named as uploaded,
+        any other path of the server's by its file name alone."""
+        message = message.replace(str(job_input), shown_as)
+        return re.sub(re.escape(str(self.store.root)) + r"[^\s'\",;:)]*", lambda m: Path(m.group()).name, message)
 
     def _wait(self, batch_id: str, on_poll=None):
         """The child's exit code, or "cancelled" after stopping it for a cancel."""
@@ -240,13 +263,18 @@ class Worker:
         if self.store.update_batch(batch_id, only_from=("in_progress", "finalizing"), status="finalizing") is None:
             return
         work = self.store.work / batch_id
-        ok_lines, error_lines = job_lines(work, len(sorted_input.jobs))
+        ok_lines, error_lines = job_lines(work, len(sorted_input.jobs), shown_model=self._shown_model)
         error_lines = sorted_input.answered + error_lines
         if not self._checked(batch_id, ok_lines, error_lines, sorted_input.total):
             return
         usage = batch_usage([work / f"job{k}" / "metrics.json" for k in range(len(sorted_input.jobs))], ok_lines)
         files = self._result_files(batch_id, ok_lines, error_lines, output_always=True)
         counts = {"total": sorted_input.total, "completed": len(ok_lines), "failed": len(error_lines)}
+        run_errors = self._run_errors.pop(batch_id, None)
+        if run_errors:  # a run wrote its output and failed after (its audit): failed, its lines kept
+            self.store.update_batch(batch_id, only_from=("finalizing",), status="failed", request_counts=counts,
+                                    usage=usage, errors={"object": "list", "data": run_errors}, **files)
+            return
         if self.store.update_batch(batch_id, only_from=("finalizing",), status="completed", request_counts=counts,
                                    usage=usage, **files) is None:  # cancelled while finalizing: all of it ran
             self.store.update_batch(batch_id, only_from=("cancelling",), status="cancelled", request_counts=counts,
@@ -268,7 +296,7 @@ class Worker:
             folder = work / f"job{k}"
             finished = OutputFiles(str(folder / "output.jsonl")).marker.exists()
             if finished or self._partial_output(folder):
-                ok, failed = job_lines(work, 1, folder)
+                ok, failed = job_lines(work, 1, folder, shown_model=self._shown_model)
                 ok_lines += ok
                 error_lines += [cancelled_if_not_run(line) for line in failed]
             else:  # nothing of it was saved
