@@ -168,17 +168,26 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
 
         batchscore plan jobs/table3_a.yaml --json
     """
-    from batchscore.run.open import plan_job
+    import tempfile
+
+    from batchscore.run.open import open_job, prepare_job
+    from batchscore.store.build import plan_store
 
     config = _load(job, sets)
-    plan = plan_job(config)
-    stats = plan.stats.to_dict()
-    if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping
-        from batchscore.engines.speculative.kept_tokens import plan_drop_stats
-        from batchscore.models import resolve_model
+    source = open_job(config, for_output=False)
+    with tempfile.TemporaryDirectory(prefix="batchscore-plan-") as folder:
+        if config.plan.order == "srjf":  # re-costed against a simulated cache per unit: the in-memory planner
+            plan = prepare_job(config, source=source).plan()
+            stats, groups = plan.stats.to_dict(), lambda: plan.groups
+        else:  # through the token store and the plan as metadata (rows never held as objects)
+            meta, store, _ = plan_store(source, Path(folder) / "tokens")
+            stats, groups = meta.stats.to_dict(), lambda: meta.to_plan(store).groups
+        if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping
+            from batchscore.engines.speculative.kept_tokens import plan_drop_stats
+            from batchscore.models import resolve_model
 
-        stats.update(plan_drop_stats(plan.groups, config.engine.speculative, resolve_model(config.model),
-                                     len(config.labels)).to_dict())
+            stats.update(plan_drop_stats(groups(), config.engine.speculative, resolve_model(config.model),
+                                         len(config.labels)).to_dict())
     if as_json:
         click.echo(json.dumps(stats))
         return
@@ -321,6 +330,9 @@ def schema(out: str | None) -> None:
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--model", default="smollm2-135m-instruct", show_default=True,
               help="The model every batch runs on; a request naming another is that request's error.")
+@click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+              help="A name requests may give the model (repeatable, as vLLM's): with it, only these names are "
+                   "answered, and the first is the model shown on batches and answers. E.g. gpt-4o-mini.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="A job key for every batch, e.g. --set engine.dtype=bfloat16 (repeatable).")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), help="Read the bearer key from this file "
@@ -329,17 +341,19 @@ def schema(out: str | None) -> None:
 @click.option("--max-file-mb", default=200, show_default=True, type=click.IntRange(1), help="Largest upload.")
 @click.option("--max-requests", default=50_000, show_default=True, type=click.IntRange(1),
               help="Most requests (lines) in one batch.")
-def serve(state_dir: str, host: str, port: int, model: str, sets: tuple[str, ...], api_key_file: str | None,
-          no_auth: bool, max_file_mb: int, max_requests: int) -> None:
+def serve(state_dir: str, host: str, port: int, model: str, served_model_names: tuple[str, ...],
+          sets: tuple[str, ...], api_key_file: str | None, no_auth: bool, max_file_mb: int, max_requests: int) -> None:
     """Serve an OpenAI-compatible Batch API (/v1/files, /v1/batches) that runs each batch as a job.
 
     Example:
 
-        BATCHSCORE_API_KEY=secret batchscore serve --state-dir /var/lib/batchscore --host 0.0.0.0
+        BATCHSCORE_API_KEY=secret batchscore serve --state-dir /var/lib/batchscore --host 0.0.0.0 \
+            --served-model-name gpt-4o-mini
     """
     from batchscore.serve.server import ServeOptions, run_server
 
-    run_server(ServeOptions(state_dir=state_dir, host=host, port=port, model=model, sets=list(sets),
+    run_server(ServeOptions(state_dir=state_dir, host=host, port=port, model=model,
+                            served_model_names=list(served_model_names), sets=list(sets),
                             api_key_file=api_key_file, no_auth=no_auth, max_file_mb=max_file_mb,
                             max_requests=max_requests))
 

@@ -230,14 +230,15 @@ def test_usage_and_cancelled_lines_take_the_batch_apis_shapes(tmp_path):
     from batchscore.row_errors import RowError, TOO_LONG, no_result
     from batchscore.serve.results import batch_usage, cancelled_if_not_run
 
-    for k, (logical, processed) in enumerate([(1000, 300), (200, 200)]):
-        (tmp_path / f"m{k}.json").write_text(json.dumps({"logical_tokens": logical, "processed_tokens": processed}))
-    decision = {"custom_id": "d",
-                "response": {"status_code": 200, "body": {"usage": {"input_tokens": 9, "output_tokens": 3}}}}
-    chat = {"custom_id": "c", "response": {"status_code": 200, "body": {"object": "chat.completion"}}}
-    usage = batch_usage([tmp_path / "m0.json", tmp_path / "m1.json"], [json.dumps(decision), json.dumps(chat)])
-    assert usage == {"input_tokens": 1200, "input_tokens_details": {"cached_tokens": 700}, "output_tokens": 3,
-                     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 1203}
+    # the batch's usage is its answered lines' summed: each prompt once, its shared part cached
+    decision = {"custom_id": "d", "response": {"status_code": 200, "body": {"usage": {
+        "input_tokens": 9, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 3}}}}
+    chat = [{"custom_id": f"c{i}", "response": {"status_code": 200, "body": {"object": "chat.completion", "usage": {
+        "prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
+        "prompt_tokens_details": {"cached_tokens": cached}}}}} for i, cached in enumerate([0, 30])]
+    usage = batch_usage([json.dumps(decision)] + [json.dumps(x) for x in chat])
+    assert usage == {"input_tokens": 89, "input_tokens_details": {"cached_tokens": 34}, "output_tokens": 5,
+                     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 94}
 
     def error_line(error):
         return json.dumps({"id": "batch_req_x", "custom_id": "x", "response": error_response("x", error),

@@ -4,7 +4,9 @@ objects, statuses, list pagination and `{"error": {message, type, param, code}}`
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -20,6 +22,8 @@ from batchscore.serve.auth import authorized
 from batchscore.serve.requests import SURROGATE, metadata_labels, safe_name
 from batchscore.serve.store import Store, new_id, now
 from batchscore.serve.worker import Worker, stage_input
+
+log = logging.getLogger(__name__)
 
 ENDPOINTS = CHAT_URLS + DECISION_URLS
 COMPLETION_WINDOW = "24h"
@@ -46,6 +50,16 @@ def create_app(store: Store, worker: Worker, key: str | None, model: str, limits
                                    code="invalid_api_key"))
         return await call_next(request)
 
+    @app.middleware("http")
+    async def access_log(request: Request, call_next):
+        """One INFO line per request: method, path, status, time (never the key or a body).
+        Added last, so outermost: refused requests (401) are logged too."""
+        started = time.perf_counter()
+        response = await call_next(request)
+        log.info("%s %s %d %.0f ms", request.method, request.url.path, response.status_code,
+                 (time.perf_counter() - started) * 1000)
+        return response
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return _error(exc)
@@ -58,7 +72,19 @@ def create_app(store: Store, worker: Worker, key: str | None, model: str, limits
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return _error(APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None))
+        """A route that is not there (404) or a method it does not take (405), as OpenAI words them."""
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            error = APIError(404, f"Invalid URL ({where})", code="not_found")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+            error = APIError(405, f"Invalid method ({where})" + (f"; this URL takes {allowed}" if allowed else ""),
+                             code="method_not_allowed")
+        else:
+            error = APIError(exc.status_code, str(exc.detail))
+        response = _error(error)
+        response.headers.update({k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"})
+        return response
 
     @app.get("/health")
     def health():
@@ -98,6 +124,16 @@ def create_app(store: Store, worker: Worker, key: str | None, model: str, limits
         finally:
             target.unlink(missing_ok=True)
             await form.close()
+
+    @app.get("/v1/files")
+    def list_files(purpose: str | None = None, limit: int = 10_000, order: str = "desc", after: str | None = None):
+        if not 1 <= limit <= 10_000:
+            raise APIError(400, "limit: must be between 1 and 10000", param="limit", code="invalid_value")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order: must be 'asc' or 'desc'", param="order", code="invalid_value")
+        items, has_more = store.list_files(limit, after, purpose, newest_first=order == "desc")
+        return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None, "has_more": has_more}
 
     @app.get("/v1/files/{file_id}")
     def get_file(file_id: str):

@@ -60,13 +60,17 @@ def metadata_labels(metadata: dict | None) -> list[str] | None:
 SURROGATE = "holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair), which is not text"
 
 
-def sort_lines(path: Path, shown_as: str, endpoint: str, model: str, labels: list[str] | None,
+def sort_lines(path: Path, shown_as: str, endpoint: str, model: str | list[str], labels: list[str] | None,
                max_requests: int, token_texts: TokenTexts | None = None) -> SortedInput:
-    """Read the batch's input file once and sort each request line (see the module doc). A chat
+    """Read the batch's input file once and sort each request line (see the module doc). `model`:
+    the names a line's `body.model` may give (`--served-model-name`, else the model's own). A chat
     line is scored over its own `logprob_token_ids` (read as label texts by `token_texts`), else
     over the batch's `labels`."""
+    names = [model] if isinstance(model, str) else list(model)
     out = SortedInput()
     ids: Counter = Counter()
+    first_line: dict[str, int] = {}  # custom_id -> the line it first appears on
+    doubled: tuple[str, int] | None = None  # the first custom_id seen again, and that line
     jobs: dict[tuple | None, JobLines] = {}
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
@@ -74,9 +78,12 @@ def sort_lines(path: Path, shown_as: str, endpoint: str, model: str, labels: lis
             if not raw.strip():
                 continue
             out.total += 1
-            custom_id, problem, line_labels = _check_line(raw, endpoint, model, labels, token_texts)
+            custom_id, problem, line_labels = _check_line(raw, endpoint, names, labels, token_texts)
             if custom_id is not None:
                 ids[custom_id] += 1
+                first_line.setdefault(custom_id, number)
+                if ids[custom_id] == 2 and doubled is None:
+                    doubled = (custom_id, number)
             if problem is not None:
                 out.answered.append(error_line(custom_id, f"{shown_as}:{number}: {problem}", number))
                 continue
@@ -86,18 +93,18 @@ def sort_lines(path: Path, shown_as: str, endpoint: str, model: str, labels: lis
         out.problems.append({"code": "too_many_requests", "line": None, "param": None,
                              "message": f"the input file has {out.total} requests; this server takes at most "
                                         f"{max_requests} per batch"})
-    for custom_id, count in ids.items():
-        if count > 1:
-            out.problems.append({"code": "duplicate_custom_id", "line": None, "param": "custom_id",
-                                 "message": f"custom_id {custom_id!r} appears {count} times; each must be unique"})
-            break
+    if doubled is not None:  # as the Batch API: the batch fails, `line` the first repeat
+        custom_id, number = doubled
+        out.problems.append({"code": "duplicate_custom_id", "line": number, "param": "custom_id",
+                             "message": f"{shown_as}:{number}: custom_id {custom_id!r} appears {ids[custom_id]} "
+                                        f"times (first on line {first_line[custom_id]}); each must be unique"})
     if out.total == 0:
         out.problems.append({"code": "empty_file", "line": None, "param": None, "message": "the input file has no requests"})
     out.jobs = list(jobs.values())
     return out
 
 
-def _check_line(raw: bytes, endpoint: str, model: str, labels: list[str] | None, token_texts: TokenTexts | None
+def _check_line(raw: bytes, endpoint: str, names: list[str], labels: list[str] | None, token_texts: TokenTexts | None
                 ) -> tuple[str | None, str | None, list[str] | None]:
     """(the line's custom_id, why the server answers it at once (None: the job reads it), the
     labels it is scored over (None: a decision line))."""
@@ -121,8 +128,10 @@ def _check_line(raw: bytes, endpoint: str, model: str, labels: list[str] | None,
     if not isinstance(body, dict):
         return custom_id, "body: missing or not an object", None
     asked = body.get("model")
-    if asked is not None and asked != model:
-        return custom_id, f"body.model: {json.dumps(asked)[:80]} is not the model this server runs ({model!r})", None
+    if asked is not None and asked not in names:
+        served = ", ".join(map(repr, names))
+        return custom_id, (f"body.model: {json.dumps(asked)[:80]} is not a model this server serves ({served}; "
+                           "`batchscore serve --served-model-name NAME` adds a name)"), None
     if endpoint not in CHAT_URLS:
         return custom_id, None, None
     ids = body.get(TOKEN_IDS_KEY)

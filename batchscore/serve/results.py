@@ -11,23 +11,21 @@ from batchscore.formats.openai_batch import NOT_SCORED_CODE
 CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request ran."}
 
 
-def batch_usage(metrics_files: list[Path], ok_lines: list[str]) -> dict:
-    """The batch's token usage, in the Batch API's shape: its prompts' tokens from the jobs'
-    metrics (`logical_tokens`), the tokens shared prefixes saved as cached (logical minus
-    processed: computed once, reused), and the output tokens its lines report (scoring a label
-    generates none; a decision line counts one per answer)."""
-    logical = processed = 0
-    for path in metrics_files:
-        metrics = json.loads(path.read_text(encoding="utf-8"))
-        logical += int(metrics.get("logical_tokens") or 0)
-        processed += int(metrics.get("processed_tokens") or 0)
-    output = 0
+def batch_usage(ok_lines: list[str]) -> dict:
+    """The batch's token usage, in the Batch API's shape: the sum of its answered lines' usage
+    (a chat/completions line's `prompt_tokens`, each prompt once whatever its labels, and one
+    completion token; a decision line's `input_tokens` and one output token per answer), cached
+    tokens the part of each prompt another prompt of its job shares (formats/openai_batch.py)."""
+    given = cached = output = 0
     for line in ok_lines:
-        usage = (json.loads(line)["response"]["body"].get("usage") or {})
-        output += int(usage.get("output_tokens", usage.get("completion_tokens", 0)) or 0)
-    return {"input_tokens": logical, "input_tokens_details": {"cached_tokens": max(logical - processed, 0)},
+        usage = json.loads(line)["response"]["body"].get("usage") or {}
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        given += int(usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0)
+        cached += int(details.get("cached_tokens") or 0)
+        output += int(usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0)
+    return {"input_tokens": given, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": logical + output}
+            "total_tokens": given + output}
 
 
 def uploaded_name(work: Path) -> str:
@@ -35,16 +33,28 @@ def uploaded_name(work: Path) -> str:
     return (work / "filename").read_text(encoding="utf-8")
 
 
-def job_lines(work: Path, jobs: int, only: Path | None = None) -> tuple[list[str], list[str]]:
+def job_lines(work: Path, jobs: int, only: Path | None = None, shown_model: str | None = None
+              ) -> tuple[list[str], list[str]]:
     """(output lines, error lines) of the batch's jobs (or of the job folder `only`), error
-    messages naming the uploaded file as the user named it, not the job's copy of it."""
+    messages naming the uploaded file as the user named it, not the job's copy of it, and each
+    answer's `model` the name the model is served as (`shown_model`, when it has one)."""
     name = uploaded_name(work)
     ok_lines, error_lines = [], []
     for folder in [only] if only is not None else [work / f"job{k}" for k in range(jobs)]:
-        ok_lines += lines(folder / "output.jsonl")
+        ok = lines(folder / "output.jsonl")
+        ok_lines += ok if shown_model is None else [_shown_as(line, shown_model) for line in ok]
         copy_name = json.dumps(str(folder / "input" / name))[1:-1]  # as it is written inside a JSON string
         error_lines += [line.replace(copy_name, name) for line in lines(folder / "output.errors.jsonl")]
     return ok_lines, error_lines
+
+
+def _shown_as(line: str, model: str) -> str:
+    value = json.loads(line)
+    body = (value.get("response") or {}).get("body")
+    if not isinstance(body, dict) or body.get("model") == model:
+        return line
+    body["model"] = model
+    return json.dumps(value, ensure_ascii=False)
 
 
 def cancelled_line(custom_id: str | None, number: int) -> str:

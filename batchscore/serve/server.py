@@ -21,6 +21,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = "smollm2-135m-instruct"
+    served_model_names: list[str] = field(default_factory=list)  # as vLLM's --served-model-name; [] : the model's
     sets: list[str] = field(default_factory=list)
     api_key_file: str | None = None
     no_auth: bool = False
@@ -49,12 +50,29 @@ def check_job_settings(state_dir: Path, model: str, sets: list[str]) -> None:
         probe.unlink(missing_ok=True)
 
 
+def served_names(options: ServeOptions) -> list[str]:
+    """The names requests may give the model, the first the one shown (vLLM's rule: with
+    --served-model-name, those names only; without, the model's own)."""
+    from batchscore.errors import JobConfigError
+
+    names = list(dict.fromkeys(n.strip() for n in options.served_model_names))
+    if any(not n for n in names):
+        raise JobConfigError(["--served-model-name: a name may not be empty"])
+    return names or [options.model]
+
+
 def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn, but a SIGTERM is a deliberate stop: after the graceful shutdown (the running
         batch saves its parts) the server exits 0, where uvicorn raises the signal again (143)."""
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # bound: say where, as the first line an operator looks for
+                scheme = "https" if self.config.is_ssl else "http"
+                log.info("listening on %s://%s:%d", scheme, self.config.host, self.config.port)
 
         def handle_exit(self, sig, frame) -> None:
             if sig == signal.SIGTERM:
@@ -72,7 +90,9 @@ def run_server(options: ServeOptions) -> None:
     from batchscore.serve.store import Store
     from batchscore.serve.worker import Worker, WorkerSettings
 
+    logging.getLogger("batchscore.serve").setLevel(logging.INFO)  # startup, each request, each batch's moves
     key = resolve_key(options.api_key_file, options.no_auth, options.host)
+    names = served_names(options)
     state_dir = Path(options.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     store = Store(state_dir)  # first: refused while another server uses this state dir, or its state is damaged
@@ -86,8 +106,10 @@ def run_server(options: ServeOptions) -> None:
         raise
     limits = Limits(max_file_bytes=options.max_file_mb * 1024 * 1024, max_requests=options.max_requests)
     worker = Worker(store, WorkerSettings(model=options.model, sets=list(options.sets),
-                                          max_requests=options.max_requests))
-    app = create_app(store, worker, key, options.model, limits)
+                                          max_requests=options.max_requests, served_names=names))
+    app = create_app(store, worker, key, names[0], limits)
+    log.info("serving %s as %s; state in %s; %s", options.model, ", ".join(names), state_dir,
+             "no API key (127.0.0.1 only)" if key is None else "bearer key required")
     worker.start()
     try:
         _server_class()(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")).run()

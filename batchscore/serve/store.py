@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -14,6 +15,9 @@ import uuid
 from pathlib import Path
 
 from batchscore.errors import EXIT_CONFIG, APIError, BatchscoreError, OutputLocked
+
+log = logging.getLogger(__name__)
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
@@ -75,6 +79,22 @@ class Store:
         self.file(file_id)
         return self.blobs / file_id
 
+    def list_files(self, limit: int, after: str | None, purpose: str | None, newest_first: bool
+                   ) -> tuple[list[dict], bool]:
+        """A page of files (of one `purpose`, when given); `after`: the last id of the previous page."""
+        with self._lock:
+            seq = None
+            if after is not None:
+                cursor = self._db.execute("SELECT seq FROM files WHERE id = ?", (after,)).fetchone()
+                if cursor is None:
+                    raise APIError(400, f"after: no such file {after!r}", param="after", code="invalid_value")
+                seq = cursor[0]
+            order, beyond = ("DESC", "<") if newest_first else ("ASC", ">")
+            where = "" if seq is None else f"WHERE seq {beyond} {int(seq)}"
+            rows = self._db.execute(f"SELECT object FROM files {where} ORDER BY seq {order}").fetchall()
+        items = [obj for obj in (json.loads(r[0]) for r in rows) if purpose is None or obj["purpose"] == purpose]
+        return items[:limit], len(items) > limit
+
     def delete_file(self, file_id: str) -> dict:
         self.file(file_id)
         with self._lock:
@@ -88,6 +108,7 @@ class Store:
         with self._lock:
             self._db.execute("INSERT INTO batches (id, status, object) VALUES (?, ?, ?)",
                              (obj["id"], obj["status"], json.dumps(obj)))
+        log.info("batch %s: %s (%s, input %s)", obj["id"], obj["status"], obj.get("endpoint"), obj.get("input_file_id"))
         return obj
 
     def batch(self, batch_id: str) -> dict:
@@ -110,9 +131,12 @@ class Store:
             status = fields.get("status")
             if status is not None and status != obj["status"] and f"{status}_at" in obj:
                 obj[f"{status}_at"] = now()
+            before = obj["status"]
             obj.update(fields)
             self._db.execute("UPDATE batches SET status = ?, object = ? WHERE id = ?",
                              (obj["status"], json.dumps(obj), batch_id))
+        if obj["status"] != before:  # one log line per state change, with what an operator asks next
+            log.info("batch %s: %s -> %s%s", batch_id, before, obj["status"], _state_details(obj))
         return obj
 
     def list_batches(self, limit: int, after: str | None) -> tuple[list[dict], bool]:
@@ -202,3 +226,14 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _state_details(batch: dict) -> str:
+    """The request counts of a batch that has them, and the first error of a failed one."""
+    counts = batch.get("request_counts") or {}
+    said = f" (requests: {counts.get('total', 0)} total, {counts.get('completed', 0)} completed, " \
+           f"{counts.get('failed', 0)} failed)" if counts.get("total") else ""
+    errors = (batch.get("errors") or {}).get("data") or []
+    if batch.get("status") == "failed" and errors:
+        said += f": {errors[0].get('code')}: {str(errors[0].get('message'))[:300]}"
+    return said

@@ -267,8 +267,8 @@ class Worker:
         error_lines = sorted_input.answered + error_lines
         if not self._checked(batch_id, ok_lines, error_lines, sorted_input.total):
             return
-        usage = batch_usage([work / f"job{k}" / "metrics.json" for k in range(len(sorted_input.jobs))], ok_lines)
-        files = self._result_files(batch_id, ok_lines, error_lines, output_always=True)
+        usage = batch_usage(ok_lines)
+        files = self._result_files(batch_id, ok_lines, error_lines)
         counts = {"total": sorted_input.total, "completed": len(ok_lines), "failed": len(error_lines)}
         run_errors = self._run_errors.pop(batch_id, None)
         if run_errors:  # a run wrote its output and failed after (its audit): failed, its lines kept
@@ -304,7 +304,7 @@ class Worker:
                                 for number, custom_id in custom_ids(work / "input.jsonl", job.lines)]
         if not self._checked(batch_id, ok_lines, error_lines, sorted_input.total):
             return
-        files = self._result_files(batch_id, ok_lines, error_lines, output_always=False)
+        files = self._result_files(batch_id, ok_lines, error_lines)
         counts = {"total": sorted_input.total, "completed": len(ok_lines), "failed": len(error_lines)}
         self.store.update_batch(batch_id, only_from=("cancelling",), status="cancelled", request_counts=counts, **files)
 
@@ -340,12 +340,13 @@ class Worker:
                         f"{total} requests; doubled: {doubled[:3]})"}]})
         return False
 
-    def _result_files(self, batch_id: str, ok_lines: list[str], error_lines: list[str], output_always: bool) -> dict:
+    def _result_files(self, batch_id: str, ok_lines: list[str], error_lines: list[str]) -> dict:
         """The batch's output and error files as File objects, with fixed ids (written again after
-        a restart, they replace)."""
+        a restart, they replace); as the Batch API, no output file when no request succeeded
+        (`output_file_id` null) and no error file when none failed."""
         work, stem = self.store.work / batch_id, batch_id.removeprefix("batch_")
         output_id = error_id = None
-        if ok_lines or output_always:
+        if ok_lines:
             output_id = self._result_file(work / "output.part", ok_lines, f"{batch_id}_output.jsonl",
                                           f"file-{stem}-output")
         if error_lines:

@@ -1,0 +1,112 @@
+"""`batchscore serve` as a drop-in for the OpenAI Batch API: the model served under other names
+(`--served-model-name`, as vLLM's), the routes' OpenAI shapes (file listing, unknown routes and
+methods), a duplicate custom_id's line, no empty output file, and a log that says what the server
+does. The slow test drives the real server with the official `openai` client, lines naming
+gpt-4o-mini, and runs the shipped batch samples as the docs show them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from batchscore.serve.requests import sort_lines
+from batchscore.serve.store import Store
+from tests.test_serve import KEY, LABELS, MODEL, Server, _free_port, chat_line, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_served_model_names_are_the_names_requests_may_give(tmp_path):
+    from batchscore.errors import JobConfigError
+    from batchscore.serve.server import ServeOptions, served_names
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([chat_line("a", "x", model="gpt-4o-mini"), chat_line("b", "x", model="gpt-4o"),
+                               chat_line("c", "x", model=None), chat_line("d", "x", model=MODEL)]) + "\n")
+    result = sort_lines(path, "in.jsonl", "/v1/chat/completions", ["gpt-4o-mini", "gpt-4o"], ["Yes", "No"], 10)
+    assert [sorted(job.lines) for job in result.jobs] == [[1, 2, 3]]
+    [refused] = [json.loads(line) for line in result.answered]  # vLLM's rule: the served names only
+    assert refused["custom_id"] == "d"
+    assert "in.jsonl:4: body.model: \"smollm2-135m-instruct\" is not a model this server serves ('gpt-4o-mini', " \
+           "'gpt-4o'" in refused["response"]["body"]["error"]["message"]
+    assert served_names(ServeOptions(state_dir="s")) == [MODEL]
+    assert served_names(ServeOptions(state_dir="s", served_model_names=["gpt-4o-mini", "b", "gpt-4o-mini"])) == \
+        ["gpt-4o-mini", "b"]
+    with pytest.raises(JobConfigError, match="may not be empty"):
+        served_names(ServeOptions(state_dir="s", served_model_names=[" "]))
+
+
+def test_answers_show_the_served_name_and_a_repeated_custom_id_its_line(tmp_path):
+    from batchscore.serve.results import job_lines
+
+    work = tmp_path / "batch_x"
+    (work / "job0").mkdir(parents=True)
+    (work / "filename").write_text("in.jsonl")
+    answer = {"id": "batch_req_1", "custom_id": "a", "error": None,
+              "response": {"status_code": 200, "body": {"object": "chat.completion", "model": MODEL}}}
+    (work / "job0" / "output.jsonl").write_text(json.dumps(answer) + "\n")
+    ok, _ = job_lines(work, 1, shown_model="gpt-4o-mini")
+    assert json.loads(ok[0])["response"]["body"]["model"] == "gpt-4o-mini"
+    assert job_lines(work, 1)[0] == [json.dumps(answer)]  # no other name: as the job wrote it
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([chat_line("a", "x"), chat_line("b", "y"), "", chat_line("a", "z")]) + "\n")
+    [problem] = sort_lines(path, "in.jsonl", "/v1/chat/completions", MODEL, ["Yes", "No"], 10).problems
+    assert problem["code"] == "duplicate_custom_id" and problem["line"] == 4 and "first on line 1" in problem["message"]
+
+
+def test_routes_list_files_and_answer_unknown_routes_in_openais_shape(tmp_path, caplog):
+    from fastapi.testclient import TestClient
+
+    from batchscore.serve.app import Limits, create_app
+    from batchscore.serve.worker import Worker, WorkerSettings
+
+    store = Store(tmp_path / "state")
+    worker = Worker(store, WorkerSettings(model=MODEL, served_names=["gpt-4o-mini"]))  # not started
+    client = TestClient(create_app(store, worker, KEY, "gpt-4o-mini", Limits()))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    caplog.set_level(logging.INFO, logger="batchscore.serve")
+    ids = [client.post("/v1/files", headers=auth, data={"purpose": "batch"},
+                       files={"file": (f"in{i}.jsonl", chat_line(f"a{i}", "Yes?") + "\n")}).json()["id"] for i in range(3)]
+    listed = client.get("/v1/files", headers=auth).json()
+    assert listed["object"] == "list" and [f["id"] for f in listed["data"]] == ids[::-1] and not listed["has_more"]
+    page = client.get("/v1/files?limit=2&order=asc&purpose=batch", headers=auth).json()
+    assert [f["id"] for f in page["data"]] == ids[:2] and page["has_more"] and page["last_id"] == ids[1]
+    assert [f["id"] for f in client.get(f"/v1/files?order=asc&after={ids[1]}", headers=auth).json()["data"]] == ids[2:]
+    assert client.get("/v1/files?purpose=batch_output", headers=auth).json()["data"] == []
+    assert client.get("/v1/files?limit=0", headers=auth).json()["error"]["param"] == "limit"
+
+    missing = client.get("/v1/nowhere", headers=auth)
+    assert missing.status_code == 404 and missing.json() == {"error": {
+        "message": "Invalid URL (GET /v1/nowhere)", "type": "invalid_request_error", "param": None, "code": "not_found"}}
+    wrong = client.put("/v1/files", headers=auth)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert set(wrong.json()["error"]) == {"message", "type", "param", "code"} and "PUT /v1/files" in wrong.json()["error"]["message"]
+    assert wrong.headers["allow"] in wrong.json()["error"]["message"]  # the methods it takes
+
+    batch = client.post("/v1/batches", headers=auth, json={"input_file_id": ids[0], "endpoint": "/v1/chat/completions",
+                                                           "completion_window": "24h", "metadata": {"labels": LABELS}})
+    assert batch.json()["model"] == "gpt-4o-mini"  # the first served name, as vLLM shows it
+    store.update_batch(batch.json()["id"], status="in_progress", request_counts={"total": 1, "completed": 0, "failed": 0})
+    said = [r.getMessage() for r in caplog.records]
+    assert "GET /v1/nowhere 404" in " ".join(said) and any(m.startswith("POST /v1/files 200") for m in said)
+    assert f"batch {batch.json()['id']}: validating (/v1/chat/completions, input {ids[0]})" in said
+    assert f"batch {batch.json()['id']}: validating -> in_progress (requests: 1 total, 0 completed, 0 failed)" in said
+
+
+def test_a_batch_with_no_answered_request_has_no_output_file(tmp_path):
+    from batchscore.serve.worker import Worker, WorkerSettings
+
+    store = Store(tmp_path / "state")
+    (store.work / "batch_x").mkdir(parents=True)
+    worker = Worker(store, WorkerSettings(model=MODEL))
+    failed = json.dumps({"id": "batch_req_1", "custom_id": "a", "response": {"status_code": 400, "body": {}}})
+    assert worker._result_files("batch_x", [], [failed]) == {"output_file_id": None,
+                                                              "error_file_id": "file-x-error"}
+    assert worker._result_files("batch_x", [], [])["error_file_id"] is None
