@@ -78,3 +78,84 @@ def test_building_and_reading_do_not_grow_anonymous_memory_per_row(tmp_path):
         del store
     # 180k more rows of 48 tokens would be 35 MB of tokens alone: far less than that may appear
     assert growth[200_000] - growth[20_000] < 8 * 2**20, growth
+
+
+# ------------------------------------------------------------------ a job's store equals its reader
+
+
+def _same_rows(config, tmp_path):
+    """The store built from `config` holds exactly the requests, options and errors that the
+    task's reader gives today, and the metadata plan over it equals PreparedJob.plan()."""
+    from batchscore.run.open import open_job, prepare_job
+    from batchscore.store.build import plan_store
+
+    expected = prepare_job(config, source=open_job(config, for_output=False))
+    meta, store, job = plan_store(open_job(config, for_output=False), tmp_path / "tokens")
+    every = expected.input.requests + ([expected.content_free] if expected.content_free is not None else [])
+    assert store.num_rows == len(every) and store.num_input_rows == expected.input.num_rows
+    for position, request in enumerate(every):
+        assert int(store.row_ids[position]) == request.row_id
+        assert store.tokens_of(position).tolist() == request.token_ids.tolist()
+        got = store.options_at(position)
+        assert (got.key() if got is not None else None) == (request.options.key() if request.options else None)
+    assert store.errors == expected.input.errors == job.input.errors
+    assert {r: e.kind for r, e in store.errors.items()} == {r: e.kind for r, e in expected.input.errors.items()}
+    assert job.label_ids == expected.label_ids
+    plan = expected.plan()
+    timing = ("plan_seconds", "plan_cpu_seconds")
+    assert {k: v for k, v in meta.stats.to_dict().items() if k not in timing} == \
+        {k: v for k, v in plan.stats.to_dict().items() if k not in timing}
+    assert [(g.prefix.tolist(), [(m.row_id, m.suffix.tolist()) for m in g.members]) for g in meta.groups(store)] == \
+        [(g.prefix.tolist(), [(m.row_id, m.suffix.tolist()) for m in g.members]) for g in plan.groups]
+    return store
+
+
+@pytest.mark.parametrize("name", ["sample", "decisions", "table3_a"])
+def test_shipped_jobs_store_and_plan_equal_todays(name, tmp_path):
+    from batchscore.jobfile import load_job
+
+    from tests.conftest import REPO
+
+    store = _same_rows(load_job(REPO / "jobs" / f"{name}.yaml"), tmp_path)
+    assert store.num_rows > 0
+
+
+def test_choices_and_multi_token_labels_with_bad_rows(tmp_path):
+    """Per-row choices (text after the prompt, lm-eval's rule), a row whose field is null and one
+    too long: the same tokens, options and messages."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchscore.jobfile import config_from_dict
+
+    pq.write_table(pa.table({"q": ["Capital of France?", None, "word " * 3000, "2 + 2 ="] * 3,
+                             "choices": [["Paris", "Lyon"], ["a", "b"], ["x", "y"], [" four", " five", "4"]] * 3}),
+                   tmp_path / "in.parquet")
+    config = config_from_dict({"input": {"path": str(tmp_path / "in.parquet"), "choices_column": "choices"},
+                               "prompt": {"template": "Q: {q}\nA:"}, "model": "smollm2-135m-instruct",
+                               "engine": {"max_length": 512}, "output": {"path": str(tmp_path / "out.parquet")}})
+    store = _same_rows(config, tmp_path)
+    assert len(store.errors) == 6 and store.options_at(0) is not None
+
+
+def test_token_id_columns_read_as_arrays_give_the_readers_rows_and_messages(tmp_path):
+    """Token ids read a batch at a time as arrays: too long, outside the vocabulary, empty, null,
+    negative and not-integer rows keep the row-by-row reader's messages; good rows its tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchscore.jobfile import config_from_dict
+
+    rng = np.random.default_rng(1)
+    good = [rng.integers(0, 4000, int(rng.integers(20, 60))).tolist() for _ in range(300)]
+    good[5] = list(range(700))  # too long
+    good[9] = [1, 2, 60000]  # outside the vocabulary
+    good[11] = []  # empty
+    pq.write_table(pa.table({"tokens": pa.array(good, pa.list_(pa.int32()))}), tmp_path / "ok.parquet")
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], None, [4, -5]] * 2, pa.list_(pa.int64()))}),
+                   tmp_path / "z_bad.parquet")
+    config = config_from_dict({"input": {"path": str(tmp_path), "token_ids_column": "tokens", "batch_rows": 64},
+                               "labels": ["Yes", "No"], "model": "smollm2-135m-instruct",
+                               "engine": {"max_length": 512}, "output": {"path": str(tmp_path / "out" / "o.parquet")}})
+    store = _same_rows(config, tmp_path / "work")
+    assert len(store.errors) == 3 + 4 and store.label_ids is not None

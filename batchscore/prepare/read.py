@@ -29,6 +29,7 @@ from batchscore.plan.validate import token_ids_problem
 from batchscore.prepare.options import RowOptionSource, max_length_name
 from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
 from batchscore.row_errors import with_kinds
+from batchscore.prepare.token_columns import flat_token_batch
 from batchscore.prepare.rows import (PreparedInput, RowLocations, batch_ids, check_columns, check_unique_ids,
                                      concat_arrays, concat_tables, select_kept)
 
@@ -62,7 +63,7 @@ def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
 def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=None, max_length: int | None = None,
                   vocab_size: int | None = None, tokenize: bool = True,
                   progress: Callable[[int], None] | None = None,
-                  options: RowOptionSource | None = None) -> PreparedInput:
+                  options: RowOptionSource | None = None, sink=None) -> PreparedInput:
     """Read every input row of `files` and turn it into a Request or a per-row error.
 
     `renderer` (a PromptRenderer) is needed unless the input carries token ids or `tokenize` is
@@ -71,6 +72,10 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     Raises InputError for
     problems that concern a whole file (missing, empty, a template field that is not a column);
     everything row-level becomes an entry in `errors`.
+
+    With a `sink` (the token store's StoreWriter) each batch's requests go to it and are not kept
+    (`requests` stays empty), and token id columns are read a batch at a time as arrays
+    (prepare/token_columns.py) where a batch allows it.
     """
     if config.input.synthetic is not None:
         return _prepare_synthetic(config, options)
@@ -102,7 +107,15 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
         if choices_column:
             choice_arrays.append(select_kept(batch.table, [choices_column]).column(0).combine_chunks())
         prompts = None
-        if not tokenize:
+        flat = None
+        if sink is not None and token_column:
+            flat = flat_token_batch(batch, token_column, row_id, max_length, vocab_size,
+                                    max_length_name(config.engine.max_length, max_length), options)
+        if flat is not None:
+            errors.update(flat.errors)
+            sink.add_flat(flat.row_ids, flat.tokens, flat.lengths, flat.option_sets, flat.options)
+            rows_tokens = []
+        elif not tokenize:
             rows_tokens = []
         elif token_column:
             rows_tokens = _token_rows(batch, token_column, errors, row_id)
@@ -119,9 +132,13 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
                 errors[rid] = problem.at(f"{batch.file}:{batch.first_line + offset}")  # typed: too long, or bad ids
                 rows_tokens[offset] = None
         row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id)
-        for offset, tokens in enumerate(rows_tokens):
-            if tokens is not None and row_id + offset not in errors:
-                requests.append(Request(row_id + offset, tokens, row_options[offset]))
+        batch_requests = [Request(row_id + offset, tokens, row_options[offset])
+                          for offset, tokens in enumerate(rows_tokens)
+                          if tokens is not None and row_id + offset not in errors]
+        if sink is not None:
+            sink.add_requests(batch_requests)  # the store keeps them; no object per row survives the batch
+        else:
+            requests.extend(batch_requests)
         row_id += n
         if progress:
             progress(n)

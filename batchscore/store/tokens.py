@@ -33,6 +33,7 @@ from batchscore.io.atomic import atomic_write
 from batchscore.plan.options import OptionTokens
 from batchscore.plan.sorted_rows import FlatTokens
 from batchscore.plan.types import Request
+from batchscore.row_errors import kind_of, typed
 
 FORMAT = 1
 _FILES = ("tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "option_sets.npz", "errors.jsonl",
@@ -71,6 +72,7 @@ class StoreWriter:
         self._sets: dict[tuple[bytes, bytes], int] = {}
         self._set_list: list[OptionTokens] = []
         self._last_row_id = -1
+        self._rows_without_options = 0
 
     def _set_index(self, options: OptionTokens | None) -> int:
         if options is None:
@@ -108,17 +110,27 @@ class StoreWriter:
         self._offsets.write(offsets.tobytes())
         self._row_ids.write(np.ascontiguousarray(row_ids, dtype=np.int64).tobytes())
         self._option_set.write(np.ascontiguousarray(option_sets, dtype=np.int32).tobytes())
+        self._rows_without_options += int((option_sets < 0).sum())
         self._total = int(offsets[-1])
         self.num_rows += len(row_ids)
         if len(tokens):
             self.max_token = max(self.max_token, int(tokens.max()))
         self._last_row_id = int(row_ids[-1])
 
+    def shared_single_token_ids(self) -> list[int] | None:
+        """The label token ids when every row so far has the same one-token options (the
+        one-position path: `RowOptionSource.single_token_ids`), else None."""
+        if self.num_rows == 0 or self._rows_without_options or len(self._set_list) != 1 \
+                or not self._set_list[0].single_token:
+            return None
+        return [int(t) for t in self._set_list[0].tokens]
+
     def add_errors(self, errors: dict[int, str] | Iterable[tuple[int, str]]) -> None:
         """Append row errors (row id -> message)."""
         items = errors.items() if isinstance(errors, dict) else errors
         for row, message in items:
-            self._errors.write(json.dumps({"row": int(row), "error": message}) + "\n")
+            self._errors.write(json.dumps({"row": int(row), "error": str.__str__(message),
+                                           "kind": kind_of(message)}) + "\n")
             self.num_errors += 1
 
     def close(self, num_input_rows: int, extra: dict | None = None) -> TokenStore:
@@ -166,6 +178,7 @@ class TokenStore:
         self._token_starts = np.concatenate(([0], np.cumsum(token_counts))).astype(np.int64)
         self._offset_starts = np.concatenate(([0], np.cumsum(option_counts))).astype(np.int64)
         self._option_set_cache = lru_cache(maxsize=4096)(self._build_option_set)
+        self.label_ids: list[int] | None = manifest.get("label_ids")  # one-token labels shared by every row
 
     @classmethod
     def open(cls, folder) -> TokenStore:
@@ -216,6 +229,8 @@ class TokenStore:
 
     def options_at(self, position: int) -> OptionTokens | None:
         """Position's options (None: the job's one-token labels, shared by every row)."""
+        if self.label_ids is not None:
+            return None
         index = int(self.option_set[position])
         return None if index < 0 else self._option_set_cache(index)
 
@@ -234,15 +249,15 @@ class TokenStore:
 
     @property
     def errors(self) -> dict[int, str]:
-        """Row id -> why the row cannot be scored (read from the file on each call)."""
+        """Row id -> why the row cannot be scored, a typed RowError (read from the file on each call)."""
         with open(self.folder / "errors.jsonl", encoding="utf-8") as lines:
-            return {entry["row"]: entry["error"] for entry in map(json.loads, lines)}
+            return {entry["row"]: typed(entry["error"], entry.get("kind")) for entry in map(json.loads, lines)}
 
     def option_counts(self) -> tuple[int, int]:
         """(tokens plain forwards add for the rows' options, option positions computed), as
         plan/options.option_token_counts counts them, without an object per row."""
         sets = len(self._token_starts) - 1
-        if sets == 0 or self.num_rows == 0:
+        if sets == 0 or self.num_rows == 0 or self.label_ids is not None:
             return 0, 0
         token_counts = np.diff(self._token_starts)
         option_counts = np.diff(self._offset_starts) - 1

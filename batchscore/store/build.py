@@ -1,0 +1,96 @@
+"""Building a job's token store, and planning a job from it.
+
+`build_store(source, folder)` reads, renders and tokenizes the job's rows exactly as its task's
+reader does (the same `prepare_input`, with the store as its sink) and writes them once into
+`folder`. A labels job streams: each input batch's rows go to the store and are dropped (token id
+columns are read as arrays, prompts rendered and encoded by the tokenizer's batch call, its own
+threads on every core). Other readers (questions, synthetic rows) read whole as before, then
+their requests are written to the store: the same tokens, not yet the bounded memory.
+
+`plan_store(source, folder)` is `batchscore plan`'s path: the store, then the metadata plan
+(plan/metadata.py), whose statistics and groups equal `PreparedJob.plan()`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+from batchscore.errors import LabelError
+from batchscore.plan.metadata import MetaPlan, plan_rows
+from batchscore.prepare.options import OptionEncoder, RowOptionSource, max_length_name
+from batchscore.prepare.read import load_tokenizer, make_renderer, prepare_input, prompt_limits
+from batchscore.prepare.source import JobSource, PreparedJob, plan_options
+from batchscore.store.tokens import StoreWriter, TokenStore
+
+log = logging.getLogger("batchscore")
+
+_WRITE_BATCH = 8192  # requests written to the store per call when a reader returns them whole
+
+
+def build_store(source: JobSource, folder, progress: Callable[[int], None] | None = None
+                ) -> tuple[PreparedJob, TokenStore]:
+    """Tokenize `source`'s rows into a new store in `folder` (anything there is replaced).
+    Returns the PreparedJob (ids, kept columns, errors; `input.requests` empty when the rows
+    streamed into the store) and the store. Raises what the task's reader raises."""
+    writer = StoreWriter(folder, source.identity)
+    config = source.config
+    if source.task.name == "labels" and config.input.synthetic is None:
+        job = _labels_into(writer, source, progress)
+    else:
+        job = source.task.prepare(config, source, True, progress)
+        requests = job.input.requests
+        for start in range(0, len(requests), _WRITE_BATCH):
+            writer.add_requests(requests[start:start + _WRITE_BATCH])
+        if job.content_free is not None:
+            writer.add_requests([job.content_free])
+    writer.add_errors(sorted(job.input.errors.items()))
+    store = writer.close(job.input.num_rows, extra={
+        "label_ids": job.label_ids, "content_free": job.content_free is not None})
+    return job, store
+
+
+def _labels_into(writer: StoreWriter, source: JobSource, progress) -> PreparedJob:
+    """tasks/labels.py's `prepare`, with the store as prepare_input's sink: the same rows, errors,
+    options, content-free row and one-token label ids."""
+    from batchscore.scores.quality import content_free_rows
+    from batchscore.tasks.labels import content_free_request
+
+    config = source.config
+    if not config.labels and not config.input.choices_column:
+        return source.task.prepare(config, source, True, progress)  # the reader's own refusal
+    tokenizer = load_tokenizer(source.model_dir)
+    max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
+    renderer = make_renderer(config, tokenizer)
+    options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length,
+                              max_length_name(config.engine.max_length, max_length))
+    prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
+                             progress=progress, options=options, sink=writer)
+    content_free = None
+    if content_free_rows(config):
+        content_free = content_free_request(renderer, options, prepared.num_rows)
+        writer.add_requests([content_free])
+    options.encoder.boundary.log_once(writer.num_rows)
+    label_ids = writer.shared_single_token_ids() if options.labels is not None else None
+    if label_ids is not None and content_free is not None:
+        content_free.options = None
+    if label_ids is None and config.engine.speculative is not None and writer.num_rows:
+        raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
+                         "these labels are scored per row (a multi-token label, or one whose tokens depend on "
+                         "the prompt's end) — drop engine.speculative or use one-token labels")
+    log.info("read %d rows (%d not scorable) into the token store", prepared.num_rows, len(prepared.errors))
+    return PreparedJob(source, label_ids, prepared, content_free)
+
+
+def plan_store(source: JobSource, folder, progress: Callable[[int], None] | None = None
+               ) -> tuple[MetaPlan, TokenStore, PreparedJob]:
+    """Plan `source`'s job through a token store built in `folder`: (the metadata plan, the store,
+    the PreparedJob). The plan's statistics and groups equal `PreparedJob.plan()`'s."""
+    job, store = build_store(source, folder, progress)
+    return plan_rows(store, plan_options(source.config, source.kind)), store, job
+
+
+def store_folder(parts_folder) -> Path:
+    """Where a run keeps its token store: inside its parts folder."""
+    return Path(parts_folder) / "tokens"
