@@ -168,17 +168,26 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
 
         batchscore plan jobs/table3_a.yaml --json
     """
-    from batchscore.run.open import plan_job
+    import tempfile
+
+    from batchscore.run.open import open_job, prepare_job
+    from batchscore.store.build import plan_store
 
     config = _load(job, sets)
-    plan = plan_job(config)
-    stats = plan.stats.to_dict()
-    if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping
-        from batchscore.engines.speculative.kept_tokens import plan_drop_stats
-        from batchscore.models import resolve_model
+    source = open_job(config, for_output=False)
+    with tempfile.TemporaryDirectory(prefix="batchscore-plan-") as folder:
+        if config.plan.order == "srjf":  # re-costed against a simulated cache per unit: the in-memory planner
+            plan = prepare_job(config, source=source).plan()
+            stats, groups = plan.stats.to_dict(), lambda: plan.groups
+        else:  # through the token store and the plan as metadata (rows never held as objects)
+            meta, store, _ = plan_store(source, Path(folder) / "tokens")
+            stats, groups = meta.stats.to_dict(), lambda: meta.to_plan(store).groups
+        if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping
+            from batchscore.engines.speculative.kept_tokens import plan_drop_stats
+            from batchscore.models import resolve_model
 
-        stats.update(plan_drop_stats(plan.groups, config.engine.speculative, resolve_model(config.model),
-                                     len(config.labels)).to_dict())
+            stats.update(plan_drop_stats(groups(), config.engine.speculative, resolve_model(config.model),
+                                         len(config.labels)).to_dict())
     if as_json:
         click.echo(json.dumps(stats))
         return
