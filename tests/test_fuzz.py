@@ -17,6 +17,10 @@ input, the output or the output's own files), and runs the real CLI on the real 
 
 The quick slice (about 20 cases) runs in the default tier; the full fuzz (320 cases) is `slow`.
 Both print their case count, seed and time.
+
+`serve` is fuzzed in process at the end of this file (no model run): its request lines (odd
+custom_ids, roles, urls, bodies, bytes, a BOM), whole batches the server answers itself, and
+batch metadata through `POST /v1/batches`.
 """
 
 from __future__ import annotations
@@ -769,3 +773,140 @@ def test_fuzz_questions_job_with_a_deeply_nested_state(tmp_path):
     content = "".join(json.dumps(row) + "\n" for row in rows).encode()
     case = Case("jsonl", job, {"in.jsonl": content}, 2, [0, 1], "row_id", "out.jsonl", None)
     assert run_case(case, tmp_path) in (0, 4)
+
+
+# ---------------------------------------------------------------------------- serve
+# The server's own surface, in process (no model run): its request lines as `sort_lines` and the
+# worker read them, and what `POST /v1/batches` takes. Checked: nothing raises, every request line
+# is answered once or given to exactly one job, every line the server writes is UTF-8 JSON naming
+# the custom_id sent, a batch the server answers whole completes (never wedged), and every answer
+# of the HTTP API is JSON with a 200 or a 4xx.
+
+SERVE_QUICK, SERVE_FULL = 40, 400
+SERVE_URLS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/decisions", "", None, 7]
+ODD_JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), ODD_TEXT),
+                        lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                st.dictionaries(ODD_TEXT, inner, max_size=3)), max_leaves=6)
+
+
+@st.composite
+def request_lines(draw) -> bytes:
+    """One line of a batch input file: a request of odd parts, JSON of any shape, or bytes."""
+    kind = draw(st.sampled_from(["request", "request", "request", "json", "bytes", "blank"]))
+    if kind == "blank":
+        return draw(st.sampled_from([b"", b"  ", b"\t"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=40)).replace(b"\n", b" ")
+    if kind == "json":
+        value = draw(ODD_JSON)
+    else:
+        role = draw(st.one_of(st.sampled_from(["user", "system", "assistant", "tool"]), ODD_TEXT, st.integers()))
+        body = draw(st.one_of(
+            st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
+                {"role": st.just(role), "content": st.one_of(ODD_TEXT, ODD_JSON)}), max_size=3)},
+                optional={"model": st.one_of(st.just(MODEL), ODD_TEXT), "logprob_token_ids": ODD_JSON}),
+            st.fixed_dictionaries({"prompt": st.one_of(ODD_TEXT, ODD_JSON)}), ODD_JSON))
+        value = {"custom_id": draw(st.one_of(ODD_TEXT, st.integers(), st.none())), "method": "POST",
+                 "url": draw(st.sampled_from(SERVE_URLS)), "body": body}
+    return json.dumps(value, ensure_ascii=draw(st.booleans())).encode("utf-8", "surrogatepass")
+
+
+def _serve_case(lines: list[bytes], bom: bool, labels) -> None:
+    from batchscore.serve.requests import sort_lines
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "in.jsonl"
+        path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + b"\n".join(lines) + b"\n")
+        result = sort_lines(path, "in.jsonl", "/v1/chat/completions", MODEL, labels, 100, lambda ids: (None, "no"))
+    requests = [number for number, line in enumerate(lines, start=1) if line.strip()]  # a BOM is no request
+    in_jobs = [n for job in result.jobs for n in job.lines]
+    assert len(in_jobs) == len(set(in_jobs)) and result.total == len(requests), (result, requests)
+    answered = [json.loads(line.encode("utf-8")) for line in result.answered]  # UTF-8 JSON, always
+    assert len(answered) + len(in_jobs) == result.total or result.problems
+    for line in answered:
+        number = int(line["id"].removeprefix("batch_req_line"))
+        assert number in requests and number not in in_jobs and line["response"]["status_code"] == 400
+
+
+@pytest.mark.parametrize("n_cases", [SERVE_QUICK, pytest.param(SERVE_FULL, marks=pytest.mark.slow)])
+def test_fuzz_serve_request_lines(n_cases):
+    @seed(QUICK_SEED + n_cases)
+    @settings(max_examples=n_cases, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(lines=st.lists(request_lines(), min_size=1, max_size=5), bom=st.booleans(),
+           labels=st.sampled_from([None, ["Yes", "No"]]))
+    def check(lines, bom, labels):
+        _serve_case(lines, bom, labels)
+
+    check()
+
+
+def test_fuzz_serve_batches_the_server_answers_whole_complete(tmp_path):
+    """Batches whose every line the server answers itself (no labels: nothing to run) complete,
+    their error file holding one UTF-8 JSON line per request, whatever the lines held."""
+    from batchscore.serve.store import Store
+    from batchscore.serve.worker import Worker, WorkerSettings, stage_input
+
+    store = Store(tmp_path / "state")
+    worker = Worker(store, WorkerSettings(model=MODEL, retry_s=0.0))
+    counter = Counter()
+
+    @seed(QUICK_SEED)
+    @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(lines=st.lists(request_lines(), min_size=1, max_size=4))
+    def check(lines):
+        counter["n"] += 1
+        batch_id = f"batch_{counter['n']}"
+        upload = store.incoming_path()
+        upload.write_bytes(b"\n".join(lines) + b"\n")
+        stage_input(store, batch_id, store.add_file(upload, "in.jsonl", "batch")["id"])
+        store.add_batch({"id": batch_id, "object": "batch", "endpoint": "/v1/chat/completions",
+                         "status": "validating", "in_progress_at": None, "expires_at": None, "metadata": None})
+        for _ in range(3):  # MAX_ATTEMPTS: whatever happens, the batch ends
+            worker._guarded(store.batch(batch_id), worker._process)
+        batch = store.batch(batch_id)
+        if batch["status"] == "failed":
+            assert {e["code"] for e in batch["errors"]["data"]} <= {"empty_file", "duplicate_custom_id"}, batch
+            return
+        assert batch["status"] == "completed", batch
+        errors = store.file_path(batch["error_file_id"]).read_bytes().decode("utf-8").splitlines()
+        assert len(errors) == batch["request_counts"]["total"] == batch["request_counts"]["failed"]
+        assert all(json.loads(line)["response"]["status_code"] == 400 for line in errors)
+
+    check()
+    store.close()
+
+
+def test_fuzz_serve_batch_metadata(tmp_path):
+    """`POST /v1/batches` with metadata of any shape: a 200 or a 400 JSON error, never a 500, and
+    the batch created reads back (GET, list) as JSON."""
+    from fastapi.testclient import TestClient
+
+    from batchscore.serve.app import Limits, create_app
+    from batchscore.serve.store import Store
+    from batchscore.serve.worker import Worker, WorkerSettings
+
+    store = Store(tmp_path / "state")
+    client = TestClient(create_app(store, Worker(store, WorkerSettings(model=MODEL)), None, MODEL, Limits()))
+    file_id = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", "{}\n")}).json()["id"]
+    labels = st.one_of(ODD_TEXT, st.lists(ODD_TEXT, max_size=4).map(lambda x: json.dumps(x, ensure_ascii=False)))
+    metadata = st.one_of(ODD_JSON, st.dictionaries(ODD_TEXT, st.one_of(ODD_TEXT, labels), max_size=3),
+                         st.fixed_dictionaries({"labels": labels}))
+
+    @seed(QUICK_SEED)
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(metadata=metadata, input_file_id=st.one_of(st.just(file_id), ODD_TEXT))
+    def check(metadata, input_file_id):
+        body = {"input_file_id": input_file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
+                "metadata": metadata}
+        answer = client.post("/v1/batches", headers={"Content-Type": "application/json"},
+                             content=json.dumps(body).encode())  # ASCII: lone surrogates as escapes
+        assert answer.status_code in (200, 400, 404), answer.text
+        if answer.status_code != 200:
+            assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+            return
+        batch_id = answer.json()["id"]
+        assert client.get(f"/v1/batches/{batch_id}").json()["metadata"] == metadata
+        assert client.get("/v1/batches?limit=1").status_code == 200
+
+    check()
+    store.close()
