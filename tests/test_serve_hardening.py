@@ -147,6 +147,14 @@ def test_serve_reads_a_bom_file_as_run_does(tmp_path):
     assert result.answered == [] and [sorted(job.lines) for job in result.jobs] == [[1]]
 
 
+def test_a_key_file_with_a_bom_holds_the_key_without_it(tmp_path):
+    from batchscore.serve.auth import resolve_key
+
+    key_file = tmp_path / "key"
+    key_file.write_bytes(b"\xef\xbb\xbfsecret-key\r\n")  # as Windows Notepad saves it
+    assert resolve_key(str(key_file), False, "0.0.0.0", environ={}) == "secret-key"
+
+
 def test_a_chat_role_outside_the_apis_roles_is_that_lines_error():
     from batchscore.formats.openai_batch import openai_request
 

@@ -23,7 +23,7 @@ def resolve_key(key_file: str | None, no_auth: bool, host: str, environ=os.envir
     key = None
     if key_file is not None:
         try:
-            key = Path(key_file).read_text(encoding="utf-8").strip()
+            key = Path(key_file).read_text(encoding="utf-8-sig").strip()  # a BOM is not part of the key
         except OSError as exc:
             raise JobConfigError([f"--api-key-file {key_file}: cannot read ({exc.strerror})"]) from None
         if not key:
