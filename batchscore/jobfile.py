@@ -17,7 +17,7 @@ import yaml
 from batchscore.config import (CalibrateConfig, EngineConfig, ExecutorConfig, InputConfig, JobConfig, OutOfScopeConfig,
                                OutputConfig, PlanConfig, PromptConfig, ReviewConfig, ScoreConfig, SpeculativeConfig,
                                SyntheticInput, safe_load_yaml)
-from batchscore.engines.registry import kind_names as engine_kind_names
+from batchscore.engines.registry import engine_problems, kind_names as engine_kind_names
 from batchscore.engines.shape import DTYPE_BYTES
 from batchscore.engines.speculative.kept_tokens import options_problems
 from batchscore.errors import JobConfigError, PromptTemplateError
@@ -31,7 +31,7 @@ from batchscore.plan.order import POLICIES as ORDER_POLICIES
 from batchscore.prepare.options import NORMALIZE
 from batchscore.prepare.prompts import PROMPT_ENGINES, template_fields
 from batchscore.prepare.synthetic import WORKLOADS
-from batchscore.task import task_for
+from batchscore.task import Task, task_for
 
 # Every job key with a fixed set of values -> those values, taken from the module that acts on
 # them (a literal where no one module owns the list). The one table: load_job checks against it
@@ -258,15 +258,16 @@ def _semantic_problems(config: JobConfig) -> list[str]:
             template_fields(config.prompt.template, config.prompt.engine)
         except PromptTemplateError as exc:
             problems.append(f"prompt.template: {exc}")
-    problems.extend(task_for(config).job_problems(config))
+    task = task_for(config)  # from the job file alone (run/open.py decides it again with the input's files)
+    problems.extend(task.job_problems(config))
     if config.engine.speculative is not None and inp.choices_column:
         problems.append("engine.speculative: speculative prefill scores one-token labels shared by every row, "
                         "not input.choices_column")
     if config.output_format == "openai_batch" and (inp.choices_column or config.score.normalize != "sum"):
         problems.append("output.format openai_batch: writes fixed labels' probabilities normalized by their sum; "
                         "write parquet or jsonl for input.choices_column or score.normalize token | byte")
-    problems.extend(_output_column_problems(config))
-    problems.extend(_quality_problems(config))
+    problems.extend(_output_column_problems(config, task))
+    problems.extend(_quality_problems(config, task))
     for key in ("engine.kind", "engine.dtype", "engine.device"):
         problems.extend(_not_allowed(config, key))
     if config.engine.token_budget < 16:
@@ -278,10 +279,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     if config.engine.speculative is not None:
         spec = config.engine.speculative
         problems.extend(options_problems(spec.keep, spec.speculator, spec.chunk, spec.pool))
-        if config.engine.kind != "torch":
-            problems.append(f"engine.speculative: speculative prefill runs on the torch engine; set engine.kind: torch "
-                            f"(got {config.engine.kind!r})")
-    problems.extend(_batch_invariant_problems(config.engine))
+    problems.extend(engine_problems(config.engine))  # the named kind's rules: what it honours, what it refuses
     if config.engine.threads is not None and config.engine.threads < 1:
         problems.append("engine.threads: must be ≥ 1")
     if config.engine.max_length is not None and config.engine.max_length < 1:
@@ -303,7 +301,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("output.part_rows: must be ≥ 1")
     if config.output.part_seconds <= 0:
         problems.append("output.part_seconds: must be > 0")
-    if config.output.top_token and (not task_for(config).top_token or config.output_format == "openai_batch"):
+    if config.output.top_token and (not task.top_token or config.output_format == "openai_batch"):
         problems.append("output.top_token: for labels and choices jobs written as Parquet or JSON Lines (questions "
                         "jobs write <id>.argmax_is_label; an openai_batch response has no such column)")
     if config.output.audit_rows is not None and config.output.audit_rows < 0:
@@ -372,23 +370,7 @@ def _openai_batch_problems(config: JobConfig) -> list[str]:
     return problems
 
 
-def _batch_invariant_problems(engine) -> list[str]:
-    """`engine.batch_invariant` holds on the torch engine's eager layers only."""
-    if not engine.batch_invariant:
-        return []
-    problems = []
-    if engine.kind == "vllm":
-        problems.append("engine.batch_invariant: bit-identical scores whatever the batch hold on the torch engine "
-                        "only (vLLM's kernels and prefix cache follow the batch); set engine.kind: torch")
-    for key, value in (("hybrid_chunk", engine.hybrid_chunk), ("speculative", engine.speculative)):
-        if value is not None:
-            problems.append(f"engine.batch_invariant: not with engine.{key} (its chunks follow the batch)")
-    if engine.compile:
-        problems.append("engine.batch_invariant: not with engine.compile: true (compiled kernels follow the shapes)")
-    return problems
-
-
-def _output_column_problems(config: JobConfig) -> list[str]:
+def _output_column_problems(config: JobConfig, task: Task) -> list[str]:
     """Two labels that would share one `p_<label>` column, or a kept input column that the scores
     would overwrite: refused up front rather than losing a column silently."""
     problems = []
@@ -400,7 +382,7 @@ def _output_column_problems(config: JobConfig) -> list[str]:
             problems.append(f"labels: {labels} would all be written to the column {column!r}; make them differ "
                             "by more than surrounding spaces")
     id_name = config.input.id_column or DEFAULT_ID
-    generated, column_problems = task_for(config).output_columns(config)
+    generated, column_problems = task.output_columns(config)
     problems.extend(column_problems)
     generated = generated | ({id_name} if config.input.id_column is None else set())
     truths = config.calibrate.truth_columns if isinstance(config.calibrate.truth_columns, dict) else {}
@@ -449,7 +431,7 @@ def _question_key_problems(config: JobConfig) -> list[str]:
     return problems
 
 
-def _quality_problems(config: JobConfig) -> list[str]:
+def _quality_problems(config: JobConfig, task: Task) -> list[str]:
     """score.calibrate, score.confidence, the calibrate section, output.review and output.out_of_scope."""
     problems = _not_allowed(config, "score.calibrate") + _not_allowed(config, "score.confidence")
     method, cal = config.score.calibrate, config.calibrate
@@ -461,31 +443,7 @@ def _quality_problems(config: JobConfig) -> list[str]:
                                  ("calibrate.truth_column", cal.truth_column is not None),
                                  ("calibrate.from", cal.from_ is not None), ("output.review", review is not None),
                                  ("output.out_of_scope", scope is not None)) if on]
-    return problems + task_for(config).quality_problems(config, asked)
-
-
-def common_quality_problems(config: JobConfig) -> list[str]:
-    """The checks labels and questions jobs share: calibrate.from, the split, review and out_of_scope values."""
-    problems = []
-    method, cal = config.score.calibrate, config.calibrate
-    review, scope = config.output.review, config.output.out_of_scope
-    if cal.from_ is not None and method == "none":
-        problems.append("calibrate.from: score.calibrate is none; set the method whose fitted values it holds")
-    if not 0.0 < cal.holdout_fraction < 1.0:
-        problems.append(f"calibrate.holdout_fraction: the share of labeled rows that fits, between 0 and 1 "
-                        f"(exclusive), got {cal.holdout_fraction}")
-    if cal.seed < 0:
-        problems.append(f"calibrate.seed: must be ≥ 0, got {cal.seed}")
-    if review is not None:
-        if not 0.0 < review.max_error < 1.0:
-            problems.append(f"output.review.max_error: an error rate between 0 and 1 (exclusive), got {review.max_error}")
-        if not 0.0 < review.confidence < 1.0:
-            problems.append(f"output.review.confidence: between 0 and 1 (exclusive), got {review.confidence}")
-    if scope is not None:
-        floor = scope.min_label_mass
-        if isinstance(floor, str) and floor != "auto" or isinstance(floor, float) and not 0.0 <= floor <= 1.0:
-            problems.append(f"output.out_of_scope.min_label_mass: a label mass between 0 and 1, or auto, got {floor!r}")
-    return problems
+    return problems + task.quality_problems(config, asked)
 
 
 def _resolve_relative_paths(config: JobConfig, base: Path) -> None:

@@ -113,6 +113,7 @@ def test_a_toy_engine_kind_is_one_module_and_its_registration(tmp_path, monkeypa
     scores every row with it."""
     import pyarrow.parquet as pq
 
+    from batchscore.errors import JobConfigError
     from batchscore.jobfile import load_job
     from batchscore.run.runner import run_job
 
@@ -127,7 +128,21 @@ def test_a_toy_engine_kind_is_one_module_and_its_registration(tmp_path, monkeypa
         assert summary.execution.resolved["reason"] == "engine.kind: uniform (named by the job)"
         table = pq.read_table(job.output.path).to_pandas()
         assert len(table) == 12 and (table["p_Yes"] == 0.5).all() and (table["p_No"] == 0.5).all()
+        # the shared engine knobs it does not honour are refused by name, never silently ignored
+        for knob, value in (("batch_invariant", True), ("compile", True), ("hybrid_chunk", 64), ("threads", 2)):
+            with pytest.raises(JobConfigError, match=f"engine.{knob}: the uniform engine does not honour it"):
+                load_job(job_factory(small_input, engine={"kind": "uniform", knob: value}))
     finally:
         unregister("uniform")
         sys.modules.pop("toy_uniform_engine", None)
     assert "uniform" not in kind_names()
+
+
+def test_auto_refuses_a_knob_the_kind_it_chose_would_ignore():
+    """`auto` that lands on vLLM (the only kind for a quantized checkpoint) refuses a torch-only key
+    by name instead of dropping it."""
+    from batchscore.errors import EngineUnavailable
+
+    with pytest.raises(EngineUnavailable, match="engine.threads: the vllm engine does not honour it"):
+        auto(model_config=LLAMA | {"quantization_config": {"quant_method": "awq"}}, threads=2)
+    assert auto(model_config=LLAMA | {"quantization_config": {"quant_method": "awq"}}, hybrid_chunk=64).kind == "vllm"

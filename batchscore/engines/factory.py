@@ -15,7 +15,7 @@ from pathlib import Path
 from batchscore.config import EngineConfig
 from batchscore.engines.base import Engine
 from batchscore.engines.device import resolve_dtype
-from batchscore.engines.registry import JobFacts, Machine, choose_auto, get_kind, kinds, missing_packages
+from batchscore.engines.registry import JobFacts, Machine, choose_auto, get_kind, kinds, knob_problems, missing_packages
 from batchscore.errors import EngineUnavailable
 
 log = logging.getLogger("batchscore")
@@ -54,6 +54,9 @@ def resolve_engine(engine: EngineConfig, *, compile_decision: bool = True, model
         choice = choose_auto(JobFacts(engine, model_config, machine))
         kind, reason = get_kind(choice.kind), choice.reason
         log.info("%s", reason)
+        problems = knob_problems(kind, engine)  # a knob the chosen kind would silently ignore
+        if problems:
+            raise EngineUnavailable(f"{reason}, which refuses: {'; '.join(problems)}")
     else:
         kind, reason = get_kind(engine.kind), f"engine.kind: {engine.kind} (named by the job)"
     device = kind.device(engine) if kind.device else "cpu"

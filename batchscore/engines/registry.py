@@ -59,6 +59,9 @@ class EngineKind:
     model_dir, engine)`: the engine. `distributions`: package names whose versions join the run
     identity. `output_tokens`: tokens the engine counts against the context besides the prompt.
 `decide_compile`: whether to compile its layers (kinds that never compile leave it None).
+    `honours`: which of the `engine:` section's SHARED_KNOBS it acts on (a job that sets another is
+    refused by name, never silently ignored); `job_problems(engine)`: its own rules on the
+    `engine:` section (e.g. what it cannot combine).
     """
 
     name: str
@@ -74,9 +77,36 @@ class EngineKind:
     output_tokens: int = 0
     decide_compile: Callable[..., tuple[bool, str]] | None = None  # (engine, dtype, device, **plan) -> (on, why)
     explicit_only: bool = field(default=False)  # never chosen by auto (e.g. a test kind)
+    honours: frozenset[str] = frozenset()  # the SHARED_KNOBS it acts on; the others it refuses by name
+    job_problems: Callable[[EngineConfig], list[str]] = lambda engine: []  # what else it refuses of `engine:`
 
 
 _KINDS: Registry[EngineKind] = Registry(BUILT_IN, lambda kind: kind.build.__module__)
+
+# The `engine:` keys an engine kind may or may not act on, each with the values that leave it unset
+# (a kind that does not honour a key refuses it when set: `knob_problems`).
+SHARED_KNOBS: dict[str, tuple] = {"threads": (None,), "compile": (None, False), "hybrid_chunk": (None,),
+                                  "memory_budget": (None,), "speculative": (None,), "batch_invariant": (False,)}
+
+
+def knob_problems(kind: EngineKind, engine: EngineConfig) -> list[str]:
+    """The job's `engine:` keys `kind` does not honour, refused by name (naming the kinds that do),
+    then the kind's own rules."""
+    problems = []
+    for knob, unset in SHARED_KNOBS.items():
+        if getattr(engine, knob) not in unset and knob not in kind.honours:
+            honouring = [k.name for k in kinds().values() if knob in k.honours]
+            where = (f" ({' or '.join(honouring)} engine only); set engine.kind: {honouring[0]}" if honouring
+                     else "")
+            problems.append(f"engine.{knob}: the {kind.name} engine does not honour it{where}")
+    return problems + kind.job_problems(engine)
+
+
+def engine_problems(engine: EngineConfig) -> list[str]:
+    """What the job's named engine kind refuses of its `engine:` section (none for `auto`, whose
+    kind is checked once chosen, nor for an unknown kind, which the job file names already)."""
+    kind = _KINDS.get(engine.kind) if engine.kind != "auto" else None
+    return [] if kind is None else knob_problems(kind, engine)
 
 
 def register(kind: EngineKind) -> EngineKind:

@@ -25,6 +25,7 @@ from typing import Callable
 from batchscore.config import EngineConfig, JobConfig
 from batchscore.engines.base import Engine
 from batchscore.engines.factory import ResolvedEngine, create_engine, decide_compile
+from batchscore.engines.registry import get_kind
 from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError, OutputError,
@@ -333,7 +334,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
 def _decide_compile(resolved: ResolvedEngine, engine: EngineConfig, job: PreparedJob, plan, rows_left: int
                     ) -> ResolvedEngine:
     """`engine.compile: auto` decided from the plan: the FLOPs of the rows still to score."""
-    if resolved.kind != "torch" or engine.compile is not None or rows_left <= 0:
+    if get_kind(resolved.kind).decide_compile is None or engine.compile is not None or rows_left <= 0:
         return resolved
     rows, model_config = sum(len(g.members) for g in plan.groups), read_model_config(job.model_dir)
     work = forward_flops(model_config, plan.groups, shared=True) * rows_left / max(rows, 1)

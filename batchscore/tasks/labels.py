@@ -10,7 +10,7 @@ from batchscore.config import JobConfig
 from batchscore.errors import LabelError
 from batchscore.faults import fault_point
 from batchscore.formats import write_output
-from batchscore.jobfile import common_quality_problems
+from batchscore.scores.job_checks import common_quality_problems
 from batchscore.output.layout import DEFAULT_ID, TOP_COLUMNS, calibrated_column, label_column, output_columns
 from batchscore.output.table import ok_rows, scores_table
 from batchscore.plan.types import Request

@@ -56,6 +56,18 @@ def device(engine) -> str:
     return resolve_device(engine.device)
 
 
+def job_problems(engine) -> list[str]:
+    """What the torch engine cannot combine: batch invariance with anything whose work follows the batch."""
+    problems = []
+    if engine.batch_invariant:
+        for key, value in (("hybrid_chunk", engine.hybrid_chunk), ("speculative", engine.speculative)):
+            if value is not None:
+                problems.append(f"engine.batch_invariant: not with engine.{key} (its chunks follow the batch)")
+        if engine.compile:
+            problems.append("engine.batch_invariant: not with engine.compile: true (compiled kernels follow the shapes)")
+    return problems
+
+
 def decide_compile(engine, dtype: str, device: str, **plan) -> tuple[bool, str]:
     """`engine.compile` decided (auto: from `plan`'s work_flops and model_config when given)."""
     from batchscore.engines.torch.compiled_layers import should_compile
@@ -92,4 +104,5 @@ def build(resolved, model_dir: str | Path, engine):
 KIND = register(EngineKind(
     name="torch", packages=("torch", "transformers"), install_hint="pip install batchscore", auto_rank=0,
     refuses=refuses, build=build, device=device, choose_reason=choose_reason,
-    decide_compile=decide_compile))
+    decide_compile=decide_compile, job_problems=job_problems,
+    honours=frozenset({"threads", "compile", "hybrid_chunk", "memory_budget", "speculative", "batch_invariant"})))

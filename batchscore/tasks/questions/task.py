@@ -8,7 +8,7 @@ import logging
 
 from batchscore.errors import LabelError, ReportError
 from batchscore.faults import fault_point
-from batchscore.jobfile import common_quality_problems
+from batchscore.scores.job_checks import common_quality_problems
 from batchscore.prepare.read import load_tokenizer, prompt_limits
 from batchscore.prepare.source import PreparedJob
 from batchscore.task import Task, TaskPage, register
