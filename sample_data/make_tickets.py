@@ -1,8 +1,12 @@
-"""Writes sample_data/tickets.jsonl (the decisions example's input) and
-sample_data/decisions_batch.jsonl (System One and OpenAI Decisions lines in one batch file).
+"""Writes sample_data/tickets.jsonl (the decisions example's input) and three OpenAI Batch files
+of the same tickets, one endpoint each (a batch names one endpoint): systemone_batch.jsonl
+(/v1/systemone), decisions_batch.jsonl (/v1/decisions) and chat_batch.jsonl
+(/v1/chat/completions, scored over the labels the batch gives). Their lines name the models a
+client of those APIs would (jev-latest, gpt-6-luna, gpt-4o-mini): `batchscore serve
+--served-model-name` answers them (docs/operations.md); `batchscore run` scores them on the job's model.
 
 The tickets are short customer-support messages written for this example; run
-`python sample_data/make_tickets.py` to write both files again.
+`python sample_data/make_tickets.py` to write the files again.
 """
 
 import json
@@ -39,22 +43,30 @@ def main() -> None:
     with open(HERE / "tickets.jsonl", "w") as f:
         for i, (subject, body) in enumerate(TICKETS):
             f.write(json.dumps({"ticket_id": f"T{i + 1:03d}", "subject": subject, "body": body}) + "\n")
-    lines = []
+    systemone, decisions, chat = [], [], []
     for i, (subject, body) in enumerate(TICKETS[:6]):
-        lines.append({"custom_id": f"so-{i}", "method": "POST", "url": "/v1/systemone",
+        systemone.append({"custom_id": f"so-{i}", "method": "POST", "url": "/v1/systemone",
                       "body": {"model": "jev-latest", "state": {"subject": subject, "body": body},
                                "instructions": "You route customer-support tickets.", "questions": QUESTIONS}})
     for i, (subject, body) in enumerate(TICKETS[6:]):
-        lines.append({"custom_id": f"oa-{i}", "method": "POST", "url": "/v1/decisions",
+        decisions.append({"custom_id": f"oa-{i}", "method": "POST", "url": "/v1/decisions",
                       "body": {"model": "gpt-6-luna", "input": f"{subject}. {body}", "questions": [
                           {"type": "predicate", "name": "refund", "instructions": "Does the customer ask for money back?"},
                           {"type": "choice", "name": "team", "instructions": "Which team should handle this?",
                            "choices": [{"value": "billing"}, {"value": "shipping"}, {"value": "security"}]},
                           {"type": "score", "name": "mood", "instructions": "How upset is the customer?",
                            "levels": [{"label": "calm"}, {"label": "annoyed"}, {"label": "furious"}]}]}})
-    with open(HERE / "decisions_batch.jsonl", "w") as f:
-        for line in lines:
-            f.write(json.dumps(line) + "\n")
+    for i, (subject, body) in enumerate(TICKETS):
+        chat.append({"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
+                     "body": {"model": "gpt-4o-mini", "max_tokens": 1, "messages": [
+                         {"role": "system", "content": "You route customer-support tickets. Answer with one word: "
+                                                       "billing, shipping, security or other."},
+                         {"role": "user", "content": f"{subject}\n\n{body}\n\nWhich team should handle this ticket?"}]}})
+    for name, lines in [("systemone_batch.jsonl", systemone), ("decisions_batch.jsonl", decisions),
+                        ("chat_batch.jsonl", chat)]:
+        with open(HERE / name, "w") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":

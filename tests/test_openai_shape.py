@@ -61,7 +61,8 @@ def test_prompt_usage_counts_each_prompt_once_and_the_shared_part_as_cached():
 
 def test_a_chat_batch_is_answered_in_openais_shape(tmp_path, tokenizer):
     """Four multi-token labels, prompts sharing a system message: each line's usage counts its
-    prompt once (not once per label), the label is the finished answer, options honoured."""
+    prompt once (not once per label), the label is the finished answer, options honoured, and
+    calibration (score.calibrate: batch) carried by the answers: the label follows it."""
     labels = ["billing", "shipping", "security", "other"]
     texts = ["I was charged twice for one order.", "My parcel never arrived.", "I cannot log in to my account."]
     lines = [chat("plain-0", texts[0]), chat("plain-1", texts[1]), chat("no-logprobs", texts[2], logprobs=False),
@@ -71,7 +72,7 @@ def test_a_chat_batch_is_answered_in_openais_shape(tmp_path, tokenizer):
               "body": {"model": "gpt-4o-mini", "prompt": "Ticket: refund please. Team:", "logprobs": 2}}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     job = {"input": {"path": str(tmp_path / "in.jsonl"), "format": "openai_batch"}, "labels": labels, "model": MODEL,
-           "engine": {"kind": "torch", "dtype": "float32"}, "output": {"path": str(tmp_path / "out.jsonl"), "max_error_rate": 0.5}}
+           "engine": {"kind": "torch", "dtype": "float32"}, "score": {"calibrate": "batch"}, "output": {"path": str(tmp_path / "out.jsonl"), "max_error_rate": 0.5}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "-q"])
     assert result.exit_code == 0, result.output
@@ -96,7 +97,12 @@ def test_a_chat_batch_is_answered_in_openais_shape(tmp_path, tokenizer):
     assert cached[0] == 0 and cached[1] > 0 and system_tokens > 0
     assert ok["no-logprobs"]["choices"][0]["logprobs"] is None and set(ok["no-logprobs"]["scores"]) == set(labels)
     top = ok["top-1"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
-    assert [t["token"] for t in top] == [ok["top-1"]["choices"][0]["message"]["content"]]
+    assert [t["token"] for t in top] == [max(ok["top-1"]["scores"], key=ok["top-1"]["scores"].get)]  # the model's own
+    for body in ok.values():  # calibrated probabilities beside the raw ones; the answer follows them
+        calibrated = body["calibrated_scores"]
+        assert set(calibrated) == set(labels) and sum(calibrated.values()) == pytest.approx(1.0)
+        assert body["choices"][0].get("message", {}).get("content", body["choices"][0].get("text")) == \
+            max(calibrated, key=calibrated.get)
     assert len(ok["plain-0"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 4
     completion = ok["completion"]
     assert completion["choices"][0]["finish_reason"] == "stop" and len(completion["choices"][0]["logprobs"]["top_logprobs"][0]) == 2

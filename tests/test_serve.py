@@ -301,15 +301,15 @@ def _free_port() -> int:
 class Server:
     """`batchscore serve` as a real process on a free port."""
 
-    def __init__(self, state: Path, port: int):
-        self.state, self.port, self.process = state, port, None
+    def __init__(self, state: Path, port: int, extra: tuple[str, ...] = ()):
+        self.state, self.port, self.process, self.extra = state, port, None, list(extra)
 
     def start(self) -> None:
         import httpx
 
         env = {**os.environ, "BATCHSCORE_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         command = [sys.executable, "-m", "batchscore.cli", "serve", "--state-dir", str(self.state),
-                   "--port", str(self.port), "--set", "output.part_rows=4", "--set", "output.audit_rows=2"]
+                   "--port", str(self.port), "--set", "output.part_rows=4", "--set", "output.audit_rows=2", *self.extra]
         self.log = (self.state.parent / "server.log").open("ab")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         deadline = time.monotonic() + 60
@@ -394,8 +394,8 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer
         chat_batch = client.batches.create(input_file_id=chat_file.id, endpoint="/v1/chat/completions",
                                            completion_window="24h", metadata={"labels": LABELS})
         # System One lines from the shipped sample, asked of this server's model
-        decision_lines = (REPO / "sample_data" / "decisions_batch.jsonl").read_text().splitlines()
-        systemone = [json.loads(line) for line in decision_lines if '"/v1/systemone"' in line][:3]
+        decision_lines = (REPO / "sample_data" / "systemone_batch.jsonl").read_text().splitlines()
+        systemone = [json.loads(line) for line in decision_lines][:3]
         for line in systemone:
             line["body"]["model"] = MODEL
         so_file = client.files.create(file=("so.jsonl", "".join(json.dumps(x) + "\n" for x in systemone).encode()),
@@ -424,13 +424,14 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer
         assert errors["other-model"]["message"].startswith("chat.jsonl:8: body.model")
         assert errors["image"]["message"].startswith("chat.jsonl:10: body.messages: message 0: only text content")
         assert all(x["response"]["status_code"] == 400 for x in failed)
-        # usage: the prompts' tokens as the jobs' metrics count them, shared prefixes as cached, nothing generated
-        jobs = [json.loads(p.read_text()) for p in (server.state / "batches" / done.id).glob("job*/metrics.json")]
+        # usage: the answered lines' summed (each prompt once, its shared part cached, one token per answer)
+        jobs = list((server.state / "batches" / done.id).glob("job*/metrics.json"))
         assert len(jobs) == 2  # the batch's labels, and the line with its own
-        assert done.usage.input_tokens == sum(m["logical_tokens"] for m in jobs) > 0
-        assert done.usage.input_tokens_details.cached_tokens == sum(m["logical_tokens"] - m["processed_tokens"]
-                                                                    for m in jobs)
-        assert done.usage.output_tokens == 0 and done.usage.total_tokens == done.usage.input_tokens
+        line_usage = [line["response"]["body"]["usage"] for line in ok]
+        assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in line_usage) > 0
+        assert done.usage.input_tokens_details.cached_tokens == sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                                    for u in line_usage)
+        assert done.usage.output_tokens == len(ok) and done.usage.total_tokens == done.usage.input_tokens + len(ok)
 
         done = wait_for(client, so_batch.id, ("completed", "failed"))
         assert done.status == "completed", done.errors

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +107,92 @@ def test_a_batch_with_no_answered_request_has_no_output_file(tmp_path):
     assert worker._result_files("batch_x", [], [failed]) == {"output_file_id": None,
                                                               "error_file_id": "file-x-error"}
     assert worker._result_files("batch_x", [], [])["error_file_id"] is None
+
+
+TEAMS = ["billing", "shipping", "security", "other"]
+ALIASES = ("gpt-4o-mini", "jev-latest", "gpt-6-luna")  # the models the shipped samples name
+
+
+@pytest.mark.slow  # a real server process, the three shipped batch samples on the real model
+def test_the_openai_client_and_the_shipped_samples_run_unchanged_against_serve(tmp_path, tokenizer):
+    """As docs/operations.md shows it: `serve --served-model-name gpt-4o-mini ...`, the samples
+    uploaded as they are, one batch per file (one endpoint each)."""
+    import openai
+
+    extra = [arg for name in ALIASES for arg in ("--served-model-name", name)]
+    server = Server(tmp_path / "state", _free_port(), extra=tuple(extra))
+    server.start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+    try:
+        batches = {}
+        for name, endpoint, metadata in [("chat_batch.jsonl", "/v1/chat/completions", {"labels": json.dumps(TEAMS)}),
+                                         ("systemone_batch.jsonl", "/v1/systemone", None),
+                                         ("decisions_batch.jsonl", "/v1/decisions", None)]:
+            upload = client.files.create(file=open(REPO / "sample_data" / name, "rb"), purpose="batch")
+            batches[name] = client.batches.create(input_file_id=upload.id, endpoint=endpoint, completion_window="24h",
+                                                  **({"metadata": metadata} if metadata else {}))
+        assert batches["chat_batch.jsonl"].model == "gpt-4o-mini"
+        sent = {json.loads(line)["custom_id"]: json.loads(line)
+                for line in (REPO / "sample_data" / "chat_batch.jsonl").read_text().splitlines()}
+
+        done = wait_for(client, batches["chat_batch.jsonl"].id, ("completed", "failed"))
+        assert done.status == "completed", done.errors
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 12, 0)
+        assert done.error_file_id is None
+        answers = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(x["custom_id"] for x in answers) == sorted(sent)
+        for line in answers:
+            body = line["response"]["body"]
+            assert body["model"] == "gpt-4o-mini" and body["choices"][0]["finish_reason"] == "stop"
+            assert body["choices"][0]["message"]["content"] in TEAMS
+            prompt = tokenizer.apply_chat_template(sent[line["custom_id"]]["body"]["messages"], tokenize=True,
+                                                   add_generation_prompt=True)
+            prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+            assert body["usage"]["prompt_tokens"] == len(prompt) and body["usage"]["completion_tokens"] == 1
+        usage = [x["response"]["body"]["usage"] for x in answers]
+        assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in usage)  # each prompt once, not per label
+        assert 0 < done.usage.input_tokens_details.cached_tokens < done.usage.input_tokens  # the shared system message
+
+        for name, count in [("systemone_batch.jsonl", 6), ("decisions_batch.jsonl", 6)]:
+            done = wait_for(client, batches[name].id, ("completed", "failed"))
+            assert done.status == "completed", done.errors
+            assert (done.request_counts.completed, done.request_counts.failed) == (count, 0), name
+            lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+            assert len(lines) == count and all(x["response"]["status_code"] == 200 for x in lines)
+            assert {x["response"]["body"]["model"] for x in lines} == {"gpt-4o-mini"}  # vLLM: the first name
+
+        # the server said what it did: where it listens, every request, every batch's moves
+        log = (tmp_path / "server.log").read_text()
+        assert f"listening on http://127.0.0.1:{server.port}" in log and "POST /v1/batches 200" in log
+        for batch in batches.values():
+            for move in ("validating -> in_progress", "in_progress -> finalizing", "finalizing -> completed"):
+                assert f"batch {batch.id}: {move}" in log, (batch.id, move)
+            run_log = server.state / "batches" / batch.id / "job0" / "run.log"
+            assert " INFO " in run_log.read_text()  # the run's own log, kept beside its job
+    finally:
+        server.stop()
+
+
+def test_calibration_is_reachable_from_a_batch(tmp_path):
+    """A server started with calibration (`--set`), or a batch asking for it in its metadata:
+    chat/completions jobs take it, decision jobs (calibrated per question elsewhere) do not."""
+    from batchscore.errors import JobConfigError
+    from batchscore.serve.requests import JobLines, metadata_calibration
+    from batchscore.serve.server import check_job_settings
+    from batchscore.serve.worker import Worker, WorkerSettings
+
+    check_job_settings(tmp_path, MODEL, ["score.calibrate=batch"])
+    with pytest.raises(JobConfigError) as refused:
+        check_job_settings(tmp_path, MODEL, ["score.calibrate=vector"])
+    assert "settings-check" not in str(refused.value) and "--model/--set: score.calibrate vector" in str(refused.value)
+    assert metadata_calibration({"calibrate": "batch"}, []) == "batch" and metadata_calibration(None, []) is None
+    with pytest.raises(ValueError, match="needs a server started with --set calibrate.from"):
+        metadata_calibration({"calibrate": "vector"}, [])
+    fitted = ["score.calibrate=vector", "calibrate.from=/srv/fits/tickets.parquet", "engine.dtype=float32"]
+    assert metadata_calibration({"calibrate": "platt"}, fitted) == "platt"
+
+    store = Store(tmp_path / "state")
+    store.add_batch({"id": "batch_c", "status": "validating", "metadata": {"calibrate": "none"}})
+    worker = Worker(store, WorkerSettings(model=MODEL, sets=fitted))
+    assert worker._job_sets("batch_c", JobLines(["Yes", "No"])) == fitted + ["score.calibrate=none"]  # the batch's wins
+    assert worker._job_sets("batch_c", JobLines(None)) == ["engine.dtype=float32"]  # decision lines: not theirs

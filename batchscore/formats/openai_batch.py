@@ -30,6 +30,9 @@ from batchscore.output import layout
 from batchscore.output.token_usage import prompt_usage
 from batchscore.row_errors import FAILED, INPUT, NOT_SCORED, TOO_LONG, RowError, kind_of
 
+# A calibrated job's answers (score.calibrate): each label's calibrated probability beside the raw `scores`.
+CALIBRATED_SCORES = "calibrated_scores"
+
 # The smallest log probability written (OpenAI writes -9999.0 for "practically never").
 MIN_LOGPROB = -9999.0
 
@@ -177,7 +180,9 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
               [id_name, layout.LABEL, layout.LABEL_MASS, layout.STATUS, layout.ERROR,
                *map(layout.label_column, labels)]}
     urls, replies = (table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
-                            for name in ANSWER_COLUMNS)
+                     for name in ANSWER_COLUMNS)
+    calibrated = {label: table.column(layout.calibrated_column(label)).to_pylist() for label in labels
+                  if layout.calibrated_column(label) in table.column_names}  # score.calibrate: the label follows
     approx = table.column(layout.APPROX_KEEP).to_pylist() if layout.APPROX_KEEP in table.column_names else None
     ok, failed = [], []
     for i in range(table.num_rows):
@@ -189,6 +194,8 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
             body = completion_body(key, created, model, column[layout.LABEL][i], probs,
                                    column[layout.LABEL_MASS][i], completions=str(urls[i] or "").endswith("/v1/completions"),
                                    usage=(usage or {}).get(i), reply=json.loads(replies[i]) if replies[i] else None)
+            if calibrated:
+                body[CALIBRATED_SCORES] = {label: values[i] for label, values in calibrated.items()}
             if approx is not None:
                 body[layout.APPROX_KEEP] = approx[i]  # speculative prefill: the scores are approximate
             response = {"status_code": 200, "request_id": key, "body": body}

@@ -19,7 +19,7 @@ from batchscore.errors import APIError
 from batchscore.formats.openai_batch import CHAT_URLS, DECISION_URLS
 from batchscore.io.readers import lone_surrogate_field
 from batchscore.serve.auth import authorized
-from batchscore.serve.requests import SURROGATE, metadata_labels, safe_name
+from batchscore.serve.requests import SURROGATE, metadata_calibration, metadata_labels, safe_name
 from batchscore.serve.store import Store, new_id, now
 from batchscore.serve.worker import Worker, stage_input
 
@@ -165,7 +165,7 @@ def create_app(store: Store, worker: Worker, key: str | None, model: str, limits
         if body.get("completion_window") != COMPLETION_WINDOW:
             raise APIError(400, f"completion_window: must be {COMPLETION_WINDOW!r}", param="completion_window",
                            code="invalid_value")
-        metadata = _metadata(body.get("metadata"))
+        metadata = _metadata(body.get("metadata"), worker.settings.sets)
         if store.file(input_file_id)["purpose"] != "batch":
             raise APIError(400, f"input_file_id: {input_file_id} was not uploaded with purpose 'batch'",
                            param="input_file_id", code="invalid_value")
@@ -262,8 +262,9 @@ def _required_text(body: dict, name: str) -> str:
     return value
 
 
-def _metadata(metadata) -> dict | None:
-    """As the API: up to 16 pairs, keys up to 64 characters, values strings up to 512."""
+def _metadata(metadata, sets: list[str]) -> dict | None:
+    """As the API: up to 16 pairs, keys up to 64 characters, values strings up to 512; the keys
+    batchscore reads (`labels`, `calibrate`) checked now, not when the batch runs."""
     if metadata is None:
         return None
     if (not isinstance(metadata, dict) or len(metadata) > 16
@@ -273,6 +274,7 @@ def _metadata(metadata) -> dict | None:
                             "(at most 512)", param="metadata", code="invalid_value")
     try:
         metadata_labels(metadata)
+        metadata_calibration(metadata, sets)
     except ValueError as exc:
         raise APIError(400, str(exc), param="metadata", code="invalid_value") from None
     return metadata

@@ -19,6 +19,8 @@ from batchscore.formats.openai_batch import CHAT_URLS
 from batchscore.io.readers import lone_surrogate_field, without_bom
 
 LABELS_KEY = "labels"  # batch metadata key: a JSON list of label texts, in a string value
+CALIBRATE_KEY = "calibrate"  # batch metadata key: score.calibrate for the batch's chat/completions lines
+CALIBRATION_SETS = ("score.calibrate", "calibrate.")  # --set keys that only chat/completions jobs take
 TOKEN_IDS_KEY = "logprob_token_ids"  # a request's own labels, as vLLM takes them: token ids
 
 # token ids -> (the label text of each, None) or (None, why they cannot be labels)
@@ -58,6 +60,26 @@ def metadata_labels(metadata: dict | None) -> list[str] | None:
 
 
 SURROGATE = "holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair), which is not text"
+
+
+def metadata_calibration(metadata: dict | None, sets: list[str]) -> str | None:
+    """The `calibrate` method a batch's metadata asks of its chat/completions lines (None: the
+    server's). `none` and `batch` need nothing; a fitted method needs the values the server was
+    started with (`--set calibrate.from=...`: a batch file holds no labelled rows). Raises ValueError."""
+    method = (metadata or {}).get(CALIBRATE_KEY)
+    if method is None:
+        return None
+    fitted = any(item.split("=", 1)[0].strip() == "calibrate.from" for item in sets)
+    allowed = ["none", "batch"] + (["temperature", "vector", "platt"] if fitted else [])
+    if method not in allowed:
+        raise ValueError(f"metadata.{CALIBRATE_KEY}: {method!r} is not one of {', '.join(allowed)}"
+                         + ("" if fitted else " (a fitted method needs a server started with --set calibrate.from=...)"))
+    return method
+
+
+def calibration_set(item: str) -> bool:
+    """Whether a `--set KEY=VALUE` is calibration's: given to chat/completions jobs only."""
+    return item.split("=", 1)[0].strip().startswith(CALIBRATION_SETS)
 
 
 def sort_lines(path: Path, shown_as: str, endpoint: str, model: str | list[str], labels: list[str] | None,

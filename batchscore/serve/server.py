@@ -46,6 +46,8 @@ def check_job_settings(state_dir: Path, model: str, sets: list[str]) -> None:
                                      "output": {"path": str(state_dir / "x.out.jsonl")}}), encoding="utf-8")
     try:
         load_job(probe, overrides)
+    except JobConfigError as exc:  # said of the options given, not of the probe's file
+        raise JobConfigError([f"--model/--set: {problem}" for problem in exc.problems]) from None
     finally:
         probe.unlink(missing_ok=True)
 

@@ -36,7 +36,8 @@ from batchscore.output.layout import OutputFiles
 from batchscore.serve.progress import JobProgress
 from batchscore.serve.results import (batch_usage, cancelled_if_not_run, cancelled_line, custom_ids, job_lines, lines,
                                       uploaded_name)
-from batchscore.serve.requests import metadata_labels, sort_lines, write_job_input
+from batchscore.serve.requests import (calibration_set, metadata_calibration, metadata_labels, sort_lines,
+                                       write_job_input)
 from batchscore.serve.store import Store, now
 from batchscore.serve.token_labels import TokenLabels
 
@@ -197,9 +198,10 @@ class Worker:
         if job.labels is not None:
             config["labels"] = job.labels
         (folder / "job.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-        command = [sys.executable, "-m", "batchscore.cli", "run", str(folder / "job.yaml"), "-q",
+        # -v: the run's own INFO log (plan, resume, audit) is kept in the job's run.log
+        command = [sys.executable, "-m", "batchscore.cli", "-v", "run", str(folder / "job.yaml"), "-q",
                    "--metrics", str(folder / "metrics.json")]
-        for item in self.settings.sets:
+        for item in self._job_sets(batch_id, job):
             command += ["--set", item]
         while True:
             with (folder / "run.log").open("ab") as logfile:
@@ -295,7 +297,7 @@ class Worker:
         for k, job in enumerate(sorted_input.jobs):
             folder = work / f"job{k}"
             finished = OutputFiles(str(folder / "output.jsonl")).marker.exists()
-            if finished or self._partial_output(folder):
+            if finished or self._partial_output(batch_id, folder, job):
                 ok, failed = job_lines(work, 1, folder, shown_model=self._shown_model)
                 ok_lines += ok
                 error_lines += [cancelled_if_not_run(line) for line in failed]
@@ -308,13 +310,22 @@ class Worker:
         counts = {"total": sorted_input.total, "completed": len(ok_lines), "failed": len(error_lines)}
         self.store.update_batch(batch_id, only_from=("cancelling",), status="cancelled", request_counts=counts, **files)
 
-    def _partial_output(self, folder: Path) -> bool:
+    def _job_sets(self, batch_id: str, job) -> list[str]:
+        """The `--set`s of one job: the server's, calibration's only for chat/completions lines
+        (decision lines calibrate per question, in a questions job), then the batch's own
+        `calibrate` (its metadata) last, so it wins."""
+        if job.labels is None:
+            return [item for item in self.settings.sets if not calibration_set(item)]
+        method = metadata_calibration(self.store.batch(batch_id).get("metadata"), self.settings.sets)
+        return list(self.settings.sets) + ([f"score.calibrate={method}"] if method else [])
+
+    def _partial_output(self, batch_id: str, folder: Path, job) -> bool:
         """Write a stopped job's output from its parts (serve/partial.py, a child process as
         its run was); False when nothing of it was saved."""
         if not (folder / "job.yaml").exists() or not OutputFiles(str(folder / "output.jsonl")).parts.exists():
             return False
         command = [sys.executable, "-m", "batchscore.serve.partial", str(folder / "job.yaml")]
-        for item in self.settings.sets:
+        for item in self._job_sets(batch_id, job):
             command += ["--set", item]
         for _ in range(30):  # the stopped run may still be releasing the output's lock
             with (folder / "run.log").open("ab") as logfile:

@@ -46,6 +46,10 @@ def job_output_columns(config: JobConfig) -> tuple[set[str], list[str]]:
     return generated, []
 
 
+# what an OpenAI Batch answer can carry: calibrated probabilities (`calibrated_scores`), the label following them
+BATCH_ANSWER_KEYS = ("score.calibrate", "calibrate.from")
+
+
 def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
     """Calibration and review of labels or per-row choices: the methods that apply, the truth
     column they learn from, and no calibrated column named as a raw one."""
@@ -55,9 +59,11 @@ def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
     if cal.truth_columns:
         problems.append("calibrate.truth_columns: for questions jobs (one truth column per question id); use "
                         "calibrate.truth_column with labels or input.choices_column")
-    if asked and config.output_format == "openai_batch":
-        problems.append(f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
-                        "not output.format openai_batch")
+    table_only = [key for key in asked if key not in BATCH_ANSWER_KEYS]
+    if table_only and config.output_format == "openai_batch":
+        problems.append(f"{table_only[0]}: the review and truth columns are written to parquet or jsonl outputs, not "
+                        "output.format openai_batch (a batch answer takes score.calibrate: batch, or a fitted method "
+                        "with calibrate.from; fit it on labelled rows in a table job, docs/operations.md)")
     choices = config.input.choices_column is not None
     if choices and method not in PER_ROW_CHOICES:
         problems.append(f"score.calibrate {method}: applies to fixed labels, not to per-row choices "
