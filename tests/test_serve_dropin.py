@@ -196,3 +196,39 @@ def test_calibration_is_reachable_from_a_batch(tmp_path):
     worker = Worker(store, WorkerSettings(model=MODEL, sets=fitted))
     assert worker._job_sets("batch_c", JobLines(["Yes", "No"])) == fitted + ["score.calibrate=none"]  # the batch's wins
     assert worker._job_sets("batch_c", JobLines(None)) == ["engine.dtype=float32"]  # decision lines: not theirs
+
+
+def test_a_decision_jobs_requests_count_as_their_reads_are_saved(tmp_path):
+    """Two System One lines of 3 questions: 6 reads. A line is completed once its 3 reads are in
+    parts, failed as soon as one of them failed; not before."""
+    import numpy as np
+    import yaml
+
+    from batchscore.output.layout import OutputFiles
+    from batchscore.output.parts import Manifest, PartStore
+    from batchscore.serve.progress import RecordProgress
+
+    folder = tmp_path / "job0"
+    (folder / "input").mkdir(parents=True)
+    lines = (REPO / "sample_data" / "systemone_batch.jsonl").read_text().splitlines()[:2]
+    (folder / "input" / "in.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "job.yaml").write_text(yaml.safe_dump({
+        "input": {"path": str(folder / "input" / "in.jsonl"), "format": "openai_batch"}, "model": MODEL,
+        "output": {"path": str(folder / "output.jsonl"), "format": "openai_batch"}}))
+    output = folder / "output.jsonl"
+    progress = RecordProgress(output, folder / "job.yaml")
+    assert progress.counts() == (0, 0)
+    store = PartStore(OutputFiles(str(output), str(folder / "output.errors.jsonl")))
+    manifest = store.start(Manifest(job_hash="h", identity={}, num_groups=1, num_rows=6, worker_rows={"0": 6}),
+                           fresh=False, input_errors={})
+
+    def part(rows, errors, start):
+        store.write_part(manifest, np.array(rows), [np.array([-0.1, -2.0])] * len(rows), [None] * len(rows),
+                         errors, start, start + len(rows))
+
+    part([0, 1], {}, 0)
+    assert progress.counts() == (0, 0)  # line 0 has 2 of its 3 reads
+    part([2, 3], {3: "not scored"}, 2)
+    assert progress.counts() == (1, 1)  # line 0 done; line 1 failed with its first read
+    part([4, 5], {}, 4)
+    assert progress.counts() == (1, 1)

@@ -33,7 +33,7 @@ import yaml
 
 from batchscore.errors import EXIT_AUDIT, EXIT_ERROR_RATE, EXIT_LOCKED
 from batchscore.output.layout import OutputFiles
-from batchscore.serve.progress import JobProgress
+from batchscore.serve.progress import JobProgress, RecordProgress
 from batchscore.serve.results import (batch_usage, cancelled_if_not_run, cancelled_line, custom_ids, job_lines, lines,
                                       uploaded_name)
 from batchscore.serve.requests import (calibration_set, metadata_calibration, metadata_labels, sort_lines,
@@ -43,6 +43,7 @@ from batchscore.serve.token_labels import TokenLabels
 
 log = logging.getLogger(__name__)
 
+PROGRESS_PART_S = 5.0  # a running job saves a part at least this often: the counts polled move (--set wins)
 LOCK_RETRY_S = 2.0  # a run still saving (a server killed a moment ago) holds the output's lock
 OUTPUT_WRITTEN = (EXIT_ERROR_RATE, EXIT_AUDIT)  # a run that exits so has written its output whole
 MAX_ATTEMPTS = 3  # a batch the worker fails on this often (an unexpected error, restarts included) is failed
@@ -161,8 +162,9 @@ class Worker:
                 return  # cancelled meanwhile
         for k, job in enumerate(sorted_input.jobs):
             folder = work / f"job{k}"
-            # a decision job's parts hold reads, not requests: its requests count when it ends
-            progress = JobProgress(folder / "output.jsonl") if job.labels is not None else None
+            # a decision job's parts hold reads (one per question): a request counts once all of its are saved
+            progress = JobProgress(folder / "output.jsonl") if job.labels is not None else \
+                RecordProgress(folder / "output.jsonl", folder / "job.yaml")
             result = self._run_job(batch_id, folder, source, shown_as, job,
                                    lambda progress=progress: self._show(batch_id, sorted_input.total, done, progress))
             if result == "cancelled":
@@ -194,7 +196,8 @@ class Worker:
             job_input.parent.mkdir(exist_ok=True)
             os.replace(folder / "input.tmp", job_input)
         config = {"input": {"path": str(job_input), "format": "openai_batch"}, "model": self.settings.model,
-                  "output": {"path": str(folder / "output.jsonl"), "format": "openai_batch", "max_error_rate": 1.0}}
+                  "output": {"path": str(folder / "output.jsonl"), "format": "openai_batch", "max_error_rate": 1.0,
+                             "part_seconds": PROGRESS_PART_S}}
         if job.labels is not None:
             config["labels"] = job.labels
         (folder / "job.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
