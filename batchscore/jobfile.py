@@ -21,7 +21,8 @@ from batchscore.engines.registry import engine_problems, kind_names as engine_ki
 from batchscore.engines.shape import DTYPE_BYTES
 from batchscore.engines.speculative.kept_tokens import options_problems
 from batchscore.errors import JobConfigError, PromptTemplateError
-from batchscore.formats.registry import input_names as input_format_names, output_names as output_format_names
+from batchscore.formats.registry import (input_names as input_format_names, job_format_problems, named_input_format,
+                                         output_format_of, output_names as output_format_names, requests_in_lines)
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
 from batchscore.scores.calibration import METHODS as CALIBRATION_METHODS
@@ -112,8 +113,9 @@ def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code:
     # partition values are text (a YAML date such as 2026-11-25 included)
     config.input.filter = {str(k): [str(v) for v in want] if isinstance(want, list) else str(want)
                            for k, want in config.input.filter.items()}
-    if config.input.format == "openai_batch" and config.input.id_column is None:
-        config.input.id_column = "custom_id"  # each request's own id
+    wire = named_input_format(config)
+    if wire is not None and wire.request_id and config.input.id_column is None:
+        config.input.id_column = wire.request_id  # each request's own id (OpenAI Batch: custom_id)
     return config
 
 
@@ -246,9 +248,9 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append(f"input.synthetic.workload: unknown {inp.synthetic.workload!r}; "
                         f"available: {', '.join(ALLOWED['input.synthetic.workload'])}")
     has_tokens = inp.token_ids_column is not None or inp.synthetic is not None
-    if inp.format == "openai_batch":
-        problems.extend(_openai_batch_problems(config))
-    elif not has_tokens and not config.prompt.template and not config.prompt.state_columns:
+    problems.extend(job_format_problems(config))  # the input and output formats' own rules (formats/)
+    if not requests_in_lines(config) and not has_tokens and not config.prompt.template \
+            and not config.prompt.state_columns:
         problems.append("prompt.template: required unless input.token_ids_column is given "
                         "(e.g. 'Query: {query}\\nAnswer Yes or No.')")
     if engine_problem := _not_allowed(config, "prompt.engine"):
@@ -263,9 +265,6 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     if config.engine.speculative is not None and inp.choices_column:
         problems.append("engine.speculative: speculative prefill scores one-token labels shared by every row, "
                         "not input.choices_column")
-    if config.output_format == "openai_batch" and (inp.choices_column or config.score.normalize != "sum"):
-        problems.append("output.format openai_batch: writes fixed labels' probabilities normalized by their sum; "
-                        "write parquet or jsonl for input.choices_column or score.normalize token | byte")
     problems.extend(_output_column_problems(config, task))
     problems.extend(_quality_problems(config, task))
     for key in ("engine.kind", "engine.dtype", "engine.device"):
@@ -301,7 +300,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("output.part_rows: must be ≥ 1")
     if config.output.part_seconds <= 0:
         problems.append("output.part_seconds: must be > 0")
-    if config.output.top_token and (not task.top_token or config.output_format == "openai_batch"):
+    if config.output.top_token and (not task.top_token or getattr(output_format_of(config), "response_lines", False)):
         problems.append("output.top_token: for labels and choices jobs written as Parquet or JSON Lines (questions "
                         "jobs write <id>.argmax_is_label; an openai_batch response has no such column)")
     if config.output.audit_rows is not None and config.output.audit_rows < 0:
@@ -353,20 +352,6 @@ def _vllm_args_problems(vllm_args: dict[str, Any], allow_code: bool) -> list[str
             hint = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"engine.vllm_args.{key}: not an argument batchscore passes to vLLM{hint}; "
                             f"allowed: {', '.join(sorted(VLLM_ARGS_ALLOWED))}")
-    return problems
-
-
-def _openai_batch_problems(config: JobConfig) -> list[str]:
-    """input.format openai_batch: each request's body.messages (through the model's chat
-    template) or body.prompt is its prompt, and its custom_id its id."""
-    problems = []
-    if config.prompt.template or config.prompt.system:
-        problems.append("prompt.template / prompt.system: not used with input.format openai_batch (each request's "
-                        "body.messages or body.prompt is its prompt); remove them")
-    if config.input.token_ids_column is not None:
-        problems.append("input.token_ids_column: not used with input.format openai_batch")
-    if config.input.id_column not in (None, "custom_id"):
-        problems.append(f"input.id_column: an openai_batch input is keyed by custom_id, got {config.input.id_column!r}")
     return problems
 
 

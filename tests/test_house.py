@@ -35,7 +35,8 @@ def test_a_run_decides_its_task_once_and_names_its_output_files_once(monkeypatch
     task_calls = _count_calls(monkeypatch, task_module.task_for, "task_for")
     named = []
     for_job = OutputFiles.for_job.__func__
-    monkeypatch.setattr(OutputFiles, "for_job", classmethod(lambda cls, job: named.append(job) or for_job(cls, job)))
+    monkeypatch.setattr(OutputFiles, "for_job", classmethod(lambda cls, job, error_file: named.append(job)
+                                                             or for_job(cls, job, error_file)))
     summary = run_job(config, progress=False)
     assert summary.complete and summary.rows == 12
     assert len(task_calls) == 1, f"task_for called {len(task_calls)} times in one run"

@@ -225,7 +225,9 @@ def test_job_file_paths_stay_urls(tmp_path):
                                                                        "format": "openai_batch"}}))
     config = load_job(job)
     assert config.input.path == "s3://bucket/in/" and config.output.path == "gs://bucket/out.jsonl"
-    assert OutputFiles.for_job(config).errors == "gs://bucket/out.errors.jsonl"
+    from batchscore.run.open import output_files
+
+    assert output_files(config).errors == "gs://bucket/out.errors.jsonl"
 
 
 def test_a_wide_parquet_object_is_read_by_its_needed_columns_only(s3, tmp_path, monkeypatch):

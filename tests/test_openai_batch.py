@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from batchscore.cli import main
 from batchscore.errors import JobConfigError
 from batchscore.jobfile import config_from_dict
-from batchscore.output.layout import OutputFiles
+from batchscore.run.open import output_files
 from tests.conftest import write_job, write_sample_subset
 
 SYSTEM = "You judge whether a product matches a shopper's query."
@@ -141,7 +141,7 @@ def test_config_rules_for_openai_batch():
     config = config_from_dict(base)
     assert config.input.id_column == "custom_id" and config.output_format == "openai_batch"
     config.output.path = "/x/results.jsonl"
-    assert OutputFiles.for_job(config).errors == "/x/results.errors.jsonl"
+    assert output_files(config).errors == "/x/results.errors.jsonl"
     with pytest.raises(JobConfigError, match="prompt.template / prompt.system: not used"):
         config_from_dict({**base, "prompt": {"template": "{q}"}})
     with pytest.raises(JobConfigError, match="keyed by custom_id"):
@@ -150,7 +150,7 @@ def test_config_rules_for_openai_batch():
         config_from_dict({**base, "output": {"format": "csv"}})
     parquet = config_from_dict({"input": {"path": "x.parquet"}, "prompt": {"template": "{q}"}, "labels": ["Yes", "No"],
                                 "output": {"path": "o.jsonl"}})
-    assert parquet.output_format == "jsonl" and OutputFiles.for_job(parquet).errors is None
+    assert parquet.output_format == "jsonl" and output_files(parquet).errors is None
 
 
 def test_duplicate_custom_ids_refuse_the_file(tmp_path):

@@ -14,6 +14,7 @@ from batchscore.errors import OutputLocked
 from batchscore.io.atomic import atomic_write
 from batchscore.jobfile import config_from_dict
 from batchscore.output.layout import OutputFiles, default_error_path, output_columns
+from batchscore.run.open import output_files
 from batchscore.output.lock import OutputLock
 
 
@@ -22,7 +23,7 @@ def test_every_file_beside_an_output_is_named_once(tmp_path):
     assert [p.name for p in files.all_siblings()] == [
         "out.parquet.lock", "out.parquet.parts", "out.parquet.complete.json", "out.parquet.report.html"]
     assert files.lock("shard-0-of-3").name == "out.parquet.shard-0-of-3.lock" and files.path == tmp_path / "out.parquet"
-    batch = OutputFiles.for_job(config_from_dict({"input": {"path": "in.jsonl", "format": "openai_batch"},
+    batch = output_files(config_from_dict({"input": {"path": "in.jsonl", "format": "openai_batch"},
                                                   "labels": ["Yes", "No"], "output": {"path": "/x/batch.jsonl"}}))
     assert batch.errors == "/x/batch.errors.jsonl" and str(batch.all_siblings()[3]) == "/x/batch.errors.jsonl"
     assert default_error_path("s3://b/o/scores.NDJSON") == "s3://b/o/scores.errors.jsonl"

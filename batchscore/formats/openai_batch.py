@@ -30,6 +30,9 @@ from batchscore.output import layout
 from batchscore.output.token_usage import prompt_usage
 from batchscore.row_errors import FAILED, INPUT, NOT_SCORED, TOO_LONG, RowError, kind_of
 
+NAME = "openai_batch"
+REQUEST_ID = "custom_id"  # the field a request line carries its id in (the job's row id)
+
 # A calibrated job's answers (score.calibrate): each label's calibrated probability beside the raw `scores`.
 CALIBRATED_SCORES = "calibrated_scores"
 
@@ -188,7 +191,7 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
     for i in range(table.num_rows):
         custom_id = column[id_name][i]
         custom_id = None if custom_id is None else str(custom_id)
-        key = hashlib.sha256(f"{i}:{custom_id}".encode()).hexdigest()[:24]
+        key = line_key(i, custom_id)
         if column[layout.STATUS][i] == layout.STATUS_OK:
             probs = {label: column[layout.label_column(label)][i] for label in labels}
             body = completion_body(key, created, model, column[layout.LABEL][i], probs,
@@ -198,15 +201,42 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
                 body[CALIBRATED_SCORES] = {label: values[i] for label, values in calibrated.items()}
             if approx is not None:
                 body[layout.APPROX_KEEP] = approx[i]  # speculative prefill: the scores are approximate
-            response = {"status_code": 200, "request_id": key, "body": body}
-            ok.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response,
-                                  "error": None}, ensure_ascii=False))
+            ok.append(response_line(key, custom_id, body))
         else:
-            failed.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id,
-                                      "response": error_response(key, (row_errors or {}).get(i)
-                                                                 or RowError(NOT_SCORED, column[layout.ERROR][i] or "not scored")),
-                                      "error": None}, ensure_ascii=False))
+            failed.append(error_line(key, custom_id, (row_errors or {}).get(i)
+                                     or RowError(NOT_SCORED, column[layout.ERROR][i] or "not scored")))
     return ok, failed
+
+
+# The Batch API's output lines, built here for every writer (the labels table above, the questions
+# task's records, serve's cancelled requests).
+def line_key(index: int, custom_id: str | None) -> str:
+    """A line's request key (its `batch_req_<key>` id): stable for the same position and custom_id."""
+    return hashlib.sha256(f"{index}:{custom_id}".encode()).hexdigest()[:24]
+
+
+def response_line(key: str, custom_id: str | None, body: dict) -> str:
+    """An answered request's output line."""
+    response = {"status_code": 200, "request_id": key, "body": body}
+    return json.dumps({"id": f"batch_req_{key}", REQUEST_ID: custom_id, "response": response, "error": None},
+                      ensure_ascii=False)
+
+
+def error_line(key: str, custom_id: str | None, error: str) -> str:
+    """A failed request's error-file line (`error`: its RowError; the kind picks the status)."""
+    return json.dumps({"id": f"batch_req_{key}", REQUEST_ID: custom_id, "response": error_response(key, error),
+                       "error": None}, ensure_ascii=False)
+
+
+def cancelled_line(custom_id: str | None, number: int, error: dict) -> str:
+    """A request that never ran (the batch was cancelled first), as the Batch API writes it."""
+    return json.dumps({"id": f"batch_req_line{number}", REQUEST_ID: custom_id, "response": None, "error": error},
+                      ensure_ascii=False)
+
+
+def line_request_id(line: dict):
+    """The request id (custom_id) of a parsed input or output line."""
+    return line.get(REQUEST_ID)
 
 
 def _logprob(p: float, mass: float) -> float:
@@ -281,6 +311,27 @@ def write_batch(table: pa.Table, path, *, id_name: str, labels: list[str], model
     write_lines(path, ok)
 
 
+def job_problems(config) -> list[str]:
+    """An openai_batch input: each request's body.messages (through the model's chat template) or
+    body.prompt is its prompt, and its custom_id its id. An openai_batch output: fixed labels'
+    probabilities normalized by their sum, one response line per request."""
+    problems = []
+    if config.input.format == NAME and config.input.synthetic is None:
+        if config.prompt.template or config.prompt.system:
+            problems.append("prompt.template / prompt.system: not used with input.format openai_batch (each "
+                            "request's body.messages or body.prompt is its prompt); remove them")
+        if config.input.token_ids_column is not None:
+            problems.append("input.token_ids_column: not used with input.format openai_batch")
+        if config.input.id_column not in (None, REQUEST_ID):
+            problems.append(f"input.id_column: an openai_batch input is keyed by {REQUEST_ID}, "
+                            f"got {config.input.id_column!r}")
+    if config.output_format == NAME and (config.input.choices_column or config.score.normalize != "sum"):
+        problems.append("output.format openai_batch: writes fixed labels' probabilities normalized by their sum; "
+                        "write parquet or jsonl for input.choices_column or score.normalize token | byte")
+    return problems
+
+
 # A line's body is its request (no truth or kept column a job names): the file is fingerprinted whole.
-OPENAI_BATCH = register(WireFormat("openai_batch", read=read_requests, write=write_batch, error_file=True,
-                                   named_columns=False))
+OPENAI_BATCH = register(WireFormat(NAME, read=read_requests, write=write_batch, error_file=True,
+                                   named_columns=False, request_id=REQUEST_ID, response_lines=True,
+                                   job_problems=job_problems))

@@ -32,6 +32,12 @@ class WireFormat:
     `named_columns`: a row's fields are columns a job names (prompt fields, ids, truth), so the
     run identity fingerprints a file of it column by column; False where each line is one request
     read whole (OpenAI Batch): such a file is fingerprinted whole.
+    `request_id`: the field each request line carries its id in (the job's row id unless
+    `input.id_column` names another; None: rows have no id of their own). `response_lines`: its
+    output answers each request with one response line (no raw, calibration or extra columns).
+    `keeps_raw_columns`: an output in it is read back whole with its raw score columns, so its
+    post-processing can be re-derived without scoring (run/rederive.py). `job_problems(config)`:
+    what it refuses of a job that reads or writes it (it checks which role it has).
     """
 
     name: str
@@ -41,6 +47,10 @@ class WireFormat:
     write: Callable[..., None] | None = None
     error_file: bool = False
     named_columns: bool = True
+    request_id: str | None = None
+    response_lines: bool = False
+    keeps_raw_columns: bool = False
+    job_problems: Callable[..., list[str]] | None = None
 
 
 _FORMATS: Registry[WireFormat] = Registry(BUILT_IN, lambda fmt: (fmt.write or fmt.read).__module__)
@@ -85,3 +95,42 @@ def output_names() -> tuple[str, ...]:
 def suffix_formats() -> dict[str, str]:
     """{suffix: format name} for `input.format: auto` and folder inputs."""
     return {suffix: name for name, f in formats().items() for suffix in f.suffixes}
+
+
+def named_input_format(config) -> WireFormat | None:
+    """The format `input.format` names (None: `auto`, each file by its suffix; synthetic rows; or a
+    name no format registered, which the job file refuses)."""
+    if config.input.synthetic is not None or config.input.format == "auto":
+        return None
+    return _FORMATS.get(config.input.format)
+
+
+def requests_in_lines(config) -> bool:
+    """The input is a format whose lines are requests read whole (OpenAI Batch), not rows of
+    columns a job names."""
+    wire = named_input_format(config)
+    return wire is not None and not wire.named_columns
+
+
+def output_format_of(config) -> WireFormat | None:
+    """The format the output is written in (`output.format`, `auto` resolved; None: a name no
+    format registered, which the job file refuses)."""
+    return _FORMATS.get(config.output_format)
+
+
+def job_format_problems(config) -> list[str]:
+    """What the job's input and output formats refuse of it (each format's own `job_problems`),
+    and an `auto` output whose file suffix belongs to another format than the one it would be
+    written in (`out.csv` is never silently written as Parquet)."""
+    problems: list[str] = []
+    for wire in dict.fromkeys(w for w in (named_input_format(config), output_format_of(config)) if w is not None):
+        problems.extend(wire.job_problems(config) if wire.job_problems else [])
+    if config.output.format == "auto" and config.output.path and output_format_of(config) is not None:
+        suffix = Path(str(config.output.path)).suffix.lower()
+        writers = [name for name, f in formats().items() if f.write is not None and suffix in f.suffixes]
+        chosen = config.output_format
+        if suffix and chosen not in writers and not (requests_in_lines(config) and chosen == config.input.format):
+            named = f"output.format: {writers[0]}" if writers else f"output.format ({', '.join(output_names()[1:])})"
+            problems.append(f"output.path {config.output.path}: output.format auto would write a {suffix} file as "
+                            f"{chosen}; set {named}, or give the path the suffix of the format you want")
+    return problems

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from batchscore.formats.lines import write_lines
 from batchscore.formats.registry import WireFormat, register
@@ -21,8 +22,14 @@ def read_jsonl(path, batch_rows: int, columns, json_columns):
 
 
 def write_jsonl(table, path, **_) -> None:
-    write_lines(path, (json.dumps(row, ensure_ascii=False, default=str) for row in table.to_pylist()))
+    """One JSON object per row; a NaN or infinite number is written as null (JSON has neither)."""
+    write_lines(path, (json.dumps(_finite(row), ensure_ascii=False, default=str) for row in table.to_pylist()))
 
 
-PARQUET = register(WireFormat("parquet", suffixes=(".parquet", ".pq"), dataset=True, write=write_parquet))
+def _finite(row: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+PARQUET = register(WireFormat("parquet", suffixes=(".parquet", ".pq"), dataset=True, write=write_parquet,
+                              keeps_raw_columns=True))
 JSONL = register(WireFormat("jsonl", suffixes=(".jsonl", ".ndjson", ".json"), read=read_jsonl, write=write_jsonl))

@@ -55,11 +55,12 @@ class OutputFiles:
     errors: str | os.PathLike | None = None
 
     @classmethod
-    def for_job(cls, config) -> OutputFiles:
-        """The files of `config`'s output (a JobConfig): the error file only for openai_batch,
+    def for_job(cls, config, error_file: bool) -> OutputFiles:
+        """The files of `config`'s output (a JobConfig); `error_file`: its format writes failed rows
+        to a file of their own (`WireFormat.error_file`, asked by run/open.output_files):
         output.error_path or the default `<stem>.errors.jsonl`."""
         path = os.fspath(config.output.path)
-        if config.output_format != "openai_batch":
+        if not error_file:
             return cls(path)
         return cls(path, config.output.error_path or default_error_path(path))
 

@@ -58,8 +58,8 @@ class Protected:
         """The files of a JobConfig: its job file, input files (`files`, as discovered) and output
         (`output`: the job's OutputFiles, named by the caller; else from the job);
         `read_suffixes`: what a folder input reads (`formats.suffix_formats()`)."""
-        if config.output.path:
-            output = output or OutputFiles.for_job(config)
+        if config.output.path:  # without the job's OutputFiles (run/open.output_files): the output alone
+            output = output or OutputFiles(os.fspath(config.output.path))
             output = output if with_error_file else OutputFiles(output.output)
         inputs = tuple(str(f) for f in files) + ((config.source,) if config.source else ())
         return cls(output, inputs, None if config.input.synthetic is not None else config.input.path,
@@ -177,17 +177,19 @@ def check_job_write_paths(config, files=(), *, read_suffixes: tuple[str, ...],
     if config.source and _key(config.output.path) == _key(config.source):
         raise WritePathError(f"output.path {config.output.path} is the job file {config.source}; "
                              "writing it would destroy it; choose another path")
-    if config.output_format != "openai_batch":
+    if output is None or output.errors is None:  # a format without an error file
         return
-    path = config.output.error_path or default_error_path(config.output.path)
+    path = output.errors
     Protected.for_job(config, files, read_suffixes=read_suffixes, with_error_file=False, output=output).check(
         "output.error_path", path, default=default_error_path(config.output.path))
 
 
-def check_run_files(config, *, read_suffixes: tuple[str, ...], metrics=None, metrics_prom=None) -> None:
+def check_run_files(config, *, read_suffixes: tuple[str, ...], metrics=None, metrics_prom=None,
+                    output: OutputFiles | None = None) -> None:
     """Refuse `run --metrics` / `--metrics-prom` paths that break the rule (before any work), and
-    the two naming the same file; `read_suffixes`: what a folder input reads."""
-    protected = Protected.for_job(config, read_suffixes=read_suffixes)
+    the two naming the same file; `read_suffixes`: what a folder input reads; `output`: the job's
+    OutputFiles (run/open.output_files)."""
+    protected = Protected.for_job(config, read_suffixes=read_suffixes, output=output)
     protected.check("--metrics", metrics, default=metrics_default(config.output.path))
     protected.check("--metrics-prom", metrics_prom)
     if metrics and metrics_prom and _key(metrics) == _key(metrics_prom):

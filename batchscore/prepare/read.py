@@ -22,6 +22,7 @@ from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import BatchscoreError, InputError, RowRenderError
 from batchscore.formats import iter_batches
 from batchscore.formats.openai_batch import ANSWER_COLUMNS
+from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.io.readers import InputBatch, input_base
 from batchscore.plan import prompt_problem
 from batchscore.plan.types import Request
@@ -53,7 +54,7 @@ def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
     """The prompt renderer, or None when the input already carries token ids."""
     if config.input.token_ids_column is not None or config.input.synthetic is not None:
         return None
-    if config.input.format == "openai_batch":
+    if requests_in_lines(config):  # each line's body is its prompt (OpenAI Batch)
         return RequestRenderer(tokenizer)
     return PromptRenderer(tokenizer, config.prompt.template, system=config.prompt.system, chat=config.prompt.chat,
                           engine=config.prompt.engine)
@@ -82,7 +83,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     id_column = config.input.id_column
     choices_column = config.input.choices_column
     keep_columns = list(config.output.keep_columns)
-    if config.input.format == "openai_batch" and config.output_format == "openai_batch":
+    if requests_in_lines(config) and getattr(output_format_of(config), "response_lines", False):
         keep_columns += [c for c in ANSWER_COLUMNS if c not in keep_columns]  # each answer shaped by its request
     token_column = config.input.token_ids_column if tokenize else None
     prompt_columns = [token_column] if token_column else renderer.columns if renderer and tokenize else []

@@ -27,7 +27,7 @@ from batchscore.engines.factory import resolve_engine
 from batchscore.engines.shape import read_model_config
 from batchscore.errors import InputError, OutputError
 from batchscore.formats import discover_files, get_format, iter_batches, suffix_formats
-from batchscore.formats.registry import WireFormat
+from batchscore.formats.registry import WireFormat, output_format_of
 from batchscore.io.readers import InputBatch
 from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.models import resolve_model
@@ -93,7 +93,8 @@ def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool =
 
 def output_files(config: JobConfig) -> OutputFiles | None:
     """The job's output and the files beside it (None: output.path is not set)."""
-    return OutputFiles.for_job(config) if config.output.path else None
+    wire = output_format_of(config)
+    return OutputFiles.for_job(config, error_file=bool(wire and wire.error_file)) if config.output.path else None
 
 
 def _input_format(config: JobConfig, files: list[tuple[Path, str]]) -> WireFormat | None:
@@ -139,7 +140,7 @@ def scoring_config(config: JobConfig, output: OutputFiles | None = None) -> dict
     truths = {config.calibrate.truth_column, *config.calibrate.truth_columns.values()}
     data["output"] = {"keep_columns": [c for c in data["output"]["keep_columns"] if c not in truths]}
     if config.output_format != "parquet":  # parquet: the identity outputs had before the key existed
-        data["output"].update(format=config.output_format, error_path=(output or OutputFiles.for_job(config)).errors)
+        data["output"].update(format=config.output_format, error_path=(output or output_files(config)).errors)
     data.pop("executor")
     data["input"].pop("storage_options")  # where the bytes come from (and credentials), not what they are
     data.pop("model")  # by content, in the identity's model part

@@ -39,8 +39,8 @@ def rederive_problem(config, source) -> str | None:
     problem = source.task.rederive_problem  # the job's task may keep no raw columns
     if problem is not None:
         return problem
-    if config.output_format != "parquet":
-        return f"a {config.output_format} output keeps no raw columns to re-derive from"
+    if source.output_format is None or not source.output_format.keeps_raw_columns:
+        return f"a {config.output_format} output is not read back with its raw columns to re-derive from"
     if content_free_rows(config):
         return "contextual calibration scores a content-free input beside the rows"
     return None

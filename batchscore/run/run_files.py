@@ -119,9 +119,10 @@ class RunFiles:
                 protected.check("--metrics-prom", self.metrics_prom)
             else:
                 from batchscore.formats import suffix_formats
+                from batchscore.run.open import output_files
 
                 check_run_files(config, read_suffixes=tuple(suffix_formats()), metrics=self.metrics,
-                                metrics_prom=self.metrics_prom)
+                                metrics_prom=self.metrics_prom, output=output_files(config))
                 self.checked = True
             if self.report:
                 from batchscore.report import require_matplotlib

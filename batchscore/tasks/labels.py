@@ -10,6 +10,7 @@ from batchscore.config import JobConfig
 from batchscore.errors import LabelError
 from batchscore.faults import fault_point
 from batchscore.formats import write_output
+from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.scores.job_checks import common_quality_problems
 from batchscore.output.layout import DEFAULT_ID, TOP_COLUMNS, calibrated_column, label_column, output_columns
 from batchscore.output.table import ok_rows, scores_table
@@ -32,7 +33,7 @@ log = logging.getLogger("batchscore")
 def job_problems(config: JobConfig) -> list[str]:
     """The labels (checked against score.normalize); an openai_batch input without labels may
     still hold decision lines, which the questions task claims once its lines are read."""
-    if config.input.format != "openai_batch" or config.labels:
+    if not requests_in_lines(config) or config.labels:
         return label_problems(config.labels, config.input.choices_column, config.score.normalize)
     return []
 
@@ -60,7 +61,7 @@ def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
         problems.append("calibrate.truth_columns: for questions jobs (one truth column per question id); use "
                         "calibrate.truth_column with labels or input.choices_column")
     table_only = [key for key in asked if key not in BATCH_ANSWER_KEYS]
-    if table_only and config.output_format == "openai_batch":
+    if table_only and getattr(output_format_of(config), "response_lines", False):
         problems.append(f"{table_only[0]}: the review and truth columns are written to parquet or jsonl outputs, not "
                         "output.format openai_batch (a batch answer takes score.calibrate: batch, or a fitted method "
                         "with calibrate.from; fit it on labelled rows in a table job, docs/operations.md)")
@@ -72,7 +73,7 @@ def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
         problems.append(f"score.calibrate platt: binary labels only (two labels); got {len(config.labels)} — "
                         "use temperature or vector")
     inp = config.input
-    if method == "contextual" and (inp.token_ids_column or inp.synthetic or inp.format == "openai_batch"):
+    if method == "contextual" and (inp.token_ids_column or inp.synthetic or requests_in_lines(config)):
         problems.append("score.calibrate contextual: needs prompt.template (the content-free input is the template "
                         "with 'N/A' in every field); use batch for pre-tokenized or openai_batch inputs")
     if method in FITTED and cal.truth_column is None and cal.from_ is None:
@@ -101,7 +102,7 @@ def input_columns(config: JobConfig) -> InputColumns | None:
     ids (read per JSON line as JSON text) or else the template's fields, and the row's choices.
     None for an openai_batch file, whose lines are the requests."""
     inp = config.input
-    if inp.format == "openai_batch" or not (inp.token_ids_column or config.prompt.template):
+    if requests_in_lines(config) or not (inp.token_ids_column or config.prompt.template):
         return None
     columns = [inp.id_column] if inp.id_column else []
     columns += [inp.token_ids_column] if inp.token_ids_column else \

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from batchscore.config import JobConfig
 from batchscore.errors import DecisionRequestError
+from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.output.layout import ERROR, STATUS
 from batchscore.scores.calibration import FITTED
 from batchscore.tasks.questions.answers import table_column_types
@@ -24,7 +25,7 @@ def job_problems(config: JobConfig) -> list[str]:
         problems.append("labels and questions: a decisions job reads each question's own labels; remove labels")
     if inp.choices_column:
         problems.append("input.choices_column and questions: give one of them")
-    if inp.format == "openai_batch":
+    if requests_in_lines(config):
         problems.append("questions: not used with input.format openai_batch (each line's body holds its questions)")
     if inp.token_ids_column:
         problems.append("input.token_ids_column: not used with questions (the reads are rendered text)")
@@ -36,7 +37,7 @@ def job_problems(config: JobConfig) -> list[str]:
         problems.append("prompt.state_columns: a non-empty list of column names")
     if config.engine.speculative is not None:
         problems.append("engine.speculative: not available for questions (reads are scored exactly)")
-    if config.output_format == "openai_batch":
+    if getattr(output_format_of(config), "response_lines", False):
         problems.append("output.format openai_batch: a questions job writes parquet or jsonl")
     if config.questions is not None:
         if not isinstance(config.questions, dict) or not config.questions:
@@ -87,7 +88,7 @@ def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
     if config.questions is None:
         return [f"{asked[0]}: calibration and review apply to the job's questions (questions:), not to per-row "
                 "questions (input.questions_column)"]
-    if config.output_format == "openai_batch":
+    if getattr(output_format_of(config), "response_lines", False):
         return [f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
                 "not output.format openai_batch"]
     problems = []

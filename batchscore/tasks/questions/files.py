@@ -10,9 +10,7 @@ its failed questions say so in `<id>.status` / `<id>.error`.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import time
 from typing import Any
 
@@ -21,7 +19,9 @@ import pyarrow as pa
 
 from batchscore.config import JobConfig
 from batchscore.formats.lines import write_lines
-from batchscore.formats.openai_batch import completion_body, error_response
+from batchscore.formats import write_output
+from batchscore.formats.openai_batch import completion_body, error_line, line_key, response_line
+from batchscore.formats.registry import output_format_of
 from batchscore.output import layout
 from batchscore.tasks.questions.quality import add_question_quality, column_types
 from batchscore.tasks.questions.answers import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
@@ -79,7 +79,7 @@ def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: R
     calibration and review did (tasks/questions/quality.py))."""
     logp = scores.logp.to_pylist()
     tops = scores.top_logp.to_pylist() if scores.top_logp is not None else None
-    if config.output_format == "openai_batch":
+    if getattr(output_format_of(config), "response_lines", False):  # one Batch API line per record
         usage = prompt_usage(requests) if requests else {}  # read -> its prompt's (tokens, cached tokens)
         return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels), usage), QualityResult()
     return _write_table(config, decisions, logp, tops, errors, files)
@@ -92,18 +92,15 @@ def _write_batch(decisions: DecisionInput, logp: list, tops: list | None, errors
     replies = decisions.kept.column("reply").to_pylist() if "reply" in decisions.kept.column_names else [None] * len(ids)
     ok_lines, failed_lines, failed = [], [], {}
     for index, record in enumerate(decisions.records):
-        custom_id = None if ids[index] is None else str(ids[index])
-        key = hashlib.sha256(f"{index}:{custom_id}".encode()).hexdigest()[:24]
+        request_id = None if ids[index] is None else str(ids[index])
+        key = line_key(index, request_id)
         body, problem = _record_body(record, logp, tops, errors, decisions.read_tokens, model, key,
                                      created, labels, usage, json.loads(replies[index]) if replies[index] else None)
         if problem is not None:
             failed[index] = problem
-            failed_lines.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id,
-                                            "response": error_response(key, problem), "error": None}))
+            failed_lines.append(error_line(key, request_id, problem))
             continue
-        response = {"status_code": 200, "request_id": key, "body": body}
-        ok_lines.append(json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response,
-                                    "error": None}, ensure_ascii=False))
+        ok_lines.append(response_line(key, request_id, body))
     write_lines(files.errors, failed_lines)
     write_lines(files.output, ok_lines)
     return failed
@@ -201,11 +198,8 @@ def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: 
     metadata = {f"batchscore.{k}": v for k, v in run_metadata(decisions).items()}
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **{k.encode(): v.encode()
                                                                                for k, v in metadata.items()}})
-    if config.output_format == "jsonl":
-        write_lines(files.output, (json.dumps(_finite(row), ensure_ascii=False, default=str)
-                                    for row in table.to_pylist()))
-    else:
-        write_parquet_atomic(table, files.output)
+    write_output(table, files.output, config.output_format, id_name=config.input.id_column or layout.DEFAULT_ID,
+                 labels=list(config.labels), model=str(config.model), error_path=files.errors)
     return failed, quality
 
 
@@ -213,7 +207,3 @@ def _answers_map(record: Record, answers: list) -> dict[str, Any]:
     """A record's answers as System One's `answers` map (errors as {"error": message})."""
     return {str(q.key): (systemone_answer(q, a) if isinstance(a, QuestionAnswer) else {"error": str(a)})
             for q, a in zip(record.request.questions, answers)}
-
-
-def _finite(row: dict) -> dict:
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

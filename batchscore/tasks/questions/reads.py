@@ -25,7 +25,8 @@ import pyarrow as pa
 from batchscore.config import JobConfig
 from batchscore.errors import DecisionRequestError, DuplicateKeyError, InputError, PromptTemplateError, RowRenderError
 from batchscore.formats import iter_batches
-from batchscore.formats.openai_batch import ANSWER_COLUMNS, DECISION_URLS
+from batchscore.formats.openai_batch import ANSWER_COLUMNS, DECISION_URLS, REQUEST_ID
+from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.io.readers import input_base, unique_object
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
@@ -49,7 +50,7 @@ def is_decision_input(config: JobConfig, files: list | None) -> bool:
     None: the job file alone, which says nothing of its lines)."""
     if config.questions is not None or config.input.questions_column is not None:
         return True
-    if config.input.format != "openai_batch" or files is None:
+    if not requests_in_lines(config) or files is None:
         return False
     for path, _ in files:
         with as_path(path).open("rb") as handle:
@@ -65,15 +66,15 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
     or a read error. Without a `tokenizer` only records, ids and kept columns are read (what
     assembling an output needs). Returns a PreparedInput whose rows are reads, with `decisions` set.
     Raises InputError for problems of a whole file."""
-    batch_file = config.input.format == "openai_batch"
+    batch_file = requests_in_lines(config)  # an OpenAI Batch file: each line one request
     id_column = config.input.id_column
     keep = list(config.output.keep_columns)
     if batch_file:  # the url says each line's kind; a batch output shapes each answer by its request
-        answer_columns = ANSWER_COLUMNS if config.output_format == "openai_batch" else ("url",)
+        answer_columns = ANSWER_COLUMNS if getattr(output_format_of(config), "response_lines", False) else ("url",)
         keep += [c for c in answer_columns if c not in keep]
     table = None if batch_file else _TableRecords(config, tokenizer)
     needed = list(dict.fromkeys(([id_column] if id_column else []) + keep + (
-        ["custom_id", "url", "messages", "prompt", "decision"] if batch_file else table.columns)))
+        [REQUEST_ID, "url", "messages", "prompt", "decision"] if batch_file else table.columns)))
     uses = _column_uses(config, table)
     encoder = OptionEncoder(tokenizer) if tokenizer is not None else None
     options = RowOptionSource(None, "labels", encoder, max_length, max_length_name(config.engine.max_length, max_length)) \
@@ -99,8 +100,8 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
             where = f"{batch.file}:{batch.first_line + offset}"
             if read_error is None and offset in map_problems:
                 read_error = f"{where}: {map_problems[offset]}"
-            if batch_file and row.get("custom_id") is not None:
-                where += f": request {row['custom_id']!r}"
+            if batch_file and row.get(REQUEST_ID) is not None:
+                where += f": request {row[REQUEST_ID]!r}"
             record = _record(row, read_error, where, batch_file, table, config)
             record.first_read = reads
             records.append(record)
@@ -179,7 +180,7 @@ def _column_uses(config: JobConfig, table: "_TableRecords | None") -> dict[str, 
     truths = {column: f"calibrate.truth_columns.{q}" for q, column in config.calibrate.truth_columns.items()}
     for name in config.output.keep_columns:
         uses.setdefault(name, truths.get(name, "output.keep_columns"))
-    if config.input.id_column and not (config.input.format == "openai_batch" and config.input.id_column == "custom_id"):
+    if config.input.id_column and not (requests_in_lines(config) and config.input.id_column == REQUEST_ID):
         uses[config.input.id_column] = "input.id_column"
     return uses
 
@@ -214,7 +215,7 @@ def input_columns(config: JobConfig) -> InputColumns | None:
     """The columns a table job's reads are made from: the id, the state (or the template's
     fields) and the per-row questions, read per JSON line as JSON text (`prepare_decisions`).
     None for an openai_batch file's lines, whose bodies are the requests."""
-    if config.input.format == "openai_batch" or not (config.prompt.state_columns or config.prompt.template):
+    if requests_in_lines(config) or not (config.prompt.state_columns or config.prompt.template):
         return None
     inp = config.input
     columns = [inp.id_column] if inp.id_column else []
