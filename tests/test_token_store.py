@@ -159,3 +159,18 @@ def test_token_id_columns_read_as_arrays_give_the_readers_rows_and_messages(tmp_
                                "engine": {"max_length": 512}, "output": {"path": str(tmp_path / "out" / "o.parquet")}})
     store = _same_rows(config, tmp_path / "work")
     assert len(store.errors) == 3 + 4 and store.label_ids is not None
+
+
+@pytest.mark.slow
+def test_tokenize_store_bench_plans_generated_text_and_compares_the_tokenizer(tmp_path):
+    """`bench tokenize-store` runs `batchscore plan` on generated documents x questions and prints
+    the plan's rate, its peak RssAnon, the tokenizer's rate on the same prompts and the ratio."""
+    from click.testing import CliRunner
+
+    from batchscore.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "tokenize-store", "--input", "text", "--rows", "500",
+                                       "--baseline-rows", "200", "--workdir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "batchscore plan: 500 rows" in result.output and "peak RssAnon" in result.output
+    assert "ratio (plan tokens/s / tokenizer tokens/s):" in result.output

@@ -19,9 +19,10 @@ from batchscore.bench.placement_bench import placement
 from batchscore.bench.plan_bench import plan
 from batchscore.bench.scale_bench import scale
 from batchscore.bench.specprefill import specprefill
+from batchscore.bench.tokenize_store import tokenize_store
 from batchscore.bench.vllm_bench import vllm
 
 COMMANDS = [workloads, plan, engine, attention, vllm, gpu, mil, scale, placement, dtype_parity, specprefill, labels,
-            decisions, invariance]
+            decisions, invariance, tokenize_store]
 
 __all__ = ["COMMANDS"]

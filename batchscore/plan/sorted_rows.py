@@ -74,18 +74,22 @@ def sort_rows(flat: FlatTokens, max_token: int) -> tuple[np.ndarray, np.ndarray]
     n = len(flat)
     lengths = flat.lengths
     per_word, bits = (4, 16) if max_token < 0xFFFF else (2, 32)
-    order = np.arange(n, dtype=np.int64)
-    lcp = np.zeros(n, dtype=np.int64)
-    positions = np.arange(n, dtype=np.int64)  # sorted positions still tied with a neighbour
-    runs = np.zeros(n, dtype=np.int64)  # the first position of each one's tied run
+    index = np.int32 if n < 2**31 else np.int64  # row indices: half the memory on all but huge inputs
+    order = np.arange(n, dtype=index)
+    lcp = np.zeros(n, dtype=np.int32)
+    positions = order.copy()  # sorted positions still tied with a neighbour
+    runs = None  # the first position of each one's tied run (all one run at first)
     word = 0
     while len(positions) > 1:
         rows = order[positions]
         key = _key_words(flat, rows, word, per_word, bits)
         # runs are contiguous and ascending: sorting by (run, key) reorders rows within runs only
-        perm = np.argsort(key, kind="stable") if word == 0 else np.lexsort((key, runs))
+        perm = np.argsort(key, kind="stable") if runs is None else np.lexsort((key, runs))
         rows, key = rows[perm], key[perm]
+        del perm
         order[positions] = rows
+        if runs is None:
+            runs = np.zeros(len(positions), dtype=index)
         same_run = runs[1:] == runs[:-1]
         equal = same_run & (key[1:] == key[:-1])
         ended = lengths[rows] <= (word + 1) * per_word
@@ -103,7 +107,7 @@ def sort_rows(flat: FlatTokens, max_token: int) -> tuple[np.ndarray, np.ndarray]
         keep[1:] |= tied
         keep[:-1] |= tied
         starts = ~np.concatenate(([False], tied))
-        first = np.maximum.accumulate(np.where(starts, np.arange(len(positions)), 0))
+        first = np.maximum.accumulate(np.where(starts, np.arange(len(positions), dtype=index), 0))
         positions, runs = positions[keep], positions[first][keep]
         word += 1
-    return order, lcp
+    return order.astype(np.int64), lcp.astype(np.int64)

@@ -48,7 +48,19 @@ def build_store(source: JobSource, folder, progress: Callable[[int], None] | Non
     writer.add_errors(sorted(job.input.errors.items()))
     store = writer.close(job.input.num_rows, extra={
         "label_ids": job.label_ids, "content_free": job.content_free is not None})
+    _release_read_buffers()
     return job, store
+
+
+def _release_read_buffers() -> None:
+    """Hand the reader's freed buffers back to the OS (Arrow's pool and the C allocator keep
+    them otherwise), so the plan that follows starts from the memory the job holds."""
+    import pyarrow as pa
+
+    from batchscore.engines.peak_memory import release_free_memory
+
+    pa.default_memory_pool().release_unused()
+    release_free_memory()
 
 
 def _labels_into(writer: StoreWriter, source: JobSource, progress) -> PreparedJob:

@@ -1,0 +1,194 @@
+"""`batchscore bench tokenize-store`: `batchscore plan` through the token store and the metadata
+plan, against the model's fast tokenizer batch-encoding the same prompts, in one run.
+
+Two inputs, generated here (never committed):
+- `--input text`: a JSON Lines file of documents x questions (`--group-size` questions per
+  document, rows of one document apart), prompts of ~80 tokens through a template;
+- `--input tokens`: a Parquet file of token ids (~48 tokens: a 40-token prefix shared by each
+  group of `--group-size` rows, 8 of the row's own), rows of one group apart.
+
+The plan runs as `batchscore plan JOB --json` in a child process; this process samples the
+child's anonymous resident memory (RssAnon of /proc/PID/status: the memory-mapped store does not
+count) every 20 ms and reports its peak. The baseline (text only) renders `--baseline-rows` of the
+same prompts and times the tokenizer alone on them (`tokenizer(texts)`, batches of the job's
+`input.batch_rows`, the tokenizer's own threads), untimed rendering excluded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+WORDS = ("market", "energy", "council", "report", "league", "season", "policy", "growth", "film", "music", "school",
+         "health", "court", "budget", "storm", "river", "company", "price", "shares", "record", "minister",
+         "players", "festival", "science", "election", "police", "city", "water", "train", "village")
+QUESTIONS = ("Is this article about business?", "Is this article about politics?", "Is this article about sport?",
+             "Is this article about technology?", "Is this article about entertainment?")
+TEMPLATE = "Article: {document}\n\nQuestion: {question} Answer Yes or No.\nAnswer:"
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a well-spread uint64 hash of each uint64."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _spread(ids: np.ndarray, rows: int) -> np.ndarray:
+    """A fixed permutation of 0..rows-1 at `ids`: the rows of one document lie apart in the file."""
+    step = next(a for a in range(2654435761, 2654435761 + 1000) if np.gcd(a, rows) == 1)
+    return (ids.astype(np.int64) * (step % rows)) % rows if rows > 1 else ids.astype(np.int64)
+
+
+def write_text_jsonl(path: Path, rows: int, group_size: int = 5, words: int = 55, seed: int = 0,
+                     chunk: int = 100_000) -> None:
+    """Documents of `words` words, each asked `group_size` questions, one JSON line per question."""
+    vocabulary = np.array(WORDS)
+    with open(path, "w", encoding="utf-8") as out:
+        for start in range(0, rows, chunk):
+            ids = np.arange(start, min(start + chunk, rows))
+            position = _spread(ids, rows)
+            docs = position // group_size
+            picks = _mix(np.uint64(seed) * np.uint64(1 << 40) + docs[:, None].astype(np.uint64) * np.uint64(words)
+                         + np.arange(words, dtype=np.uint64)) % np.uint64(len(vocabulary))
+            lines = (json.dumps({"id": int(i), "document": " ".join(doc), "question": QUESTIONS[q % len(QUESTIONS)]})
+                     for i, doc, q in zip(ids.tolist(), vocabulary[picks.astype(np.int64)].tolist(),
+                                          (position % group_size).tolist()))
+            out.write("\n".join(lines) + "\n")
+
+
+def write_token_parquet(path: Path, rows: int, group_size: int = 5, prefix_len: int = 40, distinct_len: int = 8,
+                        seed: int = 0, chunk: int = 500_000) -> None:
+    """Token ids: each group of `group_size` rows shares a `prefix_len` prefix, then `distinct_len`
+    tokens of its own (ids below 49,152, the built-in model's vocabulary); written in chunks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    width = prefix_len + distinct_len
+    schema = pa.schema([("id", pa.int64()), ("tokens", pa.list_(pa.int32()))])
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, rows, chunk):
+            ids = np.arange(start, min(start + chunk, rows))
+            groups = _spread(ids, rows) // group_size
+            prefix = _mix(np.uint64(seed) * np.uint64(1 << 40) + groups[:, None].astype(np.uint64)
+                          * np.uint64(prefix_len) + np.arange(prefix_len, dtype=np.uint64))
+            own = _mix(np.uint64(seed) * np.uint64(1 << 40) + np.uint64(1 << 62) + ids[:, None].astype(np.uint64)
+                       * np.uint64(distinct_len) + np.arange(distinct_len, dtype=np.uint64))
+            tokens = (np.concatenate((prefix, own), axis=1) % np.uint64(49152)).astype(np.int32)
+            lists = pa.ListArray.from_arrays(pa.array(np.arange(0, tokens.size + 1, width, dtype=np.int32)),
+                                             pa.array(tokens.reshape(-1)))
+            writer.write_table(pa.table({"id": pa.array(ids), "tokens": lists}, schema=schema))
+
+
+def job_dict(source: Path, text: bool, chat: bool = False) -> dict:
+    job = {"labels": ["Yes", "No"], "model": "smollm2-135m-instruct", "engine": {"kind": "torch"},
+           "output": {"path": str(source.parent / "out" / "scores.parquet")}}
+    if text:
+        job["input"] = {"path": str(source), "id_column": "id"}
+        job["prompt"] = {"template": TEMPLATE, "chat": chat}
+    else:
+        job["input"] = {"path": str(source), "token_ids_column": "tokens", "id_column": "id"}
+    return job
+
+
+def _anon_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next((int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:")), 0)
+    except OSError:
+        return 0
+
+
+def run_plan(job: Path, interval: float = 0.02) -> tuple[dict, float, int]:
+    """(`batchscore plan JOB --json`'s statistics, its wall seconds, its peak RssAnon in bytes)."""
+    started = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-m", "batchscore.cli", "plan", str(job), "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+
+    def sample() -> None:
+        while child.poll() is None:
+            peak[0] = max(peak[0], _anon_of(child.pid))
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = child.communicate()
+    seconds = time.perf_counter() - started
+    sampler.join()
+    if child.returncode != 0:
+        raise click.ClickException(f"batchscore plan failed ({child.returncode}):\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1]), seconds, peak[0]
+
+
+def tokenizer_baseline(job: dict, rows: int) -> tuple[int, float]:
+    """(tokens, seconds) of the model's fast tokenizer batch-encoding the first `rows` prompts
+    of the job's input, rendered first (rendering not timed)."""
+    from batchscore.jobfile import config_from_dict
+    from batchscore.models import resolve_model
+    from batchscore.prepare.prompts import PromptRenderer
+    from transformers import AutoTokenizer
+
+    config = config_from_dict(job)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(config.model)))
+    renderer = PromptRenderer(tokenizer, config.prompt.template, chat=config.prompt.chat)
+    with open(config.input.path, encoding="utf-8") as lines:
+        texts = [renderer.text(json.loads(line)) for line, _ in zip(lines, range(rows))]
+    batch = config.input.batch_rows
+    started = time.perf_counter()
+    tokens = 0
+    for start in range(0, len(texts), batch):
+        tokens += sum(map(len, tokenizer(texts[start:start + batch], add_special_tokens=not config.prompt.chat)
+                          ["input_ids"]))
+    return tokens, time.perf_counter() - started
+
+
+@click.command("tokenize-store")
+@click.option("--input", "kind", type=click.Choice(["text", "tokens"]), default="text", show_default=True)
+@click.option("--rows", type=click.IntRange(min=10), default=100_000, show_default=True)
+@click.option("--group-size", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--baseline-rows", type=click.IntRange(min=1), default=100_000, show_default=True,
+              help="Prompts the tokenizer baseline encodes (text input).")
+@click.option("--chat/--no-chat", default=False, show_default=True, help="Text prompts through the chat template.")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Keep the generated input here (default: a temp folder).")
+def tokenize_store(kind: str, rows: int, group_size: int, baseline_rows: int, chat: bool, workdir: str | None) -> None:
+    """`batchscore plan` of generated rows through the token store: seconds, tokens/s, peak RssAnon,
+    and (text) the model's fast tokenizer alone on the same prompts, with the ratio.
+
+    Example:
+
+        batchscore bench tokenize-store --input text --rows 1000000
+        batchscore bench tokenize-store --input tokens --rows 10000000
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(workdir or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        text = kind == "text"
+        source = folder / (f"text_{rows}_{group_size}.jsonl" if text else f"tokens_{rows}_{group_size}.parquet")
+        if not source.exists():
+            started = time.perf_counter()
+            (write_text_jsonl if text else write_token_parquet)(source, rows, group_size)
+            click.echo(f"wrote {source} in {time.perf_counter() - started:.1f} s")
+        job = job_dict(source, text, chat)
+        job_path = folder / "job.yaml"
+        job_path.write_text(json.dumps(job))
+        stats, seconds, peak = run_plan(job_path)
+        logical = stats["logical_tokens"]
+        click.echo(f"batchscore plan: {stats['num_requests']:,} rows, {logical:,} tokens in {seconds:.1f} s "
+                   f"({logical / seconds:,.0f} tokens/s), peak RssAnon {peak / 2**30:.2f} GiB, "
+                   f"saving {stats['saving_ratio']:.1%}, {stats['num_groups']:,} groups")
+        if text:
+            tokens, base_seconds = tokenizer_baseline(job, min(baseline_rows, rows))
+            base_rate = tokens / base_seconds
+            click.echo(f"tokenizer alone: {min(baseline_rows, rows):,} prompts, {tokens:,} tokens in "
+                       f"{base_seconds:.1f} s ({base_rate:,.0f} tokens/s)")
+            click.echo(f"ratio (plan tokens/s / tokenizer tokens/s): {logical / seconds / base_rate:.2f}")
