@@ -170,7 +170,7 @@ def test_a_chat_role_outside_the_apis_roles_is_that_lines_error():
 
 
 def test_a_damaged_state_or_a_second_server_is_refused_by_name(tmp_path):
-    from batchscore.errors import EXIT_CONFIG, EXIT_LOCKED, OutputLocked
+    from batchscore.errors import EXIT_CONFIG, EXIT_LOCKED, OutputError, OutputLocked
     from batchscore.serve.store import StateError
 
     first = Store(tmp_path / "state")
@@ -187,6 +187,11 @@ def test_a_damaged_state_or_a_second_server_is_refused_by_name(tmp_path):
         Store(tmp_path / "state")
     assert damaged.value.exit_code == EXIT_CONFIG
     Store(tmp_path / "other").close()
+    (tmp_path / "planted").mkdir()
+    (tmp_path / "planted" / "serve.lock").symlink_to(tmp_path / "victim")
+    with pytest.raises(OutputError, match="server's lock file .* is a symbolic link"):
+        Store(tmp_path / "planted")
+    assert not (tmp_path / "victim").exists()
 
 
 def test_serve_exits_0_on_sigterm_and_refuses_a_second_server(tmp_path):

@@ -4,7 +4,9 @@ worker, then serve HTTP with uvicorn until SIGTERM/SIGINT (the running batch sav
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,10 +42,12 @@ def check_job_settings(state_dir: Path, model: str, sets: list[str]) -> None:
              or key in ("output", "output.path", "output.format", "output.error_path")]
     if owned:
         raise JobConfigError([f"--set {key}: each batch sets this itself (use --model for the model)" for key in owned])
-    probe = state_dir / "settings-check.yaml"
-    probe.write_text(yaml.safe_dump({"input": {"path": str(state_dir / "x.jsonl"), "format": "openai_batch"},
+    fd, name = tempfile.mkstemp(prefix=".settings-check.", suffix=".yaml", dir=state_dir)  # new: never through a link
+    probe = Path(name)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(yaml.safe_dump({"input": {"path": str(state_dir / "x.jsonl"), "format": "openai_batch"},
                                      "labels": ["Yes", "No"], "model": model,
-                                     "output": {"path": str(state_dir / "x.out.jsonl")}}), encoding="utf-8")
+                                     "output": {"path": str(state_dir / "x.out.jsonl")}}))
     try:
         load_job(probe, overrides)
     except JobConfigError as exc:  # said of the options given, not of the probe's file

@@ -4,6 +4,7 @@ file it cannot read; batches keep their whole OpenAI object as JSON beside the c
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -15,6 +16,7 @@ import uuid
 from pathlib import Path
 
 from batchscore.errors import EXIT_CONFIG, APIError, BatchscoreError, OutputLocked
+from batchscore.io.atomic import refuse_link
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +187,12 @@ class StateError(BatchscoreError):
 def _hold(path: Path) -> int:
     """An flock on `path` for as long as this server runs (the kernel drops it when the process
     dies, however); OutputLocked (exit 75) when another server holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            refuse_link(path, "the server's lock file")
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
