@@ -72,7 +72,7 @@ def test_a_chat_batch_is_answered_in_openais_shape(tmp_path, tokenizer):
               "body": {"model": "gpt-4o-mini", "prompt": "Ticket: refund please. Team:", "logprobs": 2}}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     job = {"input": {"path": str(tmp_path / "in.jsonl"), "format": "openai_batch"}, "labels": labels, "model": MODEL,
-           "engine": {"kind": "torch", "dtype": "float32"}, "score": {"calibrate": "batch"}, "output": {"path": str(tmp_path / "out.jsonl"), "max_error_rate": 0.5}}
+           "engine": {"kind": "torch", "dtype": "float32"}, "score": {"calibrate": "batch"}, "output": {"path": str(tmp_path / "out.jsonl"), "max_error_rate": 0.5, "audit_rows": 0}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "-q"])
     assert result.exit_code == 0, result.output
