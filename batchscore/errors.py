@@ -256,3 +256,9 @@ NOT_RETRYABLE = {
     EXIT_ENVIRONMENT: "wrong environment: the Python running batchscore lacks a package it needs (set batchscore_bin "
                       "or $BATCHSCORE_BIN to batchscore's own environment)",
 }
+
+
+class StateError(BatchscoreError):
+    """`serve`'s state dir database cannot be read (damaged, or not batchscore's): the server does not start."""
+
+    exit_code = EXIT_CONFIG

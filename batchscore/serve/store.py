@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from batchscore.errors import EXIT_CONFIG, APIError, BatchscoreError, OutputLocked
+from batchscore.errors import APIError, OutputLocked, StateError
 from batchscore.io.atomic import refuse_link
 
 log = logging.getLogger(__name__)
@@ -176,12 +176,6 @@ class Store:
         if self._held is not None:
             os.close(self._held)  # releases the state dir for the next server
             self._held = None
-
-
-class StateError(BatchscoreError):
-    """The state dir's database cannot be read (damaged, or not batchscore's): the server does not start."""
-
-    exit_code = EXIT_CONFIG
 
 
 def _hold(path: Path) -> int:
