@@ -280,34 +280,37 @@ def generated_sort_keys(rows: int, group_size: int, seed: int, chunk: int = 10_0
 def plan_from_keys(keys: np.ndarray, prefix_len: int, distinct_len: int, min_prefix: int, workers: int) -> dict:
     """The plan as metadata from sort keys: the sorted order, the neighbours' common-prefix lengths,
     groups (runs sharing at least `min_prefix` tokens), their r_group order (fewest processed
-    tokens first) and W cost-balanced ranges cut at group boundaries. A few integers per row."""
-    order = np.argsort(keys)
-    sorted_keys = keys[order]
-    same_prefix = (sorted_keys[1:] >> np.uint64(24)) == (sorted_keys[:-1] >> np.uint64(24))
-    del sorted_keys
-    lcp = np.where(same_prefix, prefix_len, 0).astype(np.int32)  # neighbour i-1, i
+    tokens first, then first row) and W cost-balanced ranges cut at group boundaries. A few
+    integers per row; `keys` is consumed (sorted in place).
+
+    The generated workload has one level of sharing (a document's questions), so groups are the
+    runs of equal prefix keys; plan/metadata.plan_rows builds the same groups from a store's
+    tokens (with the enlargement DP for deeper trees)."""
+    order = np.argsort(keys).astype(np.int32 if len(keys) < 2**31 else np.int64)
+    keys.sort()
+    same_prefix = (keys[1:] >> np.uint64(24)) == (keys[:-1] >> np.uint64(24))  # neighbour k-1, k
+    keys.resize(0, refcheck=False)  # the keys' memory back before the groups
+    shares = prefix_len >= max(min_prefix, 1)
+    starts = np.flatnonzero(np.concatenate(([True], ~same_prefix if shares else np.ones(len(same_prefix), bool))))
     del same_prefix
-    starts = np.flatnonzero(np.concatenate(([True], lcp < max(min_prefix, 1))))
-    del lcp
-    sizes = np.diff(np.append(starts, len(keys)))
+    sizes = np.diff(np.append(starts, len(order))).astype(np.int64)
     shared = sizes > 1
     processed = np.where(shared, prefix_len + sizes * distinct_len, sizes * (prefix_len + distinct_len))
     group_order = np.lexsort((order[starts], processed))  # r_group: cost, then first row
     cost = np.cumsum(processed[group_order])
     cuts = np.searchsorted(cost, cost[-1] * np.arange(1, workers) / workers)
-    logical = len(keys) * (prefix_len + distinct_len)
-    return {"rows": len(keys), "groups": len(starts), "shared_groups": int(shared.sum()),
+    logical = len(order) * (prefix_len + distinct_len)
+    return {"rows": len(order), "groups": len(starts), "shared_groups": int(shared.sum()),
             "processed_tokens": int(cost[-1]), "saving_ratio": 1 - int(cost[-1]) / logical,
-            "ranges": np.diff(np.concatenate(([0], cuts, [len(starts)]))).tolist(), "order": order,
-            "group_order": group_order}
+            "ranges": np.diff(np.concatenate(([0], cuts, [len(starts)]))).tolist()}
 
 
 def plan_only(rows: int, group_size: int, prefix_len: int, distinct_len: int, workers: int) -> None:
     meter = StageMeter()
     meter.enter("keys")
-    keys = generated_sort_keys(rows, group_size, seed=0)
+    keys = [generated_sort_keys(rows, group_size, seed=0)]
     meter.enter("plan")
-    plan = plan_from_keys(keys, prefix_len, distinct_len, min_prefix=16, workers=workers)
+    plan = plan_from_keys(keys.pop(), prefix_len, distinct_len, min_prefix=16, workers=workers)
     stages = meter.close()
     click.echo(f"plan only: {rows:,} rows (generated sort keys, no tokens), {plan['groups']:,} groups "
                f"({plan['shared_groups']:,} shared), saving ratio {plan['saving_ratio']:.3f}, "

@@ -18,6 +18,7 @@ from batchscore.plan.cache_sim import PrefixCache, block_keys
 from batchscore.plan.groups import Unit
 from batchscore.plan.srjf import SrjfJob, srjf_schedule
 from batchscore.plan.tree import TokenTable
+from batchscore.plan.types import PrefixGroup
 
 POLICIES = ("r_group", "input", "srjf")
 
@@ -77,3 +78,17 @@ def order_units(
     if policy == "srjf":
         return srjf_order(units, table, lam, cache_tokens, block_size)
     raise ValueError(f"unknown order policy {policy!r}; expected one of {POLICIES}")
+
+
+def largest_pass(groups: Sequence[PrefixGroup], skip: frozenset[int] = frozenset()) -> PrefixGroup | None:
+    """The pass needing the most memory, to run first and alone so a job that cannot fit fails in
+    its first minute, not its last hour (lm-evaluation-harness runs its longest requests first for
+    the same reason): the longest prompt (a group's prefix and its member with the most work) as a
+    group of one. Rows in `skip` (refused already) are passed over; ties: the earlier. None: no row."""
+    best, best_len = None, -1
+    for group in groups:
+        for member in group.members:
+            length = group.prefix_len + member.work_tokens
+            if length > best_len and member.row_id not in skip:
+                best, best_len = (group, member), length
+    return None if best is None else PrefixGroup(best[0].prefix, [best[1]])

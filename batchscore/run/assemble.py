@@ -29,10 +29,13 @@ NOT_SCORED = "not scored: no result from the engine"
 
 def assembles_in_windows(job) -> bool:
     """Whether `job`'s output can be written window by window (see the module docstring)."""
-    config = job.config
-    return (job.task.name == "labels" and bool(config.labels) and config.input.choices_column is None
-            and config.output_format == "parquet" and not config.output.top_token and not quality.wanted(config)
-            and job.content_free is None)
+    return job.task.name == "labels" and windowed_output(job.config) and job.content_free is None
+
+
+def windowed_output(config) -> bool:
+    """A labels job's output that needs only each row's own results (see the module docstring)."""
+    return (bool(config.labels) and config.input.choices_column is None and config.output_format == "parquet"
+            and not config.output.top_token and not quality.wanted(config))
 
 
 def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx_keep: float | None,

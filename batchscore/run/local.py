@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 import threading
@@ -11,6 +12,7 @@ from typing import Callable, Sequence
 from batchscore.engines.base import Engine, RawScores, num_options
 from batchscore.errors import RunInterrupted
 from batchscore.run.sinks import PartSink, RowProgress, record
+from batchscore.plan.order import largest_pass
 from batchscore.plan.types import PrefixGroup
 
 log = logging.getLogger("batchscore")
@@ -25,7 +27,7 @@ def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int] | Non
     row in its error (its file:line; default "row N").
     """
     with stop_signals() as stop:
-        for result in score_with_row_errors(engine, sink.remaining_groups(), label_ids, where):
+        for result in score_with_row_errors(engine, sink.remaining_groups(), label_ids, where, fail_fast=True):
             record(result, sink, progress)
             if stop.is_set():
                 sink.flush()
@@ -39,23 +41,42 @@ def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int] | Non
 
 
 def score_with_row_errors(engine: Engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int] | None,
-                          where: Callable[[int], str] | None = None):
+                          where: Callable[[int], str] | None = None, fail_fast: bool = False):
     """`engine.score`, except that rows the engine says it cannot fit (its `memory_problems`)
     come out as error results, named by `where` (file:line), instead of stopping the job.
-    Yields group by group."""
+    With `fail_fast`, the largest pass runs first (`run_largest_pass`). Yields group by group;
+    builds each group as it goes (a lazy sequence of groups stays lazy)."""
     bad = {p.row_id: f"{where(p.row_id)}: {p.reason}" if where is not None and hasattr(p, "reason") else str(p)
            for p in engine.memory_problems(groups)}
+    if fail_fast:
+        run_largest_pass(engine, groups, label_ids, frozenset(bad))
     if not bad:
         yield from engine.score(groups, label_ids)
         return
-    runnable = [PrefixGroup(g.prefix, [m for m in g.members if m.row_id not in bad]) for g in groups]
-    results = iter(engine.score([g for g in runnable if g.members], label_ids))
-    for group, kept in zip(groups, runnable):
+    pairs = ((g, PrefixGroup(g.prefix, [m for m in g.members if m.row_id not in bad])) for g in groups)
+    mine, theirs = itertools.tee(pairs)  # the engine reads ahead by at most a pass
+    results = iter(engine.score((kept for _, kept in theirs if kept.members), label_ids))
+    for group, kept in mine:
         for member in group.members:
             if member.row_id in bad:
                 yield RawScores.failed(member.row_id, num_options(member, label_ids), bad[member.row_id])
         for _ in kept.members:
             yield next(results)
+
+
+def run_largest_pass(engine: Engine, groups: Sequence[PrefixGroup], label_ids: Sequence[int] | None,
+                     skip: frozenset[int] = frozenset()) -> None:
+    """Fail fast: score the longest prompt alone before anything else and drop its result (it is
+    scored again in its place, so every row's bits are the plan order's), so a job whose largest
+    pass cannot fit fails in its first minute, not its last hour (plan/order.largest_pass).
+    Costs one prompt's forward."""
+    largest = groups.largest_pass(skip) if hasattr(groups, "largest_pass") else largest_pass(groups, skip)
+    if largest is None:
+        return
+    log.info("fail fast: the longest prompt (%d tokens, row %d) is scored first, alone",
+             largest.prefix_len + largest.members[0].work_tokens, largest.members[0].row_id)
+    for _ in engine.score([largest], label_ids):
+        pass
 
 
 @contextmanager

@@ -31,6 +31,10 @@ from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError, OutputError,
                                ResumeMismatch)
 from batchscore.run.assemble import assemble_in_windows, assembles_in_windows
+from batchscore.run.ranges import StoreGroups, audit_sample, cut_ranges, reads_from_store
+from batchscore.plan.metadata import plan_rows
+from batchscore.prepare.source import plan_options
+from batchscore.store.build import build_store, store_folder
 from batchscore.run.audit import audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
 from batchscore.run.run_files import RunFiles
@@ -40,7 +44,7 @@ from batchscore.faults import fault_point
 from batchscore.output.identity import identity_hash
 from batchscore.output.layout import MERGE_WRITER, RUN_WRITER, OutputFiles
 from batchscore.output.lock import OutputLock
-from batchscore.io.storage import file_size, is_url
+from batchscore.io.storage import file_size, is_url, remove_tree
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.output.summary import Audit, Execution, Questions, RunSummary, Timing
 from batchscore.scores.quality import QualityResult, content_free_rows, split_content_free
@@ -191,13 +195,9 @@ def _rederive(source: JobSource, store: PartStore, done: dict, started: float) -
     errors, quality = result
     log.info("re-derived %s from its raw scores with this job's calibration and review: nothing scored",
              store.files.output)
-    previous = RunSummary.from_dict(done)
-    # nothing read as tokens, nothing computed: this run's figures, not the run that scored (as `merge`)
-    return replace(previous, rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
-                   logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
+    return replace(RunSummary.from_dict(done), rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
                    seconds=time.perf_counter() - started, skipped=False, rederived=True,
                    timing=Timing(write_seconds=time.perf_counter() - write_started), quality=quality,
-                   execution=replace(previous.execution, batch_token_counts=[]),
                    assembly_hash=_assembly_hash(source))
 
 
@@ -208,23 +208,33 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     config = source.config
     # calibrate.from: refused before any scoring
     source.task.check_calibration_source(config)
+    use_ray = config.executor.kind == "ray" and shard is None
+    num_workers = shard.count if shard else config.executor.num_workers if use_ray else 1
+    from_store = reads_from_store(source, shard, store.files)
     stage("read")
-    job = prepare_job(config, source=source)
-    stage("plan")
-    plan = job.plan()
+    if from_store:  # the rows tokenized once into a memory-mapped store; the plan a few integers per row
+        job, tokens = _built_store(source, store)
+        stage("plan")
+        plan = plan_rows(tokens, plan_options(config, source.kind))
+        worker_groups = [StoreGroups.range(plan, tokens, a, b) for a, b in cut_ranges(plan, num_workers)]
+        split_extra_tokens = 0  # ranges of whole groups: no prefix computed twice
+    else:
+        job = prepare_job(config, source=source)
+        stage("plan")
+        plan = job.plan()
+        placement = place_groups(plan.groups, num_workers)
+        worker_groups = [w.groups for w in placement.workers]
+        split_extra_tokens = placement.split_extra_tokens
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
 
     if shard is not None and not fresh:
         _check_shard_count(store, shard)
-    use_ray = config.executor.kind == "ray" and shard is None
-    num_workers = shard.count if shard else config.executor.num_workers if use_ray else 1
-    placement = place_groups(plan.groups, num_workers)
     my_workers = [shard.index] if shard else list(range(num_workers))
     fault_point("start")
     manifest = store.start(Manifest(
-        job_hash=_job_hash(source, num_workers), identity=source.identity, num_groups=len(plan.groups),
-        num_rows=job.input.num_rows,
-        worker_rows={str(w): sum(len(g.members) for g in placement.workers[w].groups) for w in my_workers},
+        job_hash=_job_hash(source, num_workers, from_store), identity=source.identity,
+        num_groups=plan.stats.num_groups, num_rows=job.input.num_rows,
+        worker_rows={str(w): _rows_of(worker_groups[w]) for w in my_workers},
     ), fresh=fresh, input_errors=job.input.errors)
     resumed = sum(manifest.rows_done(w) for w in my_workers)
     if resumed:
@@ -232,10 +242,10 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
 
     stage("score")
     score_started = time.perf_counter()
-    sinks = [PartSink(store, manifest, w, placement.workers[w].groups, manifest.rows_done(w),
+    sinks = [PartSink(store, manifest, w, worker_groups[w], manifest.rows_done(w),
                       config.output.part_rows, config.output.part_seconds) for w in my_workers]
     rows_left = sum(s.total - s.position for s in sinks)
-    resolved = _decide_compile(source.engine, config.engine, job, plan, rows_left)
+    resolved = _decide_compile(source.engine, config.engine, job, worker_groups, rows_left)
     bar = RowProgress(rows_left, progress)
     batch_tokens: list[int] = []
     try:
@@ -262,13 +272,16 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     complete = all(m is not None and m.complete and m.job_hash == manifest.job_hash for m in manifests)
     if complete:
         store.guard()  # the output is written only by the holder of the lock
-    processed = plan.stats.processed_tokens + placement.split_extra_tokens
+    processed = plan.stats.processed_tokens + split_extra_tokens
     stage("assemble")
     write_started = time.perf_counter()
     errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
     write_seconds = time.perf_counter() - write_started
     stage("audit")
-    audit = audit_output(job, store, manifests, plan, processed) if complete else Audit()
+    if from_store:  # the audit picks its rows among a seeded sample read back from the store
+        audit = audit_output(audit_sample(job, tokens), store, manifests, None, processed) if complete else Audit()
+    else:
+        audit = audit_output(job, store, manifests, plan, processed) if complete else Audit()
     return RunSummary(
         output_path=str(store.files.output),
         rows=job.input.num_records,
@@ -335,13 +348,14 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     return summary
 
 
-def _decide_compile(resolved: ResolvedEngine, engine: EngineConfig, job: PreparedJob, plan, rows_left: int
-                    ) -> ResolvedEngine:
-    """`engine.compile: auto` decided from the plan: the FLOPs of the rows still to score."""
+def _decide_compile(resolved: ResolvedEngine, engine: EngineConfig, job: PreparedJob, worker_groups: list,
+                    rows_left: int) -> ResolvedEngine:
+    """`engine.compile: auto` decided from the workers' groups: the FLOPs of the rows still to score."""
     if get_kind(resolved.kind).decide_compile is None or engine.compile is not None or rows_left <= 0:
         return resolved
-    rows, model_config = sum(len(g.members) for g in plan.groups), read_model_config(job.model_dir)
-    work = forward_flops(model_config, plan.groups, shared=True) * rows_left / max(rows, 1)
+    groups = _flops_sample(worker_groups)
+    rows, model_config = sum(len(g.members) for g in groups), read_model_config(job.model_dir)
+    work = forward_flops(model_config, groups, shared=True) * rows_left / max(rows, 1)
     return decide_compile(resolved, engine, work, model_config)
 
 
@@ -356,9 +370,42 @@ def _check_shard_count(store: PartStore, shard: Shard) -> None:
                                  "or --fresh to start over")
 
 
-def _job_hash(source: JobSource, num_workers: int) -> str:
-    """What a parts folder belongs to: the output's identity and how the groups were placed."""
-    return identity_hash({**source.identity, "num_workers": num_workers})
+def _job_hash(source: JobSource, num_workers: int, from_store: bool = False) -> str:
+    """What a parts folder belongs to: the output's identity and how the groups were placed
+    (a placement, or ranges of the metadata plan: positions mean other rows)."""
+    placed = {"groups": "store ranges"} if from_store else {}
+    return identity_hash({**source.identity, "num_workers": num_workers, **placed})
+
+
+def _built_store(source: JobSource, store: PartStore):
+    """The job's token store, built in its parts folder (store/build.py); a refused input leaves
+    no folder behind it (`_lock_left_clean`)."""
+    folder = store_folder(store.folder)
+    existed = store.folder.exists()
+    try:
+        return build_store(source, folder)
+    except BaseException:
+        remove_tree(folder)
+        if not existed:
+            remove_tree(store.folder)
+        raise
+
+
+def _rows_of(groups) -> int:
+    sizes = getattr(groups, "sizes", None)
+    return int(np.sum(sizes)) if sizes is not None else sum(len(g.members) for g in groups)
+
+
+def _flops_sample(worker_groups: list, most: int = 2000) -> list:
+    """Every worker's groups; of the store's groups (built only when read), `most` spread evenly
+    per worker: the FLOPs per row of a sample decide the compile as well as of every group."""
+    sample = []
+    for groups in worker_groups:
+        if isinstance(groups, StoreGroups) and len(groups) > most:
+            sample.extend(groups[int(i)] for i in np.linspace(0, len(groups) - 1, most))
+        else:
+            sample.extend(groups)
+    return sample
 
 
 @contextmanager

@@ -33,7 +33,8 @@ class PartSink:
         self.store, self.manifest, self.worker = store, manifest, worker
         self.groups = groups
         self.part_rows, self.part_seconds = part_rows, part_seconds
-        self.group_ends = np.cumsum([len(g.members) for g in groups], dtype=np.int64)  # [G]
+        sizes = getattr(groups, "sizes", None)  # a lazy sequence (run/ranges.StoreGroups) knows them without building
+        self.group_ends = np.cumsum(sizes if sizes is not None else [len(g.members) for g in groups], dtype=np.int64)
         self.total = int(self.group_ends[-1]) if len(groups) else 0
         if not 0 <= first_row <= self.total:
             raise ValueError(f"worker {worker}: resume position {first_row} outside its {self.total} rows")
@@ -66,6 +67,8 @@ class PartSink:
             return []
         group = self.groups[first]
         done_in_group = self.position - (int(self.group_ends[first - 1]) if first else 0)
+        if hasattr(self.groups, "from_member"):  # groups built from the token store as they run
+            return self.groups.from_member(first, done_in_group)
         head = PrefixGroup(group.prefix, group.members[done_in_group:]) if done_in_group else group
         return [head, *self.groups[first + 1:]]
 
@@ -91,6 +94,8 @@ class PartSink:
         if group >= len(self.groups):
             raise RuntimeError(f"worker {self.worker}: the engine returned more rows than it was given")
         offset = self.position - (int(self.group_ends[group - 1]) if group else 0)
+        if hasattr(self.groups, "row_id"):
+            return self.groups.row_id(group, offset)
         return self.groups[group].members[offset].row_id
 
     def maybe_flush(self) -> None:
