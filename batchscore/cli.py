@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
-import click
 
-from batchscore import __version__
-from batchscore.errors import EXIT_CONFIG
-from batchscore.faults import fault_point
-from batchscore.run.run_files import exit_status  # also the CLI's: every escaped exception gets its exit code
+def _exit_130_on_sigterm(signum, frame) -> None:
+    """SIGTERM before the command installs its own handler (while Python imports click, numpy,
+    pyarrow, torch: a second or more): an interruption like any later one, exit 130, not a death
+    by the signal (-15) that a scheduler reads as a crash."""
+    os.write(2, b"error: interrupted by SIGTERM before the command started; nothing was written\n")
+    os._exit(130)  # EXIT_INTERRUPTED (errors.py), not imported yet on purpose
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "batchscore":  # the command, not a library import
+    signal.signal(signal.SIGTERM, _exit_130_on_sigterm)  # first thing: before the heavy imports below
+
+import json  # noqa: E402
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+
+from batchscore import __version__  # noqa: E402
+from batchscore.errors import EXIT_CONFIG  # noqa: E402
+from batchscore.faults import fault_point  # noqa: E402
+from batchscore.run.run_files import exit_status  # noqa: E402  (also the CLI's: every escaped exception gets its exit code)
 
 
 def _fail(message: str, code: int) -> None:
@@ -98,7 +111,10 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         batchscore run jobs/sample.yaml --set engine.dtype=bfloat16 -o scores.parquet
     """
     from batchscore.run.run_files import RunFiles
-    from batchscore.run.runner import Shard, run_job
+
+    files = RunFiles(metrics, metrics_prom, report, job, warn=lambda text: click.echo(f"warning: {text}", err=True))
+    previous = files.exit_on_sigterm()  # a SIGTERM before or after the run's block: exit 130 too (with metrics)
+    from batchscore.run.runner import Shard, run_job  # seconds of imports: after the handler
 
     try:
         parsed_shard = Shard.parse(shard) if shard else None
@@ -106,8 +122,6 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         _fail(str(exc), EXIT_CONFIG)
     if quiet:
         os.environ.setdefault("TQDM_DISABLE", "1")  # also the model loader's bars
-    files = RunFiles(metrics, metrics_prom, report, job, warn=lambda text: click.echo(f"warning: {text}", err=True))
-    previous = files.exit_on_sigterm()  # a SIGTERM before or after the run's block: exit 130 too
     try:
         with files.on_every_exit(report_written=lambda path: click.echo(f"report: {path}", err=True)):
             files.check()  # not over the job file, before it is even read

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,8 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 _SCALAR_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+# A number as YAML 1.2 writes it (1e-12, 5E3, .5): PyYAML (YAML 1.1) keeps an exponent without a dot as text.
+_FLOAT_TEXT = re.compile(r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?")
 
 
 def _build(cls, raw: Any, prefix: str, problems: list[str]):
@@ -206,7 +209,8 @@ def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             problems.append(f"{name}: expected a number or a word, got {value!r}")
             return _INVALID
-        return float(value) if isinstance(value, int) else value
+        return float(value) if isinstance(value, int) or (isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip())) \
+            else value
     if base == "list[str]":
         if isinstance(value, str):
             value = [value]
@@ -223,6 +227,8 @@ def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
     expected = {"int": int, "float": float, "bool": bool, "str": str}[base]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if expected is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+        return float(value)  # 1e-12: YAML 1.1 reads an exponent without a dot as text
     if expected is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):

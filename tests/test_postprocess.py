@@ -46,6 +46,9 @@ def test_changing_review_or_calibration_rederives_without_a_forward(tmp_path, fo
     second = run_job(job, progress=False)
     assert forwards[0] == 0  # no engine, no audit, no model loaded
     assert second.rederived and not second.skipped and second.rows == 30
+    assert first.processed_tokens > 0 and first.execution.batch_token_counts  # what the first run computed
+    # this run's own figures: nothing tokenized, nothing computed (not the scoring run's)
+    assert (second.processed_tokens, second.logical_tokens, second.execution.batch_token_counts) == (0, 0, [])
     after = pq.read_table(tmp_path / "out.parquet")
     assert after.select(RAW).equals(before.select(RAW))  # the raw columns, bit for bit
     assert {"p_cal_Yes", "p_cal_No", "confidence", "needs_review", "relevant"} <= set(after.column_names)

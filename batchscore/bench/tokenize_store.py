@@ -108,8 +108,12 @@ def _anon_of(pid: int) -> int:
         return 0
 
 
-def run_plan(job: Path, interval: float = 0.02) -> tuple[dict, float, int]:
-    """(`batchscore plan JOB --json`'s statistics, its wall seconds, its peak RssAnon in bytes)."""
+def run_plan(job: Path, interval: float = 0.02) -> tuple[dict, float, int, float]:
+    """(`batchscore plan JOB --json`'s statistics, its wall seconds, its peak RssAnon in bytes, its
+    CPU seconds: steadier than wall time on a shared machine)."""
+    import resource
+
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "batchscore.cli", "plan", str(job), "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -127,7 +131,9 @@ def run_plan(job: Path, interval: float = 0.02) -> tuple[dict, float, int]:
     sampler.join()
     if child.returncode != 0:
         raise click.ClickException(f"batchscore plan failed ({child.returncode}):\n{err[-3000:]}")
-    return json.loads(out.strip().splitlines()[-1]), seconds, peak[0]
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
+    return json.loads(out.strip().splitlines()[-1]), seconds, peak[0], cpu
 
 
 def tokenizer_baseline(job: dict, rows: int) -> tuple[int, float]:
@@ -181,11 +187,12 @@ def tokenize_store(kind: str, rows: int, group_size: int, baseline_rows: int, ch
         job = job_dict(source, text, chat)
         job_path = folder / "job.yaml"
         job_path.write_text(json.dumps(job))
-        stats, seconds, peak = run_plan(job_path)
+        stats, seconds, peak, cpu = run_plan(job_path)
         logical = stats["logical_tokens"]
         click.echo(f"batchscore plan: {stats['num_requests']:,} rows, {logical:,} tokens in {seconds:.1f} s "
-                   f"({logical / seconds:,.0f} tokens/s), peak RssAnon {peak / 2**30:.2f} GiB, "
-                   f"saving {stats['saving_ratio']:.1%}, {stats['num_groups']:,} groups")
+                   f"({logical / seconds:,.0f} tokens/s; {cpu:.1f} CPU s), peak RssAnon {peak / 2**30:.2f} GiB, "
+                   f"saving {stats['saving_ratio']:.1%}, {stats['num_groups']:,} groups; of which planning "
+                   f"{stats['plan_seconds']:.1f} s ({stats['plan_cpu_seconds']:.1f} CPU s)")
         if text:
             tokens, base_seconds = tokenizer_baseline(job, min(baseline_rows, rows))
             base_rate = tokens / base_seconds

@@ -119,6 +119,28 @@ def recorded_summary(files: OutputFiles) -> dict | None:
     return marker["summary"] if marker is not None else None
 
 
+def marker_problem(files: OutputFiles) -> str:
+    """Why `recorded_summary(files)` finds no summary, in words: no marker, an unreadable one, one
+    written by an older batchscore (no content digest), or an output that changed since."""
+    try:
+        text = files.marker.read_text()
+    except FileNotFoundError:
+        return f"has no completion marker ({files.marker.name}): it is not the output of a finished run"
+    except OSError as exc:
+        return f"has a completion marker that cannot be read ({files.marker.name}: {exc.strerror or exc})"
+    try:
+        marker = json.loads(text)
+    except ValueError:
+        return f"has a completion marker that is not JSON ({files.marker.name})"
+    if not isinstance(marker, dict) or not isinstance(marker.get("summary"), dict):
+        return f"has a completion marker without a run summary ({files.marker.name})"
+    if "output_sha256" not in marker:
+        return (f"has a completion marker written by an older batchscore ({files.marker.name} names its output by "
+                "size only, not by content, so it cannot vouch for this file); rerun the job that wrote it with "
+                "this version")
+    return f"changed since its completion marker was written ({files.marker.name} names another file's content)"
+
+
 def _read_marker(files: OutputFiles) -> dict | None:
     try:
         marker = json.loads(files.marker.read_text())

@@ -43,17 +43,22 @@ class FlatTokens:
         return cls(tokens, offsets)
 
 
-def _key_words(flat: FlatTokens, rows: np.ndarray, word: int, per_word: int, bits: int) -> np.ndarray:
-    """[len(rows)] uint64: tokens [word * per_word, (word + 1) * per_word) of each row, packed."""
-    starts = flat.offsets[rows]
-    lengths = flat.offsets[rows + 1] - starts
-    last = max(len(flat.tokens) - 1, 0)
-    key = np.zeros(len(rows), dtype=np.uint64)
-    for j in range(per_word):
-        at = word * per_word + j
-        inside = at < lengths
-        values = np.asarray(flat.tokens[np.minimum(starts + at, last)]).astype(np.uint64) + np.uint64(1)
-        key = (key << np.uint64(bits)) | np.where(inside, values, np.uint64(0))
+def _key_words(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, word: int, per_word: int,
+               bits: int, chunk: int = 1 << 16) -> np.ndarray:
+    """[len(rows)] uint64: tokens [word * per_word, (word + 1) * per_word) of each row, packed.
+    A row's tokens are read together ([chunk, per_word] at a time): one cache line per row."""
+    key = np.empty(len(rows), dtype=np.uint64)
+    last = max(len(tokens) - 1, 0)
+    columns = word * per_word + np.arange(per_word)
+    for lo in range(0, len(rows), chunk):
+        part = rows[lo : lo + chunk]
+        starts = offsets[part]
+        values = tokens[np.minimum(starts[:, None] + columns, last)].astype(np.uint64) + np.uint64(1)
+        values[columns >= (offsets[part + 1] - starts)[:, None]] = 0  # past the row's end
+        packed = values[:, 0]
+        for j in range(1, per_word):
+            packed = (packed << np.uint64(bits)) | values[:, j]
+        key[lo : lo + chunk] = packed
     return key
 
 
@@ -79,17 +84,29 @@ def sort_rows(flat: FlatTokens, max_token: int) -> tuple[np.ndarray, np.ndarray]
     lcp = np.zeros(n, dtype=np.int32)
     positions = order.copy()  # sorted positions still tied with a neighbour
     runs = None  # the first position of each one's tied run (all one run at first)
+    tokens, offsets = (a.view(np.ndarray) if isinstance(a, np.memmap) else a for a in (flat.tokens, flat.offsets))
     word = 0
     while len(positions) > 1:
         rows = order[positions]
-        key = _key_words(flat, rows, word, per_word, bits)
-        # runs are contiguous and ascending: sorting by (run, key) reorders rows within runs only
-        perm = np.argsort(key, kind="stable") if runs is None else np.lexsort((key, runs))
-        rows, key = rows[perm], key[perm]
-        del perm
-        order[positions] = rows
+        key = _key_words(tokens, offsets, rows, word, per_word, bits)
         if runs is None:
+            perm = np.argsort(key, kind="stable")
+            rows, key = rows[perm], key[perm]
+            del perm
+            order[positions] = rows
             runs = np.zeros(len(positions), dtype=index)
+        else:  # sort only the runs whose keys are out of order (a shared prefix leaves most in order)
+            same_run = runs[1:] == runs[:-1]
+            out_of_order = same_run & (key[1:] < key[:-1])
+            if out_of_order.any():
+                run_index = np.cumsum(~np.concatenate(([False], same_run))) - 1
+                needs = np.zeros(int(run_index[-1]) + 1, dtype=bool)
+                needs[run_index[1:][out_of_order]] = True
+                chosen = np.flatnonzero(needs[run_index])
+                # runs are contiguous and ascending: sorting by (run, key) reorders rows within runs only
+                perm = chosen[np.lexsort((key[chosen], runs[chosen]))]
+                rows[chosen], key[chosen] = rows[perm], key[perm]
+                order[positions[chosen]] = rows[chosen]
         same_run = runs[1:] == runs[:-1]
         equal = same_run & (key[1:] == key[:-1])
         ended = lengths[rows] <= (word + 1) * per_word

@@ -97,13 +97,13 @@ def check_calibration_source(config) -> None:
 def previous_calibration(config) -> dict:
     """The calibration recorded by `calibrate.from`'s completion marker; raises CalibrationError
     when there is none, or it is of another method, labels or normalization."""
-    from batchscore.output.parts import recorded_summary
+    from batchscore.output.parts import marker_problem, recorded_summary
 
     path = config.calibrate.from_
     summary = recorded_summary(layout.OutputFiles(path))
     if summary is None:
-        raise CalibrationError(f"calibrate.from: {path} has no completion marker matching it ({path}.complete.json); "
-                               "give the output of a finished run")
+        raise CalibrationError(f"calibrate.from: {path} {marker_problem(layout.OutputFiles(path))}; give the output of a "
+                               "finished run of this batchscore")
     recorded = summary.get("calibration") or {}
     if not isinstance(recorded, dict):
         raise CalibrationError(f"calibrate.from: {path}.complete.json: calibration is {type(recorded).__name__}, "

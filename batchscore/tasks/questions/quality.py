@@ -182,13 +182,13 @@ def previous_calibration(config, questions: Sequence) -> dict[str, dict]:
     """Question id -> the fitted values `calibrate.from`'s completion marker recorded for it;
     raises CalibrationError when a question, its options or the method differ."""
     from batchscore.output.layout import OutputFiles
-    from batchscore.output.parts import recorded_summary
+    from batchscore.output.parts import marker_problem, recorded_summary
 
     path = config.calibrate.from_
     summary = recorded_summary(OutputFiles(path))
     if summary is None:
-        raise CalibrationError(f"calibrate.from: {path} has no completion marker matching it ({path}.complete.json); "
-                               "give the output of a finished run")
+        raise CalibrationError(f"calibrate.from: {path} {marker_problem(OutputFiles(path))}; give the output of a "
+                               "finished run of this batchscore")
     recorded = summary.get("calibration") or {}
     method = config.score.calibrate
     if not isinstance(recorded, dict) or recorded.get("method") != method \
