@@ -195,9 +195,13 @@ def _rederive(source: JobSource, store: PartStore, done: dict, started: float) -
     errors, quality = result
     log.info("re-derived %s from its raw scores with this job's calibration and review: nothing scored",
              store.files.output)
-    return replace(RunSummary.from_dict(done), rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
+    previous = RunSummary.from_dict(done)
+    # nothing read as tokens, nothing computed: this run's figures, not the run that scored (as `merge`)
+    return replace(previous, rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
+                   logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
                    seconds=time.perf_counter() - started, skipped=False, rederived=True,
                    timing=Timing(write_seconds=time.perf_counter() - write_started), quality=quality,
+                   execution=replace(previous.execution, batch_token_counts=[]),
                    assembly_hash=_assembly_hash(source))
 
 
