@@ -126,8 +126,10 @@ def plan_rows(source: PlanRows, options: PlanOptions = PlanOptions()) -> MetaPla
     logical = int(lengths.sum())
     started, cpu_started = time.perf_counter(), time.process_time()
 
-    order, lcp = sort_rows(flat, source.max_token)
+    order, lcp = sort_rows(flat, source.max_token, lengths)
     nodes = _lcp_intervals(lcp)
+    saved_multilevel = int(lcp.sum(dtype=np.int64))  # logical - stored tokens: each sorted row stores len - lcp
+    del lcp
     plain_leaves = nodes.hi - nodes.lo
     shape_parent, shape_leaves = (_enlarge(nodes, options.block_size) if options.enlarge
                                   else (nodes.parent.copy(), plain_leaves.copy()))
@@ -145,7 +147,7 @@ def plan_rows(source: PlanRows, options: PlanOptions = PlanOptions()) -> MetaPla
         saved=_saved(nodes.depth[first], shape_leaves[first], rule),
         saved_plain=_saved(nodes.depth[plain_first], plain_leaves[plain_first], rule),
         saved_unaligned=_saved(nodes.depth[first], shape_leaves[first], SharingRule(options.min_prefix_tokens, 1)),
-        saved_multilevel=int(lcp.sum()),  # logical - stored tokens: each sorted row stores len - lcp
+        saved_multilevel=saved_multilevel,
         seconds=seconds, cpu_seconds=cpu_seconds, options=option_counts)
     return MetaPlan(rows, starts, prefix_lens, group_tokens, stats)
 
@@ -171,7 +173,7 @@ def _lcp_intervals(lcp: np.ndarray) -> _Nodes:
     depth, lo, hi, parent = array("q", [0]), array("q", [0]), array("q", [n]), array("q", [0])
     stack, stack_depth = [0], [0]
     changes = np.flatnonzero(np.diff(lcp)) + 1
-    for k, shared in zip(changes.tolist(), lcp[changes].tolist()):
+    for k, shared in _pairs(changes, lcp[changes]):
         bound = k - 1
         top_depth = stack_depth[-1]
         while shared < top_depth:
@@ -192,6 +194,12 @@ def _lcp_intervals(lcp: np.ndarray) -> _Nodes:
         parent[node] = below
     as_array = lambda values: np.frombuffer(values, dtype=np.int64).copy()  # noqa: E731
     return _Nodes(as_array(depth), as_array(lo), as_array(hi), as_array(parent))
+
+
+def _pairs(first: np.ndarray, second: np.ndarray, chunk: int = 1 << 18):
+    """zip(first, second) as Python ints, a chunk at a time (never two lists of N ints)."""
+    for lo in range(0, len(first), chunk):
+        yield from zip(first[lo : lo + chunk].tolist(), second[lo : lo + chunk].tolist())
 
 
 def _enlarge(nodes: _Nodes, block_size: int) -> tuple[np.ndarray, np.ndarray]:

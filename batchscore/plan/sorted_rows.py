@@ -73,11 +73,12 @@ def _equal_leading(x: np.ndarray, per_word: int, bits: int) -> np.ndarray:
     return count
 
 
-def sort_rows(flat: FlatTokens, max_token: int) -> tuple[np.ndarray, np.ndarray]:
+def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(order, lcp): row indices in lexicographic token order, and lcp[k] the common prefix
-    length of sorted rows k-1 and k (lcp[0] = 0). Reads the tokens; changes nothing."""
+    length of sorted rows k-1 and k (lcp[0] = 0), as int32 arrays (order int64 past 2**31
+    rows). Reads the tokens; changes nothing."""
     n = len(flat)
-    lengths = flat.lengths
+    lengths = flat.lengths if lengths is None else lengths
     per_word, bits = (4, 16) if max_token < 0xFFFF else (2, 32)
     index = np.int32 if n < 2**31 else np.int64  # row indices: half the memory on all but huge inputs
     order = np.arange(n, dtype=index)
@@ -127,4 +128,4 @@ def sort_rows(flat: FlatTokens, max_token: int) -> tuple[np.ndarray, np.ndarray]
         first = np.maximum.accumulate(np.where(starts, np.arange(len(positions), dtype=index), 0))
         positions, runs = positions[keep], positions[first][keep]
         word += 1
-    return order.astype(np.int64), lcp.astype(np.int64)
+    return order, lcp  # int32 (int64 past 2**31 rows)
