@@ -81,7 +81,7 @@ def test_bench_tiny_end_to_end(tmp_path, tiny_llama):
     table = (out / "results.md").read_text()
     assert "| micro-2000-200-d8 | torch |" in table and "| industry | plain |" in table
     if not vllm_available():
-        assert "vllm-shuffled | | | | | | | | | | | skipped: vLLM not importable" in table
+        assert "vllm-shuffled | | | | | | | | | | | | skipped: vLLM not importable" in table
 
     data = json.loads((out / "results.json").read_text())
     for w in data["workloads"]:
@@ -375,3 +375,25 @@ def test_decisions_bench_plain_side_on_the_real_model(tmp_path, model_dir):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "out.parquet")
     found, errors = output_probs(tmp_path / "out.parquet", reads)
     assert errors == 0 and max(np.abs(found[i] - probs[i]).max() for i in range(6)) < 1e-12
+
+
+def test_the_report_prints_vllm_on_sorted_order_beside_shuffled_in_each_dtype():
+    """The honest baseline (vLLM on prompts sorted by token ids) has its own column, per dtype."""
+    from batchscore.bench.report import markdown_table, to_json
+    from batchscore.bench.results import Throughput
+    from batchscore.bench.suite import SuiteResult, WorkloadResult
+
+    def run(name, dtype, seconds):
+        return Throughput(name, dtype, requests=10, seconds=seconds, logical_tokens=1000, processed_tokens=500)
+
+    workload = WorkloadResult("micro-1000-100-d16", "micro", 10, 1, 1000, 500, 0.5, runs=[
+        run(name, dtype, seconds) for dtype, scale in (("float32", 1.0), ("bfloat16", 0.5))
+        for name, seconds in (("torch", 1.0), ("vllm-shuffled", 8.0), ("vllm-sorted", 2.0))
+        for seconds in [seconds * scale]])
+    result = SuiteResult("ci", "float32", "m", {}, [workload], dtypes=("float32", "bfloat16"))
+    table = markdown_table(result)
+    assert "× vllm-shuffled | × vllm-sorted |" in table
+    assert "| micro-1000-100-d16 | torch float32 |" in table and "| 8.00x | 2.00x |" in table
+    assert "| micro-1000-100-d16 | vllm-sorted bfloat16 |" in table
+    runs = {(r["engine"], r["dtype"]): r for r in to_json(result)["workloads"][0]["runs"]}
+    assert runs[("torch", "bfloat16")]["speedup_over_vllm_sorted"] == pytest.approx(2.0)

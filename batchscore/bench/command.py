@@ -26,7 +26,7 @@ from batchscore.engines.shape import DTYPE_BYTES
 @click.option("--model", default=None, help="Built-in model name or local HF folder (default: the built-in model).")
 @click.option("--dtype", "dtypes", type=click.Choice(sorted(DTYPE_BYTES)), multiple=True, default=("float32",),
               show_default=True, help="Repeatable: --dtype float32 --dtype bfloat16 runs plain and torch in both, "
-                                      "interleaved (vLLM in the first). bfloat16 pays on CPUs with AVX512-BF16/AMX.")
+                                      "interleaved (vLLM too, one engine per dtype). bfloat16 pays on CPUs with AVX512-BF16/AMX.")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="torch.compile the torch engine's layers: auto = bfloat16 on a CPU with native bf16.")
 @click.option("--token-budget", type=click.IntRange(min=16), default=4096, show_default=True,

