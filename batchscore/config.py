@@ -219,6 +219,7 @@ class OutputConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options of an object-store path
     review: ReviewConfig | None = None  # a confidence threshold for an error budget: writes confidence and needs_review
     out_of_scope: OutOfScopeConfig | None = None  # writes out_of_scope: true for rows whose label_mass is below the floor
+    column_separator: str = "."  # joins a questions output's column names (<id>.<part>); "__" where a warehouse refuses dots. Identity: assembly (how columns are named, not what the scores are)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from batchscore.formats.registry import (input_names as input_format_names, job_
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
 from batchscore.scores.calibration import METHODS as CALIBRATION_METHODS
-from batchscore.output.layout import DEFAULT_ID, label_column
+from batchscore.output.layout import COLUMN_SEPARATORS, DEFAULT_ID, label_column
 from batchscore.scores.review import CONFIDENCE_METHODS
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
 from batchscore.prepare.options import NORMALIZE
@@ -50,6 +50,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "engine.device": ("cpu", "cuda", "auto"),
     "plan.order": ORDER_POLICIES,
     "output.format": output_format_names(),
+    "output.column_separator": COLUMN_SEPARATORS,
     "executor.kind": ("local", "ray"),
 }
 
@@ -295,6 +296,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     if config.plan.block_size is not None and config.plan.block_size < 1:
         problems.append("plan.block_size: must be ≥ 1")
     problems.extend(_not_allowed(config, "output.format"))
+    problems.extend(_not_allowed(config, "output.column_separator"))
     if not 0.0 <= config.output.max_error_rate <= 1.0:
         problems.append(f"output.max_error_rate: must be between 0 and 1, got {config.output.max_error_rate}")
     problems.extend(_not_allowed(config, "executor.kind"))

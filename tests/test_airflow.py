@@ -31,6 +31,7 @@ AIRFLOW_VERSION = os.environ.get("BATCHSCORE_AIRFLOW_VERSION", "3.3.2")
 AIRFLOW_2_VERSION = "2.11.2"  # the DAG still imports under 2.x
 BATCHSCORE_BIN = REPO / ".venv" / "bin" / "batchscore"
 SHIPPED_DAG = REPO / "jobs" / "airflow_dag.py"
+SHARDED_DAG = REPO / "jobs" / "airflow_sharded_dag.py"
 LOGICAL_DATE = "2026-01-02"
 # What pip says when it cannot reach the index (a version that does not exist fails the test instead).
 UNREACHABLE = ("NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
@@ -100,30 +101,35 @@ def task_tries(home: Path, dag_id: str) -> dict[str, dict]:
 def our_warnings(log: str) -> list[str]:
     """Warning lines that point at batchscore's files (Airflow's own internals may warn about theirs)."""
     return [line for line in log.splitlines()
-            if "warning" in line.lower() and ("airflow_dag.py" in line or f"{REPO}/batchscore" in line)]
+            if "warning" in line.lower() and ("_dag.py" in line or f"{REPO}/batchscore" in line)]
 
 
-@pytest.mark.parametrize("version", [AIRFLOW_VERSION, AIRFLOW_2_VERSION])
-def test_the_shipped_dag_imports_without_a_warning(version):
+@pytest.mark.parametrize("version, dag_file, expected", [
+    (AIRFLOW_VERSION, SHIPPED_DAG, "batchscore_nightly ['BatchscoreOperator'] 3"),
+    (AIRFLOW_2_VERSION, SHIPPED_DAG, "batchscore_nightly ['BatchscoreOperator'] 3"),
+    (AIRFLOW_VERSION, SHARDED_DAG, "batchscore_nightly_sharded ['BatchscoreOperator', 'BatchscoreOperator', "
+                                   "'BatchscoreOperator'] 3"),
+])
+def test_the_shipped_dag_imports_without_a_warning(version, dag_file, expected):
     """Airflow 3 (the Task SDK) and 2.x load the DAG with its one BatchscoreOperator, and nothing
     in the DAG or the operator warns (Airflow 2.x's own modules may warn about themselves)."""
     venv = build_airflow_venv(version)
     code = ("import runpy, warnings\n"
             "with warnings.catch_warnings(record=True) as seen:\n"
             "    warnings.simplefilter('always')\n"
-            f"    dag = runpy.run_path({str(SHIPPED_DAG)!r})['dag']\n"
+            f"    dag = runpy.run_path({str(dag_file)!r})['dag']\n"
             "import json; print(json.dumps([[w.filename, f'{w.category.__name__}: {w.message}'] for w in seen]))\n"
             "print(dag.dag_id, [type(t).__name__ for t in dag.tasks], dag.tasks[0].retries)\n")
     with tempfile.TemporaryDirectory() as home:
         done = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                              env=airflow_env(Path(home), SHIPPED_DAG.parent))
+                              env=airflow_env(Path(home), dag_file.parent))
     assert done.returncode == 0, done.stderr[-3000:]
     seen, dag = done.stdout.splitlines()[-2:]
     seen = json.loads(seen)
     assert [w for w in seen if w[0].startswith(str(REPO))] == [], "the DAG or the operator warned"
     if version.startswith("3."):
         assert seen == [], "Airflow 3 warned while importing the DAG"
-    assert dag == "batchscore_nightly ['BatchscoreOperator'] 3"
+    assert dag == expected
 
 
 def test_shipped_dag_retries_a_held_lock_resumes_and_pushes_the_metrics_once(airflow_venv, tmp_path):
@@ -182,6 +188,31 @@ def test_shipped_dag_retries_a_held_lock_resumes_and_pushes_the_metrics_once(air
     assert pq.read_table(output).num_rows == 200
 
 
+def test_sharded_dag_scores_one_shard_per_task_into_one_output(airflow_venv, tmp_path):
+    """jobs/airflow_sharded_dag.py with 2 shards: each task runs `--shard I/2` (the operator's
+    shard=), the second to finish writes the output; no lock file or parts folder is left."""
+    out_root = tmp_path / "scores"
+    data = write_sample_subset(tmp_path / "rows.parquet", queries=2, products=4)
+    job = write_job(tmp_path, data)
+    home = migrated_home(airflow_venv, tmp_path / "airflow", SHARDED_DAG.parent)
+    done = subprocess.run([str(airflow_venv / "bin" / "airflow"), "dags", "test", "batchscore_nightly_sharded",
+                           LOGICAL_DATE],
+                          env=airflow_env(home, SHARDED_DAG.parent, BATCHSCORE_JOB=str(job), BATCHSCORE_SHARDS="2",
+                                          BATCHSCORE_OUTPUT_ROOT=str(out_root)),
+                          capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-5000:]
+    tasks = task_tries(home, "batchscore_nightly_sharded")
+    assert {name: task["state"] for name, task in tasks.items()} == {"score_shard_0": "success",
+                                                                     "score_shard_1": "success"}
+    assert "--shard 0/2" in log and "--shard 1/2" in log
+    folder = out_root / LOGICAL_DATE
+    assert pq.read_table(folder / "scores.parquet").num_rows == 8
+    assert not list(folder.glob("*.lock")) and not (folder / "scores.parquet.parts").exists()
+    assert {json.loads((folder / f"metrics-shard-{i}.json").read_text())["status"] for i in range(2)} == {"ok"}
+    assert our_warnings(log) == []
+
+
 def failing_jobs(folder: Path) -> dict[int, Path]:
     """A small job for each exit code a retry cannot fix."""
     rows = write_sample_subset(folder / "rows.parquet", queries=2, product_ids=("P001",))
@@ -201,7 +232,17 @@ def failing_jobs(folder: Path) -> dict[int, Path]:
         6: job("unwritable", rows, output={"path": str(folder / "a_file" / "out.parquet")}),
         # bfloat16 scores against the audit's float32 forward, with a bound nothing meets
         7: job("audit", rows, engine={"dtype": "bfloat16"}, output={"audit_rows": 2, "audit_max_dp": 1e-9}),
+        8: job("no_numpy", rows),  # run by a Python without numpy (ENVS below): the wrong environment
     }
+
+
+def hidden_numpy(folder: Path) -> dict[int, dict[str, str]]:
+    """Per exit code, the environment its task's batchscore runs with: for 8, numpy hidden by a
+    module that fails as a missing one does (the `pip install --no-deps` Python of the README)."""
+    hide = folder / "hide_numpy"
+    hide.mkdir()
+    (hide / "numpy.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
+    return {8: {"PYTHONPATH": str(hide)}}
 
 
 FAILING_DAG = '''
@@ -215,11 +256,12 @@ except ImportError:
 from batchscore.airflow import BatchscoreOperator
 
 JOBS = {jobs!r}
+ENVS = {envs!r}
 
 with DAG(dag_id="batchscore_failures", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
          default_args={{"retries": 3, "retry_delay": timedelta(seconds=1)}}):
     for code, job in JOBS.items():
-        BatchscoreOperator(task_id=f"exit_{{code}}", job=job)
+        BatchscoreOperator(task_id=f"exit_{{code}}", job=job, env=ENVS.get(code, {{}}))
 '''
 
 
@@ -227,7 +269,8 @@ def test_exits_a_retry_cannot_fix_fail_the_task_without_a_retry(airflow_venv, tm
     jobs = failing_jobs(tmp_path)
     dags = tmp_path / "dags"
     dags.mkdir()
-    (dags / "failures.py").write_text(FAILING_DAG.format(jobs={code: str(path) for code, path in jobs.items()}))
+    (dags / "failures.py").write_text(FAILING_DAG.format(jobs={code: str(path) for code, path in jobs.items()},
+                                                         envs=hidden_numpy(tmp_path)))
     home = migrated_home(airflow_venv, tmp_path / "airflow", dags)
     done = subprocess.run([str(airflow_venv / "bin" / "airflow"), "dags", "test", "batchscore_failures"],
                           env=airflow_env(home, dags), capture_output=True, text=True, timeout=480)

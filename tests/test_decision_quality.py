@@ -177,6 +177,22 @@ def test_a_calibration_that_worsens_its_evaluation_records_is_not_applied(caplog
     assert result.calibration["questions"]["mood"]["applied"] is True
 
 
+def test_review_warnings_name_their_question_once_each(caplog):
+    """A budget no question can meet: each question's "no threshold" warning names it, once."""
+    rows = 30
+    kept = pa.table({"t_team": ["billing"] * rows, "t_refund": [True] * rows, "t_mood": [0] * rows})
+    config = config_from_dict(job(calibrate={"truth_columns": {"team": "t_team", "refund": "t_refund",
+                                                               "mood": "t_mood"}},
+                                  output={"review": {"max_error": 0.01, "confidence": 0.95}}))
+    with caplog.at_level("WARNING", logger="batchscore"):
+        _, _, result = add_question_quality(config, questions(), answers_from(made_up(rows)), kept,
+                                            pa.array(range(rows)))
+    warned = [r.getMessage() for r in caplog.records if "found no threshold" in r.getMessage()]
+    assert sorted(w.split(":")[0] for w in warned) == sorted(f"question {k!r}" for k in QUESTIONS)
+    assert len(set(warned)) == len(warned) == 3
+    assert all(result.review["questions"][k]["reason"] for k in QUESTIONS)
+
+
 @pytest.mark.parametrize("key, value, index", [
     ("team", "shipping", 1), ("team", " other ", 3), ("team", "Shipping", None),
     ("refund", True, 0), ("refund", "no", 1), ("refund", "YES", 0), ("refund", 0, 1), ("refund", "maybe", None),

@@ -167,6 +167,21 @@ def _output(path, ids, p_yes, errors=()):
     return path
 
 
+def test_the_runs_diagnostic_columns_are_not_listed_as_kept_columns(tmp_path):
+    """logp_<label>, output.top_token's columns and approx_keep are the run's, not the input's."""
+    path = _output(tmp_path / "out.parquet", ["a", "b"], [0.3, 0.8])
+    table = pq.read_table(path)
+    for name, values in (("logp_Yes", [-1.0, -0.2]), ("logp_No", [-0.4, -1.6]), ("argmax_is_label", [True, False]),
+                         ("top_token", ["Yes", "The"]), ("top_p", [0.5, 0.4]), ("approx_keep", [0.5, 0.5])):
+        table = table.append_column(name, pa.array(values))
+    pq.write_table(table, path)
+    assert set(load_output(path).kept) == {"query"}
+    write_report(path)
+    html = (tmp_path / "out.parquet.report.html").read_text()
+    kept_row = html.split("keep columns", 1)[1].split("</tr>", 1)[0]
+    assert "query" in kept_row and not any(n in kept_row for n in ("logp_", "top_token", "top_p", "approx_keep"))
+
+
 @pytest.fixture
 def two_nights(tmp_path):
     # previous: a..e, g (e an error); current: b..g and f (a gone, f new, g now an error)

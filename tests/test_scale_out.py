@@ -61,10 +61,12 @@ def test_merge_names_the_missing_shard(job_factory, grouped_input, tmp_path):
     job = job_factory(grouped_input)
     output = tmp_path / "out.parquet"
     assert invoke("run", job, "-q", "-o", output, "--shard", "1/2").exit_code == 0
+    assert not list(tmp_path.glob("*.lock"))  # a finished shard leaves no lock file (nothing of it to resume)
     result = invoke("merge", job, "--shards", "2", "-o", output)
     assert result.exit_code == EXIT_CONFIG
     assert "shard-0-of-2" in result.output
     assert invoke("run", job, "-q", "-o", output, "--shard", "2/2").exit_code == EXIT_CONFIG
+    assert not list(tmp_path.glob("*.lock"))
 
 
 def _ray_workers() -> list[int]:

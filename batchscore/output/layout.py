@@ -105,6 +105,10 @@ class OutputFiles:
 # ---------------------------------------------------------------------------- columns
 
 DEFAULT_ID = "row_id"  # the id column when input.id_column is unset (the input row number)
+# output.column_separator: what joins a questions output's column names (`<id>.<part>`); "__" for a
+# warehouse that refuses dots in a column name (BigQuery). The Parquet schema records it (SEPARATOR_KEY).
+COLUMN_SEPARATORS = (".", "__")
+SEPARATOR_KEY = "batchscore.column_separator"
 LABEL = "label"  # the most probable label
 LABEL_MASS = "label_mass"  # the options' probabilities summed, before normalizing
 CHOICE = "choice"  # the most probable of the row's own options

@@ -7,6 +7,7 @@ same folder, then renamed), so a reader never sees a partial output.
 from __future__ import annotations
 
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,24 @@ def scores_table(ids: pa.Array, id_name: str, kept: pa.Table, scores: dict[str, 
     columns[layout.STATUS] = pa.array(np.where(ok, layout.STATUS_OK, layout.STATUS_ERROR), type=pa.string())
     columns[layout.ERROR] = pa.array([errors.get(i) for i in range(n)], type=pa.string())
     return pa.table(columns)
+
+
+def provenance(job) -> dict[str, str]:
+    """What an output's Parquet schema records about the run of `job` (a PreparedJob) that wrote it,
+    so a warehouse load keeps it beside the data: the model, the job's identity hash (the
+    completion marker's `output_hash`), the batchscore version and the UTC time of writing."""
+    from batchscore import __version__
+    from batchscore.output.identity import identity_hash
+
+    return {"batchscore.model": str(job.config.model), "batchscore.job_hash": identity_hash(job.source.identity),
+            "batchscore.version": __version__,
+            "batchscore.run_time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def with_metadata(table: pa.Table, metadata: dict[str, str]) -> pa.Table:
+    """`table` with `metadata` added to its schema's (the data columns untouched)."""
+    return table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                          **{k.encode(): v.encode() for k, v in metadata.items()}})
 
 
 def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:

@@ -50,6 +50,7 @@ class PreparedInput:
     locations: RowLocations | None = None  # row id -> file:line (labels jobs read from files)
     task_input: object | None = None  # what the job's task keeps besides the rows (questions: the records)
     record_count: int | None = None  # input rows, when the rows are not them (questions: each record is read per question)
+    record_of: object | None = None  # [num_rows] numpy: each row's record, when the rows are not the records (progress)
 
     @property
     def num_records(self) -> int:

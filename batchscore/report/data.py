@@ -82,7 +82,9 @@ def load_output(path: str | os.PathLike, id_column: str | None = None, table=Non
                   if layout.calibrated_column(label) in names}
     quality = {layout.calibrated_column(label) for label in calibrated} | (
         {layout.CONFIDENCE, layout.NEEDS_REVIEW, layout.OUT_OF_SCOPE} & set(names))  # written by batchscore, not kept
-    result = set(RESULT_COLUMNS) | set(label_columns) | {id_column} | quality
+    # the run's own diagnostics (logp_<label>, output.top_token's columns, approx_keep) are not kept input columns
+    diagnostics = {layout.logp_column(label) for label in labels} | set(layout.TOP_COLUMNS) | {layout.APPROX_KEEP}
+    result = set(RESULT_COLUMNS) | set(label_columns) | {id_column} | quality | (diagnostics & set(names))
     return ScoredOutput(
         path=path,
         id_column=id_column,

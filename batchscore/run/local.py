@@ -26,6 +26,7 @@ def score_locally(engine: Engine, sink: PartSink, label_ids: Sequence[int] | Non
     the rows scored so far are flushed as a part and RunInterrupted is raised. `where` names a
     row in its error (its file:line; default "row N").
     """
+    progress.start()  # the engine is loaded: scoring time (and the bar's ETA) starts here
     with stop_signals() as stop:
         for result in score_with_row_errors(engine, sink.remaining_groups(), label_ids, where, fail_fast=True):
             record(result, sink, progress)

@@ -184,23 +184,8 @@ def assembly_config(config: JobConfig) -> dict:
     for key in ("review", "out_of_scope"):
         if getattr(config.output, key) is not None:
             data[key] = dataclasses.asdict(getattr(config.output, key))
-    return data
-
-
-
-def assembly_config(config: JobConfig) -> dict:
-    """The job keys that act on the raw scores after scoring (calibration, confidence, review,
-    out-of-scope); {} at their defaults. Changing only these re-derives the output without scoring."""
-    data = {}
-    if config.score.calibrate != "none":
-        data["calibrate"] = config.score.calibrate
-    if config.score.confidence != "top":
-        data["confidence"] = config.score.confidence
-    if config.calibrate != CalibrateConfig():
-        data["calibrate_section"] = dataclasses.asdict(config.calibrate)
-    for key in ("review", "out_of_scope"):
-        if getattr(config.output, key) is not None:
-            data[key] = dataclasses.asdict(getattr(config.output, key))
+    if config.output.column_separator != ".":  # how a questions output names its columns, not what it scores
+        data["column_separator"] = config.output.column_separator
     return data
 
 

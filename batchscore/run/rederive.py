@@ -28,7 +28,7 @@ from batchscore.output import layout
 from batchscore.formats import write_output
 from batchscore.scores.quality import QualityResult, add_quality_columns, content_free_rows
 from batchscore.prepare.options import choices_for_output
-from batchscore.output.table import ok_rows, scores_table
+from batchscore.output.table import ok_rows, provenance, scores_table, with_metadata
 from batchscore.prepare.source import PreparedJob
 
 log = logging.getLogger("batchscore")
@@ -76,7 +76,8 @@ def rederive_output(job: PreparedJob, files) -> tuple[dict[int, str], QualityRes
                                                                           config.output.logprobs) + top}
     columns, quality = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids, choices, None)
     approx = config.engine.speculative.keep if config.engine.speculative is not None else None
-    table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=approx)
+    table = with_metadata(scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=approx),
+                          provenance(job))
     write_output(table, files.output, config.output_format, id_name=id_name, labels=config.labels,
                  model=str(config.model), error_path=files.errors)
     return errors, quality

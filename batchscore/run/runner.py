@@ -142,8 +142,25 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
                 write_completion_marker(files, output_hash, summary.to_dict(stored=True))
                 fault_point("marker")
                 store.finish()
-        lock.release(remove=summary.complete)
+        # a shard whose share is scored needs no lock file either (the set's last shard writes the output)
+        lock.release(remove=summary.complete or (shard is not None and _share_done(store, writer)))
     return _checked(summary, config) if summary.complete else summary
+
+
+@contextmanager
+def _merge_lock_removed(lock):
+    """A merge leaves no lock file, done or refused: it only keeps two merges apart, and has nothing
+    of its own to resume."""
+    try:
+        yield
+    finally:
+        lock.release(remove=True)
+
+
+def _share_done(store: PartStore, writer: str) -> bool:
+    """Whether `writer`'s manifest records its whole share scored (nothing left to resume)."""
+    manifest = store.sibling_manifests([writer])[0]
+    return manifest is not None and manifest.complete
 
 
 @contextmanager
@@ -250,7 +267,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
                       config.output.part_rows, config.output.part_seconds) for w in my_workers]
     rows_left = sum(s.total - s.position for s in sinks)
     resolved = _decide_compile(source.engine, config.engine, job, worker_groups, rows_left)
-    bar = RowProgress(rows_left, progress)
+    bar = RowProgress.for_sinks(sinks, progress, job.input.record_of)  # counts records, as the summary does
     batch_tokens: list[int] = []
     try:
         if any(not s.done for s in sinks):
@@ -326,7 +343,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     source = open_job(config, output=files)
     job = prepare_job(config, tokenize=False, source=source)
     names = [Shard(i, count).name for i in range(count)]
-    with OutputLock(files, MERGE_WRITER) as lock, _output_errors(files.output):
+    with OutputLock(files, MERGE_WRITER) as lock, _output_errors(files.output), _merge_lock_removed(lock):
         store = PartStore(files, Shard(0, count).name, guard=lock.check)
         if not store.folder.exists() and file_size(files.path) is not None:
             return None  # another merge finished while this one started

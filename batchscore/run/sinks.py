@@ -115,20 +115,59 @@ class PartSink:
 
 
 class RowProgress:
-    """A tqdm bar over rows with logical tokens/s (counted per completed group); no-op when off."""
+    """A tqdm bar over the rows this run scores with logical tokens/s (counted per completed
+    group); no-op when off. `records`: each of those rows' record, for a task that reads a record
+    several times (questions: once per question): the bar then counts records, as the run summary
+    does, each when its last row is done.
 
-    def __init__(self, total_rows: int, enabled: bool):
+    The bar shows at once ("loading the engine"); its clock starts with `start()`, when scoring
+    begins, so the engine's load never counts as scoring time; the ETA is the remaining count at the
+    mean rate since then (smoothing 0: an engine's passes finish rows in bursts, so the last burst's
+    rate would swing it)."""
+
+    def __init__(self, total_rows: int, enabled: bool, records: dict[int, int] | None = None):
         self.bar = None
-        if enabled and total_rows:
+        self.records = records  # row id -> its record, for the rows this run scores (None: rows are records)
+        self.left: dict[int, int] = {}  # record -> its rows still to come
+        for record in (records or {}).values():
+            self.left[record] = self.left.get(record, 0) + 1
+        total, unit = (len(self.left), "record") if records is not None else (total_rows, "row")
+        if enabled and total:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_rows, unit="row", desc="scoring", dynamic_ncols=True)
+            self.bar = tqdm(total=total, unit=unit, desc="loading the engine", dynamic_ncols=True, smoothing=0,
+                            mininterval=0.5)
         self.tokens = 0
         self.started = time.perf_counter()
 
-    def row_done(self) -> None:
+    @classmethod
+    def for_sinks(cls, sinks: Sequence[PartSink], enabled: bool, record_of: np.ndarray | None = None) -> "RowProgress":
+        """The bar of the rows `sinks` still score; `record_of` ([rows] each row's record, or None
+        when the rows are the records) makes it count records."""
+        total = sum(s.total - s.position for s in sinks)
+        if record_of is None or not enabled:
+            return cls(total, enabled)
+        rows = [m.row_id for s in sinks for g in s.remaining_groups() for m in g.members]
+        return cls(total, enabled, {row: int(record_of[row]) for row in rows if row < len(record_of)})
+
+    def start(self) -> None:
+        """Scoring begins now: the time before (reading, planning, loading the engine) is not its."""
+        self.started = time.perf_counter()
         if self.bar is not None:
+            self.bar.set_description_str("scoring", refresh=False)
+            self.bar.reset(total=self.bar.total)  # n 0 and the clock from now: the rate and ETA are scoring's
+
+    def row_done(self, row_id: int | None = None) -> None:
+        if self.bar is None:
+            return
+        if self.records is None:
             self.bar.update(1)
+            return
+        record = self.records.get(row_id)
+        if record is not None:
+            self.left[record] -= 1
+            if self.left[record] == 0:
+                self.bar.update(1)
 
     def group_done(self, group: PrefixGroup) -> None:
         if self.bar is not None:
@@ -143,7 +182,7 @@ class RowProgress:
 
 def record(result: RawScores, sink: PartSink, progress: RowProgress) -> bool:
     """Hand one result to its sink and count it; True when it completed a group."""
-    progress.row_done()
+    progress.row_done(result.row_id)
     if not sink.add(result):
         return False
     progress.group_done(sink.groups[sink.next_group - 1])

@@ -366,9 +366,10 @@ def _counts(p: np.ndarray, ok: np.ndarray, labels: list[str]) -> dict[str, int]:
 
 
 def review_column(config, p: np.ndarray, num_options: np.ndarray, mass: np.ndarray, conf: np.ndarray, ok: np.ndarray,
-                  truth: np.ndarray, eval_rows: np.ndarray, truth_source: str) -> tuple[pa.Array, dict]:
+                  truth: np.ndarray, eval_rows: np.ndarray, truth_source: str, what: str = "") -> tuple[pa.Array, dict]:
     """(the needs_review column, the review summary); raises CalibrationError without labeled rows
-    (naming `truth_source`, where the true labels were read)."""
+    (naming `truth_source`, where the true labels were read). `what` names the question in the log
+    lines (a questions job reviews each on its own: one line each, never the same line twice)."""
     settings = config.output.review
     if not len(eval_rows):
         raise CalibrationError(f"output.review: needs evaluation rows with a true label in {truth_source}; "
@@ -391,11 +392,12 @@ def review_column(config, p: np.ndarray, num_options: np.ndarray, mass: np.ndarr
                "confidence_method": config.score.confidence, **chosen.to_dict(),
                "accepted_rows": int(accept.sum()), "review_rows": int((ok & ~accept).sum()),
                "by_confidence": by_definition}
-    log.info("review: threshold %s accepts %d of %d scored rows (coverage %.1f%% of %d evaluation rows)",
+    where = f"{what}: " if what else ""
+    log.info("%sreview: threshold %s accepts %d of %d scored rows (coverage %.1f%% of %d evaluation rows)", where,
              "none" if chosen.threshold is None else f"{chosen.threshold:.4g}", summary["accepted_rows"],
              int(ok.sum()), 100 * chosen.coverage, chosen.rows)
     if chosen.reason:
-        log.warning("output.review found no threshold, so every row needs review: %s", chosen.reason)
+        log.warning("%soutput.review found no threshold, so every row needs review: %s", where, chosen.reason)
     return pa.array(~accept, mask=~ok, type=pa.bool_()), summary
 
 

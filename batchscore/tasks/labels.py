@@ -13,7 +13,7 @@ from batchscore.formats import write_output
 from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.scores.job_checks import common_quality_problems
 from batchscore.output.layout import DEFAULT_ID, TOP_COLUMNS, calibrated_column, label_column, output_columns
-from batchscore.output.table import ok_rows, scores_table
+from batchscore.output.table import ok_rows, provenance, scores_table, with_metadata
 from batchscore.plan.types import Request
 from batchscore.prepare.read import load_tokenizer, make_renderer, prepare_input, prompt_limits
 from batchscore.prepare.source import JobSource, PreparedJob
@@ -171,6 +171,7 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
     columns, result = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids,
                                           choices_for_output(prepared.choices, ok), content_free)
     table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=approx_keep)
+    table = with_metadata(table, provenance(job))  # model, job hash, version, run time: not the data
     if table.num_rows != prepared.num_rows:  # the invariant: every input row exactly once
         raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
     fault_point("assemble")

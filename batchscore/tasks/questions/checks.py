@@ -10,6 +10,7 @@ from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.output.layout import ERROR, STATUS
 from batchscore.scores.calibration import FITTED
 from batchscore.tasks.questions.answers import table_column_types
+from batchscore.tasks.questions.columns import joined
 from batchscore.tasks.questions.files import ANSWERS
 from batchscore.tasks.questions.quality import QUESTION_METHODS, column_types
 from batchscore.tasks.questions.requests import parse_systemone
@@ -73,7 +74,13 @@ def output_columns(config: JobConfig) -> tuple[set[str], list[str]]:
     if both:
         problems.append(f"questions: {both[0]!r} is both a question's answer column and a calibration or review "
                         "column of another; rename a question id or an option")
-    return generated | set(columns) | set(judged), problems
+    sep, keys = config.output.column_separator, [str(q.key) for q in questions]
+    named = {joined(name, keys, sep) for name in [*columns, *judged]}  # as the output names them
+    dots = sorted(name for name in named if "." in name)
+    if sep != "." and dots:  # the separator's promise: no column name holds a dot
+        problems.append(f"output.column_separator {sep!r}: the column {dots[0]!r} would still hold a dot (a "
+                        "question id or option with one); rename it, or keep the separator '.'")
+    return generated | named, problems
 
 
 def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:

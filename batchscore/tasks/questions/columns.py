@@ -51,3 +51,48 @@ def missing_question_columns(names: list[str], key: str) -> list[str]:
     """The columns every question has (EVERY_QUESTION) that question `key` lacks."""
     present = set(names)
     return [column(key, part) for part in EVERY_QUESTION if column(key, part) not in present]
+
+
+# ---------------------------------------------------------------------------- output.column_separator
+# The columns are named `<id>.<part>[.<option>]` everywhere inside batchscore; the writer joins them
+# with the job's separator instead (`joined`), and the report reads them back (`dotted`).
+
+PER_OPTION = (P, P_CAL)  # the parts followed by an option
+
+
+def joined(name: str, keys: list[str], sep: str) -> str:
+    """Question column `name` (`<id>.<part>[.<option>]` of one of `keys`) with its parts joined by
+    `sep`: `team.p_cal.billing` → `team__p_cal__billing`. Other names come back unchanged."""
+    key = max((k for k in keys if name.startswith(k + ".")), key=len, default=None)
+    if sep == "." or key is None:
+        return name
+    return key + sep + _rest(name[len(key) + 1:], ".", sep)
+
+
+def dotted(names: list[str], sep: str) -> dict[str, str]:
+    """Each of `names` (an output's columns, joined by `sep`) → its name inside batchscore (`.`)."""
+    if sep == ".":
+        return {name: name for name in names}
+    keys = [name[: -len(sep + STATUS)] for name in names if name.endswith(sep + STATUS)]
+    out = {}
+    for name in names:
+        key = max((k for k in keys if name.startswith(k + sep)), key=len, default=None)
+        out[name] = name if key is None else key + "." + _rest(name[len(key) + len(sep):], sep, ".")
+    return out
+
+
+def _rest(rest: str, old: str, new: str) -> str:
+    """A column's `<part>[<old><option>]` with `new` between the part and the option."""
+    part = next((p for p in PER_OPTION if rest.startswith(p + old)), None)
+    return rest if part is None else part + new + rest[len(part) + len(old):]
+
+
+def separator_of(names: list[str], metadata: dict | None) -> str:
+    """The separator an output's question columns are joined by: the one its Parquet schema records
+    (output/layout.SEPARATOR_KEY), else the one that names a question (JSON Lines keep no schema)."""
+    from batchscore.output.layout import COLUMN_SEPARATORS, SEPARATOR_KEY
+
+    recorded = (metadata or {}).get(SEPARATOR_KEY.encode())
+    if recorded is not None:
+        return recorded.decode()
+    return next((sep for sep in COLUMN_SEPARATORS if question_keys(list(dotted(names, sep).values()))), ".")

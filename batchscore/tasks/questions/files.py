@@ -31,7 +31,8 @@ from batchscore.output.token_usage import prompt_usage
 from batchscore.scores.quality import QualityResult
 from batchscore.output.raw_scores import RowScores
 from batchscore.row_errors import FAILED, RowError, no_result
-from batchscore.output.table import write_parquet_atomic
+from batchscore.output.table import with_metadata
+from batchscore.tasks.questions.columns import joined
 from batchscore.tasks.questions.requests import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT, parse_systemone
 from batchscore.tasks.questions.records import DecisionInput, Record
 
@@ -72,17 +73,18 @@ def record_answers(record: Record, logp: list, errors: dict[int, str], tops: lis
 
 
 def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: RowScores, errors: dict[int, str],
-                          files: OutputFiles, model: str, requests: list | None = None
-                          ) -> tuple[dict[int, str], QualityResult]:
+                          files: OutputFiles, model: str, requests: list | None = None,
+                          provenance: dict[str, str] | None = None) -> tuple[dict[int, str], QualityResult]:
     """Write the output of a decision job (and, for a batch file, its error file) atomically.
     Returns (record -> error for the records that are errors (the run's failed rows), what
-    calibration and review did (tasks/questions/quality.py))."""
+    calibration and review did (tasks/questions/quality.py)). `provenance`: what a table's schema
+    records about the run (output/table.provenance)."""
     logp = scores.logp.to_pylist()
     tops = scores.top_logp.to_pylist() if scores.top_logp is not None else None
     if getattr(output_format_of(config), "response_lines", False):  # one Batch API line per record
         usage = prompt_usage(requests) if requests else {}  # read -> its prompt's (tokens, cached tokens)
         return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels), usage), QualityResult()
-    return _write_table(config, decisions, logp, tops, errors, files)
+    return _write_table(config, decisions, logp, tops, errors, files, provenance or {})
 
 
 def _write_batch(decisions: DecisionInput, logp: list, tops: list | None, errors: dict[int, str], files: OutputFiles,
@@ -144,7 +146,7 @@ def _record_body(record: Record, logp: list, tops: list | None, errors: dict[int
 
 
 def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: list | None, errors: dict[int, str],
-                 files: OutputFiles) -> tuple[dict[int, str], QualityResult]:
+                 files: OutputFiles, provenance: dict[str, str]) -> tuple[dict[int, str], QualityResult]:
     """One row per record: id, kept columns, each top-level question's columns, their calibration
     and review columns, the per-row answers (with input.questions_column), then the record's status
     and error."""
@@ -194,10 +196,10 @@ def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: 
         columns[ANSWERS] = pa.array(answers_json, type=pa.string())
     columns[layout.STATUS] = pa.array(status, type=pa.string())
     columns[layout.ERROR] = pa.array(error, type=pa.string())
-    table = pa.table(columns)
+    sep = config.output.column_separator  # `<id>.<part>` inside batchscore; joined by the job's separator here
+    table = pa.table({joined(name, [str(q.key) for q in fixed], sep): values for name, values in columns.items()})
     metadata = {f"batchscore.{k}": v for k, v in run_metadata(decisions).items()}
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **{k.encode(): v.encode()
-                                                                               for k, v in metadata.items()}})
+    table = with_metadata(table, {**metadata, **provenance, layout.SEPARATOR_KEY: sep})
     write_output(table, files.output, config.output_format, id_name=config.input.id_column or layout.DEFAULT_ID,
                  labels=list(config.labels), model=str(config.model), error_path=files.errors)
     return failed, quality

@@ -157,7 +157,7 @@ def add_question_quality(config, questions: Sequence, answers: list[list | None]
         elif config.output.review is not None:
             conf = review.confidence(np.nan_to_num(final_p, nan=0.0), num_options, mass, config.score.confidence)
             array, reviewed_[q] = review_column(config, final_p, num_options, mass, conf, ok, truth, eval_rows,
-                                               f"calibrate.truth_columns.{q} ({column!r})")
+                                               f"calibrate.truth_columns.{q} ({column!r})", f"question {q!r}")
             columns[question_column(q, NEEDS_REVIEW)] = array.to_pylist()
         if config.output.out_of_scope is not None:
             array, scoped[q] = out_of_scope_column(config, mass, ok, eval_rows)

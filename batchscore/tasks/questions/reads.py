@@ -141,8 +141,11 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
         check_unique_ids(id_array, id_column)
     decisions = DecisionInput(records, id_array, concat_tables(kept) if keep else pa.table({}), read_tokens)
     with_kinds(errors)  # every other read error is its record's own input (row_errors.py)
+    record_of = np.zeros(reads, dtype=np.int64)  # read -> its record: the progress bar counts records
+    for index, record in enumerate(records):
+        record_of[record.first_read:record.first_read + record.num_reads] = index
     return PreparedInput(reads, pa.array(np.arange(reads, dtype=np.int64)), pa.table({}), requests, errors,
-                         task_input=decisions, record_count=decisions.num_records)
+                         task_input=decisions, record_count=decisions.num_records, record_of=record_of)
 
 
 def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource, max_length, vocab_size,

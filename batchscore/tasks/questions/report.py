@@ -24,7 +24,7 @@ from batchscore.tasks.questions.columns import (ARGMAX_IS_LABEL, CHOICE, CONFIDE
                                                 NOT_ASKED, OUT_OF_SCOPE, P, P_CAL, P_YES, SCORE, STATUS,
                                                 is_question_column, missing_question_columns, question_keys)
 from batchscore.tasks.questions.columns import column as question_column
-from batchscore.report.page import PLAIN_TEXT, document, figure, img, num, pct, section, table
+from batchscore.report.page import PLAIN_TEXT, document, escape, figure, img, num, pct, section, table
 
 LOW_MASS = 0.5  # label mass under this: the model mostly answered something else
 BINS = np.linspace(0.0, 1.0, 11)
@@ -138,7 +138,9 @@ def render_questions(path: Path, output, summary: RunSummary | None, metrics_not
     levels = _score_levels(output, summary)
     with rc_context(PLAIN_TEXT):
         sections = [_overview(output, questions, calibration, metrics_note)]
-        sections += [_question_section(q, calibration.get(q.key), levels.get(q.key)) for q in questions]
+        reviews = ((summary.quality.review if summary else None) or {}).get("questions") or {}
+        sections += [_question_section(q, calibration.get(q.key), levels.get(q.key), reviews.get(q.key))
+                     for q in questions]
     return document(path, [("summary", "summary")] + [(f"q-{q.key}", q.key) for q in questions], sections)
 
 
@@ -205,7 +207,24 @@ def _ece(info: dict | None) -> str:
     return f"{num(info['before'].get('ece'), 4)} → {num(after.get('ece'), 4)}"
 
 
-def _question_section(q: QuestionReport, calibration: dict | None, levels: list[str] | None = None) -> str:
+def review_text(review: dict | None, needs_review: int | None) -> str | None:
+    """What output.review did for one question, as the labels report says it: the threshold and
+    what it accepts, or why there is none (every record then needs review)."""
+    if not review:
+        return None
+    if review.get("reviewed") is False:
+        return f"not reviewed: {review.get('reason') or 'no truth column'}"
+    budget = f"error budget {pct(review['max_error'])}" if review.get("max_error") is not None else "the error budget"
+    if review.get("threshold") is None:
+        return (f"output.review found no threshold whose accepted records stay within the {budget}, so every "
+                f"record needs review ({needs_review or 0:,})" + (f": {review['reason']}" if review.get("reason") else ""))
+    return (f"output.review's threshold {review['threshold']:.4g} accepts {review.get('accepted_rows', 0):,} records "
+            f"and sends {review.get('review_rows', needs_review or 0):,} to review ({budget}, chosen on "
+            f"{review.get('rows', 0):,} evaluation records)")
+
+
+def _question_section(q: QuestionReport, calibration: dict | None, levels: list[str] | None = None,
+                      review: dict | None = None) -> str:
     answers = (sorted(q.answers, key=int) if q.kind == "score"  # levels in order, others most common first
                else sorted(q.answers, key=lambda a: (-q.answers[a], a)))
 
@@ -234,6 +253,13 @@ def _question_section(q: QuestionReport, calibration: dict | None, levels: list[
     if q.errors:
         parts.append(table(["error", "records"], sorted(((m, f"{n:,}") for m, n in q.errors.items()),
                                                          key=lambda r: r[0])[:10]))
+    said = review_text(review, q.needs_review)
+    if said:
+        parts.append(f'<p class="note">{escape(said)}</p>')
+    if calibration and calibration.get("applied") is False:
+        raw = ("the calibration made the held-out records worse in log-loss, so it was not applied: the answers "
+               "above are the raw ones (the p_cal columns are written for inspection)")
+        parts.append(f'<p class="note">{escape(raw)}</p>')
     if calibration and calibration.get("before"):
         measures = [m for m in ("ece", "brier", "nll", "accuracy") if m in calibration["before"]]
         after = calibration.get("after") or {}

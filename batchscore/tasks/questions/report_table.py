@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 
+from batchscore.formats.openai_batch import REQUEST_ID, line_request_id
 from batchscore.output import layout
 from batchscore.tasks.questions.columns import (ARGMAX_IS_LABEL, CHOICE, CONFIDENCE, ERROR, EVERY_QUESTION, LABEL_MASS,
                                                 NOT_ASKED, P, P_YES, SCORE, STATUS, column, is_question_column,
-                                                key_of, question_keys)
+                                                dotted, key_of, question_keys, separator_of)
 from batchscore.tasks.questions.files import ANSWERS
 
 
-def answers_table(records: list[tuple[object, dict | None, str | None]], id_name: str = "custom_id"):
+def answers_table(records: list[tuple[object, dict | None, str | None]], id_name: str = REQUEST_ID):
     """The questions table layout (`<id>.…` columns, answers.py) of answered decision
     records, so the questions page reads decision batch lines and per-row questions alike.
     records: (id, answers keyed by question id (System One) or a list with `name`s (OpenAI
@@ -96,7 +97,7 @@ def is_answered_line(line: dict) -> bool:
 
 def lines_table(lines: list[dict], failed: list[tuple[object, str]]):
     """Answered decision lines, and the batch's failed lines ((custom_id, error)), as the page's table."""
-    return answers_table([(line.get("custom_id"), answers_of(line), None) for line in lines]
+    return answers_table([(line_request_id(line), answers_of(line), None) for line in lines]
                          + [(custom_id, None, error) for custom_id, error in failed])
 
 
@@ -107,7 +108,12 @@ def lines_left_out(count: int) -> str:
 
 def with_row_answers(table):
     """A table of per-row questions (`input.questions_column`: each row's answers as JSON in the
-    `answers` column, and no fixed question columns) in the questions layout; other tables as they are."""
+    `answers` column, and no fixed question columns) in the questions layout, and question columns
+    joined by another `output.column_separator` named as inside batchscore (`<id>.<part>`); other
+    tables as they are."""
+    sep = separator_of(table.column_names, table.schema.metadata)
+    if sep != ".":
+        table = table.rename_columns(list(dotted(table.column_names, sep).values()))
     names = table.column_names
     if ANSWERS not in names or question_keys(names) or layout.STATUS not in names:
         return table

@@ -11,6 +11,7 @@ from batchscore.faults import fault_point
 from batchscore.scores.job_checks import common_quality_problems
 from batchscore.prepare.read import load_tokenizer, prompt_limits
 from batchscore.prepare.source import PreparedJob
+from batchscore.output.table import provenance
 from batchscore.task import Task, TaskPage, register
 from batchscore.tasks.questions import checks
 from batchscore.tasks.questions.columns import question_keys
@@ -49,7 +50,7 @@ def _assemble(job, scores, errors: dict[int, str], content_free, files, approx_k
     """Reads gathered back into records: one response body or table row per record."""
     fault_point("assemble")
     failed, quality = write_decision_output(job.config, job.input.task_input, scores, errors, files,
-                                            str(job.config.model), job.input.requests)
+                                            str(job.config.model), job.input.requests, provenance(job))
     fault_point("output")
     return failed, quality
 
