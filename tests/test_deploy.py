@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -155,3 +156,34 @@ def _ray_processes(temp_dir: Path) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+ARRAY = DEPLOY / "slurm-array.sbatch"
+
+
+def test_slurm_array_script_is_valid_bash():
+    done = subprocess.run(["bash", "-n", str(ARRAY)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    text = ARRAY.read_text()
+    assert text.startswith("#!/bin/bash\n") and "SLURM_ARRAY_TASK_ID" in text and "input.filter." in text
+
+
+@pytest.mark.slow  # a real run of one partition on the built-in model
+def test_slurm_array_task_scores_its_own_partition(tmp_path, job_factory):
+    """Task I of the array (outside Slurm: SLURM_ARRAY_TASK_ID) reads partition I of a hive-partitioned
+    input and writes that partition's own complete output."""
+    rows = pq.read_table(write_sample_subset(tmp_path / "rows.parquet", queries=3, product_ids=("P001", "P002")))
+    for product in ("P001", "P002"):
+        folder = tmp_path / "input" / f"product={product}"
+        folder.mkdir(parents=True)
+        pq.write_table(rows.filter(pc.equal(rows.column("product_id"), product)).drop(["product_id"]),
+                       folder / "rows.parquet")
+    job = job_factory(tmp_path / "input", output={"keep_columns": []})
+    env = dict(os.environ, BATCHSCORE_BIN=str(REPO / ".venv" / "bin" / "batchscore"), BATCHSCORE_JOB=str(job),
+               BATCHSCORE_PARTITION_KEY="product", BATCHSCORE_PARTITIONS="P001 P002", SLURM_ARRAY_TASK_ID="1",
+               BATCHSCORE_OUTPUT_ROOT=str(tmp_path / "out"))
+    done = subprocess.run(["bash", str(ARRAY)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    table = pq.read_table(tmp_path / "out" / "product=P002" / "scores.parquet")
+    assert table.num_rows == 3 and set(table.column("status").to_pylist()) == {"ok"}
+    assert not (tmp_path / "out" / "product=P001").exists()
