@@ -8,14 +8,16 @@ and path resolution live in jobfile.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from batchscore.models import DEFAULT_MODEL
+
+FORMAT_REGISTRY = "batchscore.formats.registry"  # resolves output.format auto (JobConfig.output_format)
 
 
 class _JobYamlLoader(yaml.SafeLoader):
@@ -254,11 +256,11 @@ class JobConfig:
 
     @property
     def output_format(self) -> str:
-        """output.format, `auto` resolved: openai_batch for an openai_batch input, jsonl for a
-        .jsonl/.ndjson output path, else parquet."""
+        """output.format, `auto` resolved by the registered wire formats (formats/registry.py
+        `resolve_output`): an input answered in its own format (openai_batch), else the format whose
+        output suffixes the output path ends with (.jsonl, .ndjson: jsonl), else parquet. The
+        registry is loaded on first use, as every registry is (registry.py), so this floor names
+        no format."""
         if self.output.format != "auto":
             return self.output.format
-        if self.input.format == "openai_batch":
-            return "openai_batch"
-        suffix = Path(str(self.output.path or "")).suffix.lower()
-        return "jsonl" if suffix in (".jsonl", ".ndjson") else "parquet"
+        return importlib.import_module(FORMAT_REGISTRY).resolve_output(self)

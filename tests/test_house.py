@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from batchscore import task as task_module
 from batchscore.output.layout import OutputFiles
 
@@ -69,3 +71,147 @@ def test_no_task_reaches_back_into_the_stages_that_call_it():
     assert len(tasks) > 5 and "batchscore.prepare.read" in reachable("batchscore.tasks.labels")  # the walk sees imports
     back = {m: sorted(hit) for m in tasks if (hit := reachable(m) & {"batchscore.prepare.job", "batchscore.jobfile"})}
     assert not back, back
+
+
+# ---------------------------------------------------------------------------- the three exercises, done for real
+#
+# Each toy is one module, written here to a temporary folder and imported: that module (plus, for a
+# built-in variant, its line in the registry's BUILT_IN) is all a new variant touches.
+
+TOY_CSV = '''
+"""A toy wire format: CSV, read batch by batch and written with pyarrow.csv."""
+import pyarrow.csv as pacsv
+
+from batchscore.formats.registry import WireFormat, register
+from batchscore.io.readers import InputBatch
+
+
+def read_csv(path, batch_rows, columns, json_columns):
+    table = pacsv.read_csv(path)
+    names = table.column_names
+    wanted = [c for c in (columns or names) if c in names]
+    for start in range(0, max(table.num_rows, 1), batch_rows):
+        part = table.slice(start, batch_rows).select(wanted)
+        yield InputBatch(path, start + 2, part, [None] * part.num_rows, names)  # line 1 is the header
+
+
+def write_csv(table, path, **_):
+    pacsv.write_csv(table, path)
+
+
+CSV = register(WireFormat("csv", suffixes=(".csv",), read=read_csv, write=write_csv))
+'''
+
+
+def _import_toy(tmp_path, monkeypatch, name: str, source: str):
+    import importlib
+    import textwrap
+
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module(name)
+
+
+def test_a_toy_csv_wire_format_is_one_module(tmp_path, monkeypatch, small_input, job_factory):
+    """Registered from its own module, a CSV format is read by suffix (`input.format: auto`), written
+    for an `auto` output named .csv, and fingerprinted for the run like any other format."""
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from batchscore.formats.registry import unregister
+    from batchscore.jobfile import load_job
+    from batchscore.run.runner import run_job
+
+    source = tmp_path / "input.csv"
+    pacsv.write_csv(pq.read_table(small_input), source)
+    try:
+        _import_toy(tmp_path, monkeypatch, "toy_csv_format", TOY_CSV)
+        config = load_job(job_factory(source, output={"path": str(tmp_path / "scores.csv")}))
+        assert config.output_format == "csv"
+        summary = run_job(config, progress=False)
+        assert summary.complete and summary.rows == 12 and summary.rows_error == 0
+        table = pacsv.read_csv(tmp_path / "scores.csv")
+        assert table.column("pair_id").to_pylist() == pq.read_table(small_input).column("pair_id").to_pylist()
+        total = [a + b for a, b in zip(table.column("p_Yes").to_pylist(), table.column("p_No").to_pylist())]
+        assert all(abs(t - 1) < 1e-6 for t in total)
+        assert run_job(config, progress=False).skipped  # the CSV input's fingerprint holds: nothing to do
+    finally:
+        unregister("csv")
+        sys.modules.pop("toy_csv_format", None)
+
+
+TOY_PAIRWISE = '''
+"""A toy task: which of two responses is better, P(A), one column per input row."""
+import pyarrow as pa
+
+from batchscore.formats import write_output
+from batchscore.output.layout import DEFAULT_ID
+from batchscore.output.table import ok_rows, scores_table
+from batchscore.scores.normalize import score_columns
+from batchscore.scores.quality import QualityResult
+from batchscore.task import Task, register
+from batchscore.tasks.labels import prepare
+
+FIELDS = ("{prompt}", "{response_a}", "{response_b}")
+
+
+def claims(config, files):
+    return bool(config.prompt.template) and all(f in config.prompt.template for f in FIELDS)
+
+
+def job_problems(config):
+    return [] if list(config.labels) == ["A", "B"] else ["labels: a pairwise job scores the labels [A, B]"]
+
+
+def assemble(job, scores, errors, content_free, files, approx_keep):
+    config, prepared = job.config, job.input
+    ok = ok_rows(prepared.num_rows, errors)
+    columns = score_columns(labels=["A", "B"], choices=None, scores=scores, ok=ok)
+    id_name = config.input.id_column or DEFAULT_ID
+    table = scores_table(prepared.ids, id_name, prepared.kept, {"p_a": columns["p_A"]}, errors)
+    write_output(table, files.output, config.output_format, id_name=id_name, labels=["A", "B"],
+                 model=str(config.model), error_path=files.errors, row_errors=errors)
+    return errors, QualityResult()  # no calibration or review
+
+
+PAIRWISE = register(Task(
+    name="pairwise", claims=claims, job_problems=job_problems,
+    output_columns=lambda config: ({"p_a"}, []),
+    quality_problems=lambda config, asked: [f"{asked[0]}: not for pairwise jobs"] if asked else [],
+    check_calibration_source=lambda config: None, prepare=prepare, assemble=assemble,
+    summary=lambda prepared: {}, row_name=lambda prepared, row: f"pair {row}",
+))
+'''
+
+
+def test_a_toy_pairwise_task_is_one_module(tmp_path, monkeypatch, job_factory):
+    """A pairwise task (prompt, response_a, response_b -> P(A)) registered from its own module runs a
+    whole job: the job file's checks are its own, and its output holds its one column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchscore.errors import JobConfigError
+    from batchscore.jobfile import load_job
+    from batchscore.run.runner import run_job
+    from batchscore.task import unregister
+
+    pairs = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"id": ["p1", "p2", "p3"], "prompt": ["2+2?", "Capital of France?", "Color of grass?"],
+                             "response_a": ["4", "Paris", "Green"], "response_b": ["5", "Lyon", "Blue"]}), pairs)
+    prompt = {"chat": True, "template": "Question: {prompt}\nA: {response_a}\nB: {response_b}\nWhich answer is right, "
+                                        "A or B?"}
+    try:
+        _import_toy(tmp_path, monkeypatch, "toy_pairwise_task", TOY_PAIRWISE)
+        with pytest.raises(JobConfigError, match="a pairwise job scores the labels"):
+            load_job(job_factory(pairs, input={"path": str(pairs), "id_column": "id"}, prompt=prompt))
+        config = load_job(job_factory(pairs, input={"path": str(pairs), "id_column": "id"}, prompt=prompt,
+                                      labels=["A", "B"], output={"path": str(tmp_path / "pairs.out.parquet"),
+                                                                 "keep_columns": []}))
+        summary = run_job(config, progress=False)
+        assert summary.complete and summary.rows == 3 and summary.rows_error == 0
+        table = pq.read_table(tmp_path / "pairs.out.parquet")
+        assert table.column_names == ["id", "p_a", "status", "error"]
+        assert all(0 < p < 1 for p in table.column("p_a").to_pylist())
+    finally:
+        unregister("pairwise")
+        sys.modules.pop("toy_pairwise_task", None)

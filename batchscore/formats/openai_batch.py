@@ -222,10 +222,11 @@ def response_line(key: str, custom_id: str | None, body: dict) -> str:
                       ensure_ascii=False)
 
 
-def error_line(key: str, custom_id: str | None, error: str) -> str:
-    """A failed request's error-file line (`error`: its RowError; the kind picks the status)."""
+def error_line(key: str, custom_id: str | None, error: str, *, ascii_only: bool = False) -> str:
+    """A failed request's error-file line (`error`: its RowError; the kind picks the status).
+    `ascii_only`: escaped JSON, writable whatever the client sent (a lone surrogate in its id)."""
     return json.dumps({"id": f"batch_req_{key}", REQUEST_ID: custom_id, "response": error_response(key, error),
-                       "error": None}, ensure_ascii=False)
+                       "error": None}, ensure_ascii=ascii_only)
 
 
 def cancelled_line(custom_id: str | None, number: int, error: dict) -> str:

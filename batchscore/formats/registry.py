@@ -51,6 +51,11 @@ class WireFormat:
     response_lines: bool = False
     keeps_raw_columns: bool = False
     job_problems: Callable[..., list[str]] | None = None
+    output_suffixes: tuple[str, ...] | None = None  # what `output.format: auto` writes in it (None: `suffixes`)
+
+    @property
+    def auto_output_suffixes(self) -> tuple[str, ...]:
+        return self.suffixes if self.output_suffixes is None else self.output_suffixes
 
 
 _FORMATS: Registry[WireFormat] = Registry(BUILT_IN, lambda fmt: (fmt.write or fmt.read).__module__)
@@ -110,6 +115,21 @@ def requests_in_lines(config) -> bool:
     columns a job names."""
     wire = named_input_format(config)
     return wire is not None and not wire.named_columns
+
+
+DEFAULT_OUTPUT = "parquet"  # output.format auto, for a path no format's suffix claims
+
+
+def resolve_output(config) -> str:
+    """`output.format: auto` (JobConfig.output_format): the input's format when it answers its own
+    requests line by line (OpenAI Batch), else the writing format whose output suffixes the output
+    path ends with, else DEFAULT_OUTPUT."""
+    wire = named_input_format(config)
+    if wire is not None and wire.response_lines and wire.write is not None:
+        return wire.name
+    suffix = Path(str(config.output.path or "")).suffix.lower()
+    return next((name for name, f in formats().items() if f.write is not None and suffix
+                 and suffix in f.auto_output_suffixes), DEFAULT_OUTPUT)
 
 
 def output_format_of(config) -> WireFormat | None:

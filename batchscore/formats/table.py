@@ -32,4 +32,5 @@ def _finite(row: dict) -> dict:
 
 PARQUET = register(WireFormat("parquet", suffixes=(".parquet", ".pq"), dataset=True, write=write_parquet,
                               keeps_raw_columns=True))
-JSONL = register(WireFormat("jsonl", suffixes=(".jsonl", ".ndjson", ".json"), read=read_jsonl, write=write_jsonl))
+JSONL = register(WireFormat("jsonl", suffixes=(".jsonl", ".ndjson", ".json"), read=read_jsonl, write=write_jsonl,
+                            output_suffixes=(".jsonl", ".ndjson")))

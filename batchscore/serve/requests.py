@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from batchscore.formats.openai_batch import CHAT_URLS
+from batchscore.formats.openai_batch import CHAT_URLS, REQUEST_ID, line_request_id
+from batchscore.formats.openai_batch import error_line as batch_error_line
+from batchscore.row_errors import INPUT, RowError
 from batchscore.io.readers import lone_surrogate_field, without_bom
 
 LABELS_KEY = "labels"  # batch metadata key: a JSON list of label texts, in a string value
@@ -117,7 +119,7 @@ def sort_lines(path: Path, shown_as: str, endpoint: str, model: str | list[str],
                                         f"{max_requests} per batch"})
     if doubled is not None:  # as the Batch API: the batch fails, `line` the first repeat
         custom_id, number = doubled
-        out.problems.append({"code": "duplicate_custom_id", "line": number, "param": "custom_id",
+        out.problems.append({"code": "duplicate_custom_id", "line": number, "param": REQUEST_ID,
                              "message": f"{shown_as}:{number}: custom_id {custom_id!r} appears {ids[custom_id]} "
                                         f"times (first on line {first_line[custom_id]}); each must be unique"})
     if out.total == 0:
@@ -138,7 +140,7 @@ def _check_line(raw: bytes, endpoint: str, names: list[str], labels: list[str] |
         return None, "JSON nested too deeply to read", None
     if not isinstance(value, dict):
         return None, f"expected a JSON object, got {type(value).__name__}", None
-    custom_id = value.get("custom_id")
+    custom_id = line_request_id(value)
     if not isinstance(custom_id, str) or not custom_id:
         return None, "custom_id: missing or not a string", None
     if lone_surrogate_field(custom_id) is not None:  # answered under it (escaped), never run
@@ -172,11 +174,7 @@ def _check_line(raw: bytes, endpoint: str, names: list[str], labels: list[str] |
 def error_line(custom_id: str | None, message: str, number: int) -> str:
     """One error-file line, shaped as the job's own error lines (formats/openai_batch.py). ASCII
     JSON: whatever the client sent (a lone surrogate in its custom_id), the line can be written."""
-    key = f"line{number}"
-    response = {"status_code": 400, "request_id": key,
-                "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                   "code": "invalid_request"}}}
-    return json.dumps({"id": f"batch_req_{key}", "custom_id": custom_id, "response": response, "error": None})
+    return batch_error_line(f"line{number}", custom_id, RowError(INPUT, message), ascii_only=True)
 
 
 def write_job_input(source: Path, target: Path, lines: set[int]) -> None:

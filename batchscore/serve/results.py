@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from batchscore.formats.openai_batch import NOT_SCORED_CODE
+from batchscore.formats.openai_batch import NOT_SCORED_CODE, line_request_id
+from batchscore.formats.openai_batch import cancelled_line as batch_cancelled_line
 
 CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request ran."}
 
@@ -59,8 +60,7 @@ def _shown_as(line: str, model: str) -> str:
 
 def cancelled_line(custom_id: str | None, number: int) -> str:
     """A request that never ran, as the Batch API writes one of a cancelled batch."""
-    return json.dumps({"id": f"batch_req_line{number}", "custom_id": custom_id, "response": None,
-                       "error": CANCELLED}, ensure_ascii=False)
+    return batch_cancelled_line(custom_id, number, CANCELLED)
 
 
 def cancelled_if_not_run(line: str) -> str:
@@ -79,7 +79,7 @@ def custom_ids(source: Path, numbers: set[int]) -> list[tuple[int, str]]:
     with source.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             if number in numbers:
-                found.append((number, json.loads(raw)["custom_id"]))
+                found.append((number, line_request_id(json.loads(raw))))
     return found
 
 

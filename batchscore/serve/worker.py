@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from batchscore.errors import EXIT_AUDIT, EXIT_ERROR_RATE, EXIT_LOCKED
+from batchscore.formats.openai_batch import line_request_id
 from batchscore.output.layout import OutputFiles
 from batchscore.serve.progress import JobProgress, RecordProgress
 from batchscore.serve.results import (batch_usage, cancelled_if_not_run, cancelled_line, custom_ids, job_lines, lines,
@@ -344,7 +345,7 @@ class Worker:
 
     def _checked(self, batch_id: str, ok_lines: list[str], error_lines: list[str], total: int) -> bool:
         """Every request once across the two files, else the batch fails (a bug, said as one)."""
-        seen = Counter(json.loads(line)["custom_id"] for line in ok_lines + error_lines)
+        seen = Counter(line_request_id(json.loads(line)) for line in ok_lines + error_lines)
         doubled = [custom_id for custom_id, n in seen.items() if n > 1 and custom_id is not None]
         if len(ok_lines) + len(error_lines) == total and not doubled:
             return True
