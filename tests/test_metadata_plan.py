@@ -83,8 +83,7 @@ def test_rows_with_options_keep_them_and_count_them():
 
 
 @pytest.mark.parametrize("name", ["table3_a", "table3_b", "microbench", "industry"])
-@pytest.mark.parametrize("options", [PlanOptions(), PlanOptions(block_size=16), PlanOptions(order="input"),
-                                     PlanOptions(enlarge=False, block_size=32)])
+@pytest.mark.parametrize("options", [PlanOptions(block_size=16), PlanOptions(order="input", enlarge=False, block_size=32)])
 def test_metadata_plan_on_the_generated_workloads(name, options):
     params = {"industry": {"num_requests": 3000}}.get(name, {})
     prompts = WORKLOADS[name](**params)
