@@ -174,3 +174,24 @@ def test_tokenize_store_bench_plans_generated_text_and_compares_the_tokenizer(tm
     assert result.exit_code == 0, result.output
     assert "batchscore plan: 500 rows" in result.output and "peak RssAnon" in result.output
     assert "ratio (plan tokens/s / tokenizer tokens/s):" in result.output
+
+
+def test_a_resumed_run_reuses_the_store_and_never_tokenizes_again(tmp_path, monkeypatch):
+    """The same job again (same identity) takes the complete store as it is: the same rows, errors
+    and label ids, and the reader is never asked to tokenize; another model or input rebuilds."""
+    import batchscore.store.build as build
+    from batchscore.jobfile import load_job
+    from batchscore.run.open import open_job
+
+    from tests.conftest import REPO
+
+    config = load_job(REPO / "jobs" / "sample.yaml", output=str(tmp_path / "out" / "scores.parquet"))
+    first_job, first = build.build_store(open_job(config), tmp_path / "tokens")
+    stamp = (tmp_path / "tokens" / "tokens.i32").stat().st_mtime_ns
+    monkeypatch.setattr(build, "_labels_into", lambda *a: pytest.fail("tokenized again"))
+    job, store = build.build_store(open_job(config), tmp_path / "tokens")
+    assert (tmp_path / "tokens" / "tokens.i32").stat().st_mtime_ns == stamp
+    assert store.num_rows == first.num_rows and store.tokens_of(7).tolist() == first.tokens_of(7).tolist()
+    assert job.label_ids == first_job.label_ids and job.input.errors == first_job.input.errors
+    assert job.input.num_rows == first_job.input.num_rows and job.input.ids.equals(first_job.input.ids)
+    assert build.TokenStore.reusable(tmp_path / "tokens", {**open_job(config).identity, "model": "other"}) is None

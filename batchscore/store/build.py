@@ -29,13 +29,19 @@ log = logging.getLogger("batchscore")
 _WRITE_BATCH = 8192  # requests written to the store per call when a reader returns them whole
 
 
-def build_store(source: JobSource, folder, progress: Callable[[int], None] | None = None
+def build_store(source: JobSource, folder, progress: Callable[[int], None] | None = None, reuse: bool = True
                 ) -> tuple[PreparedJob, TokenStore]:
-    """Tokenize `source`'s rows into a new store in `folder` (anything there is replaced).
-    Returns the PreparedJob (ids, kept columns, errors; `input.requests` empty when the rows
-    streamed into the store) and the store. Raises what the task's reader raises."""
-    writer = StoreWriter(folder, source.identity)
+    """Tokenize `source`'s rows into a new store in `folder` (anything there is replaced), or, with
+    `reuse`, take the complete store already there when it was built from the same content
+    (`source.identity`: input, prompt, labels, model and tokenizer files, software): a resumed
+    run never tokenizes again. Returns the PreparedJob (ids, kept columns, errors; `input.requests`
+    empty when the rows streamed into the store) and the store. Raises what the task's reader raises."""
     config = source.config
+    if reuse and source.identity:
+        store = TokenStore.reusable(folder, source.identity)
+        if store is not None:
+            return _reused(source, store, progress), store
+    writer = StoreWriter(folder, source.identity)
     if source.task.name == "labels" and config.input.synthetic is None:
         job = _labels_into(writer, source, progress)
     else:
@@ -61,6 +67,17 @@ def _release_read_buffers() -> None:
 
     pa.default_memory_pool().release_unused()
     release_free_memory()
+
+
+def _reused(source: JobSource, store: TokenStore, progress) -> PreparedJob:
+    """The PreparedJob of a job whose store is reused: its ids and kept columns read again
+    (cheap: no rendering, no tokenizing), its errors, label ids and content-free row from the store."""
+    job = source.task.prepare(source.config, source, False, progress)
+    job.input.errors = store.errors
+    job.label_ids = store.label_ids
+    job.content_free = store.request(store.num_rows - 1) if store.manifest.get("content_free") else None
+    log.info("reused the token store in %s: %d rows, not tokenized again", store.folder, store.num_rows)
+    return job
 
 
 def _labels_into(writer: StoreWriter, source: JobSource, progress) -> PreparedJob:
