@@ -20,6 +20,31 @@ from batchscore.models import DEFAULT_MODEL
 FORMAT_REGISTRY = "batchscore.formats.registry"  # resolves output.format auto (JobConfig.output_format)
 
 
+# Each key states its identity rule beside its definition (field metadata "identity", read by
+# run/open.py `scoring_config` and `assembly_config`): SCORING — a raw score may change with it, so
+# it is part of the scoring identity (another value is another job: parts are not reused);
+# ASSEMBLY — it acts on the raw scores after scoring (another value re-derives or re-assembles the
+# output, run/rederive.py); NEITHER — where things go, how the run is spread or checked; SECTION —
+# a section whose keys state their own. A rule may depend on the job (a callable of the JobConfig);
+# `value(config, output_files)` gives the value the identity records when it is not the key's own.
+SCORING, ASSEMBLY, NEITHER, SECTION = "scoring", "assembly", "neither", "section"
+IDENTITY = "identity"
+
+
+def key(default: Any = dataclasses.MISSING, *, identity, factory: Any = dataclasses.MISSING, **metadata: Any):
+    """A job key: its default (or `factory`) and its identity rule, beside its definition."""
+    return field(default=default, default_factory=factory, metadata={IDENTITY: identity, **metadata})
+
+
+def _calibrate_rule(config) -> str:
+    """score.calibrate: contextual calibration scores a content-free input beside the rows (without
+    calibrate.from), so it is scoring; every other method acts on the raw scores."""
+    return SCORING if config.score.calibrate == "contextual" and config.calibrate.from_ is None else ASSEMBLY
+
+
+CALIBRATE_RULE = _calibrate_rule
+
+
 class _JobYamlLoader(yaml.SafeLoader):
     """Safe YAML with YAML 1.2 booleans: only true/false, so `labels: [Yes, No]` stays text."""
 
@@ -110,144 +135,144 @@ def _check_duplicate_keys(node: yaml.MappingNode, loader: yaml.SafeLoader) -> No
 class SyntheticInput:
     """A generated workload (benchmarks): `workload` names a generator in batchscore.prepare.synthetic."""
 
-    workload: str = ""  # a generator in batchscore.prepare.synthetic, e.g. table3_a
-    params: dict[str, Any] = field(default_factory=dict)  # the generator's keyword arguments
+    workload: str = key("", identity=SCORING)  # a generator in batchscore.prepare.synthetic, e.g. table3_a
+    params: dict[str, Any] = key(factory=dict, identity=SCORING)  # the generator's keyword arguments
 
 
 @dataclass
 class InputConfig:
-    path: str | None = None  # a file, a folder or a glob of .parquet / .jsonl files; local, file://, s3://, gs://, az://
-    format: str = "auto"  # auto (by suffix) | parquet | jsonl | openai_batch (OpenAI Batch API requests)
-    id_column: str | None = None  # a unique row id carried to the output; default: the row number
-    token_ids_column: str | None = None  # pre-tokenized prompts: no template or tokenizer needed
-    choices_column: str | None = None  # a list<string> column: each row scored over its own options
-    questions_column: str | None = None  # decisions: a column of per-row questions (a System One map, JSON)
-    batch_rows: int = 8192  # rows per Arrow record batch while reading
-    synthetic: SyntheticInput | None = None  # benchmarks: generated token ids instead of files
-    filter: dict[str, Any] = field(default_factory=dict)  # hive partition column -> value or [values]
-    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options of an object-store path
+    path: str | None = key(None, identity=SCORING)  # a file, a folder or a glob of .parquet / .jsonl files; local, file://, s3://, gs://, az://
+    format: str = key("auto", identity=SCORING)  # auto (by suffix) | parquet | jsonl | openai_batch (OpenAI Batch API requests)
+    id_column: str | None = key(None, identity=SCORING)  # a unique row id carried to the output; default: the row number
+    token_ids_column: str | None = key(None, identity=SCORING)  # pre-tokenized prompts: no template or tokenizer needed
+    choices_column: str | None = key(None, identity=SCORING)  # a list<string> column: each row scored over its own options
+    questions_column: str | None = key(None, identity=SCORING)  # decisions: a column of per-row questions (a System One map, JSON)
+    batch_rows: int = key(8192, identity=SCORING)  # rows per Arrow record batch while reading
+    synthetic: SyntheticInput | None = key(None, identity=SCORING)  # benchmarks: generated token ids instead of files
+    filter: dict[str, Any] = key(factory=dict, identity=SCORING)  # hive partition column -> value or [values]
+    storage_options: dict[str, Any] = key(factory=dict, identity=NEITHER)  # fsspec options of an object-store path
 
 
 @dataclass
 class PromptConfig:
-    template: str | None = None  # "{column}" fields only (engine format), or a jinja template
-    system: str | None = None  # a system message (chat) or text put before the template
-    chat: bool = False  # render through the model's chat template (a user turn, then the assistant's)
-    engine: str = "format"  # format ({column}) | jinja (sandboxed jinja2)
-    state_columns: list[str] | None = None  # decisions: the state is a JSON object of these columns
+    template: str | None = key(None, identity=SCORING)  # "{column}" fields only (engine format), or a jinja template
+    system: str | None = key(None, identity=SCORING)  # a system message (chat) or text put before the template
+    chat: bool = key(False, identity=SCORING)  # render through the model's chat template (a user turn, then the assistant's)
+    engine: str = key("format", identity=SCORING)  # format ({column}) | jinja (sandboxed jinja2)
+    state_columns: list[str] | None = key(None, identity=SCORING)  # decisions: the state is a JSON object of these columns
 
 
 @dataclass
 class SpeculativeConfig:
     """`engine.speculative`: speculative prefill (approximate; see engines/speculative/kept_tokens.py)."""
 
-    keep: float = 0.3  # fraction of each prompt's tokens the main model runs
-    speculator: str = "layers:8"  # layers:N (the model's own first N layers) or a same-tokenizer model
-    chunk: int = 32  # tokens are kept in chunks of this many
-    pool: int = 13  # average-pooling kernel over the importance
+    keep: float = key(0.3, identity=SCORING)  # fraction of each prompt's tokens the main model runs
+    speculator: str = key("layers:8", identity=SCORING)  # layers:N (the model's own first N layers) or a same-tokenizer model
+    chunk: int = key(32, identity=SCORING)  # tokens are kept in chunks of this many
+    pool: int = key(13, identity=SCORING)  # average-pooling kernel over the importance
 
 
 @dataclass
 class EngineConfig:
-    kind: str = "torch"  # a registered kind (engines/registry.py): torch | vllm | auto (torch wherever it can run the job)
-    dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
-    device: str = "auto"  # torch engine: cpu | cuda | auto (cuda when a GPU is visible)
-    token_budget: int = 4096  # tokens per forward batch
-    max_length: int | None = None  # longest prompt scored; default: the model's context
-    threads: int | None = None  # torch CPU threads; default: torch's (all cores)
-    compile: bool | None = None  # torch: torch.compile the decoder layers; null: on for bfloat16 on a CPU with native bf16
-    hybrid_chunk: int | None = None  # run norms/projections/rotary/MLP this many tokens at a time (torch and vllm)
-    memory_budget: int | None = None  # torch: bytes for KV + activations per forward batch; vllm: the KV-cache bytes
-    speculative: SpeculativeConfig | None = None  # torch: drop unimportant prompt tokens (approximate)
-    batch_invariant: bool = False  # torch: a row's scores are the same bits whatever else the job holds
-    vllm_args: dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM arguments (an allow-list)
+    kind: str = key("torch", identity=SCORING)  # a registered kind (engines/registry.py): torch | vllm | auto (torch wherever it can run the job)
+    dtype: str = key("auto", identity=SCORING)  # auto: bfloat16 on a GPU, float32 on a CPU
+    device: str = key("auto", identity=SCORING)  # torch engine: cpu | cuda | auto (cuda when a GPU is visible)
+    token_budget: int = key(4096, identity=SCORING)  # tokens per forward batch
+    max_length: int | None = key(None, identity=SCORING)  # longest prompt scored; default: the model's context
+    threads: int | None = key(None, identity=SCORING)  # torch CPU threads; default: torch's (all cores)
+    compile: bool | None = key(None, identity=SCORING)  # torch: torch.compile the decoder layers; null: on for bfloat16 on a CPU with native bf16
+    hybrid_chunk: int | None = key(None, identity=SCORING)  # run norms/projections/rotary/MLP this many tokens at a time (torch and vllm)
+    memory_budget: int | None = key(None, identity=SCORING)  # torch: bytes for KV + activations per forward batch; vllm: the KV-cache bytes
+    speculative: SpeculativeConfig | None = key(None, identity=SCORING)  # torch: drop unimportant prompt tokens (approximate)
+    batch_invariant: bool = key(False, identity=SCORING)  # torch: a row's scores are the same bits whatever else the job holds
+    vllm_args: dict[str, Any] = key(factory=dict, identity=SCORING)  # vllm: extra vllm.LLM arguments (an allow-list)
 
 
 @dataclass
 class PlanConfig:
-    order: str = "r_group"  # r_group (BatchLLM) | input | srjf (PrefillOnly)
-    enlarge: bool = True  # BatchLLM first-level prefix enlargement
-    min_prefix_tokens: int = 16  # shorter shared prefixes are not worth a group
-    block_size: int | None = None  # None: the engine's KV block size (1 for torch, 16 for vLLM)
+    order: str = key("r_group", identity=SCORING)  # r_group (BatchLLM) | input | srjf (PrefillOnly)
+    enlarge: bool = key(True, identity=SCORING)  # BatchLLM first-level prefix enlargement
+    min_prefix_tokens: int = key(16, identity=SCORING)  # shorter shared prefixes are not worth a group
+    block_size: int | None = key(None, identity=SCORING)  # None: the engine's KV block size (1 for torch, 16 for vLLM)
 
 
 @dataclass
 class ScoreConfig:
-    normalize: str = "sum"  # sum | token | byte: option log-probability before normalizing (scores/normalize.py)
-    calibrate: str = "none"  # none | batch | contextual | temperature | vector | platt: writes p_cal_<label>, and label follows them
-    confidence: str = "top"  # top | margin | entropy | typesafe | top_x_mass: the definition behind the confidence column and needs_review
+    normalize: str = key("sum", identity=SCORING)  # sum | token | byte: option log-probability before normalizing (scores/normalize.py)
+    calibrate: str = key("none", identity=CALIBRATE_RULE)  # none | batch | contextual | temperature | vector | platt: writes p_cal_<label>, and label follows them
+    confidence: str = key("top", identity=ASSEMBLY)  # top | margin | entropy | typesafe | top_x_mass: the definition behind the confidence column and needs_review
 
 
 @dataclass
 class CalibrateConfig:
     """`calibrate`: the labeled rows that fit and evaluate `score.calibrate` and `output.review`."""
 
-    truth_column: str | None = None  # an input column holding each row's true label (null: the row is only scored)
-    truth_columns: dict[str, Any] = field(default_factory=dict)  # questions jobs: question id -> the input column of its true answers (null: unlabeled)
-    from_: str | None = field(default=None, metadata={"key": "from"})  # a previous output whose completion marker holds the fitted values to reuse
-    holdout_fraction: float = 0.5  # share of the labeled rows that fits the calibration; the rest evaluates it
-    seed: int = 0  # seeds the split of the labeled rows into fit and evaluation rows
+    truth_column: str | None = key(None, identity=ASSEMBLY)  # an input column holding each row's true label (null: the row is only scored)
+    truth_columns: dict[str, Any] = key(factory=dict, identity=ASSEMBLY)  # questions jobs: question id -> the input column of its true answers (null: unlabeled)
+    from_: str | None = key(None, identity=ASSEMBLY, key="from")  # a previous output whose completion marker holds the fitted values to reuse
+    holdout_fraction: float = key(0.5, identity=ASSEMBLY)  # share of the labeled rows that fits the calibration; the rest evaluates it
+    seed: int = key(0, identity=ASSEMBLY)  # seeds the split of the labeled rows into fit and evaluation rows
 
 
 @dataclass
 class ReviewConfig:
     """`output.review`: a confidence threshold for an error budget; rows below it get needs_review."""
 
-    max_error: float = 0.05  # the error budget of the rows accepted without review
-    confidence: float = 0.95  # the one-sided Clopper–Pearson confidence that the budget holds
+    max_error: float = key(0.05, identity=ASSEMBLY)  # the error budget of the rows accepted without review
+    confidence: float = key(0.95, identity=ASSEMBLY)  # the one-sided Clopper–Pearson confidence that the budget holds
 
 
 @dataclass
 class OutOfScopeConfig:
     """`output.out_of_scope`: rows whose labels hold little of the model's probability."""
 
-    min_label_mass: float | str = 0.3  # a number in [0, 1], or auto: the 1st percentile of label_mass over the evaluation rows
+    min_label_mass: float | str = key(0.3, identity=ASSEMBLY)  # a number in [0, 1], or auto: the 1st percentile of label_mass over the evaluation rows
 
 
 @dataclass
 class OutputConfig:
-    path: str | None = None  # the output file: local, file://, s3://, gs:// or az://
-    format: str = "auto"  # auto | parquet | jsonl | openai_batch: see JobConfig.output_format
-    error_path: str | None = None  # openai_batch: the failed rows' file (default <output>.errors.jsonl)
-    keep_columns: list[str] = field(default_factory=list)  # input columns copied to the output
-    max_error_rate: float = 0.01  # more failed rows than this fails the run (after writing everything)
-    part_rows: int = 20000  # rows per durable part file (a part always holds whole prefix groups)
-    part_seconds: float = 120.0  # ...or fewer, when this many seconds passed since the last part
-    logprobs: bool = False  # add each option's raw total log-probability (logp_<label> / logp_choices)
-    top_token: bool = False  # add argmax_is_label, top_token and top_p: the most probable token at the read (torch engine)
-    audit_rows: int | None = None  # the exactness audit: rows re-scored by a plain float32 forward after the run (0: off; null: within 5% of the scoring's tokens, 1 to 32 rows)
-    audit_seed: int = 0  # seeds which scored rows the audit picks
-    audit_max_dp: float | None = None  # above this max |ΔP| the run exits 7; null: 1e-4 in float32, 0.07 in bfloat16/float16
-    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options of an object-store path
-    review: ReviewConfig | None = None  # a confidence threshold for an error budget: writes confidence and needs_review
-    out_of_scope: OutOfScopeConfig | None = None  # writes out_of_scope: true for rows whose label_mass is below the floor
-    column_separator: str = "."  # joins a questions output's column names (<id>.<part>); "__" where a warehouse refuses dots. Identity: assembly (how columns are named, not what the scores are)
+    path: str | None = key(None, identity=NEITHER)  # the output file: local, file://, s3://, gs:// or az://
+    format: str = key("auto", identity=SCORING, value=lambda config, output: config.output_format)  # auto | parquet | jsonl | openai_batch: see JobConfig.output_format
+    error_path: str | None = key(None, identity=SCORING, value=lambda config, output: None if output is None or output.errors is None else str(output.errors))  # openai_batch: the failed rows' file (default <output>.errors.jsonl)
+    keep_columns: list[str] = key(factory=list, identity=ASSEMBLY)  # input columns copied to the output
+    max_error_rate: float = key(0.01, identity=NEITHER)  # more failed rows than this fails the run (after writing everything)
+    part_rows: int = key(20000, identity=NEITHER)  # rows per durable part file (a part always holds whole prefix groups)
+    part_seconds: float = key(120.0, identity=NEITHER)  # ...or fewer, when this many seconds passed since the last part
+    logprobs: bool = key(False, identity=SCORING)  # add each option's raw total log-probability (logp_<label> / logp_choices)
+    top_token: bool = key(False, identity=SCORING)  # add argmax_is_label, top_token and top_p: the most probable token at the read (torch engine)
+    audit_rows: int | None = key(None, identity=NEITHER)  # the exactness audit: rows re-scored by a plain float32 forward after the run (0: off; null: within 5% of the scoring's tokens, 1 to 32 rows)
+    audit_seed: int = key(0, identity=NEITHER)  # seeds which scored rows the audit picks
+    audit_max_dp: float | None = key(None, identity=NEITHER)  # above this max |ΔP| the run exits 7; null: 1e-4 in float32, 0.07 in bfloat16/float16
+    storage_options: dict[str, Any] = key(factory=dict, identity=NEITHER)  # fsspec options of an object-store path
+    review: ReviewConfig | None = key(None, identity=ASSEMBLY)  # a confidence threshold for an error budget: writes confidence and needs_review
+    out_of_scope: OutOfScopeConfig | None = key(None, identity=ASSEMBLY)  # writes out_of_scope: true for rows whose label_mass is below the floor
+    column_separator: str = key(".", identity=ASSEMBLY)  # joins a questions output's column names (<id>.<part>); "__" where a warehouse refuses dots. Identity: assembly (how columns are named, not what the scores are)
 
 
 @dataclass
 class ExecutorConfig:
-    kind: str = "local"  # local (this process) | ray (one engine per Ray actor)
-    num_workers: int = 1  # engines (Ray actors), each scoring its share of the prefix groups
-    gpus_per_worker: float = 0.0  # Ray resources per worker
-    cpus_per_worker: float = 1.0  # Ray resources per worker
-    address: str | None = None  # a Ray cluster address; None starts a local Ray
+    kind: str = key("local", identity=NEITHER)  # local (this process) | ray (one engine per Ray actor)
+    num_workers: int = key(1, identity=NEITHER)  # engines (Ray actors), each scoring its share of the prefix groups
+    gpus_per_worker: float = key(0.0, identity=NEITHER)  # Ray resources per worker
+    cpus_per_worker: float = key(1.0, identity=NEITHER)  # Ray resources per worker
+    address: str | None = key(None, identity=NEITHER)  # a Ray cluster address; None starts a local Ray
 
 
 @dataclass
 class JobConfig:
-    input: InputConfig = field(default_factory=InputConfig)  # where the rows come from
-    prompt: PromptConfig = field(default_factory=PromptConfig)  # how a row becomes a prompt
-    labels: list[str] = field(default_factory=list)  # the answers scored for every row (or input.choices_column)
-    questions: dict[str, Any] | None = None  # decisions: id -> {type: choice|noul|score, instructions, criteria}
-    score: ScoreConfig = field(default_factory=ScoreConfig)  # how option probabilities are normalized
-    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)  # the truth column and split behind calibration and review
-    model: str = DEFAULT_MODEL  # a built-in name, a local HF folder, a .gguf file or a Hub id in the local cache
-    model_download: bool = False  # a Hub id missing from the local cache may be downloaded (once)
-    engine: EngineConfig = field(default_factory=EngineConfig)  # what runs the model
-    plan: PlanConfig = field(default_factory=PlanConfig)  # prefix grouping and order
-    output: OutputConfig = field(default_factory=OutputConfig)  # where the scores go
-    executor: ExecutorConfig = field(default_factory=ExecutorConfig)  # one process, or Ray workers
-    source: str | None = None  # the job file this came from (for messages and relative paths)
+    input: InputConfig = key(factory=InputConfig, identity=SECTION)  # where the rows come from
+    prompt: PromptConfig = key(factory=PromptConfig, identity=SECTION)  # how a row becomes a prompt
+    labels: list[str] = key(factory=list, identity=SCORING)  # the answers scored for every row (or input.choices_column)
+    questions: dict[str, Any] | None = key(None, identity=SCORING)  # decisions: id -> {type: choice|noul|score, instructions, criteria}
+    score: ScoreConfig = key(factory=ScoreConfig, identity=SECTION)  # how option probabilities are normalized
+    calibrate: CalibrateConfig = key(factory=CalibrateConfig, identity=SECTION)  # the truth column and split behind calibration and review
+    model: str = key(DEFAULT_MODEL, identity=NEITHER)  # a built-in name, a local HF folder, a .gguf file or a Hub id in the local cache
+    model_download: bool = key(False, identity=NEITHER)  # a Hub id missing from the local cache may be downloaded (once)
+    engine: EngineConfig = key(factory=EngineConfig, identity=SECTION)  # what runs the model
+    plan: PlanConfig = key(factory=PlanConfig, identity=SECTION)  # prefix grouping and order
+    output: OutputConfig = key(factory=OutputConfig, identity=SECTION)  # where the scores go
+    executor: ExecutorConfig = key(factory=ExecutorConfig, identity=SECTION)  # one process, or Ray workers
+    source: str | None = key(None, identity=NEITHER)  # the job file this came from (for messages and relative paths)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

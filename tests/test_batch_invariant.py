@@ -107,6 +107,87 @@ def test_option_scores_are_bit_identical_in_every_context():
         assert not differ, f"{name}: rows {differ} differ"
 
 
+def test_top_tokens_and_long_options_are_bit_identical_under_a_budget_below_the_prompts():
+    """A prompt longer than the token budget is prefilled in chunks and read apart: the same top
+    token (output.top_token) and, for an option longer than the budget, the same total summed in
+    the same order as a pass sums it."""
+    model = tiny_model("llama")
+    groups = make_groups()
+    engine = TorchEngine(model, token_budget=400, batch_invariant=True)
+    base = {r.row_id: (r.logp, r.top_logp, r.top_token) for r in engine.score(groups, LABELS)}
+    engine = TorchEngine(model, token_budget=16, batch_invariant=True)  # every prompt chunked
+    other = {r.row_id: (r.logp, r.top_logp, r.top_token) for r in engine.score(alone(groups), LABELS)}
+    for row, (logp, top, token) in base.items():
+        assert np.array_equal(other[row][0], logp) and (other[row][1], other[row][2]) == (top, token), row
+    rng = np.random.default_rng(3)
+    options = [PrefixGroup(g.prefix, [GroupMember(m.row_id, m.suffix, OptionTokens.from_lists(
+        [rng.integers(0, VOCAB, n) for n in (40, 3, 25)])) for m in g.members]) for g in make_groups(1)[:2]]
+    whole = scores(model, options, 400, None)
+    chunked = scores(model, options, 16, None)  # options of 40 and 25 tokens over a 16-token budget
+    assert all(np.array_equal(chunked[row], whole[row]) for row in whole), [r for r in whole
+                                                                            if not np.array_equal(chunked[r], whole[r])]
+
+
+def test_pass_sizes_are_few_and_cover_every_pass():
+    from batchscore.engines.torch.invariant import pass_rows, pass_sizes
+
+    sizes = pass_sizes(4096)
+    assert sizes[:3] == [16, 32, 48] and sizes[-1] == 4096 and len(sizes) < 60
+    for tokens in range(1, 4097):
+        rows = pass_rows(tokens)
+        assert tokens <= rows <= max(16 * -(-tokens // 16), tokens * 1.125 + 1) and rows in sizes
+        assert pass_rows(rows) == rows
+
+
+def test_a_large_block_step_merges_each_chain_as_alone():
+    """The merges of a block step with many chains (an odd count above ATen's one-thread grain,
+    2 threads) give each chain the bits it gets merged alone: on 051b98a the middle chain's last
+    slots took the scalar sigmoid and log-sum-exp."""
+    from batchscore.engines.torch import invariant
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(1)
+        chains, heads = 115, 9
+        acc = torch.randn(chains, heads, invariant.QUERY_TILE, 64, generator=generator)
+        acc_lse = torch.randn(chains, heads, invariant.QUERY_TILE, generator=generator) * 3
+        out, lse = torch.randn_like(acc), torch.randn_like(acc_lse) * 3
+        together, together_lse = acc.clone(), acc_lse.clone()
+        invariant._merge_into(together, together_lse, out, lse, None)
+        differ = []
+        for c in range(chains):
+            one, one_lse = acc[c : c + 1].clone(), acc_lse[c : c + 1].clone()
+            invariant._merge_into(one, one_lse, out[c : c + 1], lse[c : c + 1], None)
+            if not (torch.equal(one, together[c : c + 1]) and torch.equal(one_lse, together_lse[c : c + 1])):
+                differ.append(c)
+        assert not differ, f"chains {differ} merge to other bits among {chains}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("where", ["linear", "lm_head"])
+def test_refused_by_name_where_a_kernel_follows_the_row_count(where):
+    """What a CPU whose GEMM blocking follows the row count (AMX tiles, MKL's small-matrix path)
+    looks like to the engine: a layer whose last bits change with the rows in the call. The engine
+    measures it before scoring and refuses by name (exit 2), instead of scores that follow the batch."""
+    from batchscore.errors import JobConfigError
+
+    model = tiny_model("llama")
+    layer = model.get_output_embeddings() if where == "lm_head" else model.model.layers[0].mlp.down_proj
+
+    def follows_the_row_count(x, _forward=layer.forward):
+        out = _forward(x)
+        return out + 1e-6 * out.abs() if x.reshape(-1, x.shape[-1]).shape[0] > 32 else out
+
+    layer.forward = follows_the_row_count
+    with pytest.raises(JobConfigError, match="engine.batch_invariant: not bit-identical in float32") as error:
+        TorchEngine(model, token_budget=64, batch_invariant=True)
+    assert error.value.exit_code == 2 and "measured" in str(error.value)
+    assert ("LM head" in str(error.value)) == (where == "lm_head")
+    TorchEngine(model, token_budget=64)  # the default mode promises nothing of the kind: no check
+
+
 @pytest.mark.parametrize("engine, problem", [
     ({"kind": "vllm"}, "torch engine only"),
     ({"hybrid_chunk": 64}, "engine.hybrid_chunk"),
@@ -120,11 +201,11 @@ def test_refused_where_it_cannot_hold(engine, problem):
     assert problem in str(error.value)
 
 
-def test_in_the_run_identity_only_when_set():
+def test_in_the_run_identity():
     from batchscore.run.open import scoring_config
 
     raw = {"input": {"path": "in.parquet"}, "prompt": {"template": "{text}"}, "labels": ["Yes", "No"]}
-    assert "batch_invariant" not in scoring_config(config_from_dict(raw))["engine"]
+    assert scoring_config(config_from_dict(raw))["engine"]["batch_invariant"] is False
     raw["engine"] = {"batch_invariant": True}
     assert scoring_config(config_from_dict(raw))["engine"]["batch_invariant"] is True
 

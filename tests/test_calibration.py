@@ -201,14 +201,14 @@ def test_keys_parse_and_the_truth_column_is_kept():
     assert ALLOWED["score.calibrate"] == calibration.METHODS
 
 
-def test_scoring_config_is_unchanged_for_jobs_without_the_new_keys():
+def test_the_calibration_keys_are_assembly_not_scoring():
     plain = scoring_config(config_from_dict(_job()))
-    assert "calibrate" not in plain and "score" not in plain and set(plain["output"]) == {"keep_columns"}
+    assert plain["calibrate"] == {} and plain["score"] == {"normalize": "sum"}  # each key's rule: config.py
     asked = config_from_dict(_job(score={"calibrate": "batch"}, output={"review": {}}, calibrate={"truth_column": "gold"}))
     assert scoring_config(asked) == plain  # post-processing: re-derived from the raw scores, never re-scored
     assembly = assembly_config(asked)
-    assert assembly["calibrate"] == "batch" and assembly["calibrate_section"]["truth_column"] == "gold"
-    assert assembly["review"]["max_error"] == 0.05
+    assert assembly["score"]["calibrate"] == "batch" and assembly["calibrate"]["truth_column"] == "gold"
+    assert assembly["output"]["review"]["max_error"] == 0.05
 
 
 def test_schema_lists_the_new_keys():

@@ -215,3 +215,41 @@ def test_a_toy_pairwise_task_is_one_module(tmp_path, monkeypatch, job_factory):
     finally:
         unregister("pairwise")
         sys.modules.pop("toy_pairwise_task", None)
+
+
+def test_every_job_key_states_its_identity_rule():
+    """config.py: each key says beside its definition whether it is part of the scoring identity, of
+    the assembly identity, or neither; `scoring_config` and `assembly_config` only read those rules."""
+    import dataclasses
+
+    from batchscore import config as config_module
+    from batchscore.config import ASSEMBLY, IDENTITY, NEITHER, SCORING, SECTION, JobConfig
+    from batchscore.jobfile import config_from_dict
+    from batchscore.run.open import assembly_config, scoring_config
+
+    classes = [c for c in vars(config_module).values() if dataclasses.is_dataclass(c) and isinstance(c, type)]
+    assert JobConfig in classes and len(classes) >= 12
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            rule = f.metadata.get(IDENTITY)
+            assert callable(rule) or rule in (SCORING, ASSEMBLY, NEITHER, SECTION), f"{cls.__name__}.{f.name}"
+    job = {"input": {"path": "x.parquet"}, "prompt": {"template": "{q}"}, "labels": ["Yes", "No"],
+           "output": {"path": "o.parquet"}}
+    plain = config_from_dict(job)
+    moved = config_from_dict({**job, "output": {"path": "elsewhere/o.parquet", "part_rows": 7, "audit_rows": 0},
+                              "executor": {"num_workers": 3}})
+    assert scoring_config(moved) == scoring_config(plain) and assembly_config(moved) == assembly_config(plain) == {}
+    kept = config_from_dict({**job, "output": {"path": "o.parquet", "keep_columns": ["q"]}})
+    assert scoring_config(kept) == scoring_config(plain) and assembly_config(kept) == {"output": {"keep_columns": ["q"]}}
+    assert scoring_config(config_from_dict({**job, "engine": {"dtype": "bfloat16"}})) != scoring_config(plain)
+
+
+def test_the_module_map_carries_no_line_counts():
+    """docs/design.md's module map says what each module holds; a line count there goes stale with every edit."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `batchscore/")]
+    assert len(rows) > 100
+    counted = [row for row in rows if len(row.strip("|").split(" | ")) != 2 or row.split(" | ")[1].strip().isdigit()]
+    assert not counted, counted[:3]

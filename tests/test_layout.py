@@ -306,3 +306,58 @@ def test_nothing_outside_the_questions_task_names_its_columns():
     inside = [hit for path in QUESTIONS_TASK.glob("*.py") if path.name != "columns.py"
               for hit in question_column_names(path.read_text(), parts)]
     assert not inside, f"tasks/questions/ names its columns with columns.column(): {inside}"
+
+
+# ---------------------------------------------------------------------------- variants live in their adapters
+
+def _docstring_ids(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def compared_names(tree: ast.AST, names: set[str]) -> list[str]:
+    """The places a comparison (==, !=, in, not in) names one of `names` as a string literal."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                values = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                found += [f"line {node.lineno}: {v.value!r}" for v in values
+                          if isinstance(v, ast.Constant) and v.value in names]
+    return found
+
+
+def written_literal(tree: ast.AST, text: str) -> list[str]:
+    """The places the string literal `text` is written (docstrings aside)."""
+    docs = _docstring_ids(tree)
+    return [f"line {n.lineno}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and n.value == text and id(n) not in docs]
+
+
+def _modules_outside(*folders: str) -> dict[str, ast.AST]:
+    return {str(p.relative_to(PACKAGE.parent)): ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")
+            if "__pycache__" not in p.parts and not any((PACKAGE / f) in p.parents for f in folders)}
+
+
+def test_the_variant_detectors_find_what_they_count():
+    tree = ast.parse('"""custom_id"""\na = x == "jsonl"; b = fmt in ("parquet", "csv"); c = {"custom_id": 1}')
+    assert compared_names(tree, {"jsonl", "parquet"}) == ["line 2: 'jsonl'", "line 2: 'parquet'"]
+    assert written_literal(tree, "custom_id") == ["line 2"]  # the docstring is prose, not a key
+
+
+def test_variant_names_stay_in_their_adapters():
+    """Wire formats and engine kinds answer what the stages ask of them (formats/registry.py,
+    engines/registry.py): outside formats/ (and the benchmarks) at most two modules compare a format
+    name or write the Batch API's "custom_id"; outside engines/ at most one compares an engine kind."""
+    from batchscore.engines.registry import kinds
+    from batchscore.formats.registry import formats
+
+    outside_formats = _modules_outside("formats", "bench")
+    custom_id = {m: hits for m, tree in outside_formats.items() if (hits := written_literal(tree, "custom_id"))}
+    assert len(custom_id) <= 2, custom_id
+    format_names = {m: hits for m, tree in outside_formats.items() if (hits := compared_names(tree, set(formats())))}
+    assert len(format_names) <= 2, format_names
+    outside_engines = _modules_outside("engines", "bench")
+    kind_names = {m: hits for m, tree in outside_engines.items() if (hits := compared_names(tree, set(kinds())))}
+    assert len(kind_names) <= 1, kind_names

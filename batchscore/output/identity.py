@@ -40,6 +40,10 @@ from batchscore.errors import InputError
 from batchscore.io.storage import as_path, file_size, is_remote
 from batchscore.output.column_digest import ColumnDigest
 
+# The run identity's version: bumped when what it records changes, so that no output or parts
+# folder written under another version is taken as this job's (docs/operations.md). 2: every
+# scoring key recorded by its rule (config.py `key`), defaults included; kept columns are assembly.
+IDENTITY_VERSION = 2
 FULL_HASH_BYTES = 64 * 2**20
 _UNREAD = ("unread",)  # the key of a line file's unreadable lines beside its columns' digests (no column name)
 SAMPLE_BYTES = 2**20
@@ -228,6 +232,9 @@ def _input_change(name: str, before: dict, now: dict) -> str:
 def describe_changes(before: dict, now: dict) -> list[str]:
     """What differs between two identities, in words (for a refused resume)."""
     changes = []
+    if before.get("version") != now.get("version"):
+        changes.append(f"the run identity's version ({before.get('version', 1)} → {now.get('version', 1)}: "
+                       "this batchscore records a job's identity differently)")
     if before.get("config") != now.get("config"):
         changes.append("the job configuration")
     old_inputs = {e["file"]: e for e in before.get("input", [])}

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator
 
-from batchscore.config import CalibrateConfig, JobConfig
+from batchscore.config import ASSEMBLY, IDENTITY, SCORING, SECTION, JobConfig
 from batchscore.engines.factory import resolve_engine
 from batchscore.engines.shape import read_model_config
 from batchscore.errors import InputError, OutputError
@@ -31,12 +31,11 @@ from batchscore.formats.registry import WireFormat, output_format_of
 from batchscore.io.readers import InputBatch
 from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.models import resolve_model
-from batchscore.output.identity import input_identities, model_identity, software_versions
+from batchscore.output.identity import IDENTITY_VERSION, input_identities, model_identity, software_versions
 from batchscore.output.layout import OutputFiles
 from batchscore.output.write_paths import check_job_write_paths
 from batchscore.plan import Plan
 from batchscore.prepare.source import JobSource, PreparedJob
-from batchscore.scores.quality import content_free_rows
 from batchscore.task import InputColumns, Task, task_for
 
 __all__ = ["JobSource", "PreparedJob", "open_job", "locate_job", "prepare_job", "plan_job", "output_files",
@@ -75,6 +74,7 @@ def open_job(config: JobConfig, *, with_model: bool = True, for_output: bool = T
                                                      assembly_columns(config, files, task),
                                                      line_reader(config, columns))
     identity = {
+        "version": IDENTITY_VERSION,  # how the rest is made: another version is another job
         "config": scoring_config(config, output),
         "input": scoring_input,
         "model_path": str(model_dir.resolve()) if model_dir else None,
@@ -132,60 +132,41 @@ def use_job_storage(config: JobConfig, output: OutputFiles | None = None) -> Non
 
 
 def scoring_config(config: JobConfig, output: OutputFiles | None = None) -> dict:
-    """The job keys the output's raw scores depend on: not where the output goes or how often parts
-    are written, not how workers run (their number is part of a parts folder's identity), not the
-    post-processing (`assembly_config`: it is re-derived from the raw scores, run/rederive.py).
-    `output`: the job's OutputFiles (built from the job when not given)."""
-    data = config.to_dict()
-    truths = {config.calibrate.truth_column, *config.calibrate.truth_columns.values()}
-    data["output"] = {"keep_columns": [c for c in data["output"]["keep_columns"] if c not in truths]}
-    if config.output_format != "parquet":  # parquet: the identity outputs had before the key existed
-        data["output"].update(format=config.output_format, error_path=(output or output_files(config)).errors)
-    data.pop("executor")
-    data["input"].pop("storage_options")  # where the bytes come from (and credentials), not what they are
-    data.pop("model")  # by content, in the identity's model part
-    data.pop("model_download")  # how the weights were found, not which
-    if not data["input"]["filter"]:
-        del data["input"]["filter"]  # no filter: the identity outputs had before the key existed
-    if data["prompt"]["engine"] == "format":
-        del data["prompt"]["engine"]  # the default: outputs and parts from before the key stay valid
-    if data["input"]["choices_column"] is None:
-        del data["input"]["choices_column"]  # the same for the option keys at their defaults
-    for section, key in (("input", "questions_column"), ("prompt", "state_columns")):
-        if data[section][key] is None:
-            del data[section][key]  # the decision keys at their defaults: identities from before them hold
-    if data["questions"] is None:
-        del data["questions"]
-    if not data["engine"].get("batch_invariant"):
-        data["engine"].pop("batch_invariant", None)  # the default: identities from before the key hold
-    del data["score"]["confidence"]
-    if not content_free_rows(config):  # contextual calibration scores a content-free input: the rest is assembly
-        del data["score"]["calibrate"]
-    if data["score"] == {"normalize": "sum"}:
-        del data["score"]
-    del data["calibrate"]
-    if config.output.logprobs:
-        data["output"]["logprobs"] = True
-    if config.output.top_token:
-        data["output"]["top_token"] = True
-    return data
+    """The job keys the output's raw scores depend on (each key's identity rule SCORING, stated
+    beside it in config.py), every one of them, defaults included: not where the output goes or
+    how often parts are written, not how workers run (their number is part of a parts folder's
+    identity), not the post-processing (`assembly_config`: re-derived from the raw scores,
+    run/rederive.py). `output`: the job's OutputFiles (named from the job when not given)."""
+    return _identity_keys(config, config, SCORING, output or output_files(config), defaults=True)
 
 
 def assembly_config(config: JobConfig) -> dict:
-    """The job keys that act on the raw scores after scoring (calibration, confidence, review,
-    out-of-scope); {} at their defaults. Changing only these re-derives the output without scoring."""
+    """The job keys that act on the raw scores after scoring (identity rule ASSEMBLY: calibration,
+    confidence, review, out-of-scope, the kept columns, how columns are named); {} at their
+    defaults. Changing only these re-derives the output without scoring."""
+    return _identity_keys(config, config, ASSEMBLY, None, defaults=False)
+
+
+def _identity_keys(config: JobConfig, section, part: str, output: OutputFiles | None, defaults: bool) -> dict:
+    """`section`'s keys whose identity rule is `part` (SECTION keys walked into), by field name;
+    with `defaults` False only the keys set to something else than their default."""
     data = {}
-    if config.score.calibrate != "none":
-        data["calibrate"] = config.score.calibrate
-    if config.score.confidence != "top":
-        data["confidence"] = config.score.confidence
-    if config.calibrate != CalibrateConfig():
-        data["calibrate_section"] = dataclasses.asdict(config.calibrate)
-    for key in ("review", "out_of_scope"):
-        if getattr(config.output, key) is not None:
-            data[key] = dataclasses.asdict(getattr(config.output, key))
-    if config.output.column_separator != ".":  # how a questions output names its columns, not what it scores
-        data["column_separator"] = config.output.column_separator
+    for f in dataclasses.fields(section):
+        rule = f.metadata.get(IDENTITY)
+        if rule is None:
+            raise TypeError(f"{type(section).__name__}.{f.name} states no identity rule (config.py `key`)")
+        value = getattr(section, f.name)
+        if rule == SECTION:
+            inner = _identity_keys(config, value, part, output, defaults)
+            if inner or defaults:
+                data[f.name] = inner
+            continue
+        if (rule(config) if callable(rule) else rule) != part:
+            continue
+        if not defaults and value == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
+            continue
+        recorded = f.metadata["value"](config, output) if "value" in f.metadata else value
+        data[f.name] = dataclasses.asdict(recorded) if dataclasses.is_dataclass(recorded) else recorded
     return data
 
 

@@ -63,15 +63,19 @@ from batchscore.engines.torch.cascade_attention import (
 from batchscore.engines.torch.cascade_attention import OptionLayout
 from batchscore.engines.torch.compiled_layers import compile_decoder_layers
 from batchscore.engines.torch.hybrid import HybridDecoder
-from batchscore.engines.torch.invariant import ROW_MULTIPLE, attend_invariant, pad_rows, tile_linear_layers
+from batchscore.engines.torch.invariant import (ROW_MULTIPLE, attend_invariant, gemm_row_problem, pad_rows, pass_rows,
+                                                pass_sizes, tile_linear_layers)
 from batchscore.engines.speculative.kept_tokens import PrunedGroup, SpecPrefillOptions
 from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape, dtype_bytes
 from batchscore.engines.torch.options import LM_HEAD_ROWS, OptionBatch, pack_options, subset
 from batchscore.engines.torch.packing import GroupSlot, LongMember, Pass, PassPacker, PrefixPiece, Refused, flatten
-from batchscore.errors import EngineUnavailable, MemoryBudgetError
+from batchscore.errors import EngineUnavailable, JobConfigError, MemoryBudgetError
 from batchscore.plan.types import GroupMember, PrefixGroup
 from batchscore.plan.validate import prompt_problem
+
+
+LOGIT_COLUMNS = 8192  # vocabulary rows of the LM head cast to float32 at a time (reduced precision)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -188,6 +192,8 @@ class TorchEngine:
             self.speculator = Speculator(decoder, layers, speculative, np.asarray(special_token_ids, dtype=np.int64),
                                          self.memory.shape, shape, token_budget=token_budget,
                                          hybrid_chunk=hybrid_chunk, memory_budget=memory_budget, device=device)
+        if batch_invariant:
+            self._check_row_invariance()
 
     @classmethod
     def from_pretrained(
@@ -393,8 +399,10 @@ class TorchEngine:
             result = self.score_long_member(PrefilledPrefix(run.kv, run.last_hidden), member)
         else:
             positions = group.member_positions[index] if isinstance(group, PrunedGroup) else None
-            logp = self.score_long_suffix(run.kv, member.suffix, labels, positions=positions)
-            result = RawScores(member.row_id, logp[0])
+            prefilled = self.prefill_prefix(member.suffix, base=run.kv, positions=positions)
+            top, top_id = np.empty(1), np.empty(1, dtype=np.int64)  # read as in a pass: with the top token
+            logp = self._label_logp(prefilled.last_hidden[None], labels, top, top_id)
+            result = RawScores(member.row_id, logp[0], top_logp=float(top[0]), top_token=int(top_id[0]))
         run.set(index, result)
 
     @torch.inference_mode()
@@ -446,15 +454,16 @@ class TorchEngine:
         the prompt's KV (left unchanged)."""
         kv = prompt.kv.extended()
         first = self._pair_log_probs(prompt.last_hidden[None], np.zeros(1, np.int64), option[:1].astype(np.int64))
-        total = float(first.sum())
+        pieces = [first]
         inputs = option[:-1]
         for start in range(0, len(inputs), self.token_budget):
             chunk = inputs[start : start + self.token_budget]
             hidden = self._run_decoder([_prefix_part(chunk, kv)])  # [C, hidden]
             kv.length += len(chunk)
             targets = option[start + 1 : start + 1 + len(chunk)].astype(np.int64)
-            total += float(self._pair_log_probs(hidden, np.arange(len(chunk)), targets).sum())
-        return total
+            pieces.append(self._pair_log_probs(hidden, np.arange(len(chunk)), targets))
+        values = np.concatenate(pieces)  # summed in token order from 0.0, as `OptionBatch.totals` sums a pass's
+        return float(np.bincount(np.zeros(len(values), np.int64), weights=values)[0])
 
     @torch.inference_mode()
     def _pair_log_probs(self, sources: torch.Tensor, pair_source: np.ndarray, pair_target: np.ndarray,
@@ -560,6 +569,58 @@ class TorchEngine:
         if problems:
             raise problems[0]
 
+    # ------------------------------------------------------------------ batch invariance
+
+    @torch.inference_mode()
+    def _check_row_invariance(self) -> None:
+        """Batch-invariant mode on a CPU: measure, with the model's own weights, that its kernels give
+        a row the same bits whatever the rows beside it — every linear layer at every pass size the
+        token budget allows (`pass_sizes`), the LM head's two read paths at every row count — and
+        raise JobConfigError naming the dtype and the CPU where they do not (a GEMM whose blocking
+        follows the row count, as AMX tiles may). Once per model object and budget; a GPU runs its
+        linear layers in fixed 256-row calls instead (`tile_linear_layers`)."""
+        if self.device.type != "cpu":
+            return
+        sizes = pass_sizes(self.token_budget)
+        if getattr(self.model, "_batchscore_rows_checked", 0) >= sizes[-1]:
+            return
+        problem = gemm_row_problem(self.model, sizes, self.device) or self._read_row_problem()
+        if problem is not None:
+            from batchscore.engines.cpu_features import cpu_bf16
+
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            cpu = ", ".join(cpu_bf16().names) or "no native bfloat16"
+            advice = "run it in float32 (engine.dtype: float32) or" if dtype != "float32" else "run"
+            raise JobConfigError([f"engine.batch_invariant: not bit-identical in {dtype} on this CPU ({cpu}, "
+                                  f"{torch.get_num_threads()} threads): its kernels give a row other bits by the rows "
+                                  f"beside it (measured: {problem}); {advice} without engine.batch_invariant"])
+        self.model._batchscore_rows_checked = sizes[-1]
+
+    def _read_row_problem(self) -> str | None:
+        """What makes a read (`_label_logp`, `_pair_log_probs`: LM head and softmax) give a row other
+        bits by the rows read with it, measured on random hidden states; None when nothing does."""
+        generator = torch.Generator().manual_seed(1)
+        dtype = next(self.model.parameters()).dtype
+        hidden = torch.randn(LM_HEAD_ROWS, self.model.config.hidden_size, generator=generator).to(self.device, dtype)
+        vocab = int(self._lm_head.weight.shape[0])
+        labels = torch.arange(0, vocab, max(1, vocab // 7), device=self.device)  # [L] spread over the vocabulary
+        targets = np.arange(LM_HEAD_ROWS, dtype=np.int64) * 7919 % vocab
+
+        def reads(rows: torch.Tensor, row_targets: np.ndarray) -> np.ndarray:
+            n = rows.shape[0]
+            tops, ids = np.empty(n), np.empty(n, dtype=np.int64)
+            logp = self._label_logp(rows, labels, tops, ids)
+            pairs = self._pair_log_probs(rows, np.arange(n, dtype=np.int64), row_targets)
+            return np.column_stack([logp, tops, ids, pairs])  # [n, L + 3]
+
+        whole = reads(hidden, targets)
+        for count in range(1, LM_HEAD_ROWS, ROW_MULTIPLE):  # 1, 17, 33, ...: every padded row count
+            if not np.array_equal(reads(hidden[:count], targets[:count]), whole[:count]):
+                return f"the LM head's read of {count} rows differs from the same rows among {LM_HEAD_ROWS}"
+        if not np.array_equal(reads(torch.roll(hidden, 1, 0), np.roll(targets, 1)), np.roll(whole, 1, 0)):
+            return f"the LM head's read of a row changes with its place among {LM_HEAD_ROWS} rows"
+        return None
+
     # ------------------------------------------------------------------ helpers
 
     @torch.inference_mode()
@@ -569,8 +630,10 @@ class TorchEngine:
         Side effects: counts the pass in `self.metrics`; parts may record K/V (`record_into`).
         """
         real_tokens = sum(len(p.token_ids) for p in parts)
-        if self.batch_invariant and real_tokens % ROW_MULTIPLE:  # a GEMM's rows are independent only then
-            parts = parts + [_padding_part(-real_tokens % ROW_MULTIPLE, self._num_layers)]
+        if self.batch_invariant:  # a pass runs as one of the row counts `_check_row_invariance` measured
+            rows = -(-real_tokens // ROW_MULTIPLE) * ROW_MULTIPLE if self.device.type == "cuda" else pass_rows(real_tokens)
+            if rows > real_tokens:
+                parts = parts + [_padding_part(rows - real_tokens, self._num_layers)]
         token_ids = np.concatenate([p.token_ids for p in parts]).astype(np.int64)  # [T]
         positions = np.concatenate([p.positions for p in parts])  # [T]
         input_ids = torch.from_numpy(token_ids).to(self.device)  # [T]

@@ -41,6 +41,52 @@ ROW_MULTIPLE = 16  # passes and LM-head calls are padded to a multiple of this m
 LINEAR_TILE = 256  # GPU: rows per linear-layer call
 
 
+ROW_STEPS = 8  # above 256 rows, a pass runs as one of 8 row counts per doubling (at most 12.5% padding)
+SERIAL_ELEMENTS = 32768  # ATen's grain: an elementwise op on fewer elements runs on one thread, start to end
+
+
+def pass_rows(tokens: int) -> int:
+    """The rows a pass of `tokens` tokens runs as: a multiple of `ROW_MULTIPLE` up to 256, then of
+    an eighth of the power of two at or below it. Few row counts, so the engine can check every
+    one of them up front (`gemm_row_problem`), where one per multiple of 16 would cost a pass each."""
+    if tokens <= 256:
+        return max(ROW_MULTIPLE, -(-tokens // ROW_MULTIPLE) * ROW_MULTIPLE)
+    step = (1 << (tokens.bit_length() - 1)) // ROW_STEPS
+    return -(-tokens // step) * step
+
+
+def pass_sizes(max_tokens: int) -> list[int]:
+    """Every row count `pass_rows` gives a pass of at most `max_tokens` tokens, smallest first."""
+    sizes = [pass_rows(1)]
+    while sizes[-1] < pass_rows(max_tokens):
+        sizes.append(pass_rows(sizes[-1] + 1))
+    return sizes
+
+
+def gemm_row_problem(model: torch.nn.Module, sizes: list[int], device: torch.device | str) -> str | None:
+    """What makes a linear layer of `model` (the LM head aside: the engine checks its read path)
+    give a row other bits by the number of rows in the call (each of `sizes`) or by the row's place
+    in it, measured with the layers' own weights on random rows; None when nothing does. A CPU's
+    GEMM (oneDNN, MKL; AMX tiles) may pick its blocking by the row count: then batch invariance
+    cannot hold in that dtype there, and the engine refuses it by name. Changes nothing."""
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not model.get_output_embeddings():
+            layers.setdefault((tuple(module.weight.shape), module.weight.dtype, module.bias is not None), (name, module))
+    generator = torch.Generator().manual_seed(0)
+    largest = max(sizes)
+    for name, module in layers.values():
+        x = torch.randn(largest, module.in_features, generator=generator).to(device=device, dtype=module.weight.dtype)
+        whole = module(x)  # [largest, out]
+        if not torch.equal(module(torch.roll(x, 1, 0)), torch.roll(whole, 1, 0)):
+            return f"{name} ({module.weight.dtype}): a row's bits change with its place in a call of {largest} rows"
+        for rows in sizes[:-1]:
+            if not torch.equal(module(x[:rows]), whole[:rows]):
+                return (f"{name} ({module.weight.dtype}): the same rows give other bits in a call of {rows} rows "
+                        f"than in one of {largest}")
+    return None
+
+
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
     """x [N, ...] with zero rows appended up to a multiple of `ROW_MULTIPLE` (x itself when it is one)."""
     extra = -x.shape[0] % ROW_MULTIPLE
@@ -254,7 +300,21 @@ def _merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse
                 unused: torch.Tensor | None) -> None:
     """`merge_partial_attention(acc, acc_lse, out, lse)` written into `acc`, `acc_lse` [n, H, QT(, D)],
     except the slots `unused` [n, 1, QT] marks, which keep their values. (Not by an lse of -inf:
-    the vectorized log-sum-exp then rounds the other slots of the call differently.)"""
+    the vectorized log-sum-exp then rounds the other slots of the call differently.)
+
+    On a CPU, in slices of chains whose [chains, H, QT] tensors stay under ATen's grain: an
+    elementwise op over more elements is split between threads at half its length, and the few
+    elements before a split that fill no whole vector take the scalar path, whose sigmoid and
+    log-sum-exp round differently; where that split falls would follow the step's chain count."""
+    per = max(1, (SERIAL_ELEMENTS - 1) // (acc_lse.shape[1] * acc_lse.shape[2])) if acc.device.type == "cpu" \
+        else acc.shape[0]
+    for first in range(0, acc.shape[0], per):
+        chains = slice(first, first + per)
+        _merge_slice(acc[chains], acc_lse[chains], out[chains], lse[chains], None if unused is None else unused[chains])
+
+
+def _merge_slice(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 unused: torch.Tensor | None) -> None:
     if unused is None:  # the same operations as `merge_partial_attention`, written in place
         share = torch.sigmoid(acc_lse - lse).unsqueeze(-1)  # [n, H, QT, 1]
         torch.lerp(out.float(), acc, share, out=acc)
