@@ -19,7 +19,7 @@ from batchscore.io.atomic import atomic_write
 from batchscore.output.layout import DEFAULT_ID
 from batchscore.output.parts import Manifest, PartStore
 from batchscore.output import row_merge
-from batchscore.output.table import ok_rows, scores_table
+from batchscore.output.table import ok_rows, provenance, scores_table, with_metadata
 from batchscore.scores import quality
 from batchscore.scores.normalize import score_columns
 from batchscore.scores.quality import QualityResult
@@ -66,7 +66,7 @@ def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx
                                      approx_keep=approx_keep)
                 if writer is None:
                     fault_point("assemble")
-                    writer = pq.ParquetWriter(tmp, table.schema)
+                    writer = pq.ParquetWriter(tmp, with_metadata(table, provenance(job)).schema)  # the run, in the schema
                 writer.write_table(table.cast(writer.schema))
                 written += table.num_rows
                 errors.update({row + window.start: message for row, message in local.items()})

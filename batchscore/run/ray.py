@@ -69,14 +69,18 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: Resol
     actors = {}
     try:
         pending: dict[int, deque] = {}
+        ready = []  # each actor's first call: answered once its engine is built
         for sink in sinks:
             if sink.done:
                 continue
             actors[sink.worker] = actor_cls.remote(resolved, str(model_dir), engine, int(executor.cpus_per_worker))
+            ready.append(actors[sink.worker].pid.remote())
             pending[sink.worker] = deque(
                 actors[sink.worker].score.remote(chunk, None if label_ids is None else list(label_ids), where)
                 for chunk in _chunks(sink.remaining_groups(), min(TASK_ROWS, sinks[0].part_rows)))
         log.info("ray: %d workers, %d tasks", len(actors), sum(len(q) for q in pending.values()))
+        ray.get(ready)  # the engines are loaded (their tasks already queued): scoring time starts here
+        progress.start()
         by_worker = {s.worker: s for s in sinks}
         with stop_signals() as stop:
             while any(pending.values()):
