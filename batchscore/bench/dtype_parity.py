@@ -18,6 +18,7 @@ Example (vLLM spawns a process, hence the __main__ guard at the bottom):
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import replace
 
 import click
@@ -30,6 +31,19 @@ from batchscore.engines.shape import DTYPE_BYTES
 def as_matrix(probs: Probs, row_ids: list[int]) -> np.ndarray:
     """[N, L] label probabilities of `row_ids`, in that order."""
     return np.stack([probs[row] for row in row_ids])
+
+
+def against_float32(results: dict[str, np.ndarray], bound: float) -> list[str]:
+    """Each scorer against the plain float32 forward, row by row (|ΔP| = the largest over a row's
+    labels): mean, max, and the rows above `bound` (the audit's documented bound for the dtype)."""
+    reference = results["hf-float32"]
+    lines = [f"against hf-float32, per row: mean |dP|, max |dP|, rows above {bound:g}"]
+    for name, probs in results.items():
+        if name != "hf-float32":
+            row = np.abs(probs - reference).max(axis=1)
+            lines.append(f"{name:>16}   mean {row.mean():.4f}   max {row.max():.4f}   above {int((row > bound).sum())} "
+                         f"of {len(row)}")
+    return lines
 
 
 def compare(results: dict[str, np.ndarray]) -> list[str]:
@@ -82,6 +96,7 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool, compile_mode: s
     compile_layers = {"job": config.engine.compile, "auto": None, "on": True, "off": False}[compile_mode]
     engines = {"torch": replace(config.engine, kind="torch", dtype=dtype, compile=compile_layers)}
     if not no_vllm:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # vLLM's worker on every core, as ours
         engines["vllm"] = replace(config.engine, kind="vllm", dtype=dtype, token_budget=2048,
                                   vllm_args={"kv_cache_memory_bytes": 256 << 20, **config.engine.vllm_args})
     for kind, section in engines.items():
@@ -97,6 +112,10 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool, compile_mode: s
     click.echo(f"{len(requests)} rows of {job}, labels normalized over {len(labels)} label tokens; torch engine "
                f"engine.compile: {compile_mode if compile_mode != 'job' else config.engine.compile}")
     for line in compare(results):
+        click.echo(line)
+    from batchscore.run.audit import DTYPE_BOUNDS
+
+    for line in against_float32(results, DTYPE_BOUNDS.get(dtype, DTYPE_BOUNDS["bfloat16"])):
         click.echo(line)
 
 
