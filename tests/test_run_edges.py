@@ -129,3 +129,34 @@ def test_calibrate_from_says_what_is_wrong_with_the_previous_output(tmp_path, fi
     assert result.exit_code == EXIT_CONFIG, result.output
     assert said in result.output and "calibrate.from" in result.output
     assert "no completion marker" not in result.output or damage is None
+
+
+# ---------------------------------------------------------------------------- vLLM's KV cache from engine.memory_budget
+
+
+@pytest.mark.parametrize("budget, refused", [(1 << 20, True), (2 << 20, False)])
+def test_a_vllm_memory_budget_under_one_kv_block_is_the_jobs_error(budget, refused):
+    """1 MiB holds 22 tokens of the built-in model's float32 KV, less than the one 32-token block vLLM
+    needs to start: on 051b98a vLLM was started anyway and failed (exit 5, retried by the operator
+    for nothing); now the job's number is refused before vLLM starts (exit 2, not retried)."""
+    import numpy as np
+
+    from batchscore.engines.shape import read_model_config
+    from batchscore.engines.vllm.settings import derive_settings
+    from batchscore.errors import JobConfigError
+    from batchscore.models import resolve_model
+    from batchscore.plan.types import GroupMember, PrefixGroup
+
+    config = read_model_config(resolve_model("smollm2-135m-instruct"))
+    groups = [PrefixGroup(np.zeros(0, np.int32), [GroupMember(0, np.arange(15, dtype=np.int32))])]
+
+    def settings():
+        return derive_settings(groups, config, dtype="float32", token_budget=256, max_length=None,
+                               vllm_args={"kv_cache_memory_bytes": budget, "block_size": 32})
+
+    if not refused:
+        assert settings().kv_capacity_tokens >= 32
+        return
+    with pytest.raises(JobConfigError, match="engine.memory_budget") as error:
+        settings()
+    assert "one KV block of 32 tokens" in str(error.value) and error.value.exit_code == EXIT_CONFIG  # not retried

@@ -23,6 +23,7 @@ import numpy as np
 
 from batchscore.engines.device import gpu_available
 from batchscore.engines.shape import ModelShape, context_length, dtype_bytes
+from batchscore.errors import JobConfigError
 from batchscore.plan.types import PrefixGroup
 
 GPU_BLOCK_SIZE = 16  # vLLM's default on GPUs; the planner aligns shared prefixes to it
@@ -172,6 +173,14 @@ def derive_settings(
         # start on a machine with less free: size the cache for this plan instead.
         args["kv_cache_memory_bytes"] = plan_kv_cache_bytes(groups, model_config, dtype, token_budget, block_size)
     capacity, source = estimate_kv_capacity(model_config, dtype, args, weight_bytes)
+    if capacity < block_size and args.get("kv_cache_memory_bytes") and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        # vLLM cannot start without one whole block; the job's number, so a retry would fail the same way
+        per_token = kv_bytes_per_token(model_config, dtype)
+        raise JobConfigError([f"engine.memory_budget (vLLM's KV cache, kv_cache_memory_bytes): "
+                              f"{int(args['kv_cache_memory_bytes']):,} bytes hold {capacity} tokens of this model's KV "
+                              f"({per_token:,} bytes a token in {dtype}), less than one KV block of {block_size} "
+                              f"tokens ({block_size * per_token:,} bytes) vLLM needs to start; raise it (a row's prompt "
+                              "needs its own tokens and one more)"])
     if "max_model_len" in args:
         max_model_len = int(args.pop("max_model_len"))
     else:
