@@ -185,6 +185,20 @@ def test_attention_group_compares_the_engine_path_with_vllms_paged_kernel():
     assert error < 1e-5  # the paged call computes the same attention (float32)
 
 
+@pytest.mark.slow  # a child `batchscore run` (imports, loads, audit): ~1 min on a loaded 2-core machine
+def test_bench_whole_process_times_a_real_run_of_the_same_prompts(tmp_path, tiny_llama):
+    out = tmp_path / "results"
+    result = CliRunner().invoke(bench, ["micro-2000-200", "--scale", "tiny", "--degree", "4", "--model",
+                                        str(tiny_llama), "--engines", "plain,torch", "--whole-process",
+                                        "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (whole,) = json.loads((out / "results.json").read_text())["whole_process"]
+    assert whole["workload"] == "micro-2000-200-d4" and whole["dtype"] == "float32"
+    assert whole["wall_seconds"] > whole["score_seconds"] > 0 and whole["audit_seconds"] > 0
+    assert 0 < whole["flop_ideal_fraction"] < 10
+    assert "fraction of the FLOP ideal counting the whole process" in (out / "results.md").read_text()
+
+
 def test_attention_floor_times_the_kernel_and_its_products():
     result = CliRunner().invoke(main_cli(), ["bench", "attention", "--queries", "64", "--keys", "48", "--repeats", "2"])
     assert result.exit_code == 0, result.output

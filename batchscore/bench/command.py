@@ -34,13 +34,16 @@ from batchscore.engines.shape import DTYPE_BYTES
 @click.option("--device", type=click.Choice(["cpu"]), default="cpu", show_default=True,
               help="This suite runs on cpu; on a GPU, `batchscore bench gpu` runs 8B-class random-weight models (MFU, MIL).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--whole-process", is_flag=True,
+              help="After the suite, time a real `batchscore run` of each microbenchmark in each dtype (same "
+                   "prompts) and print the whole-process fraction of the FLOP ideal (bench/whole_process.py).")
 @click.option("--out", "out", type=click.Path(file_okay=False), default="bench_results", show_default=True,
               help="Folder for results.md, results.json, throughput.png, batch_tokens.png.")
 @click.option("--write-parquet", "parquet", type=click.Path(), default=None,
               help="Write the workload's prompts as Parquet input (row_id, token_ids list<int32>) and exit; "
                    "with several workloads PATH is a folder of <workload>.parquet files.")
-def workloads(names, engines, scale, degree, model, dtypes, compile_mode, token_budget, device, seed, out,
-              parquet) -> None:
+def workloads(names, engines, scale, degree, model, dtypes, compile_mode, token_budget, device, seed, whole_process,
+              out, parquet) -> None:
     """Benchmark batchscore against plain forward and vLLM on the papers' workloads.
 
     WORKLOAD is one or more of: micro-2000-200, micro-2000-1000, micro-1000-1000, micro-1000-100,
@@ -91,11 +94,13 @@ def workloads(names, engines, scale, degree, model, dtypes, compile_mode, token_
     for d, batch in runs:
         options = BenchOptions(model=model, scale=scale, engines=chosen, degree=d, dtype=dtypes[0],
                                token_budget=token_budget, seed=seed, dtypes=tuple(dict.fromkeys(dtypes)),
-                               compile={"auto": None, "on": True, "off": False}[compile_mode])
+                               compile={"auto": None, "on": True, "off": False}[compile_mode],
+                               whole_process=whole_process)
         results.append(run_suite(options, batch, progress=lambda line: click.echo(line, err=True)))
     result = results[0]
     for extra in results[1:]:  # several degrees: one report
         result.workloads += extra.workloads
+        result.whole += extra.whole
         result.seconds += extra.seconds
     paths = write_report(result, out)
     click.echo(markdown_table(result))

@@ -88,6 +88,11 @@ def markdown_table(result: SuiteResult) -> str:
     for i, w in enumerate(result.workloads):
         rows = efficiency.markdown(_efficiency(result, w), result.engine_dtypes[0], label=w.name)
         lines += rows if i == 0 else rows[2:]
+    if result.whole:
+        lines += ["", "The whole process (`--whole-process`): a real `batchscore run` of the same prompts, timed from "
+                  "outside (imports, loads, planning, scoring, writing, the audit), against the plain forward's "
+                  "rate above for the same logical tokens.", ""]
+        lines += [f"- {run.describe()}" for run in result.whole]
     return "\n".join(lines) + "\n"
 
 
@@ -106,6 +111,9 @@ def to_json(result: SuiteResult) -> dict:
         "scale": result.scale, "dtype": result.dtype, "dtypes": list(result.engine_dtypes), "model": result.model,
         "machine": result.machine, "seconds": result.seconds,
         "gemm_peak": result.gemm_peak.to_dict() if result.gemm_peak is not None else None,
+        "whole_process": [{"workload": r.workload, "dtype": r.dtype, "wall_seconds": r.wall_seconds,
+                           "score_seconds": r.metrics.get("score_seconds"), "audit_seconds": r.metrics.get("audit_seconds"),
+                           "flop_ideal_fraction": r.fraction} for r in result.whole],
         "workloads": [{
             "name": w.name, "description": w.description, "requests": w.requests, "groups": w.groups,
             "logical_tokens": w.logical_tokens, "processed_tokens": w.processed_tokens,

@@ -204,6 +204,7 @@ class SuiteResult:
     seconds: float = 0.0
     dtypes: tuple[str, ...] = ()  # the plain and torch engines' dtypes (empty: `dtype` only)
     gemm_peak: GemmPeak | None = None  # measured in the same process (bench/gemm_peak.py)
+    whole: list = field(default_factory=list)  # WholeProcess runs (--whole-process), after the suite
 
     @property
     def engine_dtypes(self) -> tuple[str, ...]:
@@ -253,6 +254,7 @@ class BenchOptions:
     labels: tuple[int, ...] = (1, 2)
     dtypes: tuple[str, ...] = ()  # plain and torch run in each of these, interleaved
     compile: bool | None = None  # torch engine `compile_layers` (None: compiled_layers.should_compile's auto)
+    whole_process: bool = False  # also time a real `batchscore run` of each microbenchmark (bench/whole_process.py)
 
     @property
     def engine_dtypes(self) -> tuple[str, ...]:
@@ -376,8 +378,35 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
     for d, engine in engines.vllm.items():
         if engine.kv_capacity_tokens:
             info.setdefault("vllm_kv_cache_tokens", engine.kv_capacity_tokens)
+    whole = _whole_processes(options, scale, results, progress) if options.whole_process else []
     return SuiteResult(options.scale, options.dtype, str(options.model or "smollm2-135m-instruct"), info,
-                       results, time.perf_counter() - started, options.engine_dtypes, peak)
+                       results, time.perf_counter() - started, options.engine_dtypes, peak, whole)
+
+
+def _whole_processes(options: BenchOptions, scale: Scale, results: list[WorkloadResult], progress) -> list:
+    """A real `batchscore run` of each microbenchmark in each dtype, after the suite's engines are
+    closed, with the whole-process fraction of the FLOP ideal against the suite's plain rate."""
+    import tempfile
+
+    from batchscore.bench.whole_process import micro_job, run_whole, whole_fraction
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-whole-") as folder:
+        for result in results:
+            shape = next((n for n in MICRO_SHAPES if result.name.startswith(n + "-d")), None)
+            if shape is None:
+                continue
+            prefix, distinct = (n // scale.micro_divisor for n in MICRO_SHAPES[shape])
+            for dtype in options.engine_dtypes:
+                job = micro_job(Path(folder), prefix, distinct, options.degree, result.requests, options.seed, dtype,
+                                options.model, options.token_budget)
+                run = run_whole(job, result.name, dtype)
+                plain = result.run("plain", dtype)
+                run.fraction = whole_fraction(run, plain.logical_tokens_per_s if plain else None,
+                                              result.flop_ideal_speedup)
+                progress("    " + run.describe())
+                runs.append(run)
+    return runs
 
 
 def plain_slices(groups: list[PrefixGroup], token_limit: int) -> list[list[PrefixGroup]]:
