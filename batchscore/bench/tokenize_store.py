@@ -136,9 +136,9 @@ def run_plan(job: Path, interval: float = 0.02) -> tuple[dict, float, int, float
     return json.loads(out.strip().splitlines()[-1]), seconds, peak[0], cpu
 
 
-def tokenizer_baseline(job: dict, rows: int) -> tuple[int, float]:
-    """(tokens, seconds) of the model's fast tokenizer batch-encoding the first `rows` prompts
-    of the job's input, rendered first (rendering not timed)."""
+def tokenizer_baseline(job: dict, rows: int) -> tuple[int, float, float]:
+    """(tokens, seconds, CPU seconds of this process: every tokenizer thread) of the model's fast
+    tokenizer batch-encoding the first `rows` prompts of the job's input, rendered first (not timed)."""
     from batchscore.jobfile import config_from_dict
     from batchscore.models import resolve_model
     from batchscore.prepare.prompts import PromptRenderer
@@ -150,12 +150,12 @@ def tokenizer_baseline(job: dict, rows: int) -> tuple[int, float]:
     with open(config.input.path, encoding="utf-8") as lines:
         texts = [renderer.text(json.loads(line)) for line, _ in zip(lines, range(rows))]
     batch = config.input.batch_rows
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     tokens = 0
     for start in range(0, len(texts), batch):
         tokens += sum(map(len, tokenizer(texts[start:start + batch], add_special_tokens=not config.prompt.chat)
                           ["input_ids"]))
-    return tokens, time.perf_counter() - started
+    return tokens, time.perf_counter() - started, time.process_time() - cpu_started
 
 
 @click.command("tokenize-store")
@@ -194,8 +194,9 @@ def tokenize_store(kind: str, rows: int, group_size: int, baseline_rows: int, ch
                    f"saving {stats['saving_ratio']:.1%}, {stats['num_groups']:,} groups; of which planning "
                    f"{stats['plan_seconds']:.1f} s ({stats['plan_cpu_seconds']:.1f} CPU s)")
         if text:
-            tokens, base_seconds = tokenizer_baseline(job, min(baseline_rows, rows))
+            tokens, base_seconds, base_cpu = tokenizer_baseline(job, min(baseline_rows, rows))
             base_rate = tokens / base_seconds
             click.echo(f"tokenizer alone: {min(baseline_rows, rows):,} prompts, {tokens:,} tokens in "
-                       f"{base_seconds:.1f} s ({base_rate:,.0f} tokens/s)")
-            click.echo(f"ratio (plan tokens/s / tokenizer tokens/s): {logical / seconds / base_rate:.2f}")
+                       f"{base_seconds:.1f} s ({base_rate:,.0f} tokens/s; {base_cpu:.1f} CPU s)")
+            click.echo(f"ratio (plan tokens/s / tokenizer tokens/s): {logical / seconds / base_rate:.2f}; "
+                       f"per CPU second: {logical / cpu / (tokens / base_cpu):.2f}")
