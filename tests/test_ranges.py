@@ -100,3 +100,21 @@ def test_the_run_paths_memory_does_not_grow_per_row(tmp_path):
         stages = json.loads((folder / "stats.json").read_text())["stages"]
         peaks[rows] = stages["score"]["peak_anon"]
     assert peaks[200_000] - peaks[20_000] < 180_000 * 200, peaks  # < 200 bytes a row more
+
+
+def test_plan_only_from_generated_sort_keys():
+    """`bench scale --plan-only`: a document's questions (one shared prefix key) form one group,
+    every row is in one, and the ranges hold every group once."""
+    from click.testing import CliRunner
+
+    from batchscore.bench.scale_bench import generated_sort_keys, plan_from_keys, scale
+
+    keys = generated_sort_keys(10_000, group_size=5, seed=0)
+    documents = keys >> np.uint64(24)
+    assert len(np.unique(documents)) == 2_000 and np.all(np.unique(documents, return_counts=True)[1] == 5)
+    plan = plan_from_keys(keys, prefix_len=40, distinct_len=8, min_prefix=16, workers=3)
+    assert plan["groups"] == plan["shared_groups"] == 2_000 and sum(plan["ranges"]) == 2_000
+    assert plan["processed_tokens"] == 2_000 * (40 + 5 * 8)
+    result = CliRunner().invoke(scale, ["--rows", "1000", "--plan-only", "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    assert "plan only: 1,000 rows" in result.output and "200 groups" in result.output and "peak RssAnon" in result.output

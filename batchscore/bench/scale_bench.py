@@ -179,7 +179,7 @@ def job_dict(source: Path, output: Path, text: bool, part_rows: int) -> dict:
 # ------------------------------------------------------------------ the child: one `run_job`
 
 
-def child(job_path: str, stats_path: str) -> None:
+def child_run(job_path: str, stats_path: str) -> None:
     """Run the job once with the stand-in engine, saving the stage table to `stats_path` as
     each stage ends (and the run's summary at the end)."""
     from batchscore.bench.standin import HashScores
@@ -244,7 +244,8 @@ def check_output(output: Path, source: Path, rows: int, text: bool, args: dict) 
     p = table.column("p_Yes").to_numpy()[:checked]
     expected = np.array([expected_p_first(t) for t in tokens])
     assert np.allclose(p, expected, rtol=0, atol=1e-12), "a row's score is not its own tokens' score"
-    return f"{rows:,} rows, each once, in input order, all scored; the first {checked:,} rows' scores match their tokens"
+    return (f"{rows:,} rows, each once, in input order, all scored; the first {checked:,} rows' scores match "
+            "their tokens")
 
 
 def stage_table(stages: dict, rows: dict, tokens: dict) -> list[str]:
@@ -305,7 +306,7 @@ def plan_from_keys(keys: np.ndarray, prefix_len: int, distinct_len: int, min_pre
             "ranges": np.diff(np.concatenate(([0], cuts, [len(starts)]))).tolist()}
 
 
-def plan_only(rows: int, group_size: int, prefix_len: int, distinct_len: int, workers: int) -> None:
+def plan_only_bench(rows: int, group_size: int, prefix_len: int, distinct_len: int, workers: int) -> None:
     meter = StageMeter()
     meter.enter("keys")
     keys = [generated_sort_keys(rows, group_size, seed=0)]
@@ -352,10 +353,10 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, ki
         batchscore bench scale --rows 100000000 --plan-only
     """
     if child:
-        globals()["child"](*child)
+        child_run(*child)
         return
     if plan_only:
-        globals()["plan_only"](rows, group_size, prefix, distinct, workers)
+        plan_only_bench(rows, group_size, prefix, distinct, workers)
         return
     with tempfile.TemporaryDirectory(prefix="batchscore-scale-", dir=workdir) as tmp:
         _scale(Path(tmp), rows, group_size, prefix, distinct, text, kill, part_rows)
@@ -370,7 +371,8 @@ def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, te
         write_text_input(source, rows, group_size, prefix, seed=0)
     else:
         write_token_input(source, rows, **args)
-    click.echo(f"input: {rows:,} rows ({'text' if text else 'token ids'}) written in {time.perf_counter() - started:.1f} s")
+    kind = "text" if text else "token ids"
+    click.echo(f"input: {rows:,} rows ({kind}) written in {time.perf_counter() - started:.1f} s")
     job.write_text(json.dumps(job_dict(source, output, text, part_rows)))
     parts = -(-rows // part_rows)
     runs = []
@@ -386,7 +388,7 @@ def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, te
         raise click.ClickException(f"the run exited with {code}")
     final = json.loads((tmp / "resumed.json").read_text())
     summary = final["summary"]
-    runs.append(("resumed" if runs else "run", final, summary["rows_scored"]))
+    runs.append(("resumed" if runs else "run", final, summary["rows_ok"] - summary["resumed_rows"]))
     checked = check_output(output, source, rows, text, args)
     tokens_per_row = summary["logical_tokens"] / rows
     click.echo(f"rows: {rows:,}  logical tokens: {summary['logical_tokens']:,}  saving ratio: "

@@ -101,9 +101,9 @@ class StoreGroups(Sequence[PrefixGroup]):
     def _positions(self) -> np.ndarray:
         """Every store position of these groups, in run order (a few bytes a row)."""
         starts = self.meta.starts[self.indices] + np.r_[self.skip, np.zeros(len(self) - 1, dtype=np.int64)]
-        index = np.repeat(starts - np.concatenate(([0], np.cumsum(self.sizes)[:-1])), self.sizes) + np.arange(self.sizes.sum())
+        before = np.concatenate(([0], np.cumsum(self.sizes)[:-1]))  # members of the earlier groups
+        index = np.repeat(starts - before, self.sizes) + np.arange(self.sizes.sum())
         return self.meta.rows[index]
-
 
 
 def reads_from_store(source, shard, files) -> bool:
@@ -120,11 +120,13 @@ def reads_from_store(source, shard, files) -> bool:
             and source.task.name == "labels" and windowed_output(config))
 
 
-def audit_sample(job, store: TokenStore, rows: int = 4096, seed: int = 0):
-    """`job` with `rows` seeded positions' requests read back from the store: what the exactness
-    audit picks its rows from (the store path keeps no request list)."""
+def audit_sample(job, store: TokenStore, rows: int = 4096):
+    """`job` with `rows` positions' requests read back from the store (seeded by
+    `output.audit_seed`): what the exactness audit picks its rows from (the store path keeps no
+    request list)."""
     from dataclasses import replace
 
     count = min(rows, store.num_rows)
-    positions = np.sort(np.random.default_rng(seed).choice(store.num_rows, size=count, replace=False)) if count else []
+    rng = np.random.default_rng(job.config.output.audit_seed)
+    positions = np.sort(rng.choice(store.num_rows, size=count, replace=False)) if count else []
     return replace(job, input=replace(job.input, requests=store.requests(int(p) for p in positions)))
