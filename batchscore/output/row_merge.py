@@ -79,18 +79,23 @@ def row_windows(store: PartStore, manifests: list[Manifest], num_rows: int,
 def _result_tables(store: PartStore, manifests: list[Manifest]) -> Iterator[pa.Table]:
     """The rows refused before scoring (no scores), then every part, as tables of `_COLUMNS`."""
     for name in {m.input_errors_file for m in manifests if m.input_errors_file}:
-        refused = pq.read_table(store.folder / name)
+        refused = _read(store.folder / name)
         n = refused.num_rows
         yield pa.table([refused.column("row_id"), pa.nulls(n, _COLUMNS.field("logp").type),
                         pa.nulls(n, _COLUMNS.field("option_tokens").type), refused.column("error"),
                         pa.nulls(n, pa.float64()), pa.nulls(n, pa.int64())], schema=_COLUMNS)
     for part in (p for m in manifests for p in m.parts):
-        table = pq.read_table(store.folder / part.file)
+        table = _read(store.folder / part.file)
         if table.num_rows != part.rows:
             raise RuntimeError(f"{part.file} holds {table.num_rows} rows, its manifest says {part.rows}")
         if "top_token" not in table.column_names:  # parts from before the column
             table = table.append_column("top_token", pa.array(np.full(table.num_rows, -1), type=pa.int64()))
         yield table.select(_COLUMNS.names).cast(_COLUMNS)
+
+
+def _read(path) -> pa.Table:
+    with path.open("rb") as handle:  # a local file or an object in a store (io/storage.py)
+        return pq.read_table(handle)
 
 
 def _window(table: pa.Table, start: int, end: int, folder) -> Window:

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchscore.faults import fault_point
+from batchscore.formats.registry import output_format_of
 from batchscore.io.atomic import atomic_write
 from batchscore.output.layout import DEFAULT_ID
 from batchscore.output.parts import Manifest, PartStore
@@ -34,8 +35,9 @@ def assembles_in_windows(job) -> bool:
 
 def windowed_output(config) -> bool:
     """A labels job's output that needs only each row's own results (see the module docstring)."""
-    return (bool(config.labels) and config.input.choices_column is None and config.output_format == "parquet"
-            and not config.output.top_token and not quality.wanted(config))
+    wire = output_format_of(config)  # a format whose output is one Parquet table (its raw columns kept)
+    return (bool(config.labels) and config.input.choices_column is None and wire is not None
+            and wire.keeps_raw_columns and not config.output.top_token and not quality.wanted(config))
 
 
 def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx_keep: float | None,
