@@ -222,3 +222,54 @@ def test_sample_job_rows_are_bit_identical_across_runs(tmp_path):
     assert [r.context for r in results] == list(CONTEXTS)
     for result in results:
         assert (result.identical, result.max_dp, result.flips) == (40, 0.0, 0), result
+
+
+QUESTIONS = [
+    ("What is the capital of France?", [" Paris", " Lyon", " Marseille"]),
+    ("Which planet is known as the red planet?", [" Mars", " Venus", " Jupiter", " Saturn"]),
+    ("What is the largest ocean on Earth?", [" The Pacific Ocean", " The Atlantic Ocean", " The Indian Ocean"]),
+    ("Who wrote Romeo and Juliet?", [" William Shakespeare", " Charles Dickens", " Jane Austen"]),
+    ("What gas do plants absorb from the air?", [" Carbon dioxide", " Oxygen", " Nitrogen"]),
+    ("How many legs does a spider have?", [" Eight", " Six", " Ten", " Four"]),
+]
+
+
+def choices_job(folder) -> str:
+    """A per-row choices job (each row its own options, some of several tokens): 24 rows, a shared
+    instruction long enough to be a prefix group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    rows = [{"id": f"q{i}", "question": q, "options": o} for i, (q, o) in enumerate(QUESTIONS * 4)]
+    pq.write_table(pa.Table.from_pylist(rows), folder / "questions.parquet")
+    job = {"input": {"path": str(folder / "questions.parquet"), "id_column": "id", "choices_column": "options"},
+           "prompt": {"chat": True, "system": "Answer each quiz question with the one correct option. " * 6,
+                      "template": "Question: {question}\nAnswer:"},
+           "model": "smollm2-135m-instruct", "engine": {"kind": "torch"},
+           "output": {"path": str(folder / "answers.parquet"), "logprobs": True}}
+    (folder / "choices.yaml").write_text(yaml.safe_dump(job))
+    return str(folder / "choices.yaml")
+
+
+@pytest.mark.slow  # ~20 runs of the built-in model per cell
+@pytest.mark.parametrize("task", ["labels", "choices"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_invariance_matrix(tmp_path, dtype, task):
+    """dtype × token budget (256; 64, below every prompt) × memory budget × 3 and 5 static shards ×
+    kill + resume × task (labels; per-row choices), through `run_job` as a user runs them: the
+    tracked rows are bit-identical to the whole job's in every context — or the engine refuses the
+    dtype by name on a CPU whose kernels follow the row count (then nothing is scored)."""
+    from batchscore.bench.invariance import CONTEXTS, MORE, measure
+    from tests.conftest import REPO
+
+    job = str(REPO / "jobs" / "sample.yaml") if task == "labels" else choices_job(tmp_path)
+    try:
+        results = measure(job, dtype=dtype, batch_invariant=True, rows=8, job_rows=40 if task == "labels" else None,
+                          workdir=tmp_path / "runs", device="cpu", budget=256, contexts=CONTEXTS + MORE)
+    except JobConfigError as refused:
+        assert f"engine.batch_invariant: not bit-identical in {dtype} on this CPU" in str(refused)
+        return
+    assert [r.context for r in results] == list(CONTEXTS + MORE)
+    for result in results:
+        assert (result.identical, result.max_dp, result.flips) == (8, 0.0, 0), result

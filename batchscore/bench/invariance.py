@@ -7,7 +7,10 @@ The same tracked rows of a job are scored, through `run_job` as a user runs them
   shards    3 static shards (`--shard I/3`), merged;
   budget    another `engine.token_budget`;
   resume    a run killed (SIGKILL) after a third of the rows, then resumed (small parts so some
-            were saved).
+            were saved);
+and, asked by name (`MORE`): `shards5` (5 static shards), `small_budget` (a token budget of 64,
+below the prompts' length: every prompt prefilled in chunks), `memory` (`engine.memory_budget`
+64 MiB).
 For each context against `whole`: max |ΔP| over the score columns, label flips and bit-identical
 rows (every score column equal to the bit). One table row per engine mode (default,
 `engine.batch_invariant`) and dtype. The engine is built once per mode and dtype and reused by
@@ -27,6 +30,7 @@ import click
 import numpy as np
 
 CONTEXTS = ("alone", "shuffled", "shards", "budget", "resume")
+MORE = ("shards5", "small_budget", "memory")  # the test matrix's other plan cuts
 
 
 @dataclass
@@ -126,12 +130,13 @@ def measure(job_path: str, *, dtype: str, batch_invariant: bool, rows: int, job_
         id_column = "row_key"
         overrides["input.id_column"] = id_column
     ids = tracked_ids(table[id_column].to_pylist(), rows)
-    engines: dict[int, KeptEngine] = {}
+    engines: dict[tuple, KeptEngine] = {}  # (token budget, memory budget) -> engine
 
     def factory(resolved, model_dir, engine):
-        if engine.token_budget not in engines:
-            engines[engine.token_budget] = KeptEngine(create_engine(resolved, model_dir, engine))
-        return engines[engine.token_budget]
+        key = (engine.token_budget, engine.memory_budget)
+        if key not in engines:
+            engines[key] = KeptEngine(create_engine(resolved, model_dir, engine))
+        return engines[key]
 
     def run(name: str, data, extra: dict | None = None, shard=None, fresh: bool = True) -> Path:
         source = workdir / f"{name}.input.parquet"
@@ -153,17 +158,22 @@ def measure(job_path: str, *, dtype: str, batch_invariant: bool, rows: int, job_
         elif context == "shuffled":
             order = np.random.default_rng(0).permutation(table.num_rows)
             other = pq.read_table(run("shuffled", table.take(order)))
-        elif context == "shards":
-            for index in range(3):
-                output = run("shards", table if index == 0 else None, shard=Shard(index, 3))
+        elif context in ("shards", "shards5"):
+            count = 5 if context == "shards5" else 3
+            for index in range(count):
+                output = run(context, table if index == 0 else None, shard=Shard(index, count))
             other = pq.read_table(output)
+        elif context == "small_budget":
+            other = pq.read_table(run(context, table, {"engine.token_budget": "64"}))
+        elif context == "memory":
+            other = pq.read_table(run(context, table, {"engine.memory_budget": str(64 << 20)}))
         elif context == "budget":
             other = pq.read_table(run("budget", table, {"engine.token_budget": str(budget)}))
         elif context == "resume":
             _kill_a_run(job_path, overrides, table, workdir)
             other = pq.read_table(run("resume", None, fresh=False))  # scores only the rows not yet saved
         else:
-            raise click.ClickException(f"unknown context {context!r}; known: {', '.join(CONTEXTS)}")
+            raise click.ClickException(f"unknown context {context!r}; known: {', '.join(CONTEXTS + MORE)}")
         results.append(compare(reference, other, id_column, ids, context))
     return results
 
@@ -222,7 +232,8 @@ def markdown(records: list[dict]) -> str:
               help="Score only the input's first N rows as the whole job (default: all).")
 @click.option("--dtypes", default="float32,bfloat16", show_default=True)
 @click.option("--modes", default="default,batch_invariant", show_default=True)
-@click.option("--contexts", default=",".join(CONTEXTS), show_default=True)
+@click.option("--contexts", default=",".join(CONTEXTS), show_default=True,
+              help=f"Also: {', '.join(MORE)} (5 shards, a 64-token budget, a 64 MiB memory budget).")
 @click.option("--budget", type=click.IntRange(min=16), default=700, show_default=True,
               help="engine.token_budget of the `budget` context.")
 @click.option("--device", default="auto", show_default=True)
