@@ -19,6 +19,7 @@ from batchscore.config import (CalibrateConfig, EngineConfig, ExecutorConfig, In
                                OutputConfig, PlanConfig, PromptConfig, ReviewConfig, ScoreConfig, SpeculativeConfig,
                                SyntheticInput, safe_load_yaml)
 from batchscore.engines.registry import engine_problems, kind_names as engine_kind_names
+from batchscore.engines.vllm.kind import vllm_args_problems
 from batchscore.engines.shape import DTYPE_BYTES
 from batchscore.engines.speculative.kept_tokens import options_problems
 from batchscore.errors import JobConfigError, PromptTemplateError
@@ -100,7 +101,7 @@ def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code:
     if not problems:
         problems.extend(_question_key_problems(config))
         problems.extend(_semantic_problems(config))
-        problems.extend(_vllm_args_problems(config.engine.vllm_args, allow_code))
+        problems.extend(vllm_args_problems(config.engine.vllm_args, allow_code))  # the vllm kind's rules
     if problems:
         raise JobConfigError(problems, source)
     config.input.path = local_path(config.input.path)
@@ -330,37 +331,6 @@ def _not_allowed(config: JobConfig, key: str) -> list[str]:
                   "output.format": output_format_names}  # kinds and formats registered since import too
     allowed = registered[key]() if key in registered else ALLOWED[key]
     return [] if value in allowed else [f"{key}: must be one of {', '.join(allowed)}, got {value!r}"]
-
-
-# engine.vllm_args a job file may set: sizes and switches of the engine. Anything that makes vLLM
-# import or run code named by the job (a remote model's code, a worker class, a plugin) needs the
-# CLI's --allow-code; anything else is refused by name, so a typo is not silently ignored.
-VLLM_ARGS_ALLOWED = frozenset({
-    "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-    "max_num_batched_tokens", "block_size", "enable_chunked_prefill", "enable_prefix_caching",
-    "tensor_parallel_size", "pipeline_parallel_size", "swap_space", "cpu_offload_gb", "enforce_eager",
-    "disable_log_stats", "seed", "quantization", "kv_cache_dtype", "calculate_kv_scales",
-    "max_logprobs", "disable_custom_all_reduce", "revision", "tokenizer_revision", "load_format",
-})
-VLLM_ARGS_CODE = frozenset({
-    "trust_remote_code", "worker_extension_cls", "worker_cls", "distributed_executor_backend",
-    "hf_overrides", "model_impl", "logits_processors", "compilation_config", "tokenizer",
-    "tokenizer_mode", "override_generation_config", "kv_transfer_config", "allowed_local_media_path",
-})
-
-
-def _vllm_args_problems(vllm_args: dict[str, Any], allow_code: bool) -> list[str]:
-    problems = []
-    for key in vllm_args:
-        if key in VLLM_ARGS_CODE and not allow_code:
-            problems.append(f"engine.vllm_args.{key}: makes vLLM load or run code named by the job file; "
-                            "pass --allow-code to batchscore run if you trust this job")
-        elif key not in VLLM_ARGS_ALLOWED | VLLM_ARGS_CODE:
-            close = difflib.get_close_matches(str(key), sorted(VLLM_ARGS_ALLOWED), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append(f"engine.vllm_args.{key}: not an argument batchscore passes to vLLM{hint}; "
-                            f"allowed: {', '.join(sorted(VLLM_ARGS_ALLOWED))}")
-    return problems
 
 
 def _output_column_problems(config: JobConfig, task: Task) -> list[str]:

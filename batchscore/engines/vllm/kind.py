@@ -4,14 +4,49 @@ where the job names it. `engine.memory_budget` becomes the KV-cache bytes vLLM i
 
 from __future__ import annotations
 
+import difflib
 import logging
 from pathlib import Path
+from typing import Any
 
 from batchscore.engines.device import VLLM_INSTALL_HINT
 from batchscore.engines.registry import EngineKind, JobFacts, register
 from batchscore.errors import EngineUnavailable
 
 log = logging.getLogger("batchscore")
+
+
+# engine.vllm_args a job file may set: sizes and switches of the engine. Anything that makes vLLM
+# import or run code named by the job (a remote model's code, a worker class, a plugin) needs the
+# CLI's --allow-code; anything else is refused by name, so a typo is not silently ignored.
+VLLM_ARGS_ALLOWED = frozenset({
+    "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "block_size", "enable_chunked_prefill", "enable_prefix_caching",
+    "tensor_parallel_size", "pipeline_parallel_size", "swap_space", "cpu_offload_gb", "enforce_eager",
+    "disable_log_stats", "seed", "quantization", "kv_cache_dtype", "calculate_kv_scales",
+    "max_logprobs", "disable_custom_all_reduce", "revision", "tokenizer_revision", "load_format",
+})
+VLLM_ARGS_CODE = frozenset({
+    "trust_remote_code", "worker_extension_cls", "worker_cls", "distributed_executor_backend",
+    "hf_overrides", "model_impl", "logits_processors", "compilation_config", "tokenizer",
+    "tokenizer_mode", "override_generation_config", "kv_transfer_config", "allowed_local_media_path",
+})
+
+
+def vllm_args_problems(vllm_args: dict[str, Any], allow_code: bool) -> list[str]:
+    """`engine.vllm_args` checked against the allow-list (whatever the kind: the section is vLLM's);
+    `allow_code`: the CLI's --allow-code."""
+    problems = []
+    for key in vllm_args:
+        if key in VLLM_ARGS_CODE and not allow_code:
+            problems.append(f"engine.vllm_args.{key}: makes vLLM load or run code named by the job file; "
+                            "pass --allow-code to batchscore run if you trust this job")
+        elif key not in VLLM_ARGS_ALLOWED | VLLM_ARGS_CODE:
+            close = difflib.get_close_matches(str(key), sorted(VLLM_ARGS_ALLOWED), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"engine.vllm_args.{key}: not an argument batchscore passes to vLLM{hint}; "
+                            f"allowed: {', '.join(sorted(VLLM_ARGS_ALLOWED))}")
+    return problems
 
 
 def refuses(facts: JobFacts) -> str | None:
