@@ -257,3 +257,72 @@ def test_the_console_splits_the_run_time():
     assert _time_split(summary) == "  plan 10.0 s, scoring 25.0 s, write 1.0 s, audit 2.0 s (5.0% of the run, 1 row)"
     summary.audit.rows = 0
     assert _time_split(summary).endswith("audit off")
+
+
+def _native_bf16() -> bool:
+    from batchscore.engines.cpu_features import cpu_bf16
+
+    return _gpu() or cpu_bf16().native
+
+
+def _wrong_merge(out_a, lse_a, out_b, lse_b):
+    """A planted merge bug: the two partial attentions averaged, their log-sum-exp weights ignored."""
+    import torch
+
+    return torch.lerp(out_b.float(), out_a.float(), 0.5), torch.logaddexp(lse_a, lse_b)
+
+
+@pytest.mark.skipif(not _native_bf16(), reason="bfloat16 is emulated (minutes) on a CPU without AVX512-BF16/AMX")
+def test_a_bfloat16_run_is_measured_against_the_plain_bfloat16_forward_and_a_wrong_merge_still_fails(
+        tmp_path, job_factory, small_input, monkeypatch):
+    """A correct bfloat16 run passes: its bound is the dtype's, or twice the plain bfloat16 forward's
+    largest |ΔP| on the same rows, and --metrics holds both figures. The same run with a wrong
+    shared-prefix merge planted exits 7, naming rows."""
+    from batchscore.engines.torch import cascade_attention
+    from batchscore.run.audit import PLAIN_MARGIN
+
+    metrics = tmp_path / "metrics.json"
+    job = job_factory(small_input, engine={"dtype": "bfloat16"})
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet", "--metrics", str(metrics)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(metrics.read_text())
+    assert data["audit_rows"] == 12 and data["audit_differing"] == []
+    assert 0 < data["audit_plain_max_dp"] < DTYPE_BOUNDS["bfloat16"]  # the dtype's own rounding, measured
+    assert 0 < data["audit_plain_mean_dp"] <= data["audit_plain_max_dp"]
+    assert data["audit_mean_dp"] <= data["audit_max_dp"] <= data["audit_bound"]
+    assert data["audit_bound"] == max(DTYPE_BOUNDS["bfloat16"], PLAIN_MARGIN * data["audit_plain_max_dp"])
+    assert data["audit_tokens"] > 0 and "audit 0.0 s" not in result.output
+
+    monkeypatch.setattr(cascade_attention, "merge_partial_attention", _wrong_merge)
+    broken = load_job(job_factory(small_input, engine={"dtype": "bfloat16"},
+                                  output={"path": str(tmp_path / "broken.parquet")}))
+    with pytest.raises(AuditFailed) as caught:
+        run_job(broken, progress=False)
+    audit = caught.value.summary.audit
+    assert caught.value.exit_code == EXIT_AUDIT == 7 and audit.differing
+    assert audit.max_dp > audit.bound >= PLAIN_MARGIN * audit.plain_max_dp
+    assert "plain bfloat16 forward" in audit.differing[0] and "the plain forward in the run's dtype" in str(caught.value)
+
+
+def test_a_jobs_own_bound_wins_over_the_plain_forward_rule(tmp_path, job_factory):
+    """audit_bound keeps output.audit_max_dp when the job sets it, in any dtype."""
+    from batchscore.run.audit import audit_bound, relative_bound
+
+    config = load_job(job_factory(tmp_path / "x.parquet", engine={"dtype": "bfloat16"},
+                                  output={"audit_max_dp": 0.01}))
+    assert audit_bound(config, "bfloat16") == 0.01
+    assert relative_bound(0.07, 0.02) == 0.07 and relative_bound(0.07, 0.05) == pytest.approx(0.1)
+
+
+def test_the_report_shows_the_plain_same_dtype_figure_beside_the_engines():
+    from batchscore.output.summary import Audit, RunSummary
+    from batchscore.report.quality_html import audit_section
+
+    summary = RunSummary(output_path="out.parquet", rows=3, rows_ok=3, rows_error=0, logical_tokens=0,
+                         processed_tokens=0, saving_ratio=0.0, seconds=2.0, engine="torch", model="m",
+                         audit=Audit(rows=3, max_dp=0.03, bound=0.08, mean_dp=0.01, plain_max_dp=0.04,
+                                     plain_mean_dp=0.02))
+    assert "0.04 / 0.02 (the engine&#x27;s mean 0.01)" in audit_section(summary) or \
+        "0.04 / 0.02 (the engine's mean 0.01)" in audit_section(summary)
+    summary.audit.plain_max_dp = summary.audit.plain_mean_dp = None  # a float32 run: no such row
+    assert "plain forward in the run" not in audit_section(summary)

@@ -12,7 +12,7 @@ METRICS_KEYS = [
     "batch_token_counts", "skipped", "approx_keep", "reads", "decisions", "calibration", "confidence_method",
     "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds", "audit_differing",
     "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash", "rederived",
-    "rows_per_second", "logical_tokens_per_second"]
+    "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "rows_per_second", "logical_tokens_per_second"]
 
 
 def full_summary() -> RunSummary:
@@ -25,7 +25,8 @@ def full_summary() -> RunSummary:
         execution=Execution({"kind": "torch", "dtype": "float32"}, 3, [4096, 3320], 0.4),
         questions=Questions(36, {"layout": "wide"}),
         quality=Quality({"method": "batch"}, "top", {"threshold": 0.7}, {"rows": 4}),
-        audit=Audit(rows=2, max_dp=3e-6, bound=1e-4, seconds=0.52, differing=["row 1"], skipped="why", tokens=273))
+        audit=Audit(rows=2, max_dp=3e-6, bound=1e-4, seconds=0.52, differing=["row 1"], skipped="why", tokens=273,
+                    mean_dp=2e-6, plain_max_dp=0.04, plain_mean_dp=0.01))
 
 
 def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
@@ -37,7 +38,8 @@ def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
         (0.1, 15.0, 3.0, 0.5)
     assert (data["calibration"], data["confidence_method"], data["review"], data["out_of_scope"]) == \
         ({"method": "batch"}, "top", {"threshold": 0.7}, {"rows": 4})
-    assert [data[k] for k in METRICS_KEYS if k.startswith("audit_")] == [2, 3e-6, 1e-4, 0.52, ["row 1"], "why", 273]
+    assert [data[k] for k in METRICS_KEYS if k.startswith("audit_")] == \
+        [2, 3e-6, 1e-4, 0.52, ["row 1"], "why", 273, 2e-6, 0.04, 0.01]
     assert (data["batch_token_counts"], data["approx_keep"]) == ([4096, 3320], 0.4)
     assert data["rows_per_second"] == 10.0 and data["logical_tokens_per_second"] == 1341.0
     stored = full_summary().to_dict(stored=True)

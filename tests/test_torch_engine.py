@@ -316,3 +316,26 @@ def test_refused_group_raises_after_every_earlier_result():
     with pytest.raises(ValueError, match="row 99: .*longer than the maximum 512"):
         next(scores)
     assert engine.metrics.processed_tokens == sum(g.processed_tokens for g in groups)
+
+
+def test_bfloat16_reads_float32_logits_and_leaves_the_plain_forward_alone():
+    """In bfloat16 the read positions leave through a float32 final norm and float32 logits: a
+    bfloat16 logit of ~20 is rounded to 0.125, which alone moves P(label) by ~0.01–0.03 on the real
+    model. The final norm's float32 hook lives for the engine's own decoder calls only."""
+    model = tiny_model("llama", torch.bfloat16)
+    engine = TorchEngine(model, token_budget=BUDGET)
+    rows = torch.randn(3, 64) * 4  # [C, hidden] float32, as the final norm now hands them over
+    weight = model.lm_head.weight.double()  # [V, hidden] the bfloat16 weights, exactly
+    exact = rows.double() @ weight.T  # [C, V]
+    logits = engine._logits(rows)
+    assert logits.dtype == torch.float32
+    error = (logits.double() - exact).abs().max().item()
+    rounding = (exact.to(torch.bfloat16).double() - exact).abs().max().item()  # what bfloat16 logits lose
+    assert error < rounding / 100
+    seen, logits_of = [], engine._logits
+    engine._logits = lambda hidden: (seen.append(hidden.dtype), logits_of(hidden))[1]
+    results = list(engine.score(make_groups(seed=1), LABELS))
+    assert len(results) == sum(len(g.members) for g in make_groups(seed=1))
+    assert seen and set(seen) == {torch.float32}  # the read rows came out of the float32 final norm
+    hidden = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert not model.model.norm._forward_hooks and model.model.norm(hidden).dtype == torch.bfloat16

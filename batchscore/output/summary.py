@@ -56,11 +56,14 @@ class Quality:
 
 @dataclass
 class Audit:
-    """The exactness audit (run/audit.py): rows re-scored through a plain float32 forward."""
+    """The exactness audit (run/audit.py): rows re-scored through a plain float32 forward (and, in a
+    reduced-precision run, through a plain forward in the run's dtype too)."""
 
     KEY: ClassVar[dict[str, str]] = {"rows": "audit_rows", "max_dp": "audit_max_dp", "bound": "audit_bound",
                                      "seconds": "audit_seconds", "differing": "audit_differing",
-                                     "skipped": "audit_skipped", "tokens": "audit_tokens"}
+                                     "skipped": "audit_skipped", "tokens": "audit_tokens",
+                                     "mean_dp": "audit_mean_dp", "plain_max_dp": "audit_plain_max_dp",
+                                     "plain_mean_dp": "audit_plain_mean_dp"}
 
     rows: int = 0
     max_dp: float | None = None  # their largest |ΔP| against it (None: no audit)
@@ -69,6 +72,11 @@ class Audit:
     differing: list[str] = field(default_factory=list)  # rows above the bound, largest |ΔP| first
     skipped: str | None = None  # why no row was re-scored
     tokens: int = 0  # tokens of its plain forwards (by default within 5% of processed_tokens)
+    mean_dp: float | None = None  # the engine's mean |ΔP| against float32 over the audited rows
+    # the plain forward in the run's dtype (bfloat16, float16) against float32 on the same rows: the
+    # dtype's own rounding, what the engine is measured against (None: a float32 run)
+    plain_max_dp: float | None = None
+    plain_mean_dp: float | None = None
 
 
 PARTS = {"timing": Timing, "execution": Execution, "questions": Questions, "quality": Quality, "audit": Audit}
@@ -79,7 +87,7 @@ KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "proce
         "workers", "batch_token_counts", "skipped", "approx_keep", "reads", "decisions", "calibration",
         "confidence_method", "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds",
         "audit_differing", "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash",
-        "rederived")
+        "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp")
 
 
 def _key(part: type, name: str) -> str:

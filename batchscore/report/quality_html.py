@@ -169,6 +169,9 @@ def audit_section(summary: RunSummary | None) -> str:
                else "within the bound" if max_dp <= bound else "ABOVE the bound: the run exited 7")
     rows = [("rows re-scored", f"{audit.rows:,}"),
             ("max |ΔP| against a plain float32 forward", f"{max_dp:.3g}"),
+            *([("max / mean |ΔP| of the plain forward in the run's dtype, same rows",
+                f"{audit.plain_max_dp:.3g} / {audit.plain_mean_dp:.3g} (the engine's mean {audit.mean_dp:.3g})")]
+              if audit.plain_max_dp is not None else []),
             ("bound (output.audit_max_dp)", "–" if bound is None else f"{bound:g}"),
             ("verdict", verdict),
             ("time", f"{audit.seconds:.1f} s of the run's {summary.seconds:.1f} s")]

@@ -45,6 +45,8 @@ dropped as soon as its last member is scored.
 
 from __future__ import annotations
 
+import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -176,6 +178,10 @@ class TorchEngine:
         self.largest_pass_bytes = 0  # the largest memory estimate of a packed pass (with a memory budget)
         self._decoder = model.get_decoder()
         self._lm_head = model.get_output_embeddings()
+        # Reduced precision: the read positions leave the decoder through a float32 copy of the final
+        # norm and get float32 logits (`_logits`); bfloat16 logits of ~20 are rounded to 0.125.
+        self._final_norm = (copy.deepcopy(self._decoder.norm).float()
+                            if next(model.parameters()).dtype != torch.float32 else None)
         self._num_layers = model.config.num_hidden_layers
         self.hybrid_chunk = hybrid_chunk
         self.memory_budget = memory_budget
@@ -480,7 +486,7 @@ class TorchEngine:
             if lo == hi and (tops is None or first >= len(tops)):
                 continue
             chunk = sources[first:last]
-            logits = self._lm_head(pad_rows(chunk) if self.batch_invariant else chunk).float()  # [C (padded), V]
+            logits = self._logits(chunk)  # [C (padded), V]
             lse = torch.logsumexp(logits, dim=-1)  # [C]
             if tops is not None and first < len(tops):
                 upto = min(last, len(tops))
@@ -648,14 +654,45 @@ class TorchEngine:
         if self._hybrid is not None:
             hidden = self._hybrid.forward(input_ids, position_ids, cascade)  # [T, hidden]
         else:
-            output = self._decoder(
-                input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, cascade=cascade
-            )
-            hidden = output.last_hidden_state[0]  # [T, hidden]
+            with self._float32_final_norm():
+                output = self._decoder(
+                    input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, cascade=cascade
+                )
+            hidden = output.last_hidden_state[0]  # [T, hidden] (float32 in a reduced-precision run)
         self.metrics.processed_tokens += real_tokens
         self.metrics.batches += 1
         self.metrics.batch_token_counts.append(real_tokens)
         return hidden[:real_tokens]
+
+    @contextmanager
+    def _float32_final_norm(self):
+        """While the engine's decoder runs: its final norm computed by the float32 copy (input cast
+        up, no rounding back), so the hidden states the LM head reads stay float32. A hook for the
+        engine's calls only: a plain forward of the same model object is left as it is."""
+        if self._final_norm is None:
+            yield
+            return
+        handle = self._decoder.norm.register_forward_hook(lambda module, args, out: self._final_norm(args[0].float()))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """[C, hidden] -> [C (padded in batch_invariant mode), V] float32 logits. In a reduced-precision
+        run the matmul runs in float32, the LM head's weight cast up LOGIT_COLUMNS vocabulary rows at a
+        time (no float32 copy of it kept): each logit is the float32 sum of the products, as vLLM's
+        and a plain forward's kernels accumulate it, without rounding it back to the weights' dtype."""
+        rows = pad_rows(rows) if self.batch_invariant else rows
+        weight = self._lm_head.weight
+        if weight.dtype == torch.float32 or (self.batch_invariant and self.device.type == "cuda"):
+            return self._lm_head(rows.to(weight.dtype)).float()
+        bias = getattr(self._lm_head, "bias", None)
+        rows = rows.float()
+        return torch.cat([torch.nn.functional.linear(
+            rows, weight[first : first + LOGIT_COLUMNS].float(),
+            None if bias is None else bias[first : first + LOGIT_COLUMNS].float())
+            for first in range(0, weight.shape[0], LOGIT_COLUMNS)], dim=-1)
 
     @torch.inference_mode()
     def _label_logp(self, last_hidden: torch.Tensor, labels: torch.Tensor, tops: np.ndarray | None = None,
@@ -667,7 +704,7 @@ class TorchEngine:
         out = []
         for first in range(0, last_hidden.shape[0], LM_HEAD_ROWS):
             rows = last_hidden[first : first + LM_HEAD_ROWS]
-            logits = self._lm_head(pad_rows(rows) if self.batch_invariant else rows).float()  # [C, V]
+            logits = self._logits(rows)  # [C, V]
             log_probs = torch.log_softmax(logits, dim=-1)[: rows.shape[0]]  # [C, V]
             out.append(log_probs[:, labels].cpu().numpy().astype(np.float64))
             if tops is not None:
