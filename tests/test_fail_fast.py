@@ -43,8 +43,10 @@ def test_a_run_scores_its_longest_prompt_first_then_every_row_in_plan_order(tmp_
     from batchscore.run.runner import run_job
     from batchscore.store.build import build_store
 
+    import batchscore.run.local as local
     import batchscore.run.runner as runner
 
+    monkeypatch.setattr(local, "FAIL_FAST_MIN_PASSES", 1)  # this small job is ~2 longest prompts of work
     built = []
     if from_store:
         monkeypatch.setattr(runner, "build_store", lambda *a: built.append(1) or build_store(*a))
@@ -69,3 +71,25 @@ def test_a_run_scores_its_longest_prompt_first_then_every_row_in_plan_order(tmp_
     assert summary.rows_ok == 30 and built == ([1] if from_store else [])
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("row_id").to_pylist() == list(range(30))
+
+
+def test_a_small_job_skips_the_probe():
+    """The probe costs one prompt's forward: a job of fewer than FAIL_FAST_MIN_PASSES longest prompts
+    of work (it reaches its largest pass in minutes anyway) does not pay it; a large one does."""
+    from batchscore.run.local import FAIL_FAST_MIN_PASSES, run_largest_pass
+
+    class Counting:
+        def __init__(self):
+            self.calls = []
+
+        def score(self, groups, label_ids):
+            self.calls.append([[m.row_id for m in g.members] for g in groups])
+            return iter(())
+
+    small = [group(0, 300, first_row=0), group(16, 10, 10, first_row=1)]
+    engine = Counting()
+    run_largest_pass(engine, small, None)
+    assert engine.calls == []
+    large = small + [group(8, *([40] * (FAIL_FAST_MIN_PASSES * 8)), first_row=3)]
+    run_largest_pass(engine, large, None)
+    assert engine.calls == [[[0]]]

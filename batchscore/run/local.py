@@ -70,14 +70,28 @@ def run_largest_pass(engine: Engine, groups: Sequence[PrefixGroup], label_ids: S
     """Fail fast: score the longest prompt alone before anything else and drop its result (it is
     scored again in its place, so every row's bits are the plan order's), so a job whose largest
     pass cannot fit fails in its first minute, not its last hour (plan/order.largest_pass).
-    Costs one prompt's forward."""
+    Costs one prompt's forward, so it runs only for jobs of at least FAIL_FAST_MIN_PASSES such
+    prompts of work (a smaller job reaches its largest pass in minutes anyway)."""
     largest = groups.largest_pass(skip) if hasattr(groups, "largest_pass") else largest_pass(groups, skip)
     if largest is None:
         return
+    length = largest.prefix_len + largest.members[0].work_tokens
+    if length * FAIL_FAST_MIN_PASSES > _work_tokens(groups):
+        return  # a small job fails fast anyway: the probe would cost a noticeable share of its time
     log.info("fail fast: the longest prompt (%d tokens, row %d) is scored first, alone",
              largest.prefix_len + largest.members[0].work_tokens, largest.members[0].row_id)
     for _ in engine.score([largest], label_ids):
         pass
+
+
+FAIL_FAST_MIN_PASSES = 50  # the probe runs when the job is at least 50 longest prompts of work (≤ 2% extra)
+
+
+def _work_tokens(groups) -> int:
+    """The tokens `groups` will compute (each prefix once, each member's own tokens)."""
+    if hasattr(groups, "work_tokens"):
+        return groups.work_tokens()
+    return sum(g.prefix_len + sum(m.work_tokens for m in g.members) for g in groups)
 
 
 @contextmanager

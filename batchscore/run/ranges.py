@@ -81,6 +81,11 @@ class StoreGroups(Sequence[PrefixGroup]):
         rest = self[group:]
         return StoreGroups(self.meta, self.store, rest.indices, rest.skip + skip, self._last)
 
+    def work_tokens(self) -> int:
+        """The tokens these groups compute, from the plan's per-group counts (a resume inside the
+        first group counts it whole: an upper bound by at most one group)."""
+        return int(np.asarray(self.meta.group_tokens, dtype=np.int64)[self.indices].sum())
+
     def largest_pass(self, skip: frozenset[int] = frozenset()) -> PrefixGroup | None:
         """plan/order.largest_pass over the plan's arrays: the longest prompt as a group of one
         (ties: the earlier; rows in `skip` passed over); only its group is built."""
