@@ -324,3 +324,21 @@ def test_a_questions_truth_problem_fixed_in_a_json_lines_input_reruns_without_fr
     assert pc.all(pc.equal(out.column("status"), "ok")).as_py()
     summary = json.loads((tmp_path / "out.parquet.complete.json").read_text())["summary"]
     assert summary["resumed_rows"] == 12
+
+
+def test_a_large_input_of_lines_counts_an_edit_in_its_middle(tmp_path, monkeypatch):
+    """A CSV (or any input of lines) larger than FULL_HASH_BYTES is hashed whole: an edit in its
+    middle changes its fingerprint (sampled, it went unnoticed on resume); a large weight file
+    (no format) is still sampled."""
+    import batchscore.output.identity as identity
+
+    monkeypatch.setattr(identity, "FULL_HASH_BYTES", 1024)
+    lines = [f"{i},text number {i}\n" for i in range(200_000)]
+    path = tmp_path / "in.csv"
+    path.write_text("id,text\n" + "".join(lines))
+    before = identity.file_digest(path, "csv")
+    middle = len(lines) * 3 // 10  # between the three 1 MiB samples of the ~4.6 MB file
+    lines[middle] = lines[middle].replace("text", "TEXT")
+    path.write_text("id,text\n" + "".join(lines))
+    assert identity.file_digest(path, "csv") != before
+    assert identity.file_digest(path).startswith("sampled:")

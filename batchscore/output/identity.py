@@ -6,8 +6,9 @@ and times: a model folder swapped in place, or an input edited in place with its
 kept, is still noticed.
 
 Cost: files up to FULL_HASH_BYTES are hashed whole; a larger Parquet file by its footer (row
-groups, row counts, column statistics and offsets) and size; a larger JSONL file is hashed
-whole, streaming (its rows are read anyway); a large weight file by its size and three 1 MiB
+groups, row counts, column statistics and offsets) and size; any other large input (JSONL, CSV,
+an OpenAI Batch file) is hashed whole, streaming (its rows are read anyway, and an edit in its
+middle must count); a large weight file by its size and three 1 MiB
 samples (start, middle, end). An object in a store (io/storage.py) other than JSONL: by what the
 store says of it (ETag, MD5 or CRC), its size and, for Parquet, its footer — never downloaded whole.
 
@@ -97,11 +98,11 @@ def file_digest(path: str | os.PathLike, fmt: str | None = None) -> str:
     if is_remote(path) and fmt != "jsonl":
         return _store_digest(path, fmt)
     size = file_size(path)
-    if size <= FULL_HASH_BYTES or fmt == "jsonl":
-        return _sha256_file(path)
-    if fmt == "parquet":
+    if fmt == "parquet" and size > FULL_HASH_BYTES:
         return _parquet_footer_digest(path, size)
-    return _sampled_digest(path, size)
+    if size <= FULL_HASH_BYTES or fmt is not None:
+        return _sha256_file(path)  # an input of lines (JSONL, CSV, a Batch file): an edit anywhere counts
+    return _sampled_digest(path, size)  # a large weight file
 
 
 def input_identity(files: list[tuple[Path, str]]) -> list[dict]:
