@@ -167,11 +167,14 @@ def test_a_large_block_step_merges_each_chain_as_alone():
 
 
 @pytest.mark.parametrize("where", ["linear", "lm_head"])
-def test_refused_by_name_where_a_kernel_follows_the_row_count(where):
+def test_refused_by_name_where_a_kernel_follows_the_row_count(where, monkeypatch):
     """What a CPU whose GEMM blocking follows the row count (AMX tiles, MKL's small-matrix path)
     looks like to the engine: a layer whose last bits change with the rows in the call. The engine
     measures it before scoring and refuses by name (exit 2), instead of scores that follow the batch."""
+    import batchscore.engines.torch.engine as engine_module
     from batchscore.errors import JobConfigError
+
+    monkeypatch.setattr(engine_module, "_ROWS_CHECKED", {})  # kernels of these shapes may have passed already
 
     model = tiny_model("llama")
     layer = model.get_output_embeddings() if where == "lm_head" else model.model.layers[0].mlp.down_proj
@@ -273,3 +276,19 @@ def test_the_invariance_matrix(tmp_path, dtype, task):
     assert [r.context for r in results] == list(CONTEXTS + MORE)
     for result in results:
         assert (result.identical, result.max_dp, result.flips) == (8, 0.0, 0), result
+
+
+def test_the_row_check_runs_once_per_kernel_signature(monkeypatch):
+    """The check before scoring (~10 s for the built-in model at budget 4096) runs once a process for
+    the same layer shapes, dtype, device and threads: a second engine (another job, a resume) skips it."""
+    import batchscore.engines.torch.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_ROWS_CHECKED", {})
+    calls = []
+    real = engine_module.gemm_row_problem
+    monkeypatch.setattr(engine_module, "gemm_row_problem", lambda *a: calls.append(1) or real(*a))
+    TorchEngine(tiny_model("llama"), token_budget=64, batch_invariant=True)
+    TorchEngine(tiny_model("llama"), token_budget=64, batch_invariant=True)
+    assert calls == [1]
+    TorchEngine(tiny_model("llama"), token_budget=1024, batch_invariant=True)  # larger passes: checked again
+    assert calls == [1, 1]

@@ -77,6 +77,9 @@ from batchscore.plan.types import GroupMember, PrefixGroup
 from batchscore.plan.validate import prompt_problem
 
 
+# batch_invariant: the largest pass size whose kernels were checked row-invariant, per kernel
+# signature (TorchEngine._kernel_signature): a process checks each signature once.
+_ROWS_CHECKED: dict[tuple, int] = {}
 LOGIT_COLUMNS = 8192  # vocabulary rows of the LM head cast to float32 at a time (reduced precision)
 
 
@@ -588,8 +591,9 @@ class TorchEngine:
         if self.device.type != "cpu":
             return
         sizes = pass_sizes(self.token_budget)
-        if getattr(self.model, "_batchscore_rows_checked", 0) >= sizes[-1]:
-            return
+        kernels = self._kernel_signature()
+        if _ROWS_CHECKED.get(kernels, 0) >= sizes[-1]:
+            return  # the same kernels at these shapes passed in this process (another job, a resume)
         problem = gemm_row_problem(self.model, sizes, self.device) or self._read_row_problem()
         if problem is not None:
             from batchscore.engines.cpu_features import cpu_bf16
@@ -600,7 +604,16 @@ class TorchEngine:
             raise JobConfigError([f"engine.batch_invariant: not bit-identical in {dtype} on this CPU ({cpu}, "
                                   f"{torch.get_num_threads()} threads): its kernels give a row other bits by the rows "
                                   f"beside it (measured: {problem}); {advice} without engine.batch_invariant"])
-        self.model._batchscore_rows_checked = sizes[-1]
+        _ROWS_CHECKED[kernels] = sizes[-1]
+
+    def _kernel_signature(self) -> tuple:
+        """What decides whether the check above holds: the linear layers' shapes and dtypes, the
+        LM head's, the device and the thread count (the GEMM's blocking follows these, not the
+        weights' values), and the torch build."""
+        shapes = sorted({(tuple(m.weight.shape), str(m.weight.dtype), m.bias is not None)
+                         for m in self.model.modules() if isinstance(m, torch.nn.Linear)})
+        return (tuple(shapes), tuple(self._lm_head.weight.shape), str(self._lm_head.weight.dtype),
+                str(self.device), torch.get_num_threads(), torch.__version__)
 
     def _read_row_problem(self) -> str | None:
         """What makes a read (`_label_logp`, `_pair_log_probs`: LM head and softmax) give a row other
