@@ -8,15 +8,23 @@ import sys
 
 
 def _exit_130_on_sigterm(signum, frame) -> None:
-    """SIGTERM before the command installs its own handler (while Python imports click, numpy,
-    pyarrow, torch: a second or more): an interruption like any later one, exit 130, not a death
-    by the signal (-15) that a scheduler reads as a crash."""
+    """SIGTERM before a command installs its own handler: an interruption like any later one,
+    exit 130, not a death by the signal (-15) that a scheduler reads as a crash."""
     os.write(2, b"error: interrupted by SIGTERM before the command started; nothing was written\n")
     os._exit(130)  # EXIT_INTERRUPTED (errors.py), not imported yet on purpose
 
 
+_early_sigterm: list[int] = []  # a SIGTERM that came while Python imported click, numpy, pyarrow
+
+
+def _note_sigterm(signum, frame) -> None:
+    """While the imports run (a second or more): note the SIGTERM; the command acts on it as soon as
+    it can (`run` once its metrics can record it, others at once), so it still exits 130."""
+    _early_sigterm.append(signum)
+
+
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "batchscore":  # the command, not a library import
-    signal.signal(signal.SIGTERM, _exit_130_on_sigterm)  # first thing: before the heavy imports below
+    signal.signal(signal.SIGTERM, _note_sigterm)  # first thing: before the heavy imports below
 
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -82,6 +90,10 @@ def main(verbose: bool) -> None:
     from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 
     use_usable_inductor_cache()  # before torch's compiler loads: an unusable cache folder must not fail a run
+    if signal.getsignal(signal.SIGTERM) is _note_sigterm and click.get_current_context().invoked_subcommand != "run":
+        if _early_sigterm:
+            _exit_130_on_sigterm(signal.SIGTERM, None)
+        signal.signal(signal.SIGTERM, _exit_130_on_sigterm)  # `run` installs its own, which records metrics
 
 
 @main.command()
@@ -114,6 +126,8 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
 
     files = RunFiles(metrics, metrics_prom, report, job, warn=lambda text: click.echo(f"warning: {text}", err=True))
     previous = files.exit_on_sigterm()  # a SIGTERM before or after the run's block: exit 130 too (with metrics)
+    if _early_sigterm:  # one came during the imports: ended here, recorded like any other
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
     from batchscore.run.runner import Shard, run_job  # seconds of imports: after the handler
 
     try:
