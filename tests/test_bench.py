@@ -333,6 +333,7 @@ def test_vllm_bench_orders_without_vllm():
     assert len(groups) == 3 and all(g.prefix_len == 48 and len(g.members) == 4 for g in groups)
 
 
+@pytest.mark.slow  # ~10 s: a child run killed and resumed; test_fail_fast and test_ranges run the store path quickly
 def test_scale_bench_runs_the_production_data_path(model_dir):
     """`bench scale` at its smallest: the run path with the stand-in engine, killed (SIGKILL) after
     half its parts and resumed; every row once with its tokens' score, and a table per run."""
