@@ -27,26 +27,14 @@ from pathlib import Path
 import click
 import numpy as np
 
+from batchscore.bench.scale_bench import _mix, shuffled, write_token_input  # one row generator for both benches
+
 WORDS = ("market", "energy", "council", "report", "league", "season", "policy", "growth", "film", "music", "school",
          "health", "court", "budget", "storm", "river", "company", "price", "shares", "record", "minister",
          "players", "festival", "science", "election", "police", "city", "water", "train", "village")
 QUESTIONS = ("Is this article about business?", "Is this article about politics?", "Is this article about sport?",
              "Is this article about technology?", "Is this article about entertainment?")
 TEMPLATE = "Article: {document}\n\nQuestion: {question} Answer Yes or No.\nAnswer:"
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer: a well-spread uint64 hash of each uint64."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-def _spread(ids: np.ndarray, rows: int) -> np.ndarray:
-    """A fixed permutation of 0..rows-1 at `ids`: the rows of one document lie apart in the file."""
-    step = next(a for a in range(2654435761, 2654435761 + 1000) if np.gcd(a, rows) == 1)
-    return (ids.astype(np.int64) * (step % rows)) % rows if rows > 1 else ids.astype(np.int64)
 
 
 def write_text_jsonl(path: Path, rows: int, group_size: int = 5, words: int = 55, seed: int = 0,
@@ -56,7 +44,7 @@ def write_text_jsonl(path: Path, rows: int, group_size: int = 5, words: int = 55
     with open(path, "w", encoding="utf-8") as out:
         for start in range(0, rows, chunk):
             ids = np.arange(start, min(start + chunk, rows))
-            position = _spread(ids, rows)
+            position = shuffled(ids, rows)
             docs = position // group_size
             picks = _mix(np.uint64(seed) * np.uint64(1 << 40) + docs[:, None].astype(np.uint64) * np.uint64(words)
                          + np.arange(words, dtype=np.uint64)) % np.uint64(len(vocabulary))
@@ -69,24 +57,8 @@ def write_text_jsonl(path: Path, rows: int, group_size: int = 5, words: int = 55
 def write_token_parquet(path: Path, rows: int, group_size: int = 5, prefix_len: int = 40, distinct_len: int = 8,
                         seed: int = 0, chunk: int = 500_000) -> None:
     """Token ids: each group of `group_size` rows shares a `prefix_len` prefix, then `distinct_len`
-    tokens of its own (ids below 49,152, the built-in model's vocabulary); written in chunks."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    width = prefix_len + distinct_len
-    schema = pa.schema([("id", pa.int64()), ("tokens", pa.list_(pa.int32()))])
-    with pq.ParquetWriter(path, schema) as writer:
-        for start in range(0, rows, chunk):
-            ids = np.arange(start, min(start + chunk, rows))
-            groups = _spread(ids, rows) // group_size
-            prefix = _mix(np.uint64(seed) * np.uint64(1 << 40) + groups[:, None].astype(np.uint64)
-                          * np.uint64(prefix_len) + np.arange(prefix_len, dtype=np.uint64))
-            own = _mix(np.uint64(seed) * np.uint64(1 << 40) + np.uint64(1 << 62) + ids[:, None].astype(np.uint64)
-                       * np.uint64(distinct_len) + np.arange(distinct_len, dtype=np.uint64))
-            tokens = (np.concatenate((prefix, own), axis=1) % np.uint64(49152)).astype(np.int32)
-            lists = pa.ListArray.from_arrays(pa.array(np.arange(0, tokens.size + 1, width, dtype=np.int32)),
-                                             pa.array(tokens.reshape(-1)))
-            writer.write_table(pa.table({"id": pa.array(ids), "tokens": lists}, schema=schema))
+    tokens of its own (ids below 49,152, the built-in model's vocabulary); `bench scale`'s input."""
+    write_token_input(path, rows, group_size, prefix_len, distinct_len, seed, chunk)
 
 
 def job_dict(source: Path, text: bool, chat: bool = False) -> dict:
