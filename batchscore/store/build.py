@@ -19,8 +19,7 @@ from typing import Callable
 
 from batchscore.errors import LabelError
 from batchscore.plan.metadata import MetaPlan, plan_rows
-from batchscore.prepare.options import OptionEncoder, RowOptionSource, max_length_name
-from batchscore.prepare.read import load_tokenizer, make_renderer, prepare_input, prompt_limits
+from batchscore.prepare.read import prepare_input
 from batchscore.prepare.source import JobSource, PreparedJob, plan_options
 from batchscore.store.tokens import StoreWriter, TokenStore
 
@@ -84,16 +83,12 @@ def _labels_into(writer: StoreWriter, source: JobSource, progress) -> PreparedJo
     """tasks/labels.py's `prepare`, with the store as prepare_input's sink: the same rows, errors,
     options, content-free row and one-token label ids."""
     from batchscore.scores.quality import content_free_rows
-    from batchscore.tasks.labels import content_free_request
+    from batchscore.tasks.labels import content_free_request, tokenizing
 
     config = source.config
     if not config.labels and not config.input.choices_column:
         return source.task.prepare(config, source, True, progress)  # the reader's own refusal
-    tokenizer = load_tokenizer(source.model_dir)
-    max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
-    renderer = make_renderer(config, tokenizer)
-    options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length,
-                              max_length_name(config.engine.max_length, max_length))
+    renderer, options, max_length, vocab_size = tokenizing(config, source)
     prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
                              progress=progress, options=options, sink=writer)
     content_free = None

@@ -119,11 +119,7 @@ def prepare(config: JobConfig, source: JobSource, tokenize: bool,
                          "request is scored over the job's labels; give at least two, e.g. labels: [Yes, No]")
     label_ids, renderer, max_length, vocab_size, options = None, None, None, None, None
     if tokenize:
-        tokenizer = load_tokenizer(source.model_dir)
-        max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
-        renderer = make_renderer(config, tokenizer)
-        options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length,
-                                  max_length_name(config.engine.max_length, max_length))
+        renderer, options, max_length, vocab_size = tokenizing(config, source)
     prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
                              tokenize=tokenize, progress=progress, options=options)
     content_free = None
@@ -142,6 +138,17 @@ def prepare(config: JobConfig, source: JobSource, tokenize: bool,
                              "the prompt's end) — drop engine.speculative or use one-token labels")
     log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
     return PreparedJob(source, label_ids, prepared, content_free)
+
+
+def tokenizing(config: JobConfig, source: JobSource) -> tuple[PromptRenderer, RowOptionSource, int | None, int]:
+    """What reading a labels job with tokens needs: (the prompt renderer, each row's options as
+    token ids, the longest prompt scored, the vocabulary size), from the job's model folder."""
+    tokenizer = load_tokenizer(source.model_dir)
+    max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
+    renderer = make_renderer(config, tokenizer)
+    options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length,
+                              max_length_name(config.engine.max_length, max_length))
+    return renderer, options, max_length, vocab_size
 
 
 def content_free_request(renderer: PromptRenderer, options: RowOptionSource, row_id: int) -> Request:
