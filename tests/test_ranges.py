@@ -118,3 +118,45 @@ def test_plan_only_from_generated_sort_keys():
     result = CliRunner().invoke(scale, ["--rows", "1000", "--plan-only", "--workers", "2"])
     assert result.exit_code == 0, result.output
     assert "plan only: 1,000 rows" in result.output and "200 groups" in result.output and "peak RssAnon" in result.output
+
+
+def _store_of(tmp_path, documents, seed):
+    """A token store of documents × questions (some documents with many questions, some rows
+    alone, per-row multi-token options on some) and its requests."""
+    from batchscore.plan.options import OptionTokens
+    from batchscore.store import StoreWriter
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for d in range(documents):
+        doc = rng.integers(0, 5000, size=int(rng.integers(8, 120)))
+        for _ in range(int(rng.choice([1, 2, 5, 5, 40]))):
+            options = OptionTokens.from_lists([[1], [2, 3, 4]]) if rng.random() < 0.3 else None
+            out.append((np.concatenate((doc, rng.integers(0, 5000, size=int(rng.integers(1, 12))))), options))
+    order = rng.permutation(len(out))
+    requests = [Request(i, out[j][0], out[j][1]) for i, j in enumerate(order)]
+    writer = StoreWriter(tmp_path / f"store{seed}")
+    writer.add_requests(requests)
+    return writer.close(len(requests)), requests
+
+
+@pytest.mark.parametrize("documents,seed,workers,min_prefix", [
+    (30, 0, 2, 16), (30, 1, 3, 16), (30, 2, 5, 64), (30, 3, 2, 1000), (30, 4, 4, 16),
+    (3, 0, 3, 16), (3, 2, 5, 16)])  # the last two: a group above the fair share, cut
+def test_shares_are_place_groups_placement_of_the_plan(tmp_path, documents, seed, workers, min_prefix):
+    """place_shares, on the plan's arrays, gives every worker the groups (members, order, cut
+    parts) that plan/placement.place_groups gives it from the materialized groups — the same
+    forward passes, hence Ray's outputs unchanged — and the same replicated prefix tokens."""
+    from batchscore.plan.placement import place_groups
+    from batchscore.run.ranges import place_shares
+
+    store, _ = _store_of(tmp_path, documents, seed)
+    meta = plan_rows(store, PlanOptions(min_prefix_tokens=min_prefix))
+    want = place_groups(list(meta.groups(store)), workers)
+    shares, replicated = place_shares(meta, store, workers)
+    assert replicated == want.split_extra_tokens
+    for share, assignment in zip(shares, want.workers):
+        got = StoreGroups.range(share, store, 0, len(share))
+        assert [(g.prefix_len, [m.row_id for m in g.members]) for g in got] == \
+            [(g.prefix_len, [m.row_id for m in g.members]) for g in assignment.groups]
+        assert got.work_tokens() == sum(g.prefix_len + sum(len(m.suffix) for m in g.members) for g in assignment.groups)

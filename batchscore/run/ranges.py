@@ -1,13 +1,18 @@
-"""Workers that read their own rows: the metadata plan (plan/metadata.py) cut into W ranges of
-whole groups, each a lazy sequence of `PrefixGroup`s materialized from the token store (store/)
+"""Workers that read their own rows: the metadata plan (plan/metadata.py) shared out over W
+workers, each share a lazy sequence of `PrefixGroup`s materialized from the token store (store/)
 just before they run.
 
-`cut_ranges` cuts the groups, in plan order, into W contiguous ranges of about equal processed
-tokens (a group is never cut: a document's questions stay together, and no prefix is computed
-twice). `StoreGroups` is one worker's share: group indices into the plan, their sizes and row ids
-as arrays, and a `PrefixGroup` built only when indexed or iterated — what the parts sink and the
-engine read, so the run holds the plan's few integers per row, never a Python object per row.
-A worker on another machine needs only the store's folder (a shared file system) and its range.
+`place_shares` spreads the plan's groups over W workers exactly as plan/placement.place_groups
+spreads materialized groups (LPT on processed tokens; a document's questions stay together unless
+their group alone exceeds the fair share), on the plan's arrays: each worker's share is a small
+plan of its own over the same store positions. Keeping that placement keeps each worker's
+forward passes, so a Ray run's scores are the ones it gave before the store (a row's low bits
+depend on the rows it shares a pass with). `cut_ranges` cuts the plan into W contiguous ranges of
+about equal processed tokens (`bench scale --plan-only` reports them). `StoreGroups` is one
+worker's groups: group indices into a plan, their sizes and row ids as arrays, and a
+`PrefixGroup` built only when indexed or iterated — what the parts sink and the engine read, so
+the run holds the plan's few integers per row, never a Python object per row. A worker on another
+machine needs only the store's folder (a shared file system) and its share.
 """
 
 from __future__ import annotations
@@ -111,16 +116,156 @@ class StoreGroups(Sequence[PrefixGroup]):
         return self.meta.rows[index]
 
 
+def member_work(meta: MetaPlan, source) -> np.ndarray:
+    """[N] each plan slot's `GroupMember.work_tokens` (its tokens past its group's prefix, plus its
+    option rows), from the plan's and the store's arrays."""
+    work = _suffix_lens(meta, source)
+    extra = getattr(source, "option_extra_rows", None)
+    if extra is not None:
+        return work + extra()[meta.rows]
+    return work + np.fromiter((0 if o is None else o.extra_rows for o in map(source.options_at, meta.rows.tolist())),
+                              dtype=np.int64, count=len(meta.rows))
+
+
+def _suffix_lens(meta: MetaPlan, source) -> np.ndarray:
+    """[N] each plan slot's prompt tokens past its group's prefix."""
+    return np.asarray(source.flat.lengths)[meta.rows] - np.repeat(meta.prefix_lens, np.diff(meta.starts))
+
+
+def place_shares(meta: MetaPlan, source, workers: int) -> tuple[list[MetaPlan], int]:
+    """The plan's groups spread over `workers` exactly as plan/placement.place_groups spreads the
+    materialized groups (LPT on processed tokens; a group is cut only when it alone exceeds the
+    fair share), computed on the plan's arrays: ([each worker's share as a plan over the same
+    store positions], prefix tokens computed more than once). A worker's forward passes — and so
+    its rows' bits — are the ones `place_groups` gives it."""
+    slot_worker = _place_slots(meta, member_work(meta, source), workers)
+    suffix = _suffix_lens(meta, source)
+    return [_share(meta, suffix, slot_worker, w) for w in range(workers)], _replicated(meta, slot_worker)
+
+
+def _place_slots(meta: MetaPlan, work: np.ndarray, workers: int) -> np.ndarray:
+    """[N] the worker of each plan slot. Whole groups and plain rows are dealt on arrays (one
+    heap step per item); a group larger than the fair share goes through place_groups itself
+    (over stand-ins holding no tokens), which picks how to cut it."""
+    n, count = len(meta.rows), len(meta)
+    if workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1, got {workers!r}")
+    if workers == 1 or n == 0:
+        return np.zeros(n, dtype=np.int32)
+    sizes = np.diff(meta.starts)
+    group_of = np.repeat(np.arange(count, dtype=np.int64), sizes)
+    costs = np.asarray(meta.prefix_lens, dtype=np.int64) + np.bincount(group_of, weights=work, minlength=count).astype(np.int64)
+    fair = -(-int(costs.sum()) // workers)
+    plain = meta.prefix_lens == 0
+    if ((~plain) & (costs > fair)).any():
+        return _place_slots_by_groups(meta, work, workers)
+    # items: every row of a plain group alone, every prefixed group whole (placement.py's `base`)
+    plain_slots = np.flatnonzero(plain[group_of])
+    whole = np.flatnonzero(~plain)
+    item_cost = np.concatenate((work[plain_slots], costs[whole]))
+    item_group = np.concatenate((group_of[plain_slots], whole))
+    item_member = np.concatenate((plain_slots - meta.starts[group_of[plain_slots]], np.zeros(len(whole), np.int64)))
+    lpt = np.lexsort((item_member, item_group, -item_cost))  # largest first; ties by plan position
+    item_worker = np.empty(len(lpt), dtype=np.int32)
+    item_worker[lpt] = _lpt(item_cost[lpt], workers)
+    slot_worker = np.empty(n, dtype=np.int32)
+    slot_worker[plain_slots] = item_worker[: len(plain_slots)]
+    group_worker = np.zeros(count, dtype=np.int32)
+    group_worker[whole] = item_worker[len(plain_slots):]
+    in_whole = ~plain[group_of]
+    slot_worker[in_whole] = group_worker[group_of[in_whole]]
+    return slot_worker
+
+
+def _lpt(costs: np.ndarray, workers: int, chunk: int = 1 << 16) -> np.ndarray:
+    """Each item (in LPT order) to the least loaded worker, ties to the lower index."""
+    import heapq
+
+    heap = [(0, w) for w in range(workers)]
+    out = np.empty(len(costs), dtype=np.int32)
+    for lo in range(0, len(costs), chunk):
+        picked = []
+        for cost in costs[lo : lo + chunk].tolist():
+            load, worker = heap[0]
+            heapq.heapreplace(heap, (load + cost, worker))
+            picked.append(worker)
+        out[lo : lo + len(picked)] = picked
+    return out
+
+
+class _Member:
+    """A group member as placement.py reads it: its cost, and the plan slot it stands for."""
+
+    __slots__ = ("slot", "work_tokens")
+
+    def __init__(self, slot: int, work_tokens: int):
+        self.slot, self.work_tokens = slot, work_tokens
+
+
+class _Shape:
+    """A plan group as placement.py reads it (its prefix length and members' costs), no tokens."""
+
+    def __init__(self, prefix_len: int, members: list[_Member]):
+        self.prefix_len, self.members = prefix_len, members
+
+    @property
+    def prefix(self) -> np.ndarray:  # a cut group's parts are PrefixGroups: only the length is read
+        return np.zeros(self.prefix_len, dtype=np.int32)
+
+    @property
+    def processed_tokens(self) -> int:
+        return self.prefix_len + sum(m.work_tokens for m in self.members)
+
+
+def _place_slots_by_groups(meta: MetaPlan, work: np.ndarray, workers: int) -> np.ndarray:
+    """_place_slots through place_groups itself (a Python object per row: the rare plan with a
+    group above the fair share, where placement.py's choice of cuts must be reproduced)."""
+    from batchscore.plan.placement import place_groups
+
+    work_list = work.tolist()
+    shapes = [_Shape(int(meta.prefix_lens[g]), [_Member(s, work_list[s]) for s in range(a, b)])
+              for g, (a, b) in enumerate(zip(meta.starts[:-1].tolist(), meta.starts[1:].tolist()))]
+    slot_worker = np.empty(len(meta.rows), dtype=np.int32)
+    for assignment in place_groups(shapes, workers).workers:
+        for group in assignment.groups:
+            slot_worker[[m.slot for m in group.members]] = assignment.worker
+    return slot_worker
+
+
+def _share(meta: MetaPlan, suffix: np.ndarray, slot_worker: np.ndarray, worker: int) -> MetaPlan:
+    """Worker `worker`'s slots as a plan of their own: its groups in plan order, a cut group's
+    members in plan order (positions into the same store); `suffix`: each slot's tokens past its
+    group's prefix (a share's group_tokens count them as the plan's do)."""
+    slots = np.flatnonzero(slot_worker == worker)
+    group_of = np.repeat(np.arange(len(meta), dtype=np.int64), np.diff(meta.starts))[slots]
+    opens = np.flatnonzero(np.r_[True, group_of[1:] != group_of[:-1]]) if len(slots) else np.zeros(0, np.int64)
+    groups = group_of[opens]
+    prefix_lens = np.asarray(meta.prefix_lens, dtype=np.int64)[groups]
+    starts = np.r_[opens, len(slots)].astype(np.int64)
+    suffix_tokens = np.add.reduceat(suffix[slots], opens) if len(slots) else np.zeros(0, np.int64)
+    group_tokens = prefix_lens + suffix_tokens
+    return MetaPlan(np.asarray(meta.rows)[slots], starts, prefix_lens, group_tokens, meta.stats)
+
+
+def _replicated(meta: MetaPlan, slot_worker: np.ndarray) -> int:
+    """Prefix tokens computed more than once: a group's prefix once more for each extra worker holding it."""
+    group_of = np.repeat(np.arange(len(meta), dtype=np.int64), np.diff(meta.starts))
+    pairs = np.unique(group_of * (int(slot_worker.max(initial=0)) + 1) + slot_worker)
+    holders = np.bincount(pairs // (int(slot_worker.max(initial=0)) + 1), minlength=len(meta))
+    return int((np.asarray(meta.prefix_lens) * np.maximum(holders - 1, 0)).sum())
+
+
 def reads_from_store(source, shard, files) -> bool:
     """Whether the run scores from a token store and a metadata plan (workers read their rows)
     rather than a list of requests: a labels job written window by window (run/assemble.py), run
-    in this process, planned by a policy the metadata plan has, into a local output folder."""
+    in this process or on Ray actors, planned by a policy the metadata plan has, into a local
+    output folder."""
     from batchscore.io.storage import is_url
     from batchscore.plan.metadata import METADATA_POLICIES
     from batchscore.run.assemble import windowed_output
 
     config = source.config
-    return (shard is None and config.executor.kind != "ray" and config.input.synthetic is None
+    return (shard is None and config.input.synthetic is None
             and config.plan.order in METADATA_POLICIES and not is_url(str(files.output))
             and source.task.name == "labels" and windowed_output(config))
 

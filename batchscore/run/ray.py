@@ -1,5 +1,13 @@
 """Scale out on Ray: one engine per Ray actor, groups placed by the planner, results streamed back.
 
+Workers read their own rows: when the run scores from the token store (run/ranges.py), an actor
+is given its share of the plan (its rows' store positions and its groups' prefix lengths, a few
+integers a row) and the store's folder, opens the store memory-mapped and builds each group as it
+runs it; a task names a run of the share's groups by index. No token array leaves the driver, and
+the driver holds the plan and the parts writer only. On a cluster the store's folder (in the
+output's parts folder) must be on a file system every node mounts at the same path. Jobs the store
+does not serve (see `reads_from_store`) still send each task its groups.
+
 The driver keeps the durable-parts writer, so resume works across workers. Ray's own fault
 tolerance re-runs a lost worker: actors restart (`max_restarts`) and their unfinished tasks are
 retried (`max_task_retries`); a task is a run of whole groups, so a retried task rescores whole
@@ -8,21 +16,27 @@ groups and nothing is written twice (parts are written by the driver only, in or
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections import deque
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
 
 from batchscore.config import EngineConfig, ExecutorConfig
 from batchscore.engines.factory import ResolvedEngine, create_engine
 from batchscore.engines.base import RawScores
 from batchscore.errors import EngineUnavailable, RunInterrupted
 from batchscore.run.local import score_with_row_errors, stop_signals
+from batchscore.run.ranges import StoreGroups
 from batchscore.run.sinks import PartSink, RowProgress, record
+from batchscore.plan.metadata import MetaPlan
+from batchscore.store.tokens import TokenStore
 
 log = logging.getLogger("batchscore")
 
 TASK_ROWS = 64  # most rows per task: small enough to stream and to lose little when a worker dies
+IN_FLIGHT = 16  # tasks queued on an actor at once: it never waits for the driver, and the driver holds few
 MAX_RESTARTS = 3
 
 
@@ -37,17 +51,48 @@ def _import_ray():
 class ScoringWorker:
     """A Ray actor holding one engine (created in the actor's own process)."""
 
-    def __init__(self, resolved: ResolvedEngine, model_dir: str, engine: EngineConfig, threads: int):
+    def __init__(self, resolved: ResolvedEngine, model_dir: str, engine: EngineConfig, threads: int,
+                 share: "Share | None" = None):
         import torch
 
         torch.set_num_threads(max(1, threads))
         self.engine = create_engine(resolved, model_dir, engine)
+        self.share = share
+        self._groups: StoreGroups | None = None
 
     def score(self, groups, label_ids, where=None) -> list[RawScores]:
         return list(score_with_row_errors(self.engine, groups, label_ids, where))
 
+    def score_share(self, first: int, end: int, skip: int) -> list[RawScores]:
+        """Groups [first, end) of this actor's share, the first one's first `skip` members left
+        out (a resume inside it), built from the token store as they run."""
+        if self._groups is None:  # opened here, in the actor's process: a memory map, not a copy
+            self._groups = self.share.groups()
+        groups = self._groups.from_member(first, skip)[: end - first]
+        return list(score_with_row_errors(self.engine, groups, self.share.label_ids, self.share.where))
+
     def pid(self) -> int:
         return os.getpid()
+
+
+@dataclass
+class Share:
+    """What an actor that reads its own rows is given once: the store's folder, its share of the
+    plan (run/ranges.place_shares: store positions and prefix lengths, no tokens), the job's
+    one-token label ids and where each row was read (to name a row in its error)."""
+
+    folder: str
+    plan: MetaPlan
+    label_ids: list[int] | None
+    where: object | None
+
+    @classmethod
+    def of(cls, groups: StoreGroups, label_ids, where) -> "Share":
+        plan = replace(groups.meta, stats=None)  # the whole plan's statistics stay with the driver
+        return cls(str(groups.store.folder), plan, None if label_ids is None else list(label_ids), where)
+
+    def groups(self) -> StoreGroups:
+        return StoreGroups.range(self.plan, TokenStore.open(self.folder), 0, len(self.plan))
 
 
 def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: ResolvedEngine, model_dir, sinks: Sequence[PartSink],
@@ -68,17 +113,27 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: Resol
                            max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)(ScoringWorker)
     actors = {}
     try:
+        todo: dict[int, Iterator] = {}  # each worker's tasks not yet submitted, in order
         pending: dict[int, deque] = {}
         ready = []  # each actor's first call: answered once its engine is built
+        rows_per_task = min(TASK_ROWS, sinks[0].part_rows) if sinks else TASK_ROWS
         for sink in sinks:
             if sink.done:
                 continue
-            actors[sink.worker] = actor_cls.remote(resolved, str(model_dir), engine, int(executor.cpus_per_worker))
-            ready.append(actors[sink.worker].pid.remote())
-            pending[sink.worker] = deque(
-                actors[sink.worker].score.remote(chunk, None if label_ids is None else list(label_ids), where)
-                for chunk in _chunks(sink.remaining_groups(), min(TASK_ROWS, sinks[0].part_rows)))
-        log.info("ray: %d workers, %d tasks", len(actors), sum(len(q) for q in pending.values()))
+            if isinstance(sink.groups, StoreGroups):  # the actor reads its rows from the store
+                actor = actors[sink.worker] = actor_cls.remote(resolved, str(model_dir), engine,
+                                                               int(executor.cpus_per_worker),
+                                                               Share.of(sink.groups, label_ids, where))
+                todo[sink.worker] = _submitted(actor.score_share, share_tasks(sink.remaining_groups(), rows_per_task))
+            else:
+                actor = actors[sink.worker] = actor_cls.remote(resolved, str(model_dir), engine,
+                                                               int(executor.cpus_per_worker))
+                labels = None if label_ids is None else list(label_ids)
+                todo[sink.worker] = _submitted(actor.score, ((chunk, labels, where) for chunk in
+                                                             _chunks(sink.remaining_groups(), rows_per_task)))
+            ready.append(actor.pid.remote())
+            pending[sink.worker] = deque(itertools.islice(todo[sink.worker], IN_FLIGHT))
+        log.info("ray: %d workers", len(actors))
         ray.get(ready)  # the engines are loaded (their tasks already queued): scoring time starts here
         progress.start()
         by_worker = {s.worker: s for s in sinks}
@@ -90,6 +145,7 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: Resol
                     while queue and ray.wait([queue[0]], timeout=0)[0]:
                         for result in ray.get(queue.popleft()):
                             record(result, by_worker[worker], progress)
+                        queue.extend(itertools.islice(todo[worker], 1))
                         by_worker[worker].maybe_flush()
                 if stop.is_set():
                     for sink in sinks:
@@ -102,6 +158,25 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: Resol
             ray.kill(actor)
         if started_ray:
             ray.shutdown()
+
+
+def _submitted(method, tasks) -> Iterator:
+    """Each task's call of the actor's `method`, submitted as the iterator is read."""
+    return (method.remote(*task) for task in tasks)
+
+
+def share_tasks(groups: StoreGroups, rows_per_task: int) -> Iterator[tuple[int, int, int]]:
+    """`_chunks` of a share's remaining groups as (first group, end group, members of the first
+    to skip), indices into the share: what a task sends instead of the groups."""
+    first, rows = 0, 0
+    sizes = groups.sizes.tolist()
+    for k, size in enumerate(sizes):
+        rows += size
+        if rows >= rows_per_task:
+            yield int(groups.indices[first]), int(groups.indices[k]) + 1, groups.skip if first == 0 else 0
+            first, rows = k + 1, 0
+    if first < len(sizes):
+        yield int(groups.indices[first]), int(groups.indices[-1]) + 1, groups.skip if first == 0 else 0
 
 
 def _chunks(groups, rows_per_task: int):

@@ -31,7 +31,7 @@ from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError, OutputError,
                                ResumeMismatch)
 from batchscore.run.assemble import assemble_in_windows, assembles_in_windows
-from batchscore.run.ranges import StoreGroups, audit_sample, cut_ranges, reads_from_store
+from batchscore.run.ranges import StoreGroups, audit_sample, place_shares, reads_from_store
 from batchscore.plan.metadata import plan_rows
 from batchscore.prepare.source import plan_options
 from batchscore.store.build import build_store, store_folder
@@ -237,8 +237,12 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         job, tokens = _built_store(source, store)
         stage("plan")
         plan = plan_rows(tokens, plan_options(config, source.kind))
-        worker_groups = [StoreGroups.range(plan, tokens, a, b) for a, b in cut_ranges(plan, num_workers)]
-        split_extra_tokens = 0  # ranges of whole groups: no prefix computed twice
+        if num_workers == 1:
+            worker_groups = [StoreGroups.range(plan, tokens, 0, len(plan))]
+            split_extra_tokens = 0
+        else:  # Ray: each actor gets its share of the plan (place_groups' placement) and reads its rows
+            shares, split_extra_tokens = place_shares(plan, tokens, num_workers)
+            worker_groups = [StoreGroups.range(share, tokens, 0, len(share)) for share in shares]
     else:
         job = prepare_job(config, source=source)
         stage("plan")

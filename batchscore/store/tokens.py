@@ -253,6 +253,16 @@ class TokenStore:
         with open(self.folder / "errors.jsonl", encoding="utf-8") as lines:
             return {entry["row"]: typed(entry["error"], entry.get("kind")) for entry in map(json.loads, lines)}
 
+    def option_extra_rows(self) -> np.ndarray:
+        """[N] int64 each position's `OptionTokens.extra_rows` (0 for none, and for the job's
+        one-token labels): what a member's options add to its work, without an object per row."""
+        sets = len(self._token_starts) - 1
+        if sets == 0 or self.num_rows == 0 or self.label_ids is not None:
+            return np.zeros(self.num_rows, dtype=np.int64)
+        per_set = np.diff(self._token_starts) - (np.diff(self._offset_starts) - 1)
+        index = np.asarray(self.option_set)
+        return np.where(index >= 0, np.r_[per_set, 0][index], 0).astype(np.int64)
+
     def option_counts(self) -> tuple[int, int]:
         """(tokens plain forwards add for the rows' options, option positions computed), as
         plan/options.option_token_counts counts them, without an object per row."""
