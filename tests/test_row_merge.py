@@ -55,6 +55,23 @@ def test_windows_in_row_order_equal_reading_every_part_at_once(tmp_path, window)
         assert listed(merged) == listed(getattr(whole, name)), name
 
 
+def test_reading_only_some_rows_gives_those_rows_results_in_their_order(tmp_path):
+    """The audit reads its sample's results only (`only`): the same values as reading every row,
+    at the sample's positions, errors keyed by row id, and a row held twice still refused."""
+    store, manifest = parts_of(tmp_path, rows=300, part_rows=41, refused=[0, 5, 299], failed=[3, 150])
+    whole, errors = store.read_results([manifest], 300)
+    only = np.array([0, 3, 4, 77, 150, 298, 299])
+    some, some_errors = store.read_results([manifest], 300, only=only)
+    assert some_errors == {r: m for r, m in errors.items() if r in set(only.tolist())}
+    assert only[some.unscored()].tolist() == [0, 3, 150, 299]
+    for name in ("logp", "tokens", "top_logp", "top_token"):
+        assert listed(getattr(some, name)) == listed(getattr(whole, name).take(pa.array(only))), name
+    twice, manifest = parts_of(tmp_path / "twice", rows=100, part_rows=30, twice=[42])
+    with pytest.raises(RuntimeError, match=r"rows \[42\] have more than one result"):
+        twice.read_results([manifest], 100, only=np.array([1, 42]))
+    assert twice.read_results([manifest], 100, only=np.array([1, 43]))[0].logp[1].as_py() is not None
+
+
 @pytest.mark.parametrize("window", [7, 10_000])
 def test_a_row_with_two_results_is_refused_in_any_window(tmp_path, window):
     store, manifest = parts_of(tmp_path, rows=100, part_rows=30, twice=[42])

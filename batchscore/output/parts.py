@@ -287,40 +287,64 @@ class PartStore:
         self.guard()
         atomic_write(self.manifest_path, lambda tmp: Path(tmp).write_text(manifest.to_json()))
 
-    def read_results(self, manifests: list[Manifest], num_rows: int) -> tuple[RowScores, dict[int, str]]:
+    def read_results(self, manifests: list[Manifest], num_rows: int, only: np.ndarray | None = None
+                     ) -> tuple[RowScores, dict[int, str]]:
         """Gather every part, reading each once: every row's raw option totals and tokens (in row
         order; null lists where no part holds the row) and the rows that were not scored (refused
         before scoring, or by the engine), with the reason. Raises RuntimeError when any row has
         two results (parts that overlap, or a part that scored a row refused before scoring):
-        exactly once, or not at all."""
+        exactly once, or not at all.
+
+        `only` (sorted distinct row ids): keep just those rows, as the audit does with its sample:
+        the scores are then in the order of `only` (index i is row only[i]), errors stay keyed by
+        row id, and what is held is the sample's, not every row's (a part is read at a time)."""
         row_chunks, logp_chunks, token_chunks, top_chunks, top_id_chunks = [], [], [], [], []
         errors: dict[int, str] = {}
-        seen = np.zeros(num_rows, dtype=np.int64)
+        kept = None if only is None else np.asarray(only, dtype=np.int64)
+        seen = np.zeros(num_rows if kept is None else len(kept), dtype=np.int64)
+
+        def counted(rows: np.ndarray) -> np.ndarray:
+            """Count `rows`; with `only`, return the mask of the kept ones (and count those)."""
+            if kept is None:
+                np.add.at(seen, rows, 1)
+                return None
+            at = np.minimum(np.searchsorted(kept, rows), max(len(kept) - 1, 0))
+            mask = kept[at] == rows if len(kept) else np.zeros(len(rows), dtype=bool)
+            np.add.at(seen, at[mask], 1)
+            return mask
+
         for name in {m.input_errors_file for m in manifests if m.input_errors_file}:
             table = _read_parquet(self.folder / name)
             rows = table.column("row_id").to_numpy()
-            np.add.at(seen, rows, 1)
+            mask = counted(rows)
+            if mask is not None:
+                table, rows = table.filter(pa.array(mask)), rows[mask]
             errors.update(zip(rows.tolist(), _row_errors(table, INPUT)))
         for part in (p for m in manifests for p in m.parts):
             table = _read_parquet(self.folder / part.file)
             rows = table.column("row_id").to_numpy()
             if len(rows) != part.rows:
                 raise RuntimeError(f"{part.file} holds {len(rows)} rows, its manifest says {part.rows}")
-            np.add.at(seen, rows, 1)
+            mask = counted(rows)
+            ids = rows
+            if mask is not None:
+                table, ids = table.filter(pa.array(mask)), rows[mask]
+                rows = np.searchsorted(kept, ids)  # the place in `only` stands for the row in the scores
             row_chunks.append(rows)
             logp_chunks.append(table.column("logp").combine_chunks())
             token_chunks.append(table.column("option_tokens").combine_chunks())
             top_chunks.append(table.column("top_logp").combine_chunks())
             top_id_chunks.append(table.column("top_token").combine_chunks() if "top_token" in table.column_names
                                  else pa.array(np.full(len(rows), -1), type=pa.int64()))  # parts from before the column
-            for row_id, message in zip(rows.tolist(), _row_errors(table, FAILED)):
+            for row_id, message in zip(ids.tolist(), _row_errors(table, FAILED)):
                 if message is not None:
                     errors[row_id] = message
         twice = np.flatnonzero(seen > 1)
         if twice.size:
+            twice = twice if kept is None else kept[twice]
             raise RuntimeError(f"rows {twice[:5].tolist()} have more than one result in {self.folder}; "
                                "refusing to write an output that could mix them (rerun with --fresh)")
-        position = np.full(num_rows, -1, dtype=np.int64)  # row -> its place among the parts' rows
+        position = np.full(len(seen), -1, dtype=np.int64)  # row -> its place among the parts' rows
         if row_chunks:
             found = np.concatenate(row_chunks)
             position[found] = np.arange(len(found))

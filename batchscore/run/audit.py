@@ -136,10 +136,12 @@ def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0) ->
         return AuditResult(bound=bound, skipped="output.audit_rows is 0")
     started = time.perf_counter()
     # the parts also hold contextual calibration's content-free row, one past the input rows
-    scores, errors = store.read_results(manifests, job.input.num_rows + content_free_rows(config))
-    scored = np.array([r.row_id for r in job.input.requests  # input rows only, not the content-free one
-                       if r.row_id < job.input.num_rows and r.row_id not in errors], dtype=np.int64)
-    scored = np.setdiff1d(scored, scores.unscored())
+    # input rows only, not the content-free one; only their results are read (a part at a time)
+    candidates = np.unique(np.array([r.row_id for r in job.input.requests if r.row_id < job.input.num_rows],
+                                    dtype=np.int64))
+    scores, errors = store.read_results(manifests, job.input.num_rows + content_free_rows(config), only=candidates)
+    scored = np.array([row for row in candidates.tolist() if row not in errors], dtype=np.int64)
+    scored = np.setdiff1d(scored, candidates[scores.unscored()])
     if len(scored) == 0:
         return AuditResult(bound=bound, skipped="no row was scored")
     if config.output.audit_rows is not None:
@@ -165,7 +167,8 @@ def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0) ->
         expected = {row: reference_totals(reference, requests[row].token_ids, job.label_ids, requests[row].options)
                     for row in rows.tolist()}
         divisors = {row: _divisors(job, row, requests[row]) for row in rows.tolist()}
-        deltas = {row: max_abs_dp(_engine_totals(scores, row), expected[row], divisors[row]) for row in expected}
+        deltas = {row: max_abs_dp(_engine_totals(scores, int(np.searchsorted(candidates, row))), expected[row],
+                                  divisors[row]) for row in expected}
     finally:
         del reference
         _release_gpu_memory(on_gpu)
@@ -323,8 +326,9 @@ def _normalized(totals: np.ndarray, divisors: np.ndarray | None) -> np.ndarray:
     return shifted / shifted.sum()
 
 
-def _engine_totals(scores: RowScores, row: int) -> np.ndarray:
-    return np.asarray(scores.logp[row].as_py(), dtype=np.float64)
+def _engine_totals(scores: RowScores, index: int) -> np.ndarray:
+    """The engine's option totals at `index` of `scores` (read with `only`: the index among those rows)."""
+    return np.asarray(scores.logp[index].as_py(), dtype=np.float64)
 
 
 def _divisors(job, row: int, request) -> np.ndarray | None:
