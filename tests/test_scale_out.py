@@ -69,6 +69,52 @@ def test_merge_names_the_missing_shard(job_factory, grouped_input, tmp_path):
     assert not list(tmp_path.glob("*.lock"))
 
 
+def test_shards_share_one_token_store_and_read_their_rows_from_it(job_factory, grouped_input, tmp_path, monkeypatch):
+    """The first shard tokenizes the set's rows into <output>.parts/tokens; the next one reuses
+    it (no tokenizing: a store writer would fail), plans from it and scores its share; the shard
+    that completes the set writes every row."""
+    import batchscore.store.build as build
+
+    job = job_factory(grouped_input)
+    output = tmp_path / "out.parquet"
+    assert invoke("run", job, "-q", "-o", output, "--shard", "1/2").exit_code == 0
+    parts = OutputFiles(output).parts
+    assert (parts / "tokens" / "manifest.json").exists() and not list(parts.glob("tokens.*"))
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the second shard tokenized again")
+
+    monkeypatch.setattr(build, "StoreWriter", no_tokenizing)
+    result = invoke("run", job, "-q", "-o", output, "--shard", "0/2")
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(output).to_pandas()
+    assert len(table) == 12 and (table["status"] == "ok").all()
+    assert not parts.exists()
+
+
+def test_a_shard_that_loses_the_race_to_publish_reads_the_winners_store(tmp_path):
+    """Two shards tokenized at once: the first rename puts its store in place, the second finds a
+    complete store of the same content there and drops its own copy; a store of other content (an
+    earlier job's) is replaced."""
+    from batchscore.plan.types import Request
+    from batchscore.run.shards import _publish
+    from batchscore.store import StoreWriter, identity_digest
+
+    def built(name, identity):
+        writer = StoreWriter(tmp_path / name, identity)
+        writer.add_requests([Request(0, [1, 2, 3])])
+        writer.close(1)
+        return tmp_path / name
+
+    folder = tmp_path / "tokens"
+    built("tokens", {"input": "old"})  # an earlier job's store
+    first = _publish(built("tokens.shard-0-of-2", {"input": "a"}), folder, {"input": "a"}, "shard-0-of-2")
+    assert first.folder == folder and first.manifest["identity"] == identity_digest({"input": "a"})
+    second = _publish(built("tokens.shard-1-of-2", {"input": "a"}), folder, {"input": "a"}, "shard-1-of-2")
+    assert second.folder == folder and second.manifest["identity"] == first.manifest["identity"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens"]
+
+
 def _ray_workers() -> list[int]:
     """PIDs of live Ray scoring actors (Ray titles actor processes ray::ScoringWorker)."""
     pids = []

@@ -258,14 +258,14 @@ def _replicated(meta: MetaPlan, slot_worker: np.ndarray) -> int:
 def reads_from_store(source, shard, files) -> bool:
     """Whether the run scores from a token store and a metadata plan (workers read their rows)
     rather than a list of requests: a labels job written window by window (run/assemble.py), run
-    in this process or on Ray actors, planned by a policy the metadata plan has, into a local
-    output folder."""
+    in this process, on Ray actors or as static shards (`shard`: all of a set alike), planned by
+    a policy the metadata plan has, into a local output folder."""
     from batchscore.io.storage import is_url
     from batchscore.plan.metadata import METADATA_POLICIES
     from batchscore.run.assemble import windowed_output
 
     config = source.config
-    return (shard is None and config.input.synthetic is None
+    return (config.input.synthetic is None
             and config.plan.order in METADATA_POLICIES and not is_url(str(files.output))
             and source.task.name == "labels" and windowed_output(config))
 

@@ -37,6 +37,7 @@ from batchscore.prepare.source import plan_options
 from batchscore.store.build import build_store, store_folder
 from batchscore.run.audit import audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
+from batchscore.run.shards import set_store
 from batchscore.run.run_files import RunFiles
 from batchscore.run.sinks import PartSink, RowProgress
 from batchscore.run.stages import stage
@@ -234,13 +235,13 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     from_store = reads_from_store(source, shard, store.files)
     stage("read")
     if from_store:  # the rows tokenized once into a memory-mapped store; the plan a few integers per row
-        job, tokens = _built_store(source, store)
+        job, tokens = _built_store(source, store) if shard is None else set_store(source, store.folder, shard.name)
         stage("plan")
         plan = plan_rows(tokens, plan_options(config, source.kind))
         if num_workers == 1:
             worker_groups = [StoreGroups.range(plan, tokens, 0, len(plan))]
             split_extra_tokens = 0
-        else:  # Ray: each actor gets its share of the plan (place_groups' placement) and reads its rows
+        else:  # Ray actors, static shards: each gets its share of the plan (place_groups' placement), reads its rows
             shares, split_extra_tokens = place_shares(plan, tokens, num_workers)
             worker_groups = [StoreGroups.range(share, tokens, 0, len(share)) for share in shares]
     else:
@@ -352,7 +353,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
         if not store.folder.exists() and file_size(files.path) is not None:
             return None  # another merge finished while this one started
         manifests = store.sibling_manifests(names)
-        expected = _job_hash(source, count)
+        expected = _job_hash(source, count, reads_from_store(source, Shard(0, count), files))
         missing = [n for n, m in zip(names, manifests) if m is None or not m.complete or m.job_hash != expected]
         if missing:
             raise ResumeMismatch(f"cannot merge: shard(s) {', '.join(missing)} of this job are missing or "
