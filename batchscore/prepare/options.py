@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from batchscore.plan.options import OptionTokens
+from batchscore.prepare.tail_tokens import TailCache, tail_rule
 
 log = logging.getLogger("batchscore")
 
@@ -135,13 +136,26 @@ class BoundaryReport:
 
 
 class OptionEncoder:
-    """Tokenizes options after their prompts (see the module docstring), interning equal results."""
+    """Tokenizes options after their prompts (see the module docstring), interning equal results.
+
+    Where the tokenizer allows it (prepare/tail_tokens.py) an option is tokenized after the
+    prompt's last two pre-tokens only, once per distinct tail: the same ids as the full encode.
+    The first `CHECK_ROWS` rows of each tail (at most `CHECK_BUDGET` rows a job) are also encoded
+    in full and compared; on a difference the job logs it and encodes every later row in full.
+    """
+
+    CHECK_ROWS = 64
+    CHECK_BUDGET = 4096
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.boundary = BoundaryReport()
         self._alone: dict[str, list[int]] = {}
         self._interned: dict[tuple[bytes, bytes], OptionTokens] = {}
+        self._by_lists: dict[tuple, OptionTokens] = {}
+        rule = tail_rule(tokenizer) if not getattr(tokenizer, "split_special_tokens", False) else None
+        self.tails = TailCache(tokenizer, rule) if rule is not None else None
+        self._checked = 0
 
     def alone(self, options: Sequence[str]) -> list[list[int]]:
         """Each option tokenized on its own (cached)."""
@@ -153,13 +167,21 @@ class OptionEncoder:
 
     def intern(self, token_lists: list[list[int]]) -> OptionTokens:
         """One shared OptionTokens per distinct list of option tokens."""
-        options = OptionTokens.from_lists(token_lists)
-        return self._interned.setdefault(options.key(), options)
+        key = tuple(map(tuple, token_lists))
+        options = self._by_lists.get(key)
+        if options is None:
+            options = OptionTokens.from_lists(token_lists)
+            options = self._interned.setdefault(options.key(), options)
+            if len(self._by_lists) >= 65536:  # rows with their own options: keep the lookup small
+                self._by_lists.clear()
+            self._by_lists[key] = options
+        return options
 
     def after_prompts(self, texts: Sequence[str], prompt_tokens: Sequence[Sequence[int]],
                       options: Sequence[Sequence[str]], row_labels: Sequence[str],
                       name=lambda index, text: f"option {index} {_short(text)}", chat: Sequence[bool] | None = None,
                       pieces: Sequence[tuple[str, bool] | None] | None = None,
+                      cuts: Sequence[tuple[int, int] | None] | None = None,
                       ) -> list[tuple[list[list[int]] | None, str | None]]:
         """For each row, (the token ids of each option after its prompt, None) or (None, why not).
 
@@ -168,48 +190,105 @@ class OptionEncoder:
         chat[i]: the prompt text holds a chat template's special tokens (then no BOS and the like
         are added when tokenizing, as for the prompt; default: every row); pieces[i]: for a prompt
         tokenized piece by piece (data holding special-token text), its last piece and whether
-        that piece is data: options then follow that piece, tokenized the way the piece was.
+        that piece is data: options then follow that piece, tokenized the way the piece was;
+        cuts[i]: the prompt's cut (k, c) from `PromptRenderer.encode_cuts` (None: encode in full).
         """
-        contexts = []  # (text the options follow, its tokens or None (the prompt's), add_special, split_special)
-        for i, text in enumerate(texts):
-            piece = pieces[i] if pieces is not None else None
-            if piece is None:
-                contexts.append((text, None, not (chat[i] if chat is not None else True), False))
-            else:
-                contexts.append((piece[0], self.tokenizer(piece[0], add_special_tokens=False,
-                                                          split_special_tokens=piece[1])["input_ids"], False, piece[1]))
-        joined = [(context[0] + option, context[2], context[3]) for context, opts in zip(contexts, options)
-                  for option in opts]
-        encoded: list = [None] * len(joined)
-        for flags in {(add, split) for _, add, split in joined}:
-            at = [i for i, (_, add, split) in enumerate(joined) if (add, split) == flags]
-            ids = self.tokenizer([joined[i][0] for i in at], add_special_tokens=flags[0],
-                                 split_special_tokens=flags[1])["input_ids"]
-            for i, tokens in zip(at, ids):
-                encoded[i] = tokens
-        prompt_tokens = [tokens if context[1] is None else context[1]
-                         for tokens, context in zip(prompt_tokens, contexts)]
+        fast = self._from_tails(texts, prompt_tokens, options, pieces, cuts) \
+            if self.tails is not None and cuts is not None else {}
+        check = [i for i in fast if self._to_check(fast[i][1])]
+        full = self._full(texts, prompt_tokens, options, chat, pieces,
+                          [i for i in range(len(texts)) if i not in fast] + check)
+        for i in check:
+            pairs, entry, k = fast[i]
+            head = list(prompt_tokens[i][:k])
+            wrong = next((o for o, pair, (_, _, whole) in zip(options[i], pairs, full[i])
+                          if head + pair.tokens != list(whole)), None)
+            if wrong is not None:
+                log.warning("labels: tokenizing option %r after the end of the prompt alone differs from tokenizing "
+                            "the whole prompt + option (%s); every row from here on is tokenized whole",
+                            wrong, row_labels[i])
+                self.tails = None
+                full.update(self._full(texts, prompt_tokens, options, chat, pieces, [j for j in fast if j not in full]))
+                fast = {}
+                break
         results = []
-        position = 0
-        for row_label, tokens, opts in zip(row_labels, prompt_tokens, options):
-            n = len(tokens)
+        for i, (row_label, opts) in enumerate(zip(row_labels, options)):
+            if i in fast:
+                found = [(pair.after, not pair.same_start) for pair in fast[i][0]]
+            else:
+                found = [(after, differs) for after, differs, _ in full[i]]
             alone = self.alone(opts)
             row, problem, noted = [], None, False
-            for index, option in enumerate(opts):
-                whole = encoded[position + index]
-                after = list(whole[n:])
+            for index, (option, (after, differs)) in enumerate(zip(opts, found)):
                 if not after:
                     problem = (f"{name(index, option)} adds no token after the prompt: tokenized with the "
                                "prompt it merges into the prompt's last token(s); end the prompt before its "
                                "trailing space or punctuation and start the options with it")
                     break
-                if not noted and (after != list(alone[index]) or list(whole[:n]) != list(tokens)):
+                if not noted and (after != list(alone[index]) or differs):
                     self.boundary.note(row_label, option, after, alone[index], self.tokenizer)
                     noted = True
                 row.append(after)
-            position += len(opts)
             results.append((None, problem) if problem else (row, None))
         return results
+
+    def _to_check(self, entry) -> bool:
+        """Whether a row of this tail is also encoded in full (the first rows of each tail)."""
+        if entry.checked >= self.CHECK_ROWS or self._checked >= self.CHECK_BUDGET:
+            return False
+        entry.checked += 1
+        self._checked += 1
+        return True
+
+    def _from_tails(self, texts, prompt_tokens, options, pieces, cuts) -> dict[int, tuple[list, Any, int]]:
+        """{row: (its options' TailOptions, its Tail, k)} for the rows whose options follow their
+        prompt's tail alone (prepare/tail_tokens.py); other rows are left out."""
+        wanted: dict[str, set[str]] = {}
+        rows = []
+        for i, cut in enumerate(cuts):
+            if cut is None or (pieces is not None and pieces[i] is not None):
+                continue
+            tail = texts[i][cut[1]:]
+            wanted.setdefault(tail, set()).update(options[i])
+            rows.append((i, cut[0], cut[1], tail))
+        self.tails.fill(wanted)
+        fast = {}
+        for i, k, c, tail in rows:
+            entry = self.tails.tails[tail]
+            if list(prompt_tokens[i][k:]) != entry.ids:  # the prompt's own end is not the tail alone
+                continue
+            pairs = [entry.options[option] for option in options[i]]
+            if any(texts[i].endswith(x, 0, c) for pair in pairs for x in pair.crossing):
+                continue
+            fast[i] = (pairs, entry, k)
+        return fast
+
+    def _full(self, texts, prompt_tokens, options, chat, pieces, rows: Sequence[int]) -> dict[int, list]:
+        """{row: [(option tokens after the prompt, whether the joined text starts with other
+        tokens than the prompt's own, the joined text's tokens)]} for `rows`: prompt + option
+        tokenized as one text."""
+        contexts = {}  # (text the options follow, its tokens, add_special, split_special)
+        for i in rows:
+            piece = pieces[i] if pieces is not None else None
+            if piece is None:
+                contexts[i] = (texts[i], prompt_tokens[i], not (chat[i] if chat is not None else True), False)
+            else:
+                contexts[i] = (piece[0], self.tokenizer(piece[0], add_special_tokens=False,
+                                                        split_special_tokens=piece[1])["input_ids"], False, piece[1])
+        joined = [(i, contexts[i][0] + option, contexts[i][2], contexts[i][3]) for i in rows for option in options[i]]
+        encoded: list = [None] * len(joined)
+        for flags in {(add, split) for _, _, add, split in joined}:
+            at = [j for j, (_, _, add, split) in enumerate(joined) if (add, split) == flags]
+            ids = self.tokenizer([joined[j][1] for j in at], add_special_tokens=flags[0],
+                                 split_special_tokens=flags[1])["input_ids"]
+            for j, tokens in zip(at, ids):
+                encoded[j] = tokens
+        result: dict[int, list] = {i: [] for i in rows}
+        for (i, _, _, _), whole in zip(joined, encoded):
+            tokens = contexts[i][1]
+            n = len(tokens)
+            result[i].append((list(whole[n:]), list(whole[:n]) != list(tokens), whole))
+        return result
 
 
 def max_length_name(configured: int | None, max_length: int | None) -> str:
@@ -257,12 +336,13 @@ class RowOptionSource:
 
     def batch(self, prompt_tokens: Sequence, texts: Sequence[str | None] | None, choices: Sequence | None,
               where: Sequence[str], chat: Sequence[bool] | None = None,
-              pieces: Sequence[tuple[str, bool] | None] | None = None) -> list[tuple[OptionTokens | None, str | None]]:
+              pieces: Sequence[tuple[str, bool] | None] | None = None,
+              cuts: Sequence[tuple[int, int] | None] | None = None) -> list[tuple[OptionTokens | None, str | None]]:
         """For every row of a batch with prompt tokens (None: the row has an error already),
         (its options, None) or (None, the row's error message, starting with `where[i]`).
-        texts / chat / pieces: the rows' prompt texts, whether each holds a chat template's tokens
-        and, for prompts tokenized piece by piece, the last piece (see `OptionEncoder.after_prompts`);
-        texts None: pre-tokenized prompts, options are tokenized alone."""
+        texts / chat / pieces / cuts: the rows' prompt texts, whether each holds a chat template's
+        tokens, for prompts tokenized piece by piece the last piece, and the prompts' cuts (see
+        `OptionEncoder.after_prompts`); texts None: pre-tokenized prompts, options are tokenized alone."""
         results: list[tuple[OptionTokens | None, str | None]] = [(None, None)] * len(prompt_tokens)
         todo, option_texts = [], []
         for i, tokens in enumerate(prompt_tokens):
@@ -281,7 +361,8 @@ class RowOptionSource:
             encoded = self.encoder.after_prompts([texts[i] for i in todo], [prompt_tokens[i] for i in todo],
                                                  option_texts, [where[i] for i in todo], self._name,
                                                  [chat[i] for i in todo] if chat is not None else None,
-                                                 [pieces[i] for i in todo] if pieces is not None else None)
+                                                 [pieces[i] for i in todo] if pieces is not None else None,
+                                                 [cuts[i] for i in todo] if cuts is not None else None)
         else:
             encoded = [self._alone(opts) for opts in option_texts]
         for i, opts, (token_lists, problem) in zip(todo, option_texts, encoded):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from batchscore.errors import LabelError, PromptTemplateError, RowRenderError
+from batchscore.prepare.tail_tokens import cut_of, encode_batch, tail_rule
 
 
 PROMPT_ENGINES = ("format", "jinja")  # prompt.engine
@@ -153,20 +154,37 @@ class PromptRenderer:
         its data pieces with the special tokens split into ordinary text. Every other row is
         tokenized whole, as before.
         """
+        return self.encode_cuts(prompts)[0]
+
+    def encode_cuts(self, prompts: Sequence[str | RenderedPrompt]) -> tuple[list[list[int]], list]:
+        """`encode`'s token ids, and for each prompt where options may follow its tail alone
+        (prepare/tail_tokens.py) its cut (k, c), else None. The batch goes straight to the
+        tokenizer's backend where that gives the same ids (no per-text wrapper)."""
         if not prompts:
-            return []
+            return [], []
         prompts = [p if isinstance(p, RenderedPrompt) else RenderedPrompt(p, []) for p in prompts]
         result: list = [None] * len(prompts)
+        cuts: list = [None] * len(prompts)
+        rule = tail_rule(self.tokenizer) if not getattr(self.tokenizer, "split_special_tokens", False) else None
         for chat in (True, False):  # a chat template's text already holds BOS and the like
             at = [i for i, p in enumerate(prompts) if (self.chat if p.chat is None else p.chat) == chat]
-            if at:
-                encoded = self.tokenizer([prompts[i].text for i in at], add_special_tokens=not chat)["input_ids"]
-                for i, tokens in zip(at, encoded):
-                    result[i] = tokens
+            if not at:
+                continue
+            texts = [prompts[i].text for i in at]
+            encodings = encode_batch(self.tokenizer, texts, not chat, backend=rule.backend if rule else None)
+            if encodings is None:
+                encoded = self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]
+            else:
+                encoded = [encoding.ids for encoding in encodings]
+                if rule is not None:
+                    for i, encoding in zip(at, encodings):
+                        cuts[i] = cut_of(encoding)
+            for i, tokens in zip(at, encoded):
+                result[i] = tokens
         for i, prompt in enumerate(prompts):
             if self.in_pieces(prompt):
-                result[i] = self._encode_pieces(prompt)
-        return result
+                result[i], cuts[i] = self._encode_pieces(prompt), None
+        return result, cuts
 
     def in_pieces(self, prompt: RenderedPrompt) -> bool:
         """True when `encode` tokenizes this prompt piece by piece (its data holds special-token text)."""

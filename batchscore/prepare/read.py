@@ -107,7 +107,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
         kept_tables.append(select_kept(batch.table, keep_columns))
         if choices_column:
             choice_arrays.append(select_kept(batch.table, [choices_column]).column(0).combine_chunks())
-        prompts = None
+        prompts = cuts = None
         flat = None
         if sink is not None and token_column:
             flat = flat_token_batch(batch, token_column, row_id, max_length, vocab_size,
@@ -121,7 +121,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
         elif token_column:
             rows_tokens = _token_rows(batch, token_column, errors, row_id)
         else:
-            rows_tokens, prompts = _rendered_rows(batch, renderer, errors, row_id)
+            rows_tokens, prompts, cuts = _rendered_rows(batch, renderer, errors, row_id)
         for offset, tokens in enumerate(rows_tokens):
             rid = row_id + offset
             if tokens is None:
@@ -132,7 +132,8 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
             if problem:
                 errors[rid] = problem.at(f"{batch.file}:{batch.first_line + offset}")  # typed: too long, or bad ids
                 rows_tokens[offset] = None
-        row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id)
+        row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id,
+                                   cuts)
         batch_requests = [Request(row_id + offset, tokens, row_options[offset])
                           for offset, tokens in enumerate(rows_tokens)
                           if tokens is not None and row_id + offset not in errors]
@@ -155,9 +156,11 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
 
 
 def _row_options(options: RowOptionSource | None, batch: InputBatch, rows_tokens: list, prompts: list | None,
-                 renderer, choices_column: str | None, errors: dict[int, str], first_row_id: int) -> list:
+                 renderer, choices_column: str | None, errors: dict[int, str], first_row_id: int,
+                 cuts: list | None = None) -> list:
     """Each row's OptionTokens (None without `options` or for rows with errors); option problems
-    become row errors. `prompts`: the rows' RenderedPrompts (None: pre-tokenized prompts)."""
+    become row errors. `prompts`: the rows' RenderedPrompts (None: pre-tokenized prompts);
+    `cuts`: their cuts (PromptRenderer.encode_cuts)."""
     if options is None or not rows_tokens:
         return [None] * len(rows_tokens)
     choices = None
@@ -171,7 +174,8 @@ def _row_options(options: RowOptionSource | None, batch: InputBatch, rows_tokens
         pieces = [renderer.last_piece(p) if p is not None and renderer.in_pieces(p) else None for p in prompts]
     where = [f"{batch.file}:{batch.first_line + offset}" for offset in range(len(rows_tokens))]
     result = []
-    for offset, (row_options, problem) in enumerate(options.batch(rows_tokens, texts, choices, where, chat, pieces)):
+    for offset, (row_options, problem) in enumerate(options.batch(rows_tokens, texts, choices, where, chat, pieces,
+                                                                  cuts)):
         if problem:
             errors[first_row_id + offset] = problem
         result.append(row_options)
@@ -195,8 +199,10 @@ def _prepare_synthetic(config: JobConfig, options: RowOptionSource | None = None
     return PreparedInput(n, pa.array(np.arange(n, dtype=np.int64)), pa.table({}), requests, errors)
 
 
-def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int) -> tuple[list, list]:
-    """(each row's prompt token ids, each row's RenderedPrompt); None for rows with errors."""
+def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int
+                   ) -> tuple[list, list, list]:
+    """(each row's prompt token ids, each row's RenderedPrompt, each row's cut for its options:
+    PromptRenderer.encode_cuts); None for rows with errors."""
     columns = [c for c in renderer.columns if c in batch.table.column_names]
     rows = batch.table.select(columns).to_pylist()
     texts, positions = [], []
@@ -218,10 +224,12 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
             errors[rid] = f"{batch.file}:{batch.first_line + offset}: cannot render the prompt ({type(exc).__name__}: {exc})"
     result: list = [None] * len(rows)
     rendered: list = [None] * len(rows)
-    for offset, prompt, tokens in zip(positions, texts, renderer.encode(texts)):
+    cuts: list = [None] * len(rows)
+    for offset, prompt, tokens, cut in zip(positions, texts, *renderer.encode_cuts(texts)):
         result[offset] = tokens
         rendered[offset] = prompt
-    return result, rendered
+        cuts[offset] = cut
+    return result, rendered, cuts
 
 
 def _json_list(text: str):
