@@ -116,20 +116,25 @@ class StoreGroups(Sequence[PrefixGroup]):
         return self.meta.rows[index]
 
 
-def member_work(meta: MetaPlan, source) -> np.ndarray:
-    """[N] each plan slot's `GroupMember.work_tokens` (its tokens past its group's prefix, plus its
-    option rows), from the plan's and the store's arrays."""
-    work = _suffix_lens(meta, source)
+def member_work(meta: MetaPlan, source, group_of: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """([N] each plan slot's `GroupMember.work_tokens`: its tokens past its group's prefix plus its
+    option rows, [N] the tokens past the prefix alone), int32, from the plan's and store's arrays."""
+    if group_of is None:
+        group_of = _group_of(meta)
+    lengths = np.asarray(source.flat.lengths)  # a [N] diff of the offsets, dropped on return
+    suffix = (lengths[meta.rows] - np.asarray(meta.prefix_lens)[group_of]).astype(np.int32)
+    del lengths
     extra = getattr(source, "option_extra_rows", None)
     if extra is not None:
-        return work + extra()[meta.rows]
-    return work + np.fromiter((0 if o is None else o.extra_rows for o in map(source.options_at, meta.rows.tolist())),
-                              dtype=np.int64, count=len(meta.rows))
+        return suffix + extra()[meta.rows].astype(np.int32), suffix
+    extras = (0 if o is None else o.extra_rows for o in map(source.options_at, meta.rows.tolist()))
+    return suffix + np.fromiter(extras, dtype=np.int32, count=len(meta.rows)), suffix
 
 
-def _suffix_lens(meta: MetaPlan, source) -> np.ndarray:
-    """[N] each plan slot's prompt tokens past its group's prefix."""
-    return np.asarray(source.flat.lengths)[meta.rows] - np.repeat(meta.prefix_lens, np.diff(meta.starts))
+def _group_of(meta: MetaPlan) -> np.ndarray:
+    """[N] each plan slot's group (int32 while the groups fit: 4 bytes a row)."""
+    dtype = np.int32 if len(meta) < 2**31 else np.int64
+    return np.repeat(np.arange(len(meta), dtype=dtype), np.diff(meta.starts))
 
 
 def place_shares(meta: MetaPlan, source, workers: int) -> tuple[list[MetaPlan], int]:
@@ -137,13 +142,16 @@ def place_shares(meta: MetaPlan, source, workers: int) -> tuple[list[MetaPlan], 
     materialized groups (LPT on processed tokens; a group is cut only when it alone exceeds the
     fair share), computed on the plan's arrays: ([each worker's share as a plan over the same
     store positions], prefix tokens computed more than once). A worker's forward passes — and so
-    its rows' bits — are the ones `place_groups` gives it."""
-    slot_worker = _place_slots(meta, member_work(meta, source), workers)
-    suffix = _suffix_lens(meta, source)
-    return [_share(meta, suffix, slot_worker, w) for w in range(workers)], _replicated(meta, slot_worker)
+    its rows' bits — are the ones `place_groups` gives it. Holds ~20 bytes a row while it runs."""
+    group_of = _group_of(meta)
+    work, suffix = member_work(meta, source, group_of)
+    slot_worker = _place_slots(meta, work, workers, group_of)
+    del work
+    shares = [_share(meta, suffix, group_of, slot_worker, w) for w in range(workers)]
+    return shares, _replicated(meta, slot_worker)
 
 
-def _place_slots(meta: MetaPlan, work: np.ndarray, workers: int) -> np.ndarray:
+def _place_slots(meta: MetaPlan, work: np.ndarray, workers: int, group_of: np.ndarray) -> np.ndarray:
     """[N] the worker of each plan slot. Whole groups and plain rows are dealt on arrays (one
     heap step per item); a group larger than the fair share goes through place_groups itself
     (over stand-ins holding no tokens), which picks how to cut it."""
@@ -152,28 +160,26 @@ def _place_slots(meta: MetaPlan, work: np.ndarray, workers: int) -> np.ndarray:
         raise ValueError(f"num_workers must be an int >= 1, got {workers!r}")
     if workers == 1 or n == 0:
         return np.zeros(n, dtype=np.int32)
-    sizes = np.diff(meta.starts)
-    group_of = np.repeat(np.arange(count, dtype=np.int64), sizes)
     costs = np.asarray(meta.prefix_lens, dtype=np.int64) + np.bincount(group_of, weights=work, minlength=count).astype(np.int64)
     fair = -(-int(costs.sum()) // workers)
-    plain = meta.prefix_lens == 0
+    plain = np.asarray(meta.prefix_lens) == 0
     if ((~plain) & (costs > fair)).any():
         return _place_slots_by_groups(meta, work, workers)
     # items: every row of a plain group alone, every prefixed group whole (placement.py's `base`)
-    plain_slots = np.flatnonzero(plain[group_of])
+    plain_slots = np.flatnonzero(plain[group_of]) if plain.any() else np.zeros(0, np.int64)
     whole = np.flatnonzero(~plain)
-    item_cost = np.concatenate((work[plain_slots], costs[whole]))
+    item_cost = np.concatenate((work[plain_slots].astype(np.int64), costs[whole]))
     item_group = np.concatenate((group_of[plain_slots], whole))
     item_member = np.concatenate((plain_slots - meta.starts[group_of[plain_slots]], np.zeros(len(whole), np.int64)))
     lpt = np.lexsort((item_member, item_group, -item_cost))  # largest first; ties by plan position
+    del item_group, item_member
     item_worker = np.empty(len(lpt), dtype=np.int32)
     item_worker[lpt] = _lpt(item_cost[lpt], workers)
-    slot_worker = np.empty(n, dtype=np.int32)
-    slot_worker[plain_slots] = item_worker[: len(plain_slots)]
+    del lpt, item_cost
     group_worker = np.zeros(count, dtype=np.int32)
     group_worker[whole] = item_worker[len(plain_slots):]
-    in_whole = ~plain[group_of]
-    slot_worker[in_whole] = group_worker[group_of[in_whole]]
+    slot_worker = group_worker[group_of]
+    slot_worker[plain_slots] = item_worker[: len(plain_slots)]
     return slot_worker
 
 
@@ -232,27 +238,28 @@ def _place_slots_by_groups(meta: MetaPlan, work: np.ndarray, workers: int) -> np
     return slot_worker
 
 
-def _share(meta: MetaPlan, suffix: np.ndarray, slot_worker: np.ndarray, worker: int) -> MetaPlan:
+def _share(meta: MetaPlan, suffix: np.ndarray, group_of: np.ndarray, slot_worker: np.ndarray, worker: int) -> MetaPlan:
     """Worker `worker`'s slots as a plan of their own: its groups in plan order, a cut group's
     members in plan order (positions into the same store); `suffix`: each slot's tokens past its
     group's prefix (a share's group_tokens count them as the plan's do)."""
     slots = np.flatnonzero(slot_worker == worker)
-    group_of = np.repeat(np.arange(len(meta), dtype=np.int64), np.diff(meta.starts))[slots]
-    opens = np.flatnonzero(np.r_[True, group_of[1:] != group_of[:-1]]) if len(slots) else np.zeros(0, np.int64)
-    groups = group_of[opens]
-    prefix_lens = np.asarray(meta.prefix_lens, dtype=np.int64)[groups]
+    mine = group_of[slots]
+    opens = np.flatnonzero(np.r_[True, mine[1:] != mine[:-1]]) if len(slots) else np.zeros(0, np.int64)
+    prefix_lens = np.asarray(meta.prefix_lens, dtype=np.int64)[mine[opens]]
     starts = np.r_[opens, len(slots)].astype(np.int64)
-    suffix_tokens = np.add.reduceat(suffix[slots], opens) if len(slots) else np.zeros(0, np.int64)
-    group_tokens = prefix_lens + suffix_tokens
-    return MetaPlan(np.asarray(meta.rows)[slots], starts, prefix_lens, group_tokens, meta.stats)
+    suffix_tokens = np.add.reduceat(suffix[slots].astype(np.int64), opens) if len(slots) else np.zeros(0, np.int64)
+    return MetaPlan(np.asarray(meta.rows)[slots], starts, prefix_lens, prefix_lens + suffix_tokens, meta.stats)
 
 
 def _replicated(meta: MetaPlan, slot_worker: np.ndarray) -> int:
-    """Prefix tokens computed more than once: a group's prefix once more for each extra worker holding it."""
-    group_of = np.repeat(np.arange(len(meta), dtype=np.int64), np.diff(meta.starts))
-    pairs = np.unique(group_of * (int(slot_worker.max(initial=0)) + 1) + slot_worker)
-    holders = np.bincount(pairs // (int(slot_worker.max(initial=0)) + 1), minlength=len(meta))
-    return int((np.asarray(meta.prefix_lens) * np.maximum(holders - 1, 0)).sum())
+    """Prefix tokens computed more than once: a group's prefix once more for each extra worker
+    holding part of it (only a cut group's slots are looked at)."""
+    if len(slot_worker) == 0:
+        return 0
+    first = meta.starts[:-1]
+    cut = np.flatnonzero(np.minimum.reduceat(slot_worker, first) != np.maximum.reduceat(slot_worker, first))
+    return sum(int(meta.prefix_lens[g]) * (len(np.unique(slot_worker[meta.starts[g]:meta.starts[g + 1]])) - 1)
+               for g in cut.tolist())
 
 
 def reads_from_store(source, shard, files) -> bool:
