@@ -89,7 +89,8 @@ class Share:
     @classmethod
     def of(cls, groups: StoreGroups, label_ids, where) -> "Share":
         plan = replace(groups.meta, stats=None)  # the whole plan's statistics stay with the driver
-        return cls(str(groups.store.folder), plan, None if label_ids is None else list(label_ids), where)
+        folder = str(groups.store.folder.resolve())  # an actor's working folder is not the driver's
+        return cls(folder, plan, None if label_ids is None else list(label_ids), where)
 
     def groups(self) -> StoreGroups:
         return StoreGroups.range(self.plan, TokenStore.open(self.folder), 0, len(self.plan))
