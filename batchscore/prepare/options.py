@@ -199,7 +199,7 @@ class OptionEncoder:
         full = self._full(texts, prompt_tokens, options, chat, pieces,
                           [i for i in range(len(texts)) if i not in fast] + check)
         for i in check:
-            pairs, entry, k = fast[i]
+            (pairs, _, _), _, k = fast[i]
             head = list(prompt_tokens[i][:k])
             wrong = next((o for o, pair, (_, _, whole) in zip(options[i], pairs, full[i])
                           if head + pair.tokens != list(whole)), None)
@@ -213,24 +213,34 @@ class OptionEncoder:
                 break
         results = []
         for i, (row_label, opts) in enumerate(zip(row_labels, options)):
-            if i in fast:
-                found = [(pair.after, not pair.same_start) for pair in fast[i][0]]
+            row, bad, noted = fast[i][0][2] if i in fast else \
+                self._outcome(opts, [(after, differs) for after, differs, _ in full[i]])
+            if noted is not None:
+                self.boundary.note(row_label, opts[noted], row[noted], self._alone[opts[noted]], self.tokenizer)
+            if bad is None:
+                results.append((row, None))
             else:
-                found = [(after, differs) for after, differs, _ in full[i]]
-            alone = self.alone(opts)
-            row, problem, noted = [], None, False
-            for index, (option, (after, differs)) in enumerate(zip(opts, found)):
-                if not after:
-                    problem = (f"{name(index, option)} adds no token after the prompt: tokenized with the "
-                               "prompt it merges into the prompt's last token(s); end the prompt before its "
-                               "trailing space or punctuation and start the options with it")
-                    break
-                if not noted and (after != list(alone[index]) or differs):
-                    self.boundary.note(row_label, option, after, alone[index], self.tokenizer)
-                    noted = True
-                row.append(after)
-            results.append((None, problem) if problem else (row, None))
+                results.append((None, f"{name(bad, opts[bad])} adds no token after the prompt: tokenized with the "
+                                      "prompt it merges into the prompt's last token(s); end the prompt before its "
+                                      "trailing space or punctuation and start the options with it"))
         return results
+
+    def _outcome(self, opts: Sequence[str], found: Sequence[tuple[list[int], bool]]
+                 ) -> tuple[list[list[int]], int | None, int | None]:
+        """A row's options from (tokens after the prompt, whether the joined text starts with
+        other tokens than the prompt's) per option: (the options' tokens up to the first that adds
+        no token, that option's index or None, the index of the first option before it to note in
+        the boundary report or None)."""
+        alone = self.alone(opts)
+        row: list[list[int]] = []
+        noted = None
+        for index, (after, differs) in enumerate(found):
+            if not after:
+                return row, index, noted
+            if noted is None and (after != list(alone[index]) or differs):
+                noted = index
+            row.append(after)
+        return row, None, noted
 
     def _to_check(self, entry) -> bool:
         """Whether a row of this tail is also encoded in full (the first rows of each tail)."""
@@ -240,9 +250,10 @@ class OptionEncoder:
         self._checked += 1
         return True
 
-    def _from_tails(self, texts, prompt_tokens, options, pieces, cuts) -> dict[int, tuple[list, Any, int]]:
-        """{row: (its options' TailOptions, its Tail, k)} for the rows whose options follow their
-        prompt's tail alone (prepare/tail_tokens.py); other rows are left out."""
+    def _from_tails(self, texts, prompt_tokens, options, pieces, cuts) -> dict[int, tuple[tuple, Any, int]]:
+        """{row: ((its options' TailOptions, the crossing texts, its `_outcome`), its Tail, k)} for
+        the rows whose options follow their prompt's tail alone (prepare/tail_tokens.py); other
+        rows are left out. Rows of one tail and one list of options share one outcome."""
         wanted: dict[str, set[str]] = {}
         rows = []
         for i, cut in enumerate(cuts):
@@ -255,12 +266,17 @@ class OptionEncoder:
         fast = {}
         for i, k, c, tail in rows:
             entry = self.tails.tails[tail]
-            if list(prompt_tokens[i][k:]) != entry.ids:  # the prompt's own end is not the tail alone
+            if prompt_tokens[i][k:] != entry.ids:  # the prompt's own end is not the tail alone
                 continue
-            pairs = [entry.options[option] for option in options[i]]
-            if any(texts[i].endswith(x, 0, c) for pair in pairs for x in pair.crossing):
+            key = tuple(options[i])
+            combo = entry.combos.get(key)
+            if combo is None:
+                pairs = [entry.options[option] for option in key]
+                combo = entry.combos[key] = (pairs, tuple(x for pair in pairs for x in pair.crossing),
+                                             self._outcome(key, [(pair.after, not pair.same_start) for pair in pairs]))
+            if combo[1] and any(texts[i].endswith(x, 0, c) for x in combo[1]):
                 continue
-            fast[i] = (pairs, entry, k)
+            fast[i] = (combo, entry, k)
         return fast
 
     def _full(self, texts, prompt_tokens, options, chat, pieces, rows: Sequence[int]) -> dict[int, list]:
@@ -304,7 +320,7 @@ def option_length_problem(options: OptionTokens, texts: Sequence[str], prompt_le
 
     Scoring an option of n tokens takes in the prompt and the option's first n - 1 tokens.
     """
-    if max_length is None:
+    if max_length is None or prompt_len + len(options.tokens) - 1 <= max_length:  # (every option fits: no numpy)
         return None
     needed = prompt_len + options.lengths - 1
     over = np.flatnonzero(needed > max_length)

@@ -10,6 +10,7 @@ that cannot be scored keep their row id and an error message, so nothing is lost
 from __future__ import annotations
 
 import json
+from itertools import chain
 from pathlib import Path
 from typing import Callable
 
@@ -122,25 +123,21 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
             rows_tokens = _token_rows(batch, token_column, errors, row_id)
         else:
             rows_tokens, prompts, cuts = _rendered_rows(batch, renderer, errors, row_id)
-        for offset, tokens in enumerate(rows_tokens):
-            rid = row_id + offset
-            if tokens is None:
-                continue
-            problem = prompt_problem(len(tokens), max_length, largest_token=int(np.max(tokens)) if len(tokens) else None,
+        arrays = _PromptTokens(rows_tokens)
+        for offset in arrays.problems(max_length, vocab_size):
+            problem = prompt_problem(len(rows_tokens[offset]), max_length, largest_token=arrays.largest(offset),
                                      vocab_size=vocab_size, limit_name=max_length_name(config.engine.max_length,
                                                                                        max_length))
-            if problem:
-                errors[rid] = problem.at(f"{batch.file}:{batch.first_line + offset}")  # typed: too long, or bad ids
-                rows_tokens[offset] = None
+            errors[row_id + offset] = problem.at(f"{batch.file}:{batch.first_line + offset}")  # typed: too long, or bad ids
+            rows_tokens[offset] = None
         row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id,
                                    cuts)
-        batch_requests = [Request(row_id + offset, tokens, row_options[offset])
-                          for offset, tokens in enumerate(rows_tokens)
-                          if tokens is not None and row_id + offset not in errors]
-        if sink is not None:
-            sink.add_requests(batch_requests)  # the store keeps them; no object per row survives the batch
+        keep = [offset for offset, tokens in enumerate(rows_tokens) if tokens is not None and row_id + offset not in errors]
+        if sink is not None:  # the store keeps them as arrays; no object per row survives the batch
+            sink.add_flat(row_id + np.asarray(keep, dtype=np.int64), *arrays.select(keep),
+                          *_option_sets(row_options, keep))
         else:
-            requests.extend(batch_requests)
+            requests.extend(Request(row_id + offset, rows_tokens[offset], row_options[offset]) for offset in keep)
         row_id += n
         if progress:
             progress(n)
@@ -153,6 +150,66 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     choices = concat_arrays(choice_arrays) if choices_column else None
     with_kinds(errors)  # every other row error is the row's own input (row_errors.py)
     return PreparedInput(row_id, id_array, kept, requests, errors, choices, locations=locations)
+
+
+class _PromptTokens:
+    """A batch's prompt token lists (None: the row has an error) as one flat array, to check
+    lengths and ids and to write the store without a numpy array per row."""
+
+    def __init__(self, rows_tokens: list) -> None:
+        self.rows = [offset for offset, tokens in enumerate(rows_tokens) if tokens is not None]
+        self.lengths = np.fromiter((len(rows_tokens[o]) for o in self.rows), dtype=np.int64, count=len(self.rows))
+        self.starts = np.concatenate(([0], np.cumsum(self.lengths)))
+        total = int(self.starts[-1])
+        if all(isinstance(rows_tokens[o], list) for o in self.rows):
+            self.tokens = np.fromiter(chain.from_iterable(rows_tokens[o] for o in self.rows), dtype=np.int64,
+                                      count=total)
+        else:
+            self.tokens = np.concatenate([np.asarray(rows_tokens[o], dtype=np.int64).reshape(-1) for o in self.rows]
+                                         or [np.zeros(0, np.int64)])
+        filled = self.lengths > 0
+        self._largest = np.full(len(self.rows), -1, dtype=np.int64)
+        if filled.any():
+            self._largest[filled] = np.maximum.reduceat(self.tokens, self.starts[:-1][filled])
+        self._at = {offset: index for index, offset in enumerate(self.rows)}
+
+    def problems(self, max_length: int | None, vocab_size: int | None) -> list[int]:
+        """The rows `prompt_problem` may refuse: empty, longer than `max_length`, an id past the vocabulary."""
+        bad = self.lengths == 0
+        if max_length is not None:
+            bad |= self.lengths > max_length
+        if vocab_size is not None:
+            bad |= self._largest >= vocab_size
+        return [self.rows[i] for i in np.flatnonzero(bad)]
+
+    def largest(self, offset: int) -> int | None:
+        index = self._at[offset]
+        return int(self._largest[index]) if self.lengths[index] else None
+
+    def select(self, keep: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(the flat tokens, the lengths) of the rows `keep` (offsets in the batch, in order)."""
+        if keep == self.rows:
+            return self.tokens.astype(np.int32), self.lengths
+        index = np.asarray([self._at[o] for o in keep], dtype=np.int64)
+        mask = np.zeros(len(self.rows), dtype=bool)
+        mask[index] = True
+        return self.tokens[np.repeat(mask, self.lengths)].astype(np.int32), self.lengths[index]
+
+
+def _option_sets(row_options: list, keep: list[int]) -> tuple[np.ndarray, list]:
+    """(each kept row's index into the distinct OptionTokens, -1 for none; those OptionTokens)."""
+    distinct: dict[int, int] = {}
+    objects = []
+    sets = np.full(len(keep), -1, dtype=np.int32)
+    for i, offset in enumerate(keep):
+        options = row_options[offset]
+        if options is not None:
+            index = distinct.get(id(options))
+            if index is None:
+                index = distinct[id(options)] = len(objects)
+                objects.append(options)
+            sets[i] = index
+    return sets, objects
 
 
 def _row_options(options: RowOptionSource | None, batch: InputBatch, rows_tokens: list, prompts: list | None,

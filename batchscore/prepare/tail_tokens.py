@@ -190,6 +190,7 @@ class Tail:
 
     ids: list[int]
     options: dict[str, "TailOption"] = field(default_factory=dict)
+    combos: dict[tuple[str, ...], tuple] = field(default_factory=dict)  # OptionEncoder's, per list of options
     checked: int = 0  # rows of this tail checked against the full encode
 
 
