@@ -134,7 +134,9 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: Resol
                                                              _chunks(sink.remaining_groups(), rows_per_task)))
             ready.append(actor.pid.remote())
             pending[sink.worker] = deque(itertools.islice(todo[sink.worker], IN_FLIGHT))
-        log.info("ray: %d workers", len(actors))
+        from_store = [s for s in sinks if isinstance(s.groups, StoreGroups)]
+        log.info("ray: %d workers%s", len(actors), f", reading their rows from {from_store[0].groups.store.folder}"
+                 if from_store else " (each task carries its groups' tokens)")
         ray.get(ready)  # the engines are loaded (their tasks already queued): scoring time starts here
         progress.start()
         by_worker = {s.worker: s for s in sinks}
