@@ -181,7 +181,8 @@ def _time_split(summary) -> str:
     rows = f"{audit.rows} row{'s' if audit.rows > 1 else ''}"
     audited = (f"audit {audit.seconds:.1f} s ({audit.seconds / summary.seconds:.1%} of the run, {rows})"
                if audit.rows and summary.seconds > 0 else "audit off")
-    return (f"  plan {timing.prepare_seconds:.1f} s, scoring {timing.score_seconds:.1f} s, "
+    load = f" (engine load {timing.engine_load_seconds:.1f} s)" if timing.engine_load_seconds >= 0.05 else ""
+    return (f"  plan {timing.prepare_seconds:.1f} s, scoring {timing.score_seconds:.1f} s{load}, "
             f"write {timing.write_seconds:.1f} s, {audited}")
 
 

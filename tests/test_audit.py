@@ -57,7 +57,12 @@ class ShiftOneRow:
         self.engine.close()
 
 
-def test_audit_passes_on_the_real_torch_engine_and_is_in_the_metrics(tmp_path, job_factory, small_input):
+def test_audit_passes_on_the_real_torch_engine_and_is_in_the_metrics(tmp_path, job_factory, small_input, monkeypatch):
+    """...with the engine's own weights as the float32 reference (a twin, see the twin test): no second load."""
+    from batchscore.run import audit
+
+    loads = []
+    monkeypatch.setattr(audit, "load_reference", lambda *a, **k: loads.append(a))
     job = job_factory(small_input)
     metrics, prom = tmp_path / "metrics.json", tmp_path / "run.prom"
     result = CliRunner().invoke(main, ["run", str(job), "--quiet", "--metrics", str(metrics),
@@ -68,7 +73,8 @@ def test_audit_passes_on_the_real_torch_engine_and_is_in_the_metrics(tmp_path, j
     assert data["audit_bound"] == DTYPE_BOUNDS["float32"] == 1e-4
     assert 0 <= data["audit_max_dp"] <= 1e-4
     assert data["audit_differing"] == [] and data["audit_skipped"] is None
-    assert 0 < data["audit_seconds"] < data["seconds"]
+    assert 0 < data["audit_seconds"] < data["seconds"] and loads == []
+    assert 0 < data["engine_load_seconds"] < data["score_seconds"]
     gauges = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in prom.read_text().splitlines()
               if line.startswith("batchscore_audit")}
     assert gauges["batchscore_audit_max_dp"] == pytest.approx(data["audit_max_dp"])
@@ -255,6 +261,8 @@ def test_the_console_splits_the_run_time():
                          timing=Timing(prepare_seconds=10.0, score_seconds=25.0, write_seconds=1.0),
                          audit=Audit(seconds=2.0, rows=1))
     assert _time_split(summary) == "  plan 10.0 s, scoring 25.0 s, write 1.0 s, audit 2.0 s (5.0% of the run, 1 row)"
+    summary.timing.engine_load_seconds = 1.5  # part of the scoring: the engine's model load
+    assert _time_split(summary).startswith("  plan 10.0 s, scoring 25.0 s (engine load 1.5 s), write 1.0 s")
     summary.audit.rows = 0
     assert _time_split(summary).endswith("audit off")
 
@@ -326,3 +334,32 @@ def test_the_report_shows_the_plain_same_dtype_figure_beside_the_engines():
         "0.04 / 0.02 (the engine's mean 0.01)" in audit_section(summary)
     summary.audit.plain_max_dp = summary.audit.plain_mean_dp = None  # a float32 run: no such row
     assert "plain forward in the run" not in audit_section(summary)
+
+
+def test_the_plain_twin_runs_on_the_engines_own_tensors_and_computes_the_loaded_models_logits(tiny_llama):
+    """The audit's plain forward on the engine's weights: a fresh model (the attention it was loaded
+    with, not the cascade) whose every parameter and buffer is the engine's tensor, no copy; its
+    logits equal a freshly loaded model's; a model in another dtype is not mirrored (None)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from batchscore.engines.torch.engine import TorchEngine
+    from batchscore.run.audit import EngineWeights, load_reference, plain_twin
+
+    engine = TorchEngine.from_pretrained(tiny_llama, token_budget=64)
+    weights = EngineWeights.of(engine)
+    assert weights.attention == "sdpa" and engine.model.config._attn_implementation != "sdpa"
+    model = weights.take()
+    assert weights.take() is None  # handed over once
+    twin = plain_twin(model, "float32", weights.attention)
+    assert twin is not model and twin.config._attn_implementation == "sdpa"
+    mine = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert {t.data_ptr() for t in [*twin.parameters(), *twin.buffers()]} == mine  # the tied LM head too
+    ids = torch.as_tensor(np.random.default_rng(0).integers(0, 49152, (1, 40)))
+    with torch.inference_mode():
+        expected = load_reference(tiny_llama, "cpu")(input_ids=ids).logits
+        assert torch.equal(twin(input_ids=ids).logits, expected)
+    half = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    assert plain_twin(half, "float32", "sdpa") is None and plain_twin(None, "float32", "sdpa") is None
+    assert EngineWeights.of(ShiftOneRow(engine, 0, 0.0)).take() is None  # no model of its own: the audit loads
+

@@ -12,7 +12,8 @@ METRICS_KEYS = [
     "batch_token_counts", "skipped", "approx_keep", "reads", "decisions", "calibration", "confidence_method",
     "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds", "audit_differing",
     "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash", "rederived",
-    "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "rows_per_second", "logical_tokens_per_second"]
+    "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "rows_per_second",
+    "logical_tokens_per_second"]
 
 
 def full_summary() -> RunSummary:

@@ -7,6 +7,7 @@ Also runnable on its own (vLLM spawns a process, hence the __main__ guard):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -34,6 +35,9 @@ from batchscore.engines.shape import DTYPE_BYTES
 @click.option("--device", type=click.Choice(["cpu"]), default="cpu", show_default=True,
               help="This suite runs on cpu; on a GPU, `batchscore bench gpu` runs 8B-class random-weight models (MFU, MIL).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--micro-groups", type=click.IntRange(min=1), default=None,
+              help="Prefix groups per microbenchmark instead of the scale's (requests = groups × degree; "
+                   "ci: 2, so --micro-groups 8 gives 128 requests at degree 16).")
 @click.option("--whole-process", is_flag=True,
               help="After the suite, time a real `batchscore run` of each microbenchmark in each dtype (same "
                    "prompts) and print the whole-process fraction of the FLOP ideal (bench/whole_process.py).")
@@ -42,8 +46,8 @@ from batchscore.engines.shape import DTYPE_BYTES
 @click.option("--write-parquet", "parquet", type=click.Path(), default=None,
               help="Write the workload's prompts as Parquet input (row_id, token_ids list<int32>) and exit; "
                    "with several workloads PATH is a folder of <workload>.parquet files.")
-def workloads(names, engines, scale, degree, model, dtypes, compile_mode, token_budget, device, seed, whole_process,
-              out, parquet) -> None:
+def workloads(names, engines, scale, degree, model, dtypes, compile_mode, token_budget, device, seed, micro_groups,
+              whole_process, out, parquet) -> None:
     """Benchmark batchscore against plain forward and vLLM on the papers' workloads.
 
     WORKLOAD is one or more of: micro-2000-200, micro-2000-1000, micro-1000-1000, micro-1000-100,
@@ -74,7 +78,8 @@ def workloads(names, engines, scale, degree, model, dtypes, compile_mode, token_
         raise click.BadParameter(f"unknown engines {unknown}; choose from {', '.join(ENGINES)}", param_hint="--engines")
 
     if parquet:
-        made = [make_workload(n, SCALES[scale], d, seed) for n in names for d in _degrees(n, degree)]
+        sized = replace(SCALES[scale], micro_groups=micro_groups) if micro_groups else SCALES[scale]
+        made = [make_workload(n, sized, d, seed) for n in names for d in _degrees(n, degree)]
         many = len(made) > 1
         for w in made:
             path = write_parquet(w.prompts, Path(parquet) / f"{w.name}.parquet" if many else parquet)
@@ -95,7 +100,7 @@ def workloads(names, engines, scale, degree, model, dtypes, compile_mode, token_
         options = BenchOptions(model=model, scale=scale, engines=chosen, degree=d, dtype=dtypes[0],
                                token_budget=token_budget, seed=seed, dtypes=tuple(dict.fromkeys(dtypes)),
                                compile={"auto": None, "on": True, "off": False}[compile_mode],
-                               whole_process=whole_process)
+                               whole_process=whole_process, micro_groups=micro_groups)
         results.append(run_suite(options, batch, progress=lambda line: click.echo(line, err=True)))
     result = results[0]
     for extra in results[1:]:  # several degrees: one report

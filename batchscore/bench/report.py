@@ -113,6 +113,8 @@ def to_json(result: SuiteResult) -> dict:
         "gemm_peak": result.gemm_peak.to_dict() if result.gemm_peak is not None else None,
         "whole_process": [{"workload": r.workload, "dtype": r.dtype, "wall_seconds": r.wall_seconds,
                            "score_seconds": r.metrics.get("score_seconds"), "audit_seconds": r.metrics.get("audit_seconds"),
+                           "engine_load_seconds": r.metrics.get("engine_load_seconds"),
+                           "engine_ratio": r.engine_ratio, "load_avg": r.load_avg,
                            "flop_ideal_fraction": r.fraction} for r in result.whole],
         "workloads": [{
             "name": w.name, "description": w.description, "requests": w.requests, "groups": w.groups,

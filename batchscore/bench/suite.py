@@ -33,7 +33,7 @@ import logging
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -255,6 +255,7 @@ class BenchOptions:
     dtypes: tuple[str, ...] = ()  # plain and torch run in each of these, interleaved
     compile: bool | None = None  # torch engine `compile_layers` (None: compiled_layers.should_compile's auto)
     whole_process: bool = False  # also time a real `batchscore run` of each microbenchmark (bench/whole_process.py)
+    micro_groups: int | None = None  # prefix groups per microbenchmark instead of the scale's (requests = groups × degree)
 
     @property
     def engine_dtypes(self) -> tuple[str, ...]:
@@ -345,7 +346,10 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
     from batchscore.models import resolve_model
 
     started = time.perf_counter()
+    environment = dict(os.environ)  # before vLLM's start-up writes its variables into it: the whole-process runs'
     scale = SCALES[options.scale]
+    if options.micro_groups:
+        scale = replace(scale, micro_groups=options.micro_groups)
     model_dir = resolve_model(options.model)
     workloads = [make_workload(n, scale, options.degree, options.seed) for n in expand_names(names)]
     plans = [plan_groups(w.prompts) for w in workloads]
@@ -378,17 +382,19 @@ def run_suite(options: BenchOptions, names: Sequence[str], progress: Callable[[s
     for d, engine in engines.vllm.items():
         if engine.kv_capacity_tokens:
             info.setdefault("vllm_kv_cache_tokens", engine.kv_capacity_tokens)
-    whole = _whole_processes(options, scale, results, progress) if options.whole_process else []
+    whole = _whole_processes(options, scale, results, progress, environment) if options.whole_process else []
     return SuiteResult(options.scale, options.dtype, str(options.model or "smollm2-135m-instruct"), info,
                        results, time.perf_counter() - started, options.engine_dtypes, peak, whole)
 
 
-def _whole_processes(options: BenchOptions, scale: Scale, results: list[WorkloadResult], progress) -> list:
+def _whole_processes(options: BenchOptions, scale: Scale, results: list[WorkloadResult], progress,
+                     environment: dict[str, str] | None = None) -> list:
     """A real `batchscore run` of each microbenchmark in each dtype, after the suite's engines are
-    closed, with the whole-process fraction of the FLOP ideal against the suite's plain rate."""
+    closed, in `environment` (the bench command's own, without vLLM's additions), with the
+    whole-process fraction of the FLOP ideal against the suite's plain rate."""
     import tempfile
 
-    from batchscore.bench.whole_process import micro_job, run_whole, whole_fraction
+    from batchscore.bench.whole_process import engine_ratio, micro_job, run_whole, whole_fraction
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-whole-") as folder:
@@ -400,10 +406,11 @@ def _whole_processes(options: BenchOptions, scale: Scale, results: list[Workload
             for dtype in options.engine_dtypes:
                 job = micro_job(Path(folder), prefix, distinct, options.degree, result.requests, options.seed, dtype,
                                 options.model, options.token_budget)
-                run = run_whole(job, result.name, dtype)
-                plain = result.run("plain", dtype)
+                run = run_whole(job, result.name, dtype, environment)
+                plain, torch_run = result.run("plain", dtype), result.run("torch", dtype)
                 run.fraction = whole_fraction(run, plain.logical_tokens_per_s if plain else None,
                                               result.flop_ideal_speedup)
+                run.engine_ratio = engine_ratio(run, torch_run.seconds if torch_run else None)
                 progress("    " + run.describe())
                 runs.append(run)
     return runs

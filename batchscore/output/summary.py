@@ -22,6 +22,7 @@ class Timing:
     score_seconds: float = 0.0  # the engine scoring the plan
     prepare_seconds: float = 0.0  # reading, tokenizing and planning, before scoring starts
     write_seconds: float = 0.0  # assembling and writing the output (calibration and review included)
+    engine_load_seconds: float = 0.0  # part of score_seconds: building the local engine (model load and set-up)
 
 
 @dataclass
@@ -87,7 +88,7 @@ KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "proce
         "workers", "batch_token_counts", "skipped", "approx_keep", "reads", "decisions", "calibration",
         "confidence_method", "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds",
         "audit_differing", "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash",
-        "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp")
+        "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds")
 
 
 def _key(part: type, name: str) -> str:

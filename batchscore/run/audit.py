@@ -14,9 +14,7 @@ Above the bound (`output.audit_max_dp`, default the one the docs state for the r
 run still writes its output, then stops with `AuditFailed` (exit 7) naming the rows that differ.
 
 A reduced-precision run (bfloat16, float16) is also measured against its dtype's own rounding: the
-same rows go through the same plain forward in the run's dtype (a second load, after the float32
-reference is freed: loading in that dtype measured ~8x faster here than casting the float32 copy
-down, and gives the same weights), and with no `output.audit_max_dp` of the job's the bound becomes
+same rows go through the same plain forward in the run's dtype, and with no `output.audit_max_dp` of the job's the bound becomes
 `max(DTYPE_BOUNDS[dtype], PLAIN_MARGIN × the plain forward's largest |ΔP|)` on those rows: a row
 is flagged only when the engine is further from float32 than the documented bound *and* clearly
 further than the plain forward in the same dtype gets on any audited row (docs/jobs.md).
@@ -27,6 +25,18 @@ least one row, at most AUTO_MAX_ROWS. A row's cost counts its real forwards: its
 tokens of its multi-token options. A number in `output.audit_rows` forces that many.
 The run holds the output's lock through the audit: the completion marker records the audit's
 result, and until it is written another run would assemble the same output again.
+
+Weights: a local torch run hands its engine's loaded model over (`EngineWeights`). The plain
+forward in the engine's dtype — the reference itself in a float32 run, the same-dtype forward in a
+reduced-precision one — then runs on a *twin* (`plain_twin`): a fresh transformers model of the
+same architecture, its own modules and the attention implementation the model was loaded with,
+whose parameters and buffers are the engine's tensors (shared, never copied or written). The
+weights come from the same file through the same loader either way; what is reused is a second
+load and a second copy in memory. The engine's model is dropped as soon as its forwards are done,
+before a float32 reference of a reduced-precision run is loaded, so the two never sit side by side.
+Otherwise (Ray workers, vLLM, a model the twin cannot mirror) the audit loads what it needs (in a
+reduced-precision run, the model in the run's dtype: loading it measured ~8x faster here than
+casting the float32 reference down, and gives the same weights).
 """
 
 from __future__ import annotations
@@ -124,12 +134,33 @@ def budget_rows(candidates: np.ndarray, costs: dict[int, int], group_of: dict[in
     return np.sort(np.array(picked, dtype=np.int64))
 
 
-def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0) -> AuditResult:
+class EngineWeights:
+    """The scoring engine's loaded torch model, handed to the audit once (`take`) so its plain forward
+    in that model's dtype reuses the weights (module docstring). Empty for an engine without one."""
+
+    def __init__(self, model=None, attention: str | None = None):
+        self._model, self.attention = model, attention
+
+    @classmethod
+    def of(cls, engine) -> "EngineWeights":
+        """The weights of `engine` (a TorchEngine: its model and the attention it was loaded with)."""
+        model, attention = getattr(engine, "model", None), getattr(engine, "plain_attention", None)
+        return cls(model, attention) if attention is not None and hasattr(model, "state_dict") else cls()
+
+    def take(self):
+        """The model (None when there is none or it was taken): the caller holds the only reference."""
+        model, self._model = self._model, None
+        return model
+
+
+def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0,
+                 weights: EngineWeights | None = None) -> AuditResult:
     """Re-score a sample of the scored rows of `job` (a PreparedJob whose output was just assembled
     from `store`'s parts) through the plain float32 reference; returns what it found. The sample:
     `output.audit_rows` seeded rows, or by default rows of `plan`'s groups within AUDIT_SHARE of
-    `processed_tokens` (see the module docstring). Loads a fresh model (freed before returning);
-    changes nothing on disk."""
+    `processed_tokens` (see the module docstring). `weights`: the engine's model, reused for the plain
+    forward in its dtype and dropped here; otherwise loads a fresh model (freed before returning).
+    Changes nothing on disk."""
     config = job.config
     bound = audit_bound(config, job.source.engine.dtype)
     if config.output.audit_rows == 0:
@@ -154,38 +185,48 @@ def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0) ->
     wanted = set(rows.tolist())
     requests = {r.row_id: r for r in job.input.requests if r.row_id in wanted}
     tokens = sum(reference_cost(requests[row], job.label_ids) for row in wanted)
-    try:
-        reference = load_reference(job.model_dir, job.source.engine.device)
+    dtype, device = job.source.engine.dtype, job.source.engine.device
+
+    def totals_of(model) -> dict:
+        return {row: reference_totals(model, requests[row].token_ids, job.label_ids, requests[row].options)
+                for row in rows.tolist()}
+
+    weights = weights or EngineWeights()
+    engine_model, attention = weights.take(), weights.attention  # this frame holds the only reference
+    plain_totals = None
+    if dtype in REDUCED_PRECISION:  # the same plain forward in the run's dtype (the dtype's own rounding),
+        # first: on the engine's own weights when it handed them over, dropped before the float32 load
+        try:
+            same_dtype = plain_twin(engine_model, dtype, attention) or load_reference(job.model_dir, device, dtype)
+        except _load_errors() as exc:
+            log.warning("exactness audit: no plain %s forward (%s); the dtype's documented bound applies", dtype, exc)
+        else:
+            on_gpu = next(same_dtype.parameters()).is_cuda
+            try:
+                plain_totals = totals_of(same_dtype)
+            finally:
+                del same_dtype
+                engine_model = None
+                _release_gpu_memory(on_gpu)
+    try:  # a float32 run's engine weights are the reference's (a twin); otherwise a load
+        reference = plain_twin(engine_model, "float32", attention) or load_reference(job.model_dir, device)
     except _load_errors() as exc:  # the output is written: a missing reference is recorded, not fatal
-        reason = f"the float32 reference model could not be loaded on {job.source.engine.device}: {exc}"
+        reason = f"the float32 reference model could not be loaded on {device}: {exc}"
         log.warning("exactness audit skipped: %s", reason)
         return AuditResult(bound=bound, seconds=time.perf_counter() - started, skipped=reason, tokens=0)
+    engine_model = None
     on_gpu = next(reference.parameters()).is_cuda
-    dtype = job.source.engine.dtype
     try:
         fault_point("audit")
-        expected = {row: reference_totals(reference, requests[row].token_ids, job.label_ids, requests[row].options)
-                    for row in rows.tolist()}
+        expected = totals_of(reference)
         divisors = {row: _divisors(job, row, requests[row]) for row in rows.tolist()}
         deltas = {row: max_abs_dp(_engine_totals(scores, int(np.searchsorted(candidates, row))), expected[row],
                                   divisors[row]) for row in expected}
     finally:
         del reference
         _release_gpu_memory(on_gpu)
-    plain = {}
-    if dtype in REDUCED_PRECISION:  # the same plain forward in the run's dtype: the dtype's own rounding
-        try:
-            same_dtype = load_reference(job.model_dir, job.source.engine.device, dtype)
-        except _load_errors() as exc:
-            log.warning("exactness audit: no plain %s forward (%s); the dtype's documented bound applies", dtype, exc)
-        else:
-            try:
-                plain = {row: max_abs_dp(reference_totals(same_dtype, requests[row].token_ids, job.label_ids,
-                                                          requests[row].options), expected[row], divisors[row])
-                         for row in expected}
-            finally:
-                del same_dtype
-                _release_gpu_memory(on_gpu)
+    plain = ({row: max_abs_dp(plain_totals[row], expected[row], divisors[row]) for row in expected}
+             if plain_totals is not None else {})
     plain_max = max(plain.values()) if plain else None
     if plain and config.output.audit_max_dp is None and bound is not None:
         bound = relative_bound(bound, plain_max)  # the job's own bound, when it sets one, wins
@@ -235,6 +276,35 @@ def load_reference(model_dir, device: str, dtype: str = "float32"):
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype), local_files_only=True,
                                                  device_map=device if on_gpu else None)
     return (model if on_gpu else model.to(device)).eval()
+
+
+def plain_twin(model, dtype: str, attention: str | None):
+    """A plain transformers model mirroring `model` (module docstring, "Weights"): built from a copy of
+    its config on the meta device with `attention` as its attention implementation, then given
+    `model`'s parameters and buffers themselves (no copy). None when there is no `model`, it is not in
+    `dtype`, or its tensors do not map one to one onto the fresh model (then the caller loads)."""
+    if model is None or attention is None:
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if next(model.parameters()).dtype != getattr(torch, dtype):
+        return None
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = attention
+    try:
+        with torch.device("meta"):
+            twin = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        twin.load_state_dict(model.state_dict(), strict=True, assign=True)
+        for name, buffer in model.named_buffers(remove_duplicate=False):  # non-persistent ones too (RoPE)
+            owner, _, leaf = name.rpartition(".")
+            twin.get_submodule(owner)._buffers[leaf] = buffer
+    except (RuntimeError, KeyError, AttributeError, ValueError) as exc:
+        log.info("exactness audit: the engine's weights do not map onto a plain model (%s); loading them", exc)
+        return None
+    if any(t.is_meta for t in (*twin.parameters(), *twin.buffers())):
+        return None
+    return twin.eval()
 
 
 AUDIT_BATCH = 16  # option sequences of one length per plain forward

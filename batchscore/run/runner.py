@@ -35,7 +35,7 @@ from batchscore.run.ranges import StoreGroups, audit_sample, place_shares, reads
 from batchscore.plan.metadata import plan_rows
 from batchscore.prepare.source import plan_options
 from batchscore.store.build import build_store, store_folder
-from batchscore.run.audit import audit_output, raise_if_inexact
+from batchscore.run.audit import EngineWeights, audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
 from batchscore.run.shards import set_store
 from batchscore.run.run_files import RunFiles
@@ -274,6 +274,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     resolved = _decide_compile(source.engine, config.engine, job, worker_groups, rows_left)
     bar = RowProgress.for_sinks(sinks, progress, job.input.record_of)  # counts records, as the summary does
     batch_tokens: list[int] = []
+    engine_load_seconds = 0.0
+    weights = EngineWeights()  # a local torch engine's model, reused by the audit's plain forward (run/audit.py)
     try:
         if any(not s.done for s in sinks):
             if use_ray:
@@ -283,10 +285,13 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
                              job.input.locations)
             else:
                 fault_point("engine")
+                load_started = time.perf_counter()
                 engine = engine_factory(resolved, job.model_dir, config.engine)
+                engine_load_seconds = time.perf_counter() - load_started
                 try:
                     score_locally(engine, sinks[0], job.label_ids, bar, job.input.locations)
                     batch_tokens = list(engine.metrics.batch_token_counts or [])
+                    weights = EngineWeights.of(engine)
                 finally:
                     engine.close()
     finally:
@@ -305,9 +310,10 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     write_seconds = time.perf_counter() - write_started
     stage("audit")
     if from_store:  # the audit picks its rows among a seeded sample read back from the store
-        audit = audit_output(audit_sample(job, tokens), store, manifests, None, processed) if complete else Audit()
+        audit = (audit_output(audit_sample(job, tokens), store, manifests, None, processed, weights)
+                 if complete else Audit())
     else:
-        audit = audit_output(job, store, manifests, plan, processed) if complete else Audit()
+        audit = audit_output(job, store, manifests, plan, processed, weights) if complete else Audit()
     return RunSummary(
         output_path=str(store.files.output),
         rows=job.input.num_records,
@@ -323,7 +329,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         resumed_rows=resumed,
         assembly_hash=_assembly_hash(source),
         timing=Timing(plan_seconds=plan.stats.plan_seconds, score_seconds=score_seconds,
-                      prepare_seconds=score_started - started, write_seconds=write_seconds),
+                      prepare_seconds=score_started - started, write_seconds=write_seconds,
+                      engine_load_seconds=engine_load_seconds),
         execution=Execution(resolved.to_dict(), num_workers, batch_tokens, _approx_keep(config)),
         questions=Questions(**job.task.summary(job.input)),
         quality=quality,

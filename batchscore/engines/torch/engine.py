@@ -174,6 +174,7 @@ class TorchEngine:
         if batch_invariant and torch.device(device).type == "cuda":
             tile_linear_layers(model)  # cuBLAS picks a GEMM's kernel by its row count
         self.model = model.to(device).eval().requires_grad_(False)  # no autograd graph, whatever the caller's mode
+        self.plain_attention = model.config._attn_implementation  # what it was loaded with (the audit's twin)
         self.model.set_attn_implementation(register_cascade_attention())
         self.token_budget = token_budget
         self.device = torch.device(device)
