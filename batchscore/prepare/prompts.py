@@ -14,6 +14,8 @@ import string
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from batchscore.errors import LabelError, PromptTemplateError, RowRenderError
 from batchscore.prepare.tail_tokens import cut_of, encode_batch, tail_rule
 
@@ -145,6 +147,38 @@ class PromptRenderer:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         at = text.rfind(user)  # chat templates insert the message verbatim
         return RenderedPrompt(text, [(a + at, b + at) for a, b in spans] if at >= 0 else [(0, len(text))])
+
+    def render_table(self, table) -> list[RenderedPrompt | None] | None:
+        """`prompt` of every row of an Arrow `table` at once (Arrow's string kernels, no dict per
+        row), None for a row with a null field (`prompt` names it); None for the whole table where
+        that does not apply: a chat template, jinja, a renderer of its own, a field that is not a
+        text column."""
+        if self.chat or not isinstance(self.template, PromptTemplate) or type(self).prompt is not PromptRenderer.prompt:
+            return None
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        head = "" if self.system is None else f"{self.system}\n\n"
+        parts = [pa.scalar(head)] if head else []
+        literal, data, fields = len(head), np.zeros(table.num_rows, np.int64), []  # before the next field: literal + data
+        for text, column in self.template.pieces:
+            if text:
+                parts.append(pa.scalar(text))
+                literal += len(text)
+            if column is None:
+                continue
+            if column not in table.column_names or not (pa.types.is_string(table.schema.field(column).type)
+                                                        or pa.types.is_large_string(table.schema.field(column).type)):
+                return None
+            values = table.column(column).cast(pa.string())
+            parts.append(values)
+            begin = literal + data
+            data = data + pc.utf8_length(values).fill_null(0).to_numpy().astype(np.int64)
+            fields.append(list(zip(begin.tolist(), (literal + data).tolist())))
+        if not fields:
+            return None
+        texts = pc.binary_join_element_wise(*parts, "", null_handling="emit_null").to_pylist()
+        return [None if text is None else RenderedPrompt(text, list(spans)) for text, spans in zip(texts, zip(*fields))]
 
     def encode(self, prompts: Sequence[str | RenderedPrompt]) -> list[list[int]]:
         """Tokenize many prompts at once (the chat template already holds special tokens).

@@ -261,15 +261,22 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
     """(each row's prompt token ids, each row's RenderedPrompt, each row's cut for its options:
     PromptRenderer.encode_cuts); None for rows with errors."""
     columns = [c for c in renderer.columns if c in batch.table.column_names]
-    rows = batch.table.select(columns).to_pylist()
+    table = batch.table.select(columns)
+    whole = renderer.render_table(table) or [None] * table.num_rows  # None: rendered one row at a time
+    rows = None
     texts, positions = [], []
-    for offset, (row, read_error) in enumerate(zip(rows, batch.row_errors)):
+    for offset, (ready, read_error) in enumerate(zip(whole, batch.row_errors)):
         rid = first_row_id + offset
         if read_error:
             errors[rid] = read_error
             continue
+        if ready is not None:
+            texts.append(ready)
+            positions.append(offset)
+            continue
+        rows = rows or table.to_pylist()
         try:
-            texts.append(renderer.prompt(row))
+            texts.append(renderer.prompt(rows[offset]))
             positions.append(offset)
         except KeyError as exc:
             errors[rid] = f"{batch.file}:{batch.first_line + offset}: field {exc.args[0]!r} is null or missing"
@@ -279,9 +286,9 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
             raise
         except Exception as exc:  # noqa: BLE001 — e.g. a chat template refusing this row's messages
             errors[rid] = f"{batch.file}:{batch.first_line + offset}: cannot render the prompt ({type(exc).__name__}: {exc})"
-    result: list = [None] * len(rows)
-    rendered: list = [None] * len(rows)
-    cuts: list = [None] * len(rows)
+    result: list = [None] * table.num_rows
+    rendered: list = [None] * table.num_rows
+    cuts: list = [None] * table.num_rows
     for offset, prompt, tokens, cut in zip(positions, texts, *renderer.encode_cuts(texts)):
         result[offset] = tokens
         rendered[offset] = prompt
