@@ -224,3 +224,24 @@ def test_a_wrong_tail_is_caught_and_the_job_encodes_in_full(tokenizer, caplog):
     assert got == expected and again == expected
     assert encoder.tails is None
     assert sum("tokenized whole" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_rows_with_their_own_options_keep_the_cache_small(tokenizer):
+    """Rows whose options never repeat (per-row choices) do not grow the cache past its limit,
+    and still get the full encode's tokens."""
+    renderer = PromptRenderer(tokenizer, "Q: {q}\nA:")
+    encoder = OptionEncoder(tokenizer)
+    encoder.tails.limit = 40
+    full = OptionEncoder(tokenizer)
+    full.tails = None
+    sizes = []
+    for start in range(0, 60, 10):
+        prompts = [renderer.prompt({"q": f"pick {i}"}) for i in range(start, start + 10)]
+        ids, cuts = renderer.encode_cuts(prompts)
+        texts = [p.text for p in prompts]
+        options = [[f" choice {i}a", f" choice {i}b"] for i in range(start, start + 10)]
+        labels = [f"row {i}" for i in range(start, start + 10)]
+        got = encoder.after_prompts(texts, ids, options, labels, chat=[False] * 10, cuts=cuts)
+        assert got == full.after_prompts(texts, ids, options, labels, chat=[False] * 10)
+        sizes.append(sum(1 + len(e.options) + len(e.combos) for e in encoder.tails.tails.values()))
+    assert max(sizes) <= 40 + 10 * 3

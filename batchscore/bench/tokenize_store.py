@@ -17,6 +17,7 @@ same prompts and times the tokenizer alone on them (`tokenizer(texts)`, batches 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -159,6 +160,7 @@ def tokenize_store(kind: str, rows: int, group_size: int, baseline_rows: int, ch
         job = job_dict(source, text, chat)
         job_path = folder / "job.yaml"
         job_path.write_text(json.dumps(job))
+        load_before = os.getloadavg()[0]
         stats, seconds, peak, cpu = run_plan(job_path)
         logical = stats["logical_tokens"]
         click.echo(f"batchscore plan: {stats['num_requests']:,} rows, {logical:,} tokens in {seconds:.1f} s "
@@ -172,3 +174,5 @@ def tokenize_store(kind: str, rows: int, group_size: int, baseline_rows: int, ch
                        f"{base_seconds:.1f} s ({base_rate:,.0f} tokens/s; {base_cpu:.1f} CPU s)")
             click.echo(f"ratio (plan tokens/s / tokenizer tokens/s): {logical / seconds / base_rate:.2f}; "
                        f"per CPU second: {logical / cpu / (tokens / base_cpu):.2f}")
+        click.echo(f"load average (1 min) {load_before:.1f} before the plan, {os.getloadavg()[0]:.1f} at the end "
+                   f"({os.cpu_count()} CPUs): a loaded machine slows the wall times, the CPU seconds less")

@@ -92,6 +92,14 @@ class TailRule:
 
     backend: Any
     added: tuple[str, ...]
+    inner: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)  # char -> (token, i): token[i] == char, i >= 1
+
+    def __post_init__(self) -> None:
+        inner: dict[str, list[tuple[str, int]]] = {}
+        for token in self.added:
+            for i in range(1, len(token)):
+                inner.setdefault(token[i], []).append((token, i))
+        self.inner.update({char: tuple(places) for char, places in inner.items()})
 
 
 _RULES: "weakref.WeakKeyDictionary[Any, TailRule | None]" = weakref.WeakKeyDictionary()
@@ -210,16 +218,16 @@ class TailOption:
 class TailCache:
     """encode(tail + option) per distinct prompt tail, filled a batch at a time."""
 
-    def __init__(self, tokenizer, rule: TailRule, limit: int = 4096) -> None:
+    def __init__(self, tokenizer, rule: TailRule, limit: int = 65536) -> None:
         self.tokenizer = tokenizer
         self.rule = rule
-        self.limit = limit  # distinct tails kept (prompts that end in their own data do not repeat)
-        self.tails: dict[str, Tail] = {}
+        self.limit = limit  # tails, options and lists of options kept: prompts that end in their own
+        self.tails: dict[str, Tail] = {}  # data, or rows with their own options, do not repeat
 
     def fill(self, wanted: dict[str, set[str]]) -> None:
         """Encode every tail and (tail, option) of `wanted` ({tail: options}) not cached yet."""
-        if len(self.tails) + len(wanted) > self.limit:
-            self.tails = {tail: entry for tail, entry in self.tails.items() if tail in wanted}
+        if len(wanted) + sum(1 + len(e.options) + len(e.combos) for e in self.tails.values()) > self.limit:
+            self.tails = {}
         new_tails = [tail for tail in wanted if tail not in self.tails]
         pairs = [(tail, option) for tail, options in wanted.items() for option in options
                  if tail not in self.tails or option not in self.tails[tail].options]
@@ -237,5 +245,4 @@ class TailCache:
 
     def _crossing(self, text: str) -> tuple[str, ...]:
         """The starts x of added tokens x + y with y a start of `text` (both non-empty)."""
-        return tuple(token[:i] for token in self.rule.added for i in range(1, len(token))
-                     if text.startswith(token[i:]))
+        return tuple(token[:i] for token, i in self.rule.inner.get(text[:1], ()) if text.startswith(token[i:]))
