@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from batchscore.prepare.prompts import PromptRenderer
+from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
 
 
 def test_render_table_equals_prompt_row_by_row(tokenizer):
@@ -27,3 +27,4 @@ def test_render_table_equals_prompt_row_by_row(tokenizer):
     assert PromptRenderer(tokenizer, "{q}", chat=True).render_table(table) is None
     assert PromptRenderer(tokenizer, "{missing}").render_table(table) is None
     assert PromptRenderer(tokenizer, "{{ q }}", engine="jinja").render_table(table) is None
+    assert RequestRenderer(tokenizer).render_table(pa.table({"prompt": ["a"], "messages": [None]})) is None

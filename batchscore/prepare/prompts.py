@@ -153,7 +153,7 @@ class PromptRenderer:
         row), None for a row with a null field (`prompt` names it); None for the whole table where
         that does not apply: a chat template, jinja, a renderer of its own, a field that is not a
         text column."""
-        if self.chat or not isinstance(self.template, PromptTemplate) or type(self).prompt is not PromptRenderer.prompt:
+        if type(self).prompt is not PromptRenderer.prompt or self.chat or not isinstance(self.template, PromptTemplate):
             return None
         import pyarrow as pa
         import pyarrow.compute as pc
