@@ -12,7 +12,8 @@ import pytest
 
 from batchscore.prepare.options import OptionEncoder, RowOptionSource
 from batchscore.prepare.prompts import PromptRenderer, RenderedPrompt
-from batchscore.prepare.tail_tokens import (LLAMA3_PATTERN, TailCache, encode_ids, tail_rule, why_not_tail)
+from batchscore.prepare.tail_tokens import (LLAMA3_PATTERN, QWEN2_PATTERN, TailCache, encode_ids, tail_rule,
+                                            why_not_tail)
 
 PIECES = ["Answer", " Answer", "Yes", " no", "Question", "'s", "'re", "'", "ll", " 12345", "2024", "7", " ", "  ",
           "   ", "\n", "\n\n", " \n", "\n \n", "\t", ".", ":", "?!", "...", " (", ")", "-", "é", " café", "naïve",
@@ -60,6 +61,16 @@ def _llama3_split(spec: dict) -> dict:
     return spec
 
 
+def _qwen2_nfc(spec: dict) -> dict:
+    """The built-in vocabulary with Qwen2's NFC normalizer and pre-tokenizer."""
+    spec = json.loads(json.dumps(spec))
+    spec["normalizer"] = {"type": "NFC"}
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    return spec
+
+
 def _check_identity(tokenizer, prompts: list[str], options: list[str], add_special: bool) -> tuple[int, int]:
     """Assert tokens(P + O) == P's tokens[:k] + tokens(P[c:] + O) wherever the per-row guards let
     a row through; returns how many (prompt, option) pairs went through, and how many of those
@@ -81,7 +92,7 @@ def _check_identity(tokenizer, prompts: list[str], options: list[str], add_speci
             continue
         k, c = cut
         entry = cache.tails[prompt[c:]]
-        if tokens[k:] != entry.ids:
+        if tokens[k:] != entry.ids or (rule.ascii_cut and not prompt[c].isascii()):
             continue
         for option, whole in zip(options, wholes):
             pair = entry.options[option]
@@ -93,10 +104,10 @@ def _check_identity(tokenizer, prompts: list[str], options: list[str], add_speci
     return through, caught
 
 
-@pytest.mark.parametrize("variant", ["built-in", "bos", "llama3-split"])
+@pytest.mark.parametrize("variant", ["built-in", "bos", "llama3-split", "qwen2-nfc"])
 def test_tail_encode_equals_the_full_encode(tokenizer, spec, variant):
     model = {"built-in": lambda: tokenizer, "bos": lambda: _wrap(_bos(spec)),
-             "llama3-split": lambda: _wrap(_llama3_split(spec))}[variant]()
+             "llama3-split": lambda: _wrap(_llama3_split(spec)), "qwen2-nfc": lambda: _wrap(_qwen2_nfc(spec))}[variant]()
     prompts = _prompts(300, seed=len(variant))
     through, caught = _check_identity(model, prompts, OPTIONS, add_special=True)
     assert through > 0.8 * len(prompts) * len(OPTIONS)  # the guards leave out few rows
@@ -188,7 +199,8 @@ def test_tokenizers_outside_the_argument_fall_back(tokenizer, spec):
         return why_not_tail({**json.loads(json.dumps(spec)), **parts})
 
     assert changed() is None
-    assert "NFC" in changed(normalizer={"type": "NFC"})
+    assert changed(normalizer={"type": "NFC"}) is None
+    assert "NFKC" in changed(normalizer={"type": "NFKC"})
     assert changed(pre_tokenizer={"type": "Split", "pattern": {"Regex": r"\w+"}, "behavior": "Isolated",
                                   "invert": False}) is not None
     assert "post-processor" in changed(post_processor={

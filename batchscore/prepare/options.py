@@ -263,8 +263,11 @@ class OptionEncoder:
             wanted.setdefault(tail, set()).update(options[i])
             rows.append((i, cut[0], cut[1], tail))
         self.tails.fill(wanted)
+        ascii_cut = self.tails.rule.ascii_cut
         fast = {}
         for i, k, c, tail in rows:
+            if ascii_cut and not tail[:1].isascii():  # a normalized text is cut before ASCII only
+                continue
             entry = self.tails.tails[tail]
             if prompt_tokens[i][k:] != entry.ids:  # the prompt's own end is not the tail alone
                 continue

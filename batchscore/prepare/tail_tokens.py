@@ -7,10 +7,12 @@ one text (prepare/options.py). For the tokenizers `tail_rule` accepts, that is e
     tokens(prompt + option) = prompt_tokens[:k] + tokens(prompt[c:] + option)
 
 with c the start of the prompt's second-to-last pre-token and k its first token. Why:
-- Added tokens are split out first as exact strings (none strips spaces, no normalizer), the rest
-  is cut into pre-tokens by one known regex (GPT-2's, Llama 3's, Qwen2's) and BPE runs on each
-  pre-token alone: no token crosses a pre-token boundary. The post-processor only puts special
-  tokens (BOS) in front, which prompt_tokens[:k] holds.
+- Added tokens are split out first as exact strings (none strips spaces or is normalized), the
+  rest is cut into pre-tokens by one known regex (GPT-2's, Llama 3's, Qwen2's) and BPE runs on
+  each pre-token alone: no token crosses a pre-token boundary. The post-processor only puts
+  special tokens (BOS) in front, which prompt_tokens[:k] holds. The normalizer is none or NFC;
+  with NFC the character at c must be ASCII: NFC never composes an ASCII character with what is
+  before it, and a starter blocks marks after it, so NFC(text) = NFC(text[:c]) + NFC(text[c:]).
 - These regexes have no look-behind or anchor: matching from c on ignores the text before c. A
   match at p depends only on the characters the engine reads from p, and in these patterns a read
   that reaches the prompt's end L covers one run (letters, digits, whitespace, punctuation then
@@ -92,6 +94,7 @@ class TailRule:
 
     backend: Any
     added: tuple[str, ...]
+    ascii_cut: bool = False  # the text is normalized (NFC): cut only before an ASCII character
     inner: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)  # char -> (token, i): token[i] == char, i >= 1
 
     def __post_init__(self) -> None:
@@ -118,7 +121,8 @@ def tail_rule(tokenizer) -> TailRule | None:
         spec = json.loads(backend.to_str())
         why = why_not_tail(spec)
         if why is None:
-            rule = TailRule(_untrimmed(backend, spec), tuple(t["content"] for t in spec.get("added_tokens") or ()))
+            rule = TailRule(_untrimmed(backend, spec), tuple(t["content"] for t in spec.get("added_tokens") or ()),
+                            spec.get("normalizer") is not None)
         else:
             log.debug("options take the full encode: %s", why)
     try:
@@ -130,8 +134,11 @@ def tail_rule(tokenizer) -> TailRule | None:
 
 def why_not_tail(spec: dict) -> str | None:
     """Why a tokenizer (its tokenizer.json as a dict) is outside the argument, or None."""
-    if spec.get("normalizer") is not None:
-        return f"a {spec['normalizer'].get('type')} normalizer"
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and normalizer.get("type") != "NFC":
+        return f"a {normalizer.get('type')} normalizer"
+    if normalizer is not None and any(t.get("normalized") for t in spec.get("added_tokens") or ()):
+        return "added tokens matched after the normalizer"
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or model.get("dropout"):
         return f"a {model.get('type')} model" + (" with dropout" if model.get("dropout") else "")
