@@ -152,7 +152,7 @@ def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource,
                     requests: list, errors: dict, read_tokens: dict) -> None:
     """Tokenize a batch of reads and give each its labels as options (or its error)."""
     prompts = [p for _, p, _, _ in pending]
-    tokens = renderer.encode(prompts)
+    tokens, cuts = renderer.encode_cuts(prompts)  # cuts: labels tokenized after the prompt's tail alone
     for i, (read, _, _, where) in enumerate(pending):
         problem = prompt_problem(len(tokens[i]), max_length, largest_token=int(np.max(tokens[i])) if len(tokens[i])
                                  else None, vocab_size=vocab_size, limit_name=options.limit_name)
@@ -161,7 +161,8 @@ def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource,
             tokens[i] = None
     pieces = [renderer.last_piece(p) if renderer.in_pieces(p) else None for p in prompts]
     results = options.batch(tokens, [p.text for p in prompts], [labels for _, _, labels, _ in pending],
-                            [where for _, _, _, where in pending], [p.chat is not False for p in prompts], pieces)
+                            [where for _, _, _, where in pending], [p.chat is not False for p in prompts], pieces,
+                            cuts)
     for (read, _, _, _), read_ids, (read_options, problem) in zip(pending, tokens, results):
         if read_ids is None:
             continue
