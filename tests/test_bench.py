@@ -425,3 +425,15 @@ def test_the_report_prints_vllm_on_sorted_order_beside_shuffled_in_each_dtype():
     assert "| micro-1000-100-d16 | vllm-sorted bfloat16 |" in table
     runs = {(r["engine"], r["dtype"]): r for r in to_json(result)["workloads"][0]["runs"]}
     assert runs[("torch", "bfloat16")]["speedup_over_vllm_sorted"] == pytest.approx(2.0)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~10 s on a loaded 2-core machine
+def test_bench_fixed_costs_times_each_step_of_a_fresh_process(tiny_llama):
+    result = CliRunner().invoke(main_cli(), ["bench", "fixed-costs", "--model", str(tiny_llama), "--repeats", "1",
+                                             "--audit-tokens", "16"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in result.output.splitlines()
+            if line.startswith("| ") and not line.startswith("| step")}
+    assert {"interpreter start", "import torch", "tokenizer", "model load (float32)",
+            "audit: float32 reference, twin of the engine's weights"} <= set(rows)
+    assert all(seconds >= 0 for seconds in rows.values()) and rows["import torch"] > 0

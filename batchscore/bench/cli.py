@@ -11,6 +11,7 @@ from batchscore.bench.command import workloads
 from batchscore.bench.decisions_bench import decisions
 from batchscore.bench.dtype_parity import dtype_parity
 from batchscore.bench.engine_bench import engine
+from batchscore.bench.fixed_costs import fixed_costs
 from batchscore.bench.gpu_command import gpu
 from batchscore.bench.invariance import invariance
 from batchscore.bench.labels_bench import labels
@@ -23,6 +24,6 @@ from batchscore.bench.tokenize_store import tokenize_store
 from batchscore.bench.vllm_bench import vllm
 
 COMMANDS = [workloads, plan, engine, attention, vllm, gpu, mil, scale, placement, dtype_parity, specprefill, labels,
-            decisions, invariance, tokenize_store]
+            decisions, invariance, tokenize_store, fixed_costs]
 
 __all__ = ["COMMANDS"]
