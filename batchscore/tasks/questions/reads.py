@@ -61,11 +61,13 @@ def is_decision_input(config: JobConfig, files: list | None) -> bool:
 
 
 def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length: int | None = None,
-                      vocab_size: int | None = None, progress: Callable[[int], None] | None = None):
+                      vocab_size: int | None = None, progress: Callable[[int], None] | None = None, sink=None):
     """Read every record of `files` and turn each question into a read (a Request over its labels),
     or a read error. Without a `tokenizer` only records, ids and kept columns are read (what
     assembling an output needs). Returns a PreparedInput whose rows are reads, with `decisions` set.
-    Raises InputError for problems of a whole file."""
+    With a `sink` (the token store's StoreWriter) each input batch's reads go to it and are not kept
+    (`requests` stays empty): the same reads, in the same order. Raises InputError for problems of
+    a whole file."""
     batch_file = requests_in_lines(config)  # an OpenAI Batch file: each line one request
     id_column = config.input.id_column
     keep = list(config.output.keep_columns)
@@ -131,7 +133,11 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
                     continue
                 pending.append((read, RenderedPrompt(text, spans, chat=True), list(question.labels), at))
         if pending:
-            _tokenize_reads(pending, chat_renderer, options, max_length, vocab_size, requests, errors, read_tokens)
+            made = _tokenize_reads(pending, chat_renderer, options, max_length, vocab_size, errors, read_tokens)
+            if sink is not None:  # the store keeps them as arrays; no Request survives the batch
+                sink.add_requests(made)
+            else:
+                requests.extend(made)
         if progress:
             progress(n)
     if not records:
@@ -149,8 +155,9 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
 
 
 def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource, max_length, vocab_size,
-                    requests: list, errors: dict, read_tokens: dict) -> None:
-    """Tokenize a batch of reads and give each its labels as options (or its error)."""
+                    errors: dict, read_tokens: dict) -> list[Request]:
+    """Tokenize a batch of reads and give each its labels as options (or its error): the batch's
+    Requests, in read order."""
     prompts = [p for _, p, _, _ in pending]
     tokens, cuts = renderer.encode_cuts(prompts)  # cuts: labels tokenized after the prompt's tail alone
     for i, (read, _, _, where) in enumerate(pending):
@@ -160,6 +167,7 @@ def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource,
             errors[read] = problem.at(where)  # typed: too long, or bad ids
             tokens[i] = None
     pieces = [renderer.last_piece(p) if renderer.in_pieces(p) else None for p in prompts]
+    requests: list[Request] = []
     results = options.batch(tokens, [p.text for p in prompts], [labels for _, _, labels, _ in pending],
                             [where for _, _, _, where in pending], [p.chat is not False for p in prompts], pieces,
                             cuts)
@@ -171,6 +179,7 @@ def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource,
             continue
         read_tokens[read] = len(read_ids)
         requests.append(Request(read, np.asarray(read_ids, dtype=np.int32), read_options))
+    return requests
 
 
 def _column_uses(config: JobConfig, table: "_TableRecords | None") -> dict[str, str]:

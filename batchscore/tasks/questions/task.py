@@ -28,9 +28,10 @@ def _quality_problems(config, asked: list[str]) -> list[str]:
     return checks.quality_problems(config, asked) + common_quality_problems(config)
 
 
-def _prepare(config, source, tokenize: bool, progress) -> PreparedJob:
+def _prepare(config, source, tokenize: bool, progress, sink=None) -> PreparedJob:
     """A questions job's reads (reads.py). The labels of a `questions:` job are checked once, up
-    front: a label this model cannot read refuses the job (LabelError)."""
+    front: a label this model cannot read refuses the job (LabelError). With a `sink` (a StoreWriter)
+    the reads stream into it a batch at a time (`input.requests` stays empty)."""
     tokenizer = max_length = vocab_size = None
     if tokenize:
         tokenizer = load_tokenizer(source.model_dir)
@@ -40,10 +41,16 @@ def _prepare(config, source, tokenize: bool, progress) -> PreparedJob:
             problems = [p for q in request.questions if (p := check_question(tokenizer, request, q))]
             if problems:
                 raise LabelError(f"questions: {'; '.join(problems)} (model {config.model})")
-    prepared = prepare_decisions(config, source.files, tokenizer, max_length, vocab_size, progress)
-    log.info("read %d records: %d reads (%d not scorable)", prepared.num_records, prepared.num_rows,
-             len(prepared.errors))
+    prepared = prepare_decisions(config, source.files, tokenizer, max_length, vocab_size, progress, sink)
+    log.info("read %d records: %d reads (%d not scorable)%s", prepared.num_records, prepared.num_rows,
+             len(prepared.errors), " into the token store" if sink is not None else "")
     return PreparedJob(source, None, prepared)
+
+
+def prepare_into(source, sink, progress=None) -> PreparedJob:
+    """The job's reads tokenized into the token store's writer `sink` (store/build.py), a batch at
+    a time: the same reads, options and errors as `_prepare`, no Request kept past its batch."""
+    return _prepare(source.config, source, True, progress, sink)
 
 
 def _assemble(job, scores, errors: dict[int, str], content_free, files, approx_keep):
