@@ -53,6 +53,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "output.format": output_format_names(),
     "output.column_separator": COLUMN_SEPARATORS,
     "executor.kind": ("local", "ray"),
+    "executor.tokenize": ("tasks", "driver"),
 }
 
 
@@ -301,6 +302,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     if not 0.0 <= config.output.max_error_rate <= 1.0:
         problems.append(f"output.max_error_rate: must be between 0 and 1, got {config.output.max_error_rate}")
     problems.extend(_not_allowed(config, "executor.kind"))
+    problems.extend(_not_allowed(config, "executor.tokenize"))
     if config.executor.num_workers < 1:
         problems.append("executor.num_workers: must be ≥ 1")
     if config.executor.gpus_per_worker < 0 or config.executor.cpus_per_worker <= 0:

@@ -29,9 +29,11 @@ def _file_reader(fmt: str):
 
 
 def iter_batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None = None,
-                 base: Path | None = None, json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
-    """Every file's rows batch by batch, each read by its format (io/readers.iter_batches)."""
-    return readers.iter_batches(files, _file_reader, batch_rows, columns, base, json_columns)
+                 base: Path | None = None, json_columns: tuple[str, ...] = (), only: set | None = None
+                 ) -> Iterator[InputBatch]:
+    """Every file's rows batch by batch (`only`: those files' rows), each read by its format
+    (io/readers.iter_batches)."""
+    return readers.iter_batches(files, _file_reader, batch_rows, columns, base, json_columns, only)
 
 
 def write_output(table: pa.Table, path: str | os.PathLike, fmt: str, *, id_name: str, labels: list[str],

@@ -150,15 +150,17 @@ def _filter_partitions(files: list[tuple[Path, str]], base: Path | None, filter:
 
 def iter_batches(files: list[tuple[Path, str]], read_file: Callable[[str], Callable | None], batch_rows: int,
                  columns: list[str] | None = None, base: Path | None = None,
-                 json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
+                 json_columns: tuple[str, ...] = (), only: set | None = None) -> Iterator[InputBatch]:
     """Yield record batches of every file in order, with only `columns` (None: all) and the hive
     partition columns of folders below `base`; raises InputError for unreadable files (an object
     store that cannot be reached included). `json_columns`: JSONL columns read per line as JSON
     text (an object or array written back with `json.dumps`), never unified across lines into one
     struct that would give each row the other rows' keys. `read_file(format)`: how one file of
     that format is read, `(file, batch_rows, columns, json_columns) -> batches`; None for a format
-    read as one Arrow dataset with the input's other such files (Parquet)."""
-    batches = _batches(files, read_file, batch_rows, columns, base, tuple(json_columns))
+    read as one Arrow dataset with the input's other such files (Parquet). `only`: the files whose
+    rows are yielded (None: all); the schema and partition columns are still the whole input's, so
+    a part of the input reads exactly as it does within the whole (store/segments.py)."""
+    batches = _batches(files, read_file, batch_rows, columns, base, tuple(json_columns), only)
     while True:
         try:
             batch = next(batches, None)
@@ -174,12 +176,15 @@ def _where(files: list[tuple[Path, str]]) -> str:
 
 
 def _batches(files: list[tuple[Path, str]], read_file: Callable[[str], Callable | None], batch_rows: int,
-             columns: list[str] | None, base: Path | None, json_columns: tuple[str, ...] = ()) -> Iterator[InputBatch]:
+             columns: list[str] | None, base: Path | None, json_columns: tuple[str, ...] = (),
+             only: set | None = None) -> Iterator[InputBatch]:
     partitions = partition_values([f for f, _ in files], base)
     readers = {fmt: read_file(fmt) for fmt in {fmt for _, fmt in files}}
     parquet = [(f, p) for (f, fmt), p in zip(files, partitions) if readers[fmt] is None]
     scan = _ParquetScan(parquet, base, columns) if parquet else None
     for (path, fmt), values in zip(files, partitions):
+        if only is not None and path not in only:
+            continue
         if readers[fmt] is None:
             yield from scan.batches(path, batch_rows)
             continue

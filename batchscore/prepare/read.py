@@ -65,7 +65,7 @@ def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
 def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=None, max_length: int | None = None,
                   vocab_size: int | None = None, tokenize: bool = True,
                   progress: Callable[[int], None] | None = None,
-                  options: RowOptionSource | None = None, sink=None) -> PreparedInput:
+                  options: RowOptionSource | None = None, sink=None, only: set | None = None) -> PreparedInput:
     """Read every input row of `files` and turn it into a Request or a per-row error.
 
     `renderer` (a PromptRenderer) is needed unless the input carries token ids or `tokenize` is
@@ -78,6 +78,9 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     With a `sink` (the token store's StoreWriter) each batch's requests go to it and are not kept
     (`requests` stays empty), and token id columns are read a batch at a time as arrays
     (prepare/token_columns.py) where a batch allows it.
+
+    `only` (a set of `files`' paths): read those files' rows alone, as they read within the whole
+    input (its schema, its partition columns); row ids count from 0 (store/segments.py).
     """
     if config.input.synthetic is not None:
         return _prepare_synthetic(config, options)
@@ -97,7 +100,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     saw_rows = False
     # token lists are read per JSONL line: one line's NaN or string must not retype every row's list
     for batch in iter_batches(files, config.input.batch_rows, columns=needed, base=input_base(config.input.path),
-                              json_columns=(token_column,) if token_column else ()):
+                              json_columns=(token_column,) if token_column else (), only=only):
         n = batch.table.num_rows
         if n == 0:
             continue

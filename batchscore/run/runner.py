@@ -35,6 +35,7 @@ from batchscore.run.ranges import StoreGroups, audit_sample, place_shares, reads
 from batchscore.plan.metadata import plan_rows
 from batchscore.prepare.source import plan_options
 from batchscore.store.build import build_store, store_folder
+from batchscore.store.segments import ray_store
 from batchscore.run.audit import EngineWeights, audit_output, raise_if_inexact
 from batchscore.run.local import score_locally
 from batchscore.run.shards import set_store
@@ -416,7 +417,8 @@ def _built_store(source: JobSource, store: PartStore):
     folder = store_folder(store.folder)
     existed = store.folder.exists()
     try:
-        return build_store(source, folder)
+        on_ray = source.config.executor.kind == "ray" and ray_store(source, folder)  # input files as Ray tasks
+        return on_ray or build_store(source, folder)
     except BaseException:
         remove_tree(folder)
         if not existed:

@@ -117,6 +117,37 @@ class StoreWriter:
             self.max_token = max(self.max_token, int(tokens.max()))
         self._last_row_id = int(row_ids[-1])
 
+    def append_store(self, store: TokenStore, row_shift: int, chunk: int = 1 << 22) -> None:
+        """Append every row and error of a finished `store` whose row ids count from 0, its row ids
+        shifted by `row_shift` (the input rows before it): the files copied a chunk at a time,
+        never all its tokens in memory; its option sets re-keyed into this store's, in the order a
+        writer given its rows would have met them. Store segments become one store this way
+        (store/segments.py)."""
+        if store.num_rows:
+            if int(store.row_ids[0]) + row_shift <= self._last_row_id:
+                raise ValueError("rows must be added in increasing row id order")
+            with open(store.folder / "tokens.i32", "rb") as tokens:
+                shutil.copyfileobj(tokens, self._tokens, 1 << 24)
+            remap = np.asarray([self._set_index(store._build_option_set(i))
+                                for i in range(len(store._token_starts) - 1)] + [-1], dtype=np.int32)
+            offsets = store.flat.offsets
+            for start in range(0, store.num_rows, chunk):
+                end = min(start + chunk, store.num_rows)
+                self._offsets.write((np.asarray(offsets[start + 1:end + 1]) + self._total).tobytes())
+                self._row_ids.write((np.asarray(store.row_ids[start:end]) + row_shift).tobytes())
+                sets = remap[np.asarray(store.option_set[start:end])]  # -1 picks the last entry: -1
+                self._option_set.write(sets.tobytes())
+                self._rows_without_options += int((sets < 0).sum())
+            self._total += store.logical_tokens
+            self.num_rows += store.num_rows
+            self.max_token = max(self.max_token, store.max_token)
+            self._last_row_id = int(store.row_ids[-1]) + row_shift
+        with open(store.folder / "errors.jsonl", encoding="utf-8") as lines:
+            for entry in map(json.loads, lines):
+                entry["row"] += row_shift
+                self._errors.write(json.dumps(entry) + "\n")
+                self.num_errors += 1
+
     def shared_single_token_ids(self) -> list[int] | None:
         """The label token ids when every row so far has the same one-token options (the
         one-position path: `RowOptionSource.single_token_ids`), else None."""

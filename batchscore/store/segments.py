@@ -1,0 +1,202 @@
+"""Tokenizing a job as Ray tasks over its input files, into one token store.
+
+On a Ray run (`executor.kind: ray`, `executor.tokenize: tasks`) the driver does not tokenize
+every row itself. It cuts the input into segments — runs of whole files, in input order — and a
+Ray task per segment reads, renders and tokenizes that segment's rows into a segment store in
+`<store>.segments/NNNN/` (row ids counting from 0 in the segment; the files read as they read
+within the whole input: its Parquet schema, its partition columns). The driver then appends the
+segments, in order, to the one store (`StoreWriter.append_store`: the token files copied, offsets
+and row ids shifted by the rows before, option sets and errors re-keyed): the same store, file
+for file, as tokenizing on the driver writes, and everything after it (plan, shares, resume) is
+unchanged. A segment store already complete is reused, so a driver killed mid-way does not
+tokenize those files again.
+
+What the driver still reads itself, once: the ids and kept columns (what the output needs, as a
+resumed run reads them), which also checks what concerns the whole input (no rows, a duplicate
+id across files) and gives each file's row count. Jobs that carry state across all rows are
+tokenized on the driver (`why_on_driver`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+from batchscore.errors import EngineUnavailable, LabelError
+from batchscore.prepare.source import JobSource, PreparedJob
+from batchscore.store.tokens import StoreWriter, TokenStore
+
+log = logging.getLogger("batchscore")
+
+SEGMENTS_PER_WORKER = 4  # segments per Ray worker at most: enough to balance, few enough to start cheaply
+
+
+def why_on_driver(source: JobSource) -> str | None:
+    """Why this job's rows must be tokenized in one pass on the driver, or None when segments of
+    its input files can be tokenized apart and give the same store."""
+    config = source.config
+    if config.input.synthetic is not None:
+        return "synthetic rows are generated, not read from files"
+    if source.task.name != "labels":
+        return f"the {source.task.name} task reads its records whole"
+    if not config.labels and not config.input.choices_column:
+        return "the job has no labels (its reader refuses it)"
+    from batchscore.scores.quality import content_free_rows
+
+    if content_free_rows(config):
+        return "contextual calibration's content-free row is tokenized after every input row"
+    if len(source.files) < 2:
+        return "the input is one file"
+    return None
+
+
+def file_rows(job: PreparedJob) -> Counter:
+    """Each input file's row count, from where the reader read each batch."""
+    where = job.input.locations
+    counts: Counter = Counter()
+    ends = where.starts[1:] + [job.input.num_rows]
+    for file, start, end in zip(where.files, where.starts, ends):
+        counts[file] += end - start
+    return counts
+
+
+def cut_segments(files: list[tuple[Path, str]], rows: Counter, most: int) -> list[list[tuple[Path, str]]]:
+    """Runs of whole files in input order, at most `most` of them: a file each when they are
+    that few, else runs of about the same rows; files without rows are left out (they add none)."""
+    files = [f for f in files if rows[str(f[0])] > 0]
+    if len(files) <= most:
+        return [[f] for f in files]
+    total = sum(rows[str(f)] for f, _ in files)
+    target = -(-total // max(1, most))
+    segments, current, count = [], [], 0
+    for file in files:
+        current.append(file)
+        count += rows[str(file[0])]
+        if count >= target:
+            segments.append(current)
+            current, count = [], 0
+    if current:
+        segments.append(current)
+    return segments
+
+
+def tokenize_segment(config, model_dir: str, kind: str, files: list[tuple[Path, str]], only: list,
+                     folder: str, identity: dict) -> int:
+    """A Ray task (also callable in-process): tokenize the rows of the files `only` (read within
+    `files`, the whole input) into a segment store in `folder`, row ids from 0; a complete
+    segment of the same content is reused. Returns the segment's input rows."""
+    store = TokenStore.reusable(folder, identity)
+    if store is not None:
+        return store.num_input_rows
+    from batchscore.prepare.read import prepare_input
+    from batchscore.tasks.labels import tokenizing
+
+    renderer, options, max_length, vocab_size = tokenizing(config, SimpleNamespace(model_dir=Path(model_dir),
+                                                                                   kind=kind))
+    writer = StoreWriter(folder, identity)
+    prepared = prepare_input(config, files, renderer, max_length=max_length, vocab_size=vocab_size,
+                             options=options, sink=writer, only=set(only))
+    writer.add_errors(sorted(prepared.errors.items()))
+    return writer.close(prepared.num_rows).num_input_rows
+
+
+def segment_identity(source: JobSource, files: list[tuple[Path, str]]) -> dict:
+    """A segment's content: the job's token identity and which files it holds."""
+    return {**source.identity, "segment": [str(f) for f, _ in files]}
+
+
+def build_by_tasks(source: JobSource, folder, progress: Callable[[int], None] | None = None,
+                   run: Callable | None = None) -> tuple[PreparedJob, TokenStore] | None:
+    """Build `source`'s store in `folder` from segments tokenized by Ray tasks; None (logged)
+    when the job is tokenized on the driver instead. `run(calls)`: runs the segment calls and
+    returns their results in order (default: Ray tasks; tests pass an in-process runner)."""
+    config = source.config
+    reason = why_on_driver(source)
+    job = None
+    if reason is None:
+        job = source.task.prepare(config, source, False, progress)  # ids, kept columns; whole-input checks
+        segments = cut_segments(source.files, file_rows(job),
+                                SEGMENTS_PER_WORKER * max(1, config.executor.num_workers))
+        if len(segments) < 2:
+            reason = "the input's rows are in one file"
+    if reason is not None:
+        log.info("tokenizing on the driver, not as Ray tasks: %s", reason)
+        return None
+    folder = Path(folder)
+    parts = folder.with_name(folder.name + ".segments")
+    if not source.identity:  # no content identity (planning only): no segment of an earlier run is reused
+        shutil.rmtree(parts, ignore_errors=True)
+    calls = [(config, str(source.model_dir), source.kind, source.files, [f for f, _ in segment],
+              str((parts / f"{index:04d}").resolve()), segment_identity(source, segment))
+             for index, segment in enumerate(segments)]
+    log.info("tokenizing %d input files as %d Ray tasks into %s", len(source.files), len(calls), parts)
+    counts = (run or _on_ray)(calls, config.executor)
+    writer = StoreWriter(folder, source.identity)
+    shift = 0
+    for call, count in zip(calls, counts):
+        writer.append_store(TokenStore.open(call[5]), shift)
+        shift += count
+    if shift != job.input.num_rows:
+        raise RuntimeError(f"the segments hold {shift} rows, the input {job.input.num_rows}")
+    label_ids = writer.shared_single_token_ids() if config.labels else None
+    if label_ids is None and config.engine.speculative is not None and writer.num_rows:
+        raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
+                         "these labels are scored per row (a multi-token label, or one whose tokens depend on "
+                         "the prompt's end) — drop engine.speculative or use one-token labels")
+    store = writer.close(shift, extra={"label_ids": label_ids, "content_free": False})
+    shutil.rmtree(parts, ignore_errors=True)
+    job.input.errors = store.errors
+    job.label_ids = store.label_ids
+    log.info("read %d rows (%d not scorable) into the token store, %d segments", shift, len(job.input.errors),
+             len(calls))
+    return job, store
+
+
+def ray_store(source: JobSource, folder, progress: Callable[[int], None] | None = None
+              ) -> tuple[PreparedJob, TokenStore] | None:
+    """A Ray run's store built by tasks (`executor.tokenize: tasks`), or None: the store in
+    `folder` is reusable, or the job is tokenized on the driver (store/build.build_store)."""
+    if source.config.executor.tokenize != "tasks" or (
+            source.identity and TokenStore.reusable(folder, source.identity) is not None):
+        return None
+    built = build_by_tasks(source, folder, progress)
+    if built is not None:
+        from batchscore.store.build import _release_read_buffers
+
+        _release_read_buffers()
+    return built
+
+
+def in_process(calls, executor=None) -> list[int]:
+    """Run the segment calls here, one after another (tests; the same function the tasks run)."""
+    return [tokenize_segment(*call) for call in calls]
+
+
+def _on_ray(calls, executor) -> list[int]:
+    """The segment calls as Ray tasks (a local Ray, or `executor.address`; started and shut down
+    here when not already up), their results in order; a task's error is raised as itself."""
+    try:
+        import ray
+    except ImportError:
+        raise EngineUnavailable("executor.kind: ray needs Ray; install it with pip install 'batchscore[ray]'") from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=executor.address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        task = ray.remote(num_cpus=executor.cpus_per_worker, max_retries=2)(tokenize_segment)
+        refs = [task.remote(*call) for call in calls]
+        results = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as exc:  # the task's own error (a file's InputError): as itself
+                cause = getattr(exc, "cause", None)
+                raise (cause if isinstance(cause, Exception) else exc) from None
+        return results
+    finally:
+        if started:
+            ray.shutdown()
