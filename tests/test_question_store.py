@@ -1,16 +1,22 @@
-"""The questions task's reads through the fast paths: labels tokenized after each read's prompt
-tail (prepare/tail_tokens.py) give the ids of the full encode, on a `questions:` table job and on
-a batch file of System One, OpenAI Decisions, chat, forged and broken lines."""
+"""The questions task's reads through the fast paths, on the shipped decisions job, a `questions:`
+table job and a batch file of System One, OpenAI Decisions, chat, forged and broken lines: labels
+tokenized after each read's prompt tail (prepare/tail_tokens.py) give the ids of the full encode,
+and the token store built streaming (each input batch's reads written, then dropped) equals the
+store written from the whole read."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from batchscore.jobfile import load_job
+from batchscore.jobfile import load_job, parse_set_options
 from batchscore.prepare.prompts import PromptRenderer
 from batchscore.run.open import open_job
+from batchscore.store.build import build_store
+from batchscore.store.tokens import StoreWriter
+from tests.conftest import REPO
 from tests.test_decisions import TICKETS, batch_lines, table_job, write_yaml
 
 
@@ -55,3 +61,34 @@ def test_labels_after_the_prompt_tail_equal_the_full_encode(question_jobs, kind,
                                                                               [None] * len(prompts)))
     full = _reads(question_jobs[kind])
     assert fast == full and len(fast[0]) > 10
+
+
+def _whole_read_store(source, folder):
+    """The store as it was written before streaming: every read in memory, then written."""
+    job = source.task.prepare(source.config, source, True, None)
+    writer = StoreWriter(folder, source.identity)
+    for start in range(0, len(job.input.requests), 8192):
+        writer.add_requests(job.input.requests[start:start + 8192])
+    writer.add_errors(sorted(job.input.errors.items()))
+    return job, writer.close(job.input.num_rows, extra={"label_ids": job.label_ids, "content_free": False})
+
+
+@pytest.mark.parametrize("kind, batch_rows", [("shipped", 8192), ("table", 2), ("batch", 3)])
+def test_the_store_built_streaming_equals_the_whole_read(question_jobs, kind, batch_rows, tmp_path):
+    job_file = REPO / "jobs" / "decisions.yaml" if kind == "shipped" else question_jobs[kind]
+    config = load_job(str(job_file), parse_set_options((f"input.batch_rows={batch_rows}",)))
+    source = open_job(config, for_output=False)
+    streamed, store = build_store(source, tmp_path / "streamed", reuse=False)
+    whole, reference = _whole_read_store(source, tmp_path / "whole")
+    assert streamed.input.requests == [] and len(whole.input.requests) == store.num_rows > 10
+    for name in ("tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "errors.jsonl", "manifest.json"):
+        assert (store.folder / name).read_bytes() == (reference.folder / name).read_bytes(), name
+    with np.load(store.folder / "option_sets.npz") as a, np.load(reference.folder / "option_sets.npz") as b:
+        assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+    # what the output is assembled from: records, ids, kept columns, each read's prompt length, errors
+    mine, theirs = streamed.input, whole.input
+    assert mine.errors == theirs.errors and mine.num_rows == theirs.num_rows
+    assert np.array_equal(mine.record_of, theirs.record_of)
+    assert mine.task_input.records == theirs.task_input.records
+    assert mine.task_input.ids.equals(theirs.task_input.ids) and mine.task_input.kept.equals(theirs.task_input.kept)
+    assert mine.task_input.read_tokens == theirs.task_input.read_tokens

@@ -4,8 +4,9 @@
 reader does (the same `prepare_input`, with the store as its sink) and writes them once into
 `folder`. A labels job streams: each input batch's rows go to the store and are dropped (token id
 columns are read as arrays, prompts rendered and encoded by the tokenizer's batch call, its own
-threads on every core). Other readers (questions, synthetic rows) read whole as before, then
-their requests are written to the store: the same tokens, not yet the bounded memory.
+threads on every core); so does a questions job, each batch's reads (its records, the small
+objects its output is assembled from, stay in memory). Synthetic rows are read whole as before,
+then written to the store: the same tokens, not yet the bounded memory.
 
 `plan_store(source, folder)` is `batchscore plan`'s path: the store, then the metadata plan
 (plan/metadata.py), whose statistics and groups equal `PreparedJob.plan()`'s.
@@ -43,6 +44,10 @@ def build_store(source: JobSource, folder, progress: Callable[[int], None] | Non
     writer = StoreWriter(folder, source.identity)
     if source.task.name == "labels" and config.input.synthetic is None:
         job = _labels_into(writer, source, progress)
+    elif source.task.name == "questions":  # each batch's reads streamed too (tasks/questions/reads.py)
+        from batchscore.tasks.questions.task import prepare_into
+
+        job = prepare_into(source, writer, progress)
     else:
         job = source.task.prepare(config, source, True, progress)
         requests = job.input.requests
