@@ -38,9 +38,9 @@ def test_a_job_asks_the_reader_for_its_columns_only(wide_parquet, monkeypatch, t
 
     asked = []
 
-    def spy(files, batch_rows, columns=None, base=None, json_columns=()):
+    def spy(files, batch_rows, columns=None, base=None, json_columns=(), only=None):
         asked.append(columns)
-        return iter_batches(files, batch_rows, columns=columns, base=base, json_columns=json_columns)
+        return iter_batches(files, batch_rows, columns=columns, base=base, json_columns=json_columns, only=only)
 
     monkeypatch.setattr(prepare, "iter_batches", spy)
     config = config_from_dict({"input": {"path": str(wide_parquet), "id_column": "c000"},

@@ -95,14 +95,33 @@ def test_per_row_choices_and_a_unified_parquet_schema(tmp_path):
 
 
 def test_segments_are_whole_files_in_order_and_empty_files_add_none():
-    files = [(f"f{i}", "parquet") for i in range(6)]
-    rows = {"f0": 10, "f1": 0, "f2": 3, "f3": 3, "f4": 4, "f5": 10}
     from collections import Counter
 
-    cut = segments.cut_segments(files, Counter(rows), most=3)
-    assert [[f for f, _ in s] for s in cut] == [["f0"], ["f2", "f3", "f4"], ["f5"]]
-    assert [f for s in segments.cut_segments(files, Counter(rows), most=100) for f, _ in s] == \
-        ["f0", "f2", "f3", "f4", "f5"]
+    files = [(f"f{i}", "parquet") for i in range(6)]
+    rows = Counter({"f0": 10, "f1": 0, "f2": 3, "f3": 3, "f4": 4, "f5": 10})
+    assert segments.cut_segments(files, rows, most=3) == [{"f0": None}, {"f2": None, "f3": None, "f4": None},
+                                                          {"f5": None}]
+    assert [f for s in segments.cut_segments(files, rows, most=100) for f in s] == ["f0", "f2", "f3", "f4", "f5"]
+    # a file of more rows than a segment's share is cut at its row groups, numbered in the file
+    groups = {"f0": [4, 4, 2], "f5": [3, 3, 3, 1]}
+    cut = segments.cut_segments(files, rows, most=4, row_groups=lambda f, fmt: groups.get(f))
+    assert cut == [{"f0": (0, 2)}, {"f0": (2, 3), "f2": None, "f3": None}, {"f4": None, "f5": (0, 3)},
+                   {"f5": (3, 4)}]  # ~8 rows each (30 rows, at most 4 segments), runs packed in order
+
+
+def test_a_big_parquet_file_cut_at_its_row_groups(tmp_path):
+    """One Parquet file of 9 row groups with bad rows, tokenized as row-group segments: the
+    driver's store, messages naming the file's own row numbers."""
+    _, folder = _split_input(tmp_path)
+    table = pa.concat_tables([pq.read_table(f) for f in sorted(folder.glob("*.parquet"))])
+    single = tmp_path / "one.parquet"
+    pq.write_table(table, single, row_group_size=23)
+    config = load_job(REPO / "jobs" / "sample.yaml", {"input.path": str(single), "engine.max_length": "512",
+                                                      "input.batch_rows": "10", "executor.kind": "ray",
+                                                      "executor.num_workers": "1"}, output=str(tmp_path / "o.parquet"))
+    serial, store, job = _both(config, tmp_path)
+    assert_same_store(serial, store)
+    assert sorted(store.errors) == [3, 198] and ":199:" in store.errors[198]
 
 
 def test_jobs_with_state_across_rows_stay_on_the_driver(tmp_path):

@@ -29,7 +29,7 @@ def _file_reader(fmt: str):
 
 
 def iter_batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None = None,
-                 base: Path | None = None, json_columns: tuple[str, ...] = (), only: set | None = None
+                 base: Path | None = None, json_columns: tuple[str, ...] = (), only: set | dict | None = None
                  ) -> Iterator[InputBatch]:
     """Every file's rows batch by batch (`only`: those files' rows), each read by its format
     (io/readers.iter_batches)."""

@@ -150,7 +150,7 @@ def _filter_partitions(files: list[tuple[Path, str]], base: Path | None, filter:
 
 def iter_batches(files: list[tuple[Path, str]], read_file: Callable[[str], Callable | None], batch_rows: int,
                  columns: list[str] | None = None, base: Path | None = None,
-                 json_columns: tuple[str, ...] = (), only: set | None = None) -> Iterator[InputBatch]:
+                 json_columns: tuple[str, ...] = (), only: set | dict | None = None) -> Iterator[InputBatch]:
     """Yield record batches of every file in order, with only `columns` (None: all) and the hive
     partition columns of folders below `base`; raises InputError for unreadable files (an object
     store that cannot be reached included). `json_columns`: JSONL columns read per line as JSON
@@ -158,8 +158,9 @@ def iter_batches(files: list[tuple[Path, str]], read_file: Callable[[str], Calla
     struct that would give each row the other rows' keys. `read_file(format)`: how one file of
     that format is read, `(file, batch_rows, columns, json_columns) -> batches`; None for a format
     read as one Arrow dataset with the input's other such files (Parquet). `only`: the files whose
-    rows are yielded (None: all); the schema and partition columns are still the whole input's, so
-    a part of the input reads exactly as it does within the whole (store/segments.py)."""
+    rows are yielded (None: all), or a dict file -> None (all its rows) or a Parquet file's
+    (first, end) row groups; the schema and partition columns are still the whole input's, so a
+    part of the input reads exactly as it does within the whole (store/segments.py)."""
     batches = _batches(files, read_file, batch_rows, columns, base, tuple(json_columns), only)
     while True:
         try:
@@ -177,7 +178,7 @@ def _where(files: list[tuple[Path, str]]) -> str:
 
 def _batches(files: list[tuple[Path, str]], read_file: Callable[[str], Callable | None], batch_rows: int,
              columns: list[str] | None, base: Path | None, json_columns: tuple[str, ...] = (),
-             only: set | None = None) -> Iterator[InputBatch]:
+             only: set | dict | None = None) -> Iterator[InputBatch]:
     partitions = partition_values([f for f, _ in files], base)
     readers = {fmt: read_file(fmt) for fmt in {fmt for _, fmt in files}}
     parquet = [(f, p) for (f, fmt), p in zip(files, partitions) if readers[fmt] is None]
@@ -186,7 +187,7 @@ def _batches(files: list[tuple[Path, str]], read_file: Callable[[str], Callable 
         if only is not None and path not in only:
             continue
         if readers[fmt] is None:
-            yield from scan.batches(path, batch_rows)
+            yield from scan.batches(path, batch_rows, only.get(path) if isinstance(only, dict) else None)
             continue
         for batch in readers[fmt](path, batch_rows, columns, json_columns):
             yield _with_partitions(batch, values, columns)
@@ -234,13 +235,20 @@ class _ParquetScan:
         self.fragments = {p: by_path[inside[p]] for p, _ in files}
         self.columns = self.schema.names if columns is None else [c for c in columns if c in self.schema.names]
 
-    def batches(self, path: Path, batch_rows: int) -> Iterator[InputBatch]:
+    def batches(self, path: Path, batch_rows: int, row_groups: tuple[int, int] | None = None) -> Iterator[InputBatch]:
+        """The file's batches (`row_groups`: those of row groups first..end-1 alone, numbered as
+        in the whole file; a batch never spans two row groups, so they are the whole file's)."""
         line = 1
+        fragment = self.fragments[path]
+        if row_groups is not None:
+            first, end = row_groups
+            line += sum(fragment.metadata.row_group(i).num_rows for i in range(first))
+            fragment = fragment.subset(row_group_ids=list(range(first, end)))
         # pre_buffer off for local files: with it a fragment caches what it has read until it is done,
         # so a 10M-row file held ~1.2 GB; without it the reader holds a row group or two. Object
         # stores keep it (coalesced ranged reads are what makes them fast).
         options = None if is_remote(path) else ds.ParquetFragmentScanOptions(pre_buffer=False)
-        batches = self.fragments[path].to_batches(schema=self.schema, columns=self.columns, batch_size=batch_rows,
+        batches = fragment.to_batches(schema=self.schema, columns=self.columns, batch_size=batch_rows,
                                                   fragment_scan_options=options)
         while True:
             try:  # a file damaged after its footer fails here, in the middle of reading

@@ -65,7 +65,7 @@ def make_renderer(config: JobConfig, tokenizer) -> PromptRenderer | None:
 def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=None, max_length: int | None = None,
                   vocab_size: int | None = None, tokenize: bool = True,
                   progress: Callable[[int], None] | None = None,
-                  options: RowOptionSource | None = None, sink=None, only: set | None = None) -> PreparedInput:
+                  options: RowOptionSource | None = None, sink=None, only: set | dict | None = None) -> PreparedInput:
     """Read every input row of `files` and turn it into a Request or a per-row error.
 
     `renderer` (a PromptRenderer) is needed unless the input carries token ids or `tokenize` is
@@ -79,8 +79,9 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     (`requests` stays empty), and token id columns are read a batch at a time as arrays
     (prepare/token_columns.py) where a batch allows it.
 
-    `only` (a set of `files`' paths): read those files' rows alone, as they read within the whole
-    input (its schema, its partition columns); row ids count from 0 (store/segments.py).
+    `only` (a set of `files`' paths, or a dict path -> None or a Parquet file's (first, end) row
+    groups): read those rows alone, as they read within the whole input (its schema, its
+    partition columns, each file's row numbers); row ids count from 0 (store/segments.py).
     """
     if config.input.synthetic is not None:
         return _prepare_synthetic(config, options)

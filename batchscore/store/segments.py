@@ -1,10 +1,11 @@
 """Tokenizing a job as Ray tasks over its input files, into one token store.
 
 On a Ray run (`executor.kind: ray`, `executor.tokenize: tasks`) the driver does not tokenize
-every row itself. It cuts the input into segments — runs of whole files, in input order — and a
-Ray task per segment reads, renders and tokenizes that segment's rows into a segment store in
-`<store>.segments/NNNN/` (row ids counting from 0 in the segment; the files read as they read
-within the whole input: its Parquet schema, its partition columns). The driver then appends the
+every row itself. It cuts the input into segments — runs of whole files in input order, a big
+local Parquet file cut at its row groups — and a Ray task per segment reads, renders and
+tokenizes that segment's rows into a segment store in `<store>.segments/NNNN/` (row ids counting
+from 0 in the segment; the files read as they read within the whole input: its Parquet schema,
+its partition columns, each file's row numbers in messages). The driver then appends the
 segments, in order, to the one store (`StoreWriter.append_store`: the token files copied, offsets
 and row ids shifted by the rows before, option sets and errors re-keyed): the same store, file
 for file, as tokenizing on the driver writes, and everything after it (plan, shares, resume) is
@@ -49,8 +50,8 @@ def why_on_driver(source: JobSource) -> str | None:
 
     if content_free_rows(config):
         return "contextual calibration's content-free row is tokenized after every input row"
-    if len(source.files) < 2:
-        return "the input is one file"
+    if len(source.files) < 2 and len(parquet_row_groups(*source.files[0]) or ()) < 2:
+        return "the input is one file of one row group (a segment is a file or a run of a Parquet file's row groups)"
     return None
 
 
@@ -64,31 +65,66 @@ def file_rows(job: PreparedJob) -> Counter:
     return counts
 
 
-def cut_segments(files: list[tuple[Path, str]], rows: Counter, most: int) -> list[list[tuple[Path, str]]]:
-    """Runs of whole files in input order, at most `most` of them: a file each when they are
-    that few, else runs of about the same rows; files without rows are left out (they add none)."""
+def cut_segments(files: list[tuple[Path, str]], rows: Counter, most: int,
+                 row_groups: Callable[[Path, str], list[int] | None] | None = None) -> list[dict]:
+    """Segments in input order, about `most` of them, each a dict file -> None (the whole file) or
+    (first, end) row groups of a Parquet file: a file each when they are that few, else runs of
+    files of about the same rows; a file of more rows than that cut at its row groups
+    (`row_groups(file, format)`: their row counts, None when unknown). Files without rows are
+    left out (they add none)."""
     files = [f for f in files if rows[str(f[0])] > 0]
-    if len(files) <= most:
-        return [[f] for f in files]
-    total = sum(rows[str(f)] for f, _ in files)
-    target = -(-total // max(1, most))
-    segments, current, count = [], [], 0
-    for file in files:
-        current.append(file)
-        count += rows[str(file[0])]
-        if count >= target:
-            segments.append(current)
-            current, count = [], 0
-    if current:
-        segments.append(current)
+    target = -(-sum(rows[str(f)] for f, _ in files) // max(1, most))
+    units = []  # (file, row groups or None, rows)
+    for path, fmt in files:
+        count = rows[str(path)]
+        groups = row_groups(path, fmt) if row_groups is not None and count > target else None
+        if not groups or len(groups) < 2 or sum(groups) != count:
+            units.append((path, None, count))
+            continue
+        first, held = 0, 0
+        for index, size in enumerate(groups):
+            held += size
+            if held >= target or index == len(groups) - 1:
+                units.append((path, (first, index + 1), held))
+                first, held = index + 1, 0
+    if len(units) <= most:
+        runs = [[unit] for unit in units]
+    else:
+        runs, current, held = [], [], 0
+        for unit in units:
+            current.append(unit)
+            held += unit[2]
+            if held >= target:
+                runs.append(current)
+                current, held = [], 0
+        if current:
+            runs.append(current)
+    segments = []
+    for run in runs:
+        segment: dict = {}
+        for path, groups, _ in run:  # a file's consecutive ranges in one run become one range
+            if path in segment and groups is not None:
+                groups = (segment[path][0], groups[1])
+            segment[path] = groups
+        segments.append(segment)
     return segments
 
 
-def tokenize_segment(config, model_dir: str, kind: str, files: list[tuple[Path, str]], only: list,
+def parquet_row_groups(path: Path, fmt: str) -> list[int] | None:
+    """A local Parquet file's row counts per row group (its footer); None for other files."""
+    if fmt != "parquet" or "://" in str(path):
+        return None
+    import pyarrow.parquet as pq
+
+    metadata = pq.ParquetFile(path).metadata
+    return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+
+
+def tokenize_segment(config, model_dir: str, kind: str, files: list[tuple[Path, str]], only: dict,
                      folder: str, identity: dict) -> int:
-    """A Ray task (also callable in-process): tokenize the rows of the files `only` (read within
-    `files`, the whole input) into a segment store in `folder`, row ids from 0; a complete
-    segment of the same content is reused. Returns the segment's input rows."""
+    """A Ray task (also callable in-process): tokenize the rows of the segment `only` (file ->
+    None or row groups, read within `files`, the whole input) into a segment store in `folder`,
+    row ids from 0; a complete segment of the same content is reused. Returns its input rows."""
     store = TokenStore.reusable(folder, identity)
     if store is not None:
         return store.num_input_rows
@@ -99,14 +135,14 @@ def tokenize_segment(config, model_dir: str, kind: str, files: list[tuple[Path, 
                                                                                    kind=kind))
     writer = StoreWriter(folder, identity)
     prepared = prepare_input(config, files, renderer, max_length=max_length, vocab_size=vocab_size,
-                             options=options, sink=writer, only=set(only))
+                             options=options, sink=writer, only=only)
     writer.add_errors(sorted(prepared.errors.items()))
     return writer.close(prepared.num_rows).num_input_rows
 
 
-def segment_identity(source: JobSource, files: list[tuple[Path, str]]) -> dict:
-    """A segment's content: the job's token identity and which files it holds."""
-    return {**source.identity, "segment": [str(f) for f, _ in files]}
+def segment_identity(source: JobSource, segment: dict) -> dict:
+    """A segment's content: the job's token identity and which files (row groups) it holds."""
+    return {**source.identity, "segment": [[str(f), groups] for f, groups in segment.items()]}
 
 
 def build_by_tasks(source: JobSource, folder, progress: Callable[[int], None] | None = None,
@@ -120,9 +156,9 @@ def build_by_tasks(source: JobSource, folder, progress: Callable[[int], None] | 
     if reason is None:
         job = source.task.prepare(config, source, False, progress)  # ids, kept columns; whole-input checks
         segments = cut_segments(source.files, file_rows(job),
-                                SEGMENTS_PER_WORKER * max(1, config.executor.num_workers))
+                                SEGMENTS_PER_WORKER * max(1, config.executor.num_workers), parquet_row_groups)
         if len(segments) < 2:
-            reason = "the input's rows are in one file"
+            reason = "the input's rows are one segment (one file, not cut by Parquet row groups)"
     if reason is not None:
         log.info("tokenizing on the driver, not as Ray tasks: %s", reason)
         return None
@@ -130,7 +166,7 @@ def build_by_tasks(source: JobSource, folder, progress: Callable[[int], None] | 
     parts = folder.with_name(folder.name + ".segments")
     if not source.identity:  # no content identity (planning only): no segment of an earlier run is reused
         shutil.rmtree(parts, ignore_errors=True)
-    calls = [(config, str(source.model_dir), source.kind, source.files, [f for f, _ in segment],
+    calls = [(config, str(source.model_dir), source.kind, source.files, segment,
               str((parts / f"{index:04d}").resolve()), segment_identity(source, segment))
              for index, segment in enumerate(segments)]
     log.info("tokenizing %d input files as %d Ray tasks into %s", len(source.files), len(calls), parts)
