@@ -128,6 +128,8 @@ def test_jobs_with_state_across_rows_stay_on_the_driver(tmp_path):
     """One file, the questions task, contextual calibration: tokenized on the driver (None)."""
     sample = load_job(REPO / "jobs" / "sample.yaml", output=str(tmp_path / "o.parquet"))
     assert "one file" in segments.why_on_driver(open_job(sample, for_output=False))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not a footer")
+    assert segments.parquet_row_groups(tmp_path / "broken.parquet", "parquet") is None  # the reader says why
     decisions = load_job(REPO / "jobs" / "decisions.yaml", output=str(tmp_path / "d.parquet"))
     assert segments.why_on_driver(open_job(decisions, for_output=False)) is not None
     _, folder = _split_input(tmp_path)

@@ -111,12 +111,17 @@ def cut_segments(files: list[tuple[Path, str]], rows: Counter, most: int,
 
 
 def parquet_row_groups(path: Path, fmt: str) -> list[int] | None:
-    """A local Parquet file's row counts per row group (its footer); None for other files."""
+    """A local Parquet file's row counts per row group (its footer); None for other files, and
+    for a footer that cannot be read (the reader then names the file in its own error)."""
     if fmt != "parquet" or "://" in str(path):
         return None
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    metadata = pq.ParquetFile(path).metadata
+    try:
+        metadata = pq.ParquetFile(path).metadata
+    except (OSError, pa.ArrowException):
+        return None
     return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
 
 
