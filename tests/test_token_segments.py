@@ -103,10 +103,13 @@ def test_segments_are_whole_files_in_order_and_empty_files_add_none():
                                                           {"f5": None}]
     assert [f for s in segments.cut_segments(files, rows, most=100) for f in s] == ["f0", "f2", "f3", "f4", "f5"]
     # a file of more rows than a segment's share is cut at its row groups, numbered in the file
-    groups = {"f0": [4, 4, 2], "f5": [3, 3, 3, 1]}
+    groups = {"f0": [4, 4, 2], "f5": [3, 3, 3, 1, 0]}
     cut = segments.cut_segments(files, rows, most=4, row_groups=lambda f, fmt: groups.get(f))
     assert cut == [{"f0": (0, 2)}, {"f0": (2, 3), "f2": None, "f3": None}, {"f4": None, "f5": (0, 3)},
-                   {"f5": (3, 4)}]  # ~8 rows each (30 rows, at most 4 segments), runs packed in order
+                   {"f5": (3, 5)}]  # ~8 rows each (30 rows, at most 4 segments), runs packed in order
+    empty_tail = segments.cut_segments([("g", "parquet"), ("h", "parquet")], Counter({"g": 8, "h": 8}), most=3,
+                                       row_groups=lambda f, fmt: [8, 0] if f == "g" else None)
+    assert empty_tail == [{"g": (0, 1)}, {"h": None}]  # no segment of an empty row group alone
 
 
 def test_a_big_parquet_file_cut_at_its_row_groups(tmp_path):

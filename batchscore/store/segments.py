@@ -85,7 +85,8 @@ def cut_segments(files: list[tuple[Path, str]], rows: Counter, most: int,
         for index, size in enumerate(groups):
             held += size
             if held >= target or index == len(groups) - 1:
-                units.append((path, (first, index + 1), held))
+                if held:  # trailing empty row groups add no rows (a segment of none would be refused)
+                    units.append((path, (first, index + 1), held))
                 first, held = index + 1, 0
     if len(units) <= most:
         runs = [[unit] for unit in units]
