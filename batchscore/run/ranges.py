@@ -264,17 +264,23 @@ def _replicated(meta: MetaPlan, slot_worker: np.ndarray) -> int:
 
 def reads_from_store(source, shard, files) -> bool:
     """Whether the run scores from a token store and a metadata plan (workers read their rows)
-    rather than a list of requests: a labels job written window by window (run/assemble.py), run
-    in this process, on Ray actors or as static shards (`shard`: all of a set alike), planned by
-    a policy the metadata plan has, into a local output folder."""
+    rather than a list of requests: a labels job written window by window (run/assemble.py), or a
+    questions job with a table output (assembled whole by its task, from the reads' results and
+    its records: no prompt read back), run in this process, on Ray actors or as static shards
+    (`shard`: all of a set alike), planned by a policy the metadata plan has, into a local output
+    folder. A questions job answering in Batch API lines stays on the request list: each line's
+    usage counts every read's prompt (output/token_usage.prompt_usage)."""
+    from batchscore.formats.registry import output_format_of
     from batchscore.io.storage import is_url
     from batchscore.plan.metadata import METADATA_POLICIES
     from batchscore.run.assemble import windowed_output
 
     config = source.config
-    return (config.input.synthetic is None
-            and config.plan.order in METADATA_POLICIES and not is_url(str(files.output))
-            and source.task.name == "labels" and windowed_output(config))
+    if config.input.synthetic is not None or config.plan.order not in METADATA_POLICIES or is_url(str(files.output)):
+        return False
+    if source.task.name == "questions":
+        return not getattr(output_format_of(config), "response_lines", False)
+    return source.task.name == "labels" and windowed_output(config)
 
 
 def audit_sample(job, store: TokenStore, rows: int = 4096):
