@@ -51,9 +51,9 @@ def config_value(config, key: str, default=None):
         value = getattr(config, key, None)  # a transformers config applies its attribute_map itself
     else:
         value = config.get(key)
-        alias = _attribute_map(config.get("model_type")).get(key)
-        if value is None and alias is not None:
-            value = config.get(alias)
+        if value is None:  # only then the config class's map (its lookup imports transformers: seconds)
+            alias = _attribute_map(config.get("model_type")).get(key)
+            value = config.get(alias) if alias is not None else None
     return default if value is None else value
 
 
