@@ -256,7 +256,7 @@ class ExecutorConfig:
     gpus_per_worker: float = key(0.0, identity=NEITHER)  # Ray resources per worker
     cpus_per_worker: float = key(1.0, identity=NEITHER)  # Ray resources per worker
     address: str | None = key(None, identity=NEITHER)  # a Ray cluster address; None starts a local Ray
-    tokenize: str = key("tasks", identity=NEITHER)  # ray: tasks (input files tokenized by Ray tasks, where the job allows) | driver
+    tokenize: str = key("auto", identity=NEITHER)  # ray: tasks (the input tokenized by Ray tasks, where the job allows) | driver | auto (tasks with an address)
 
 
 @dataclass

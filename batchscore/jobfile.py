@@ -53,7 +53,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "output.format": output_format_names(),
     "output.column_separator": COLUMN_SEPARATORS,
     "executor.kind": ("local", "ray"),
-    "executor.tokenize": ("tasks", "driver"),
+    "executor.tokenize": ("auto", "tasks", "driver"),
 }
 
 

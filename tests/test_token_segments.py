@@ -153,6 +153,8 @@ def test_ray_tasks_build_the_drivers_store(tmp_path, caplog):
     _, folder = _split_input(tmp_path, rows=60)
     config = load_job(REPO / "jobs" / "sample.yaml", {"input.path": str(folder), "engine.max_length": "512",
                                                       "executor.kind": "ray"}, output=str(tmp_path / "o.parquet"))
+    assert segments.ray_store(open_job(config), tmp_path / "auto" / "tokens") is None  # auto: a local Ray
+    config.executor.tokenize = "tasks"
     _, serial = build_store(open_job(config), tmp_path / "serial" / "tokens")
     caplog.set_level("INFO", logger="batchscore")
     _, store = segments.ray_store(open_job(config), tmp_path / "tasks" / "tokens")
@@ -176,7 +178,8 @@ def test_a_ray_run_tokenizes_its_files_as_tasks_and_scores_as_the_driver_would(t
     monkeypatch.setattr(segments, "_on_ray", lambda calls, executor: tasks.append(len(calls)) or on_ray(calls, executor))
     config, folder = _split_input(tmp_path, rows=60)
     outputs = {}
-    for name, extra in (("local", []), ("ray", ["--set", "executor.kind=ray", "--set", "executor.num_workers=2"])):
+    for name, extra in (("local", []), ("ray", ["--set", "executor.kind=ray", "--set", "executor.num_workers=2",
+                                                "--set", "executor.tokenize=tasks"])):
         outputs[name] = tmp_path / f"{name}.parquet"
         result = CliRunner().invoke(main, ["run", str(REPO / "jobs" / "sample.yaml"), "-o", str(outputs[name]), "-q",
                                            "--set", f"input.path={folder}", "--set", "engine.max_length=512",

@@ -1,6 +1,7 @@
 """Tokenizing a job as Ray tasks over its input files, into one token store.
 
-On a Ray run (`executor.kind: ray`, `executor.tokenize: tasks`) the driver does not tokenize
+On a Ray run (`executor.kind: ray`; `executor.tokenize: tasks`, or `auto` with a cluster's
+`executor.address`) the driver does not tokenize
 every row itself. It cuts the input into segments — runs of whole files in input order, a big
 local Parquet file cut at its row groups — and a Ray task per segment reads, renders and
 tokenizes that segment's rows into a segment store in `<store>.segments/NNNN/` (row ids counting
@@ -200,9 +201,12 @@ def build_by_tasks(source: JobSource, folder, progress: Callable[[int], None] | 
 
 def ray_store(source: JobSource, folder, progress: Callable[[int], None] | None = None
               ) -> tuple[PreparedJob, TokenStore] | None:
-    """A Ray run's store built by tasks (`executor.tokenize: tasks`), or None: the store in
-    `folder` is reusable, or the job is tokenized on the driver (store/build.build_store)."""
-    if source.config.executor.tokenize != "tasks" or (
+    """A Ray run's store built by tasks (`executor.tokenize: tasks`, or `auto` on a cluster: an
+    `executor.address`), or None: the store in `folder` is reusable, or the job is tokenized on
+    the driver (store/build.build_store). `auto` with a local Ray tokenizes on the driver: a
+    second Ray start would buy nothing on cores the tokenizer's threads already use."""
+    executor = source.config.executor
+    if executor.tokenize == "driver" or (executor.tokenize == "auto" and not executor.address) or (
             source.identity and TokenStore.reusable(folder, source.identity) is not None):
         return None
     built = build_by_tasks(source, folder, progress)
