@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -249,6 +250,7 @@ class _TableRecords:
         self.system = config.prompt.system
         self.questions = config.questions
         self.questions_column = config.input.questions_column
+        self._shared: tuple | None = None  # the job's parsed questions, held once for every record
 
     @property
     def columns(self) -> list[str]:
@@ -297,7 +299,13 @@ class _TableRecords:
         body = {"state": state, "questions": questions}
         if self.system:
             body["instructions"] = self.system
-        return parse_systemone(body)
+        request = parse_systemone(body)
+        if self.questions_column:
+            return request
+        # every record asks the job's questions: one copy of them, not one per record (~3 KB each)
+        if self._shared is None or request.questions != self._shared:
+            self._shared = request.questions
+        return replace(request, questions=self._shared)
 
 
 MAX_STATE_DEPTH = 100  # lists and objects inside a state value; far below Python's recursion limit
