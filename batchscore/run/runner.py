@@ -292,7 +292,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
                 try:
                     score_locally(engine, sinks[0], job.label_ids, bar, job.input.locations)
                     batch_tokens = list(engine.metrics.batch_token_counts or [])
-                    weights = EngineWeights.of(engine)
+                    if config.output.audit_rows != 0:  # held through the assembly for the audit only
+                        weights = EngineWeights.of(engine)
                 finally:
                     engine.close()
     finally:
