@@ -73,12 +73,19 @@ def _whole_read_store(source, folder):
     return job, writer.close(job.input.num_rows, extra={"label_ids": job.label_ids, "content_free": False})
 
 
-@pytest.mark.parametrize("kind, batch_rows", [("shipped", 8192), ("table", 2), ("batch", 3)])
-def test_the_store_built_streaming_equals_the_whole_read(question_jobs, kind, batch_rows, tmp_path):
+@pytest.mark.parametrize("kind, batch_rows, per_call", [("shipped", 8192, 8192), ("table", 2, 8192),
+                                                      ("table", 8192, 4), ("batch", 3, 5)])
+def test_the_store_built_streaming_equals_the_whole_read(question_jobs, kind, batch_rows, per_call, tmp_path,
+                                                         monkeypatch):
+    """`per_call`: reads tokenized at once while streaming (a batch's reads cut into calls)."""
+    from batchscore.tasks.questions import reads
+
     job_file = REPO / "jobs" / "decisions.yaml" if kind == "shipped" else question_jobs[kind]
     config = load_job(str(job_file), parse_set_options((f"input.batch_rows={batch_rows}",)))
     source = open_job(config, for_output=False)
-    streamed, store = build_store(source, tmp_path / "streamed", reuse=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(reads, "READS_PER_CALL", per_call)
+        streamed, store = build_store(source, tmp_path / "streamed", reuse=False)
     whole, reference = _whole_read_store(source, tmp_path / "whole")
     assert streamed.input.requests == [] and len(whole.input.requests) == store.num_rows > 10
     for name in ("tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "errors.jsonl", "manifest.json"):

@@ -42,6 +42,7 @@ from batchscore.prepare.rows import (PreparedInput, batch_ids, check_columns, ch
                                      concat_tables, select_kept)
 from batchscore.tasks.questions.records import DecisionInput, Record
 
+READS_PER_CALL = 8192  # reads tokenized at once (the tokenizer's encodings of a call are held together)
 CHAT = "chat"  # a chat/completions line of an openai_batch file: one read over the job's labels
 TABLE = "table"  # a row of a table job with `questions:`
 
@@ -100,6 +101,10 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
         rows, map_problems = _python_rows(batch.table.select([c for c in needed if c in batch.table.column_names]))
         pending: list[tuple[int, RenderedPrompt, list[str], str]] = []  # (read, prompt, labels, where)
         for offset, (row, read_error) in enumerate(zip(rows, batch.row_errors)):
+            if len(pending) >= READS_PER_CALL:  # a batch of records holds several reads each
+                _tokenized_into(sink, requests, pending, chat_renderer, options, max_length, vocab_size, errors,
+                                read_tokens)
+                pending = []
             where = f"{batch.file}:{batch.first_line + offset}"
             if read_error is None and offset in map_problems:
                 read_error = f"{where}: {map_problems[offset]}"
@@ -134,11 +139,8 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
                     continue
                 pending.append((read, RenderedPrompt(text, spans, chat=True), list(question.labels), at))
         if pending:
-            made = _tokenize_reads(pending, chat_renderer, options, max_length, vocab_size, errors, read_tokens)
-            if sink is not None:  # the store keeps them as arrays; no Request survives the batch
-                sink.add_requests(made)
-            else:
-                requests.extend(made)
+            _tokenized_into(sink, requests, pending, chat_renderer, options, max_length, vocab_size, errors,
+                            read_tokens)
         if progress:
             progress(n)
     if not records:
@@ -153,6 +155,15 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
         record_of[record.first_read:record.first_read + record.num_reads] = index
     return PreparedInput(reads, pa.array(np.arange(reads, dtype=np.int64)), pa.table({}), requests, errors,
                          task_input=decisions, record_count=decisions.num_records, record_of=record_of)
+
+
+def _tokenized_into(sink, requests: list, pending, *args) -> None:
+    """Tokenize `pending` reads (`_tokenize_reads`) into the store's writer `sink`, else `requests`."""
+    made = _tokenize_reads(pending, *args)
+    if sink is not None:  # the store keeps them as arrays; no Request survives its call
+        sink.add_requests(made)
+    else:
+        requests.extend(made)
 
 
 def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource, max_length, vocab_size,
