@@ -298,6 +298,7 @@ def test_plan_json_reports_main_tokens_with_and_without_dropping(job_factory, sm
     assert stats["speculative_flop_ideal_speedup"] > 1.0
 
 
+@pytest.mark.slow  # a whole run with the speculator (~8 s); make test keeps the speculator's unit tests
 def test_run_marks_rows_approximate_and_keep_one_is_exact(job_factory, small_input, tmp_path, model_dir):
     import json
 

@@ -144,6 +144,7 @@ def test_jobs_with_state_across_rows_stay_on_the_driver(tmp_path):
                                    run=lambda *a: pytest.fail("tokenized as tasks")) is None
 
 
+@pytest.mark.slow  # a local Ray start (~10-20 s); make test keeps the in-process segment tests
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'batchscore[ray]')")
 def test_ray_tasks_build_the_drivers_store(tmp_path, caplog):
     """A Ray run's store (segments.ray_store, what the runner calls): the split files tokenized by
