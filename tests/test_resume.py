@@ -164,6 +164,7 @@ def test_parts_of_an_older_format_are_scored_again_never_mixed(job_factory, mult
     assert (got[["p_Yes", "p_No", "label_mass"]] - want[["p_Yes", "p_No", "label_mass"]]).abs().max().max() < 1e-4
 
 
+@pytest.mark.slow  # two runs (~6 s); make test keeps the other resume refusals
 def test_a_resume_whose_engine_resolves_differently_is_refused(job_factory, multi_group_input, tmp_path,
                                                                monkeypatch):
     """`engine.dtype: auto` resolved to float32 when the run started; on a machine where it resolves

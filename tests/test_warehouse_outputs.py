@@ -9,6 +9,7 @@ import json
 from datetime import datetime, timedelta, timezone
 
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
 import batchscore
@@ -44,6 +45,7 @@ def test_a_labels_output_records_the_run_in_its_schema(tmp_path):
     assert pq.read_table(tmp_path / "out.parquet").num_rows == 4
 
 
+@pytest.mark.slow  # a questions run and its report (~5 s); make test keeps the labels case
 def test_a_questions_output_with_separator_holds_no_dot_and_reports(tmp_path):
     path = write_questions_job(tmp_path, score={"calibrate": "batch"}, calibrate=TRUTHS,
                                output={"column_separator": "__", "review": {"max_error": 0.5}})
