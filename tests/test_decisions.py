@@ -415,12 +415,18 @@ def batch_lines(tokenizer) -> list:
     ]
 
 
+def write_batch_input(folder, lines: list):
+    """`lines` (`batch_lines`) as a Batch API input file in `folder` (a string line as it is)."""
+    source = folder / "decisions_in.jsonl"
+    source.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return source
+
+
 @pytest.fixture(scope="module")
 def batch_run(tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp("decision_batch")
     lines = batch_lines(tokenizer)
-    source = folder / "decisions_in.jsonl"
-    source.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    source = write_batch_input(folder, lines)
     job = write_yaml(folder / "job.yaml", {
         "input": {"path": str(source), "format": "openai_batch"}, "labels": ["Yes", "No"],
         "model": "smollm2-135m-instruct", "engine": {"kind": "torch", "dtype": "float32"},

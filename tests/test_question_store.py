@@ -6,8 +6,6 @@ store written from the whole read."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -17,7 +15,7 @@ from batchscore.run.open import open_job
 from batchscore.store.build import build_store
 from batchscore.store.tokens import StoreWriter
 from tests.conftest import REPO
-from tests.test_decisions import TICKETS, batch_lines, table_job, write_yaml
+from tests.test_decisions import TICKETS, batch_lines, table_job, write_batch_input, write_yaml
 
 
 def _reads(job):
@@ -33,9 +31,7 @@ def _reads(job):
 @pytest.fixture(scope="module")
 def question_jobs(tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp("question_store")
-    lines = batch_lines(tokenizer)
-    source = folder / "decisions_in.jsonl"
-    source.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    source = write_batch_input(folder, batch_lines(tokenizer))
     batch = write_yaml(folder / "batch.yaml", {
         "input": {"path": str(source), "format": "openai_batch"}, "labels": ["Yes", "No"],
         "model": "smollm2-135m-instruct", "output": {"path": str(folder / "out.jsonl")}})
