@@ -51,8 +51,8 @@ def workloads(names, engines, scale, degree, model, dtypes, compile_mode, token_
     """Benchmark batchscore against plain forward and vLLM on the papers' workloads.
 
     WORKLOAD is one or more of: micro-2000-200, micro-2000-1000, micro-1000-1000, micro-1000-100,
-    industry, table3-a, table3-b, postrec, or a set: micro (the paper's three shapes), ci (micro +
-    industry), all.
+    micro-400-15 (a news-topic shape: run it with --degree 5), industry, table3-a, table3-b, postrec,
+    or a set: micro (the paper's three shapes), ci (micro + industry), all.
     Every engine runs in this one process on the same prompts; vLLM rows are skipped with a
     note when vLLM is not installed.
 

@@ -51,7 +51,8 @@ log = logging.getLogger("batchscore")
 ENGINES = ("plain", "torch", "vllm-shuffled", "vllm-sorted", "vllm-plan")
 VLLM_ENGINES = ("vllm-shuffled", "vllm-sorted", "vllm-plan")
 MICRO_SHAPES = {"micro-2000-200": (2000, 200), "micro-2000-1000": (2000, 1000), "micro-1000-1000": (1000, 1000),
-                "micro-1000-100": (1000, 100)}  # the last: `bench engine`'s shape, not in the paper's sets
+                "micro-1000-100": (1000, 100),  # `bench engine`'s shape, not in the paper's sets
+                "micro-400-15": (400, 15)}  # a news-topic job's shape (an article x a few questions; --degree 5)
 PAPER_MICRO = ["micro-2000-200", "micro-2000-1000", "micro-1000-1000"]
 
 
