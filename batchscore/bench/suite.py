@@ -436,8 +436,10 @@ def plain_slices(groups: list[PrefixGroup], token_limit: int) -> list[list[Prefi
 
 def _run_plain_and_torch(engines: Engines, options: BenchOptions, groups: list[PrefixGroup], scale: Scale,
                          result: WorkloadResult, progress, model_config: dict) -> None:
-    """Alternate plain-forward requests and torch-engine groups, in every dtype; appends their
-    Throughputs (tokens and forward FLOPs counted). The order of the sides rotates group by group."""
+    """Alternate plain-forward requests and torch-engine steps (about four token budgets of groups,
+    packed into passes as in a run: `engine_bench.default_step_groups`), in every dtype; appends their
+    Throughputs (tokens and forward FLOPs counted). The order of the sides rotates step by step."""
+    from batchscore.bench.engine_bench import default_step_groups
     from batchscore.bench.scoring import engine_probs, plain_probs
     from batchscore.engines.base import EngineMetrics
     from batchscore.engines.shape import forward_flops
@@ -449,14 +451,17 @@ def _run_plain_and_torch(engines: Engines, options: BenchOptions, groups: list[P
     for engine in engines.torch.values():
         engine.metrics = EngineMetrics(batch_token_counts=[])
     slices = plain_slices(groups, scale.plain_tokens) if plains else [[] for _ in groups]
-    for index, (group, plain_part) in enumerate(zip(groups, slices)):
+    per_step = default_step_groups(groups, options.token_budget)  # the engine packs a step's groups into passes
+    for index, first in enumerate(range(0, len(groups), per_step)):
+        step_groups = groups[first : first + per_step]
+        plain_part = [g for part in slices[first : first + per_step] for g in part]
         steps = []
         for d in dtypes:
             if d in plains:
                 steps.append((plains[d], [lambda g=g, m=engines.plain[d]: plain_probs(m, [g], labels, 1)
                                           for g in plain_part]))
             if d in torches:
-                steps.append((torches[d], [lambda g=group, e=engines.torch[d]: engine_probs(e, [g], labels)]))
+                steps.append((torches[d], [lambda gs=step_groups, e=engines.torch[d]: engine_probs(e, gs, labels)]))
         shift = index % len(steps) if steps else 0
         for run, calls in steps[shift:] + steps[:shift]:
             for call in calls:
