@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +54,14 @@ def paged_kernel_loaded() -> bool:
     if spec is None or spec.origin is None:
         return False
     folder = Path(spec.origin).parent
-    if torch.cpu._is_avx512_supported():
-        library = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
-    else:
-        library = "_C_AVX2"
-    path = next(iter(sorted(folder.glob(f"{library}.*.so"))), None) or next(iter(sorted(folder.glob("_C.*.so"))), None)
-    if path is None:
+    library = "_C"  # vLLM's choice (platforms/cpu.py import_kernels): x86 builds ship one per ISA level
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        if not torch.cpu._is_avx512_supported():
+            library = "_C_AVX2"
+        elif not torch.cpu._is_avx512_bf16_supported():
+            library = "_C_AVX512"
+    path = next(iter(sorted(folder.glob(f"{library}.*.so"))), None)
+    if path is None:  # never another ISA level's library: it would stop at its first unknown instruction
         return False
     try:
         if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
