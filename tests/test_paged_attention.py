@@ -28,15 +28,25 @@ def _prefix(generator, lengths: list[int], dtype) -> PrefixKV:
 
 
 def _pass(generator, parts_spec, dtype):
-    """Parts from (prefix segment lengths or a part index whose record to read, own sequence lengths,
-    records?) and random q/k/v covering them."""
-    parts, recorded = [], {}
+    """Parts from (prefix segment lengths or the name of a record to read, own sequence lengths,
+    records under a name?) — or (("options", i), option lengths per member of part i, False): option
+    rows after part i's sequences, on part i's prefix — and random q/k/v covering them."""
+    parts, recorded, start = [], {}, 0
     for index, (prefix_spec, lengths, records) in enumerate(parts_spec):
+        if isinstance(prefix_spec, tuple):  # option rows of part i's members
+            member_part = parts[prefix_spec[1]]
+            first = sum(p.num_tokens for p in parts[: prefix_spec[1]])
+            starts = list(first + np.cumsum(member_part.layout.lengths) - np.array(member_part.layout.lengths))
+            options = OptionLayout.build(starts, member_part.layout.lengths, lengths, start)
+            parts.append(CascadePart(sum(map(sum, lengths)), member_part.prefix, None, options=options))
+            start += parts[-1].num_tokens
+            continue
         prefix = recorded[prefix_spec] if isinstance(prefix_spec, str) else _prefix(generator, prefix_spec, dtype)
         record = prefix if records == "itself" else PrefixKV.empty(LAYERS) if records else None
         if records:
             recorded[records] = record
         parts.append(CascadePart(sum(lengths), prefix, SequenceLayout.from_lengths(lengths), record_into=record))
+        start += parts[-1].num_tokens
     tokens = sum(p.num_tokens for p in parts)
     q = torch.randn(1, HEADS, tokens, DIM, generator=generator).to(dtype)
     k, v = (torch.randn(1, KV_HEADS, tokens, DIM, generator=generator).to(dtype) for _ in range(2))
@@ -53,6 +63,9 @@ CASES = {
     "a prefix continued in the pass": [([40], [50], "h"), ([33], [8, 8, 8], False)],
     "a long member in chunks": [([40], [20], "itself")],
     "chunks in one pass": [([45], [10], "itself"), ([], [3], False)],
+    "option rows": [([45], [7, 20], False), (("options", 0), [[2, 1, 3], [4]], False)],
+    "option rows of a prefix recorded in the pass": [([], [36], "o"), ("o", [3, 40, 1], False),
+                                                     (("options", 1), [[1], [5, 2], [1, 1]], False)],
     "many parts": [([32], [3, 4], False), ([], [6], False), ([100], [1], False), ([], [40], "p"), ("p", [2, 64], False)],
 }
 
@@ -71,6 +84,7 @@ def test_paged_equals_cascade_path(case, dtype):
         assert got.shape == expected.shape == (1, q.shape[2], HEADS, DIM)
         tolerance = 2e-6 if dtype == torch.float32 else 2e-2
         assert (got.float() - expected.float()).abs().max().item() <= tolerance
+    assert all(paged.paged.paged_parts)  # every part went to the kernel, option rows included
     for a, b in zip(cascade_parts, paged_parts):  # the same K/V recorded
         if a.record_into is not None:
             assert all(torch.equal(x[0][0], y[0][0]) for x, y in zip(a.record_into.layers, b.record_into.layers))

