@@ -15,6 +15,7 @@ from batchscore.engines.torch.engine import TorchEngine
 from batchscore.engines.torch.paged_attention import paged_kernel_loaded
 from batchscore.errors import JobConfigError
 from batchscore.jobfile import load_job, parse_set_options
+from batchscore.run.audit import plain_twin
 from batchscore.scores.normalize import normalize_totals
 from tests.conftest import write_job
 from tests.option_reference import reference_option_logps
@@ -105,13 +106,46 @@ def test_linears_switch_only_when_onednn_is_measured_faster(monkeypatch):
         model = paged_model("llama")
         kernel = cpu_linear.use_onednn_linears(model.get_decoder())
         linears = [m for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
-        return kernel, all("forward" in m.__dict__ for m in linears)  # the instance's own forward: oneDNN
+        return kernel, all(type(m) is cpu_linear.OneDNNLinear for m in linears)
 
     try:
         assert decide(2.0, 1.0) == ("onednn", True)
-        assert decide(1.1, 1.0) == ("mkl", False)
+        assert decide(0.9, 1.0) == ("mkl", False)
     finally:
         cpu_linear._faster_gemm.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_give_oneDNN_results_and_come_back_exactly_on_close(monkeypatch, dtype):
+    """On oneDNN the engine's linears hold packed weights (never a second copy); their outputs are bit
+    for bit oneDNN's on the plain weights; closing the engine gives the model its dense weights back,
+    equal to the loaded ones, so a plain forward on that model (the audit's twin) runs as loaded."""
+    monkeypatch.setattr(cpu_linear, "_faster_gemm", lambda shape, dtype, threads: "onednn")
+    model = paged_model("qwen2", dtype)  # q/k/v projections with a bias
+    linears = {n: m for n, m in model.get_decoder().named_modules() if isinstance(m, torch.nn.Linear)}
+    loaded = {n: m.weight.detach().clone() for n, m in linears.items()}
+    x = torch.randn(50, 128).to(dtype)
+    with torch.inference_mode():
+        plain = {n: torch.ops.mkldnn._linear_pointwise(x, m.weight, m.bias, "none", [], "")
+                 for n, m in linears.items() if m.in_features == 128}
+    engine = TorchEngine(model, token_budget=48)
+    assert engine.linear_kernel == "onednn"
+    assert all(m.weight.is_mkldnn and m.weight.dtype == dtype for m in linears.values())
+    with torch.inference_mode():
+        for name, expected in plain.items():
+            assert torch.equal(linears[name](x), expected), name
+    scores = {r.row_id: r.logp for r in engine.score(make_groups(0), LABELS)}
+    name = str(dtype).removeprefix("torch.")
+    live_twin = plain_twin(model, name, engine.plain_attention)  # dense copies of the packed weights
+    engine.close()
+    for layer, module in linears.items():
+        assert type(module) is torch.nn.Linear and torch.equal(module.weight, loaded[layer]), layer
+    reference = reference_log_probs(plain_twin(model, name, engine.plain_attention), make_groups(0), LABELS)
+    live = reference_log_probs(live_twin, make_groups(0), LABELS)
+    assert all(np.array_equal(live[row], reference[row]) for row in reference)
+    bound = FLOAT32_TOLERANCE if dtype == torch.float32 else 0.05
+    for row, logp in scores.items():
+        assert np.abs(np.exp(normalize_totals(logp)[0]) - np.exp(normalize_totals(reference[row])[0])).max() <= bound
 
 
 def test_the_job_key(tmp_path):

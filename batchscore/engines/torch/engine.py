@@ -64,7 +64,7 @@ from batchscore.engines.torch.cascade_attention import (
 )
 from batchscore.engines.torch.cascade_attention import OptionLayout
 from batchscore.engines.torch.compiled_layers import compile_decoder_layers
-from batchscore.engines.torch.cpu_linear import use_onednn_linears
+from batchscore.engines.torch.cpu_linear import restore_plain_linears, use_onednn_linears
 from batchscore.engines.torch.paged_attention import attend_paged, paged_attention_usable
 from batchscore.engines.torch.hybrid import HybridDecoder
 from batchscore.engines.torch.invariant import (ROW_MULTIPLE, attend_invariant, gemm_row_problem, pad_rows, pass_rows,
@@ -189,6 +189,8 @@ class TorchEngine:
         shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
         tuned = cpu_kernels == "auto" and not batch_invariant and self.model.device.type == "cpu"
         self.linear_kernel = use_onednn_linears(model.get_decoder()) if tuned else "torch"
+        if not tuned:  # a model another engine switched to oneDNN gets its plain linears back
+            restore_plain_linears(model.get_decoder())
         self.paged_attention = (tuned and hybrid_chunk is None and paged_attention_usable(
             self.model.device, next(model.parameters()).dtype, shape.head_dim))
         self.token_budget = token_budget
@@ -254,7 +256,10 @@ class TorchEngine:
         return int(self.model.config.max_position_embeddings)
 
     def close(self) -> None:
-        """Drop the engine's references to the model (the caller's references stay valid)."""
+        """Drop the engine's references to the model (the caller's references stay valid: linear
+        layers the engine switched to oneDNN are plain `nn.Linear`s again, cpu_linear.py)."""
+        if self._decoder is not None and self.linear_kernel == "onednn":
+            restore_plain_linears(self._decoder)
         self.model = self._decoder = self._lm_head = self._hybrid = self.speculator = None
 
     # ------------------------------------------------------------------ public scoring
