@@ -148,6 +148,32 @@ def test_packed_weights_give_oneDNN_results_and_come_back_exactly_on_close(monke
         assert np.abs(np.exp(normalize_totals(logp)[0]) - np.exp(normalize_totals(reference[row])[0])).max() <= bound
 
 
+@pytest.mark.slow  # a torch.compile build
+def test_compiled_layers_on_onednn_compile_once_for_every_layer(monkeypatch):
+    """Compiled layers with oneDNN linears: all decoder layers share one compilation. (Per-layer
+    `forward`s made dynamo recompile each layer until its limit of 8 left the rest eager; here that
+    limit raises.)"""
+    from batchscore.engines.torch import compiled_layers
+
+    if compiled_layers.compile_problem() is not None:
+        pytest.skip(f"torch.compile does not work here: {compiled_layers.compile_problem()}")
+    monkeypatch.setattr(cpu_linear, "_faster_gemm", lambda shape, dtype, threads: "onednn")
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=12,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    groups = make_groups(0)
+    reference = reference_log_probs(model, groups, LABELS)
+    engine = TorchEngine(model, token_budget=48, compile_layers=True)
+    assert engine.compiled and engine.linear_kernel == "onednn"
+    for result in engine.score(groups, LABELS):
+        ref, _ = normalize_totals(reference[result.row_id])
+        got, _ = normalize_totals(result.logp)
+        assert np.abs(np.exp(got) - np.exp(ref)).max() <= FLOAT32_TOLERANCE
+
+
 def test_the_job_key(tmp_path):
     job = write_job(tmp_path, tmp_path / "in.parquet")
     assert load_job(job).engine.cpu_kernels == "auto"
