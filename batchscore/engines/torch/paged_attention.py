@@ -134,10 +134,12 @@ class PagedLayout:
     isa: str
 
     @classmethod
-    def build(cls, parts, layer_idx: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> PagedLayout:
+    def build(cls, parts, layer_idx: int, heads: int, kv_heads: int, head_dim: int,
+              dtype: torch.dtype) -> PagedLayout | None:
         """The layout of `parts` as they stand before this layer records anything: a part's prefix is
         its PrefixKV's segments plus what earlier parts of the pass record into that PrefixKV (rows
-        of the pass's own K/V), as on the cascade path, which attends and records part by part."""
+        of the pass's own K/V), as on the cascade path, which attends and records part by part.
+        None when no part is the kernel's."""
         prefixes, segment_source = [], {}  # id(prefix) -> first source row of its segments
         source = 0
         for part in parts:
@@ -180,6 +182,8 @@ class PagedLayout:
             if part.record_into is not None:
                 pending.setdefault(id(part.record_into), []).append(own_source + np.arange(start, start + part.num_tokens))
             start += part.num_tokens
+        if not tables:  # no part the kernel can take: the caller keeps the cascade path
+            return None
         table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
         for row, blocks_of in enumerate(tables):
             table[row, : len(blocks_of)] = blocks_of
@@ -227,11 +231,11 @@ def attend_paged(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
     if sum(part.num_tokens for part in cascade.parts) != query.shape[2]:
         raise ValueError(f"cascade parts cover {sum(p.num_tokens for p in cascade.parts)} tokens, "
                          f"the batch has {query.shape[2]}")
-    if not any(paged_part(part) for part in cascade.parts):
-        return attend_parts(query, key, value, cascade, layer_idx, scale)
-    if cascade.paged is None:
+    if cascade.paged is None:  # on the first layer; False: no part of this pass is the kernel's
         cascade.paged = PagedLayout.build(cascade.parts, layer_idx, query.shape[1], key.shape[1], query.shape[3],
-                                          query.dtype)
+                                          query.dtype) or False
+    if cascade.paged is False:
+        return attend_parts(query, key, value, cascade, layer_idx, scale)
     layout = cascade.paged
     paged = layout.attend(query, key, value, layer_idx, scale)  # [Q, H, D]
     outputs, start, taken = [], 0, 0
