@@ -363,7 +363,6 @@ def test_the_plain_twin_runs_on_the_engines_own_tensors_and_computes_the_loaded_
     engine = TorchEngine.from_pretrained(tiny_llama, token_budget=64)
     weights = EngineWeights.of(engine)
     assert weights.attention == "sdpa" and engine.model.config._attn_implementation != "sdpa"
-    engine.close()  # as the run does: linears the engine packed for oneDNN get their plain weights back
     model = weights.take()
     assert weights.take() is None  # handed over once
     twin = plain_twin(model, "float32", weights.attention)

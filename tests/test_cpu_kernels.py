@@ -15,7 +15,7 @@ from batchscore.engines.torch.engine import TorchEngine
 from batchscore.engines.torch.paged_attention import paged_kernel_loaded
 from batchscore.errors import JobConfigError
 from batchscore.jobfile import load_job, parse_set_options
-from batchscore.run.audit import plain_twin
+from batchscore.run.audit import EngineWeights, plain_twin
 from batchscore.scores.normalize import normalize_totals
 from tests.conftest import write_job
 from tests.option_reference import reference_option_logps
@@ -116,10 +116,10 @@ def test_linears_switch_only_when_onednn_is_measured_faster(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_weights_give_oneDNN_results_and_come_back_exactly_on_close(monkeypatch, dtype):
+def test_packed_weights_give_oneDNN_results_and_come_back_exactly_for_the_audit(monkeypatch, dtype):
     """On oneDNN the engine's linears hold packed weights (never a second copy); their outputs are bit
-    for bit oneDNN's on the plain weights; closing the engine gives the model its dense weights back,
-    equal to the loaded ones, so a plain forward on that model (the audit's twin) runs as loaded."""
+    for bit oneDNN's on the plain weights; handing the model to the audit gives it its dense weights
+    back, equal to the loaded ones, so a plain forward on that model (the audit's twin) runs as loaded."""
     monkeypatch.setattr(cpu_linear, "_faster_gemm", lambda shape, dtype, threads: "onednn")
     model = paged_model("qwen2", dtype)  # q/k/v projections with a bias
     linears = {n: m for n, m in model.get_decoder().named_modules() if isinstance(m, torch.nn.Linear)}
@@ -137,7 +137,9 @@ def test_packed_weights_give_oneDNN_results_and_come_back_exactly_on_close(monke
     scores = {r.row_id: r.logp for r in engine.score(make_groups(0), LABELS)}
     name = str(dtype).removeprefix("torch.")
     live_twin = plain_twin(model, name, engine.plain_attention)  # dense copies of the packed weights
+    weights = EngineWeights.of(engine)
     engine.close()
+    assert weights.take() is model  # as the run hands it to the audit: plain again, in place
     for layer, module in linears.items():
         assert type(module) is torch.nn.Linear and torch.equal(module.weight, loaded[layer]), layer
     reference = reference_log_probs(plain_twin(model, name, engine.plain_attention), make_groups(0), LABELS)

@@ -148,8 +148,14 @@ class EngineWeights:
         return cls(model, attention) if attention is not None and hasattr(model, "state_dict") else cls()
 
     def take(self):
-        """The model (None when there is none or it was taken): the caller holds the only reference."""
+        """The model (None when there is none or it was taken): the caller holds the only reference.
+        Linear layers the engine switched to oneDNN's packed weights are plain again (in place,
+        exactly: engines/torch/cpu_linear.py), so a twin can share their tensors."""
         model, self._model = self._model, None
+        if model is not None:
+            from batchscore.engines.torch.cpu_linear import restore_plain_linears
+
+            restore_plain_linears(model)
         return model
 
 
@@ -295,8 +301,8 @@ def plain_twin(model, dtype: str, attention: str | None):
     try:
         with torch.device("meta"):
             twin = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        # a live torch engine's linears may hold oneDNN-packed weights (engines/torch/cpu_linear.py):
-        # the twin takes dense copies of those (a closed engine has restored them already)
+        # a torch engine's linears may hold oneDNN-packed weights (engines/torch/cpu_linear.py): the twin
+        # takes dense copies of those (`EngineWeights.take` has restored them in place already)
         state = {k: v.to_dense() if v.is_mkldnn else v for k, v in model.state_dict().items()}
         twin.load_state_dict(state, strict=True, assign=True)
         for name, buffer in model.named_buffers(remove_duplicate=False):  # non-persistent ones too (RoPE)

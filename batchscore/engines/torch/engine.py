@@ -256,10 +256,8 @@ class TorchEngine:
         return int(self.model.config.max_position_embeddings)
 
     def close(self) -> None:
-        """Drop the engine's references to the model (the caller's references stay valid: linear
-        layers the engine switched to oneDNN are plain `nn.Linear`s again, cpu_linear.py)."""
-        if self._decoder is not None and self.linear_kernel == "onednn":
-            restore_plain_linears(self._decoder)
+        """Drop the engine's references to the model (the caller's references stay valid; linears
+        switched to oneDNN keep their packed weights until `cpu_linear.restore_plain_linears`)."""
         self.model = self._decoder = self._lm_head = self._hybrid = self.speculator = None
 
     # ------------------------------------------------------------------ public scoring
