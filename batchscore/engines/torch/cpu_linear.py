@@ -129,7 +129,7 @@ def _faster_gemm(shape: tuple[int, int], dtype: str, threads: int) -> str:
     return kernel
 
 
-def _best_seconds(call, repeats: int = 5) -> float:
+def _best_seconds(call, repeats: int = 3) -> float:
     call()  # kernel selection, scratch buffers
     best = float("inf")
     for _ in range(repeats):
