@@ -137,9 +137,9 @@ def test_packed_weights_give_oneDNN_results_and_come_back_exactly_for_the_audit(
     scores = {r.row_id: r.logp for r in engine.score(make_groups(0), LABELS)}
     name = str(dtype).removeprefix("torch.")
     live_twin = plain_twin(model, name, engine.plain_attention)  # dense copies of the packed weights
-    weights = EngineWeights.of(engine)
+    weights = EngineWeights.of(engine)  # as the run hands the model to the audit: plain again, in place
     engine.close()
-    assert weights.take() is model  # as the run hands it to the audit: plain again, in place
+    assert weights.take() is model
     for layer, module in linears.items():
         assert type(module) is torch.nn.Linear and torch.equal(module.weight, loaded[layer]), layer
     reference = reference_log_probs(plain_twin(model, name, engine.plain_attention), make_groups(0), LABELS)

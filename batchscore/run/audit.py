@@ -143,19 +143,15 @@ class EngineWeights:
 
     @classmethod
     def of(cls, engine) -> "EngineWeights":
-        """The weights of `engine` (a TorchEngine: its model and the attention it was loaded with)."""
-        model, attention = getattr(engine, "model", None), getattr(engine, "plain_attention", None)
+        """The weights of `engine` (a TorchEngine whose scoring is done: its model as transformers
+        built it, `plain_model`, and the attention it was loaded with)."""
+        plain_model, attention = getattr(engine, "plain_model", None), getattr(engine, "plain_attention", None)
+        model = plain_model() if callable(plain_model) else None
         return cls(model, attention) if attention is not None and hasattr(model, "state_dict") else cls()
 
     def take(self):
-        """The model (None when there is none or it was taken): the caller holds the only reference.
-        Linear layers the engine switched to oneDNN's packed weights are plain again (in place,
-        exactly: engines/torch/cpu_linear.py), so a twin can share their tensors."""
+        """The model (None when there is none or it was taken): the caller holds the only reference."""
         model, self._model = self._model, None
-        if model is not None:
-            from batchscore.engines.torch.cpu_linear import restore_plain_linears
-
-            restore_plain_linears(model)
         return model
 
 
@@ -301,8 +297,8 @@ def plain_twin(model, dtype: str, attention: str | None):
     try:
         with torch.device("meta"):
             twin = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        # a torch engine's linears may hold oneDNN-packed weights (engines/torch/cpu_linear.py): the twin
-        # takes dense copies of those (`EngineWeights.take` has restored them in place already)
+        # a live torch engine's linears may hold oneDNN-packed weights (engines/torch/cpu_linear.py): the
+        # twin takes dense copies of those (a run's `EngineWeights.of` has restored them in place)
         state = {k: v.to_dense() if v.is_mkldnn else v for k, v in model.state_dict().items()}
         twin.load_state_dict(state, strict=True, assign=True)
         for name, buffer in model.named_buffers(remove_duplicate=False):  # non-persistent ones too (RoPE)

@@ -15,8 +15,8 @@ float32 ~520 GFLOP/s packed vs ~465 plain; bfloat16 ~1,000-1,040 packed vs 830-1
 are bit for bit those of oneDNN on the plain weights. Each layer's weight is *replaced* by its
 packed copy (an opaque mkldnn tensor: same shape and dtype), never held twice;
 `restore_plain_linears` turns them back (exactly: the reorder is a permutation) when the run hands
-the model to the audit (`run/audit.EngineWeights.take`), so its plain twin gets a plain model; a
-run without the audit never pays for it.
+the model to the audit (`TorchEngine.plain_model`), so its plain twin gets a plain model; a run
+without the audit never pays for it.
 
 Which one runs is measured, not assumed: at engine start one linear of the model's own largest
 shape is timed through MKL and packed oneDNN in the model's dtype (about 0.2 s; once per process,

@@ -255,9 +255,18 @@ class TorchEngine:
         """Longest prompt (prefix + suffix tokens) the model accepts."""
         return int(self.model.config.max_position_embeddings)
 
+    def plain_model(self):
+        """The model as transformers built it, once scoring is done (the audit's plain forward shares
+        its weights): linears this engine switched to oneDNN are plain again, their packed weights
+        turned back in place, exactly (cpu_linear.py). Later passes of this engine run on MKL."""
+        if self.model is not None and self.linear_kernel == "onednn":
+            restore_plain_linears(self._decoder)
+            self.linear_kernel = "mkl"
+        return self.model
+
     def close(self) -> None:
         """Drop the engine's references to the model (the caller's references stay valid; linears
-        switched to oneDNN keep their packed weights until `cpu_linear.restore_plain_linears`)."""
+        switched to oneDNN keep their packed weights: `plain_model` turns them back)."""
         self.model = self._decoder = self._lm_head = self._hybrid = self.speculator = None
 
     # ------------------------------------------------------------------ public scoring
