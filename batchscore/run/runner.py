@@ -277,6 +277,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     batch_tokens: list[int] = []
     engine_load_seconds = 0.0
     weights = EngineWeights()  # a local torch engine's model, reused by the audit's plain forward (run/audit.py)
+    kernels = None  # what a local torch engine ran on
     try:
         if any(not s.done for s in sinks):
             if use_ray:
@@ -292,6 +293,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
                 try:
                     score_locally(engine, sinks[0], job.label_ids, bar, job.input.locations)
                     batch_tokens = list(engine.metrics.batch_token_counts or [])
+                    kernels = engine.kernels() if hasattr(engine, "kernels") else None
                     if config.output.audit_rows != 0:  # held through the assembly for the audit only
                         weights = EngineWeights.of(engine)
                 finally:
@@ -333,7 +335,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         timing=Timing(plan_seconds=plan.stats.plan_seconds, score_seconds=score_seconds,
                       prepare_seconds=score_started - started, write_seconds=write_seconds,
                       engine_load_seconds=engine_load_seconds),
-        execution=Execution(resolved.to_dict(), num_workers, batch_tokens, _approx_keep(config)),
+        execution=Execution(resolved.to_dict(), num_workers, batch_tokens, _approx_keep(config), kernels),
         questions=Questions(**job.task.summary(job.input)),
         quality=quality,
         audit=audit,

