@@ -115,7 +115,8 @@ def test_linears_switch_only_when_onednn_is_measured_faster(monkeypatch):
         cpu_linear._faster_gemm.cache_clear()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 kernels on this CPU"))])
 def test_packed_weights_give_oneDNN_results_and_come_back_exactly_for_the_audit(monkeypatch, dtype):
     """On oneDNN the engine's linears hold packed weights (never a second copy); their outputs are bit
     for bit oneDNN's on the plain weights; handing the model to the audit gives it its dense weights
