@@ -122,6 +122,7 @@ def test_packed_weights_give_oneDNN_results_and_come_back_exactly_for_the_audit(
     for bit oneDNN's on the plain weights; handing the model to the audit gives it its dense weights
     back, equal to the loaded ones, so a plain forward on that model (the audit's twin) runs as loaded."""
     monkeypatch.setattr(cpu_linear, "_faster_gemm", lambda shape, dtype, threads: "onednn")
+    monkeypatch.setattr(cpu_linear, "PACK_AFTER_TOKENS", 0)  # packed at engine start
     model = paged_model("qwen2", dtype)  # q/k/v projections with a bias
     linears = {n: m for n, m in model.get_decoder().named_modules() if isinstance(m, torch.nn.Linear)}
     loaded = {n: m.weight.detach().clone() for n, m in linears.items()}
@@ -149,6 +150,31 @@ def test_packed_weights_give_oneDNN_results_and_come_back_exactly_for_the_audit(
     bound = FLOAT32_TOLERANCE if dtype == torch.float32 else 0.05
     for row, logp in scores.items():
         assert np.abs(np.exp(normalize_totals(logp)[0]) - np.exp(normalize_totals(reference[row])[0])).max() <= bound
+
+
+def test_weights_are_packed_once_the_job_has_run_enough_tokens_with_the_same_bits(monkeypatch):
+    """Before PACK_AFTER_TOKENS the layers run oneDNN on the plain weights, after it on packed ones:
+    the scores are the same bits whenever the packing happens (or never)."""
+    monkeypatch.setattr(cpu_linear, "_faster_gemm", lambda shape, dtype, threads: "onednn")
+    groups = make_groups(0)
+
+    def run(pack_after: int):
+        monkeypatch.setattr(cpu_linear, "PACK_AFTER_TOKENS", pack_after)
+        model = paged_model("llama")
+        engine = TorchEngine(model, token_budget=48)
+        linears = [m for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
+        packed_at_start = all(m.weight.is_mkldnn for m in linears)
+        scores = {r.row_id: r.logp for r in engine.score(groups, LABELS)}
+        return scores, packed_at_start, all(m.weight.is_mkldnn for m in linears), engine.metrics.processed_tokens
+
+    never, packed_at_start, packed, processed = run(10**9)
+    assert not packed_at_start and not packed
+    at_start, packed_at_start, packed, _ = run(0)
+    assert packed_at_start and packed
+    midway, packed_at_start, packed, _ = run(processed // 2)
+    assert not packed_at_start and packed
+    for row, logp in never.items():
+        assert np.array_equal(logp, at_start[row]) and np.array_equal(logp, midway[row])
 
 
 @pytest.mark.slow  # a torch.compile build

