@@ -297,10 +297,7 @@ def plain_twin(model, dtype: str, attention: str | None):
     try:
         with torch.device("meta"):
             twin = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        # a live torch engine's linears may hold oneDNN-packed weights (engines/torch/cpu_linear.py): the
-        # twin takes dense copies of those (a run's `EngineWeights.of` has restored them in place)
-        state = {k: v.to_dense() if v.is_mkldnn else v for k, v in model.state_dict().items()}
-        twin.load_state_dict(state, strict=True, assign=True)
+        twin.load_state_dict(model.state_dict(), strict=True, assign=True)
         for name, buffer in model.named_buffers(remove_duplicate=False):  # non-persistent ones too (RoPE)
             owner, _, leaf = name.rpartition(".")
             twin.get_submodule(owner)._buffers[leaf] = buffer

