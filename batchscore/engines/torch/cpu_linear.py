@@ -16,9 +16,9 @@ memory-mapped (docs/performance.md).
 
 Which one runs is measured, not assumed: at engine start one linear of the model's own largest
 shape is timed through MKL and oneDNN in the model's dtype (about 0.2 s; once per process,
-shape, dtype and thread count), and the layers switch to oneDNN only when it is at least `MIN_GAIN`
-faster (1.0: not slower; in bfloat16 `F.linear` is oneDNN already: the same bits). Not in batch-invariant mode: its
-row-invariance check covers MKL's kernels.
+shape, dtype and thread count), and the layers switch to oneDNN only when it is at least
+`MIN_GAIN` faster (1.0: not slower; in bfloat16 `F.linear` is oneDNN already: the same bits).
+Not in batch-invariant mode: its row-invariance check covers MKL's kernels.
 """
 
 from __future__ import annotations
