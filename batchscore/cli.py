@@ -213,7 +213,8 @@ def _kernels(kernels: dict | None) -> str:
     if not kernels:
         return ""
     compiled = ", compiled layers" if kernels.get("compiled") else ""
-    return f" (linears {kernels.get('linears')}, attention {kernels.get('attention')}{compiled})"
+    fell_back = f"; fell back: {', '.join(kernels['fallbacks'])}" if kernels.get("fallbacks") else ""
+    return f" (linears {kernels.get('linears')}, attention {kernels.get('attention')}{compiled}{fell_back})"
 
 
 def _time_split(summary) -> str:

@@ -291,6 +291,7 @@ def cpu_features_faked(monkeypatch):
         monkeypatch.setattr(cpu_features, "_cpuinfo_flags", lambda path="/proc/cpuinfo": flags)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native, raising=False)
+        monkeypatch.setattr(cpu_features, "onednn_bfloat16", lambda: native)
         cpu_bf16.cache_clear()
 
     yield fake
@@ -323,3 +324,18 @@ def test_bfloat16_on_a_cpu_without_it_warns_at_the_default_level(cpu_features_fa
     assert warnings_for("auto") == [] and warnings_for("float32") == []
     cpu_features_faked(native=True)
     assert warnings_for("bfloat16") == []
+
+
+def test_serve_refuses_bfloat16_on_a_cpu_that_emulates_it(cpu_features_faked, tmp_path):
+    """A server would run every batch in the dtype it starts with: bfloat16 on a CPU without it is
+    refused by name at start (exit 2), and the default (auto) serves float32."""
+    from batchscore.errors import JobConfigError
+    from batchscore.serve.server import check_job_settings
+
+    cpu_features_faked(native=False)
+    with pytest.raises(JobConfigError, match="engine.dtype=bfloat16: this CPU has no native bfloat16") as refused:
+        check_job_settings(tmp_path, "smollm2-135m-instruct", ["engine.dtype=bfloat16"])
+    assert refused.value.exit_code == 2
+    check_job_settings(tmp_path, "smollm2-135m-instruct", [])  # auto: float32
+    cpu_features_faked(native=True)
+    check_job_settings(tmp_path, "smollm2-135m-instruct", ["engine.dtype=bfloat16"])

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchscore.engines.fallback import check_forced, fell_back
+
 log = logging.getLogger("batchscore")
 
 # OpenMP threads that finish an operation spin this many times for the next one, then sleep
@@ -56,7 +58,10 @@ def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str]:
 @functools.lru_cache(maxsize=1)
 def cpu_bf16() -> CpuBf16:
     """This CPU's native bfloat16 support. torch's own checks when it has them (they also see
-    whether the OS lets this process use AMX tiles), else the flags of /proc/cpuinfo."""
+    whether the OS lets this process use AMX tiles), else the flags of /proc/cpuinfo; and in both
+    cases oneDNN must run a bfloat16 linear here (`onednn_bfloat16`): oneDNN held to a lower ISA
+    (`ONEDNN_MAX_CPU_ISA=AVX2`, as on an AVX2-only CPU) has no bfloat16 kernels, and torch's
+    checks read the CPU, not that limit."""
     flags = _cpuinfo_flags()
     avx512 = "avx512_bf16" in flags
     amx = "amx_bf16" in flags
@@ -71,7 +76,30 @@ def cpu_bf16() -> CpuBf16:
             amx = amx and bool(probe_amx())
     except ImportError:
         pass
+    if (avx512 or amx) and not onednn_bfloat16():
+        avx512 = amx = False
     return CpuBf16(avx512_bf16=avx512, amx_bf16=amx)
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_bfloat16() -> bool:
+    """Whether oneDNN runs a bfloat16 linear on this CPU (a [4, 8] x [8, 8] probe). False on an
+    AVX2-only CPU ("could not create a primitive descriptor"), or where the probe fails at all
+    (logged once as the `bfloat16-onednn` fallback)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        check_forced("bfloat16-onednn")
+        x = torch.ones(4, 8, dtype=torch.bfloat16)
+        torch.ops.mkldnn._linear_pointwise(x, torch.ones(8, 8, dtype=torch.bfloat16), None, "none", [], "")
+    except Exception as exc:  # noqa: BLE001 - any failure: bfloat16 is not native here
+        fell_back("bfloat16-onednn", exc)
+        return False
+    return True
 
 
 def gemm_flops(dtype: str, size: int = 1024, seconds: float = 0.15) -> float:
@@ -106,8 +134,11 @@ def best_matmul_flops(a, b, seconds: float, sync=None) -> float:
     n = a.shape[0]
     calls = [lambda: a.mm(b)]
     if a.device.type == "cpu" and torch.backends.mkldnn.is_available():
-        calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
-        calls[-1]()  # kernel selection
+        try:
+            torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # kernel selection
+            calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+        except RuntimeError as exc:  # no oneDNN kernel for this dtype here (bfloat16 on AVX2): MKL's rate counts
+            log.debug("oneDNN GEMM not timed (%s): %s", a.dtype, exc)
     best = float("inf")
     deadline = time.perf_counter() + seconds
     while True:
@@ -186,16 +217,28 @@ def warn_slow_bfloat16(device: str, dtype: str) -> bool:
     Returns True when it warned."""
     if device != "cpu" or dtype != "bfloat16" or cpu_bf16().native:
         return False
-    speed = measure_dtype_speed(size=512)  # a 512 GEMM: ~0.5 s where bfloat16 runs at 1 GFLOP/s
-    ratio = speed.float32_flops / speed.bfloat16_flops
-    log.warning("engine.dtype: bfloat16 on a CPU without native bfloat16 (no AVX512-BF16 or AMX): a GEMM "
-                "measured %s GFLOP/s in bfloat16 against %s GFLOP/s in float32 here (%s); on such a CPU a "
+    speed = _measured_or_none(size=512)  # a 512 GEMM: ~0.5 s where bfloat16 runs at 1 GFLOP/s
+    measured = ""
+    if speed is not None:
+        ratio = speed.float32_flops / speed.bfloat16_flops
+        measured = (f": a GEMM measured {speed.bfloat16_flops / 1e9:,.1f} GFLOP/s in bfloat16 against "
+                    f"{speed.float32_flops / 1e9:,.0f} GFLOP/s in float32 here ("
+                    + (f"bfloat16 {ratio:.1f}x slower" if ratio >= 1 else f"bfloat16 {1 / ratio:.1f}x faster") + ")")
+    log.warning("engine.dtype: bfloat16 on a CPU without native bfloat16 (no AVX512-BF16 or AMX)%s; on such a CPU a "
                 "whole job ran %.1fx slower in bfloat16. Use engine.dtype: float32 (or auto, which picks "
-                "float32 on a CPU): faster there, and exact",
-                f"{speed.bfloat16_flops / 1e9:,.1f}", f"{speed.float32_flops / 1e9:,.0f}",
-                f"bfloat16 {ratio:.1f}x slower" if ratio >= 1 else f"bfloat16 {1 / ratio:.1f}x faster",
-                SLOW_BF16_JOB_RATIO)
+                "float32 on a CPU): faster there, and exact", measured, SLOW_BF16_JOB_RATIO)
     return True
+
+
+def _measured_or_none(**sizes) -> DtypeSpeed | None:
+    """`measure_dtype_speed`, or None (logged once as the `dtype-advice` fallback) when the probe
+    fails: advice is never worth a job."""
+    try:
+        check_forced("dtype-advice")
+        return measure_dtype_speed(**sizes)
+    except Exception as exc:  # noqa: BLE001 - any failure: advise without a measurement
+        fell_back("dtype-advice", exc)
+        return None
 
 
 def log_cpu_dtype_advice(device: str, dtype: str, requested: str) -> None:
@@ -206,7 +249,9 @@ def log_cpu_dtype_advice(device: str, dtype: str, requested: str) -> None:
     process)."""
     if warn_slow_bfloat16(device, dtype) or device != "cpu" or not log.isEnabledFor(logging.INFO):
         return
-    speed = measure_dtype_speed()
+    speed = _measured_or_none()
+    if speed is None:
+        return
     advice = ""
     if speed.support.native and dtype == "float32":
         advice = ("; engine.dtype: auto keeps float32 (exact); set engine.dtype: bfloat16 for speed "
@@ -215,4 +260,5 @@ def log_cpu_dtype_advice(device: str, dtype: str, requested: str) -> None:
 
 
 __all__ = ["CpuBf16", "DtypeSpeed", "GOMP_SPINCOUNT", "best_matmul_flops", "cpu_bf16", "gemm_flops", "measure_dtype_speed",
+           "onednn_bfloat16",
            "configure_openmp_wait", "log_cpu_dtype_advice", "warn_slow_bfloat16"]

@@ -49,11 +49,27 @@ def check_job_settings(state_dir: Path, model: str, sets: list[str]) -> None:
                                      "labels": ["Yes", "No"], "model": model,
                                      "output": {"path": str(state_dir / "x.out.jsonl")}}))
     try:
-        load_job(probe, overrides)
+        config = load_job(probe, overrides)
     except JobConfigError as exc:  # said of the options given, not of the probe's file
         raise JobConfigError([f"--model/--set: {problem}" for problem in exc.problems]) from None
     finally:
         probe.unlink(missing_ok=True)
+    emulated = emulated_bfloat16(config.engine)
+    if emulated:
+        raise JobConfigError([f"--set engine.dtype=bfloat16: {emulated}; a server would run every batch in it. "
+                              "Serve float32 (the default, engine.dtype auto, picks it on a CPU)"])
+
+
+def emulated_bfloat16(engine) -> str | None:
+    """Why the jobs' engine would run bfloat16 emulated (a CPU without native bfloat16), or None."""
+    if engine.dtype != "bfloat16":
+        return None
+    from batchscore.engines.cpu_features import cpu_bf16
+    from batchscore.engines.factory import resolve_engine
+
+    if resolve_engine(engine).device != "cpu" or cpu_bf16().native:
+        return None
+    return "this CPU has no native bfloat16 (no AVX512-BF16 or AMX; torch emulates it, ~6x slower than float32)"
 
 
 def served_names(options: ServeOptions) -> list[str]:

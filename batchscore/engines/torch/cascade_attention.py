@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
+from batchscore.engines.fallback import KernelFailed, check_forced
+
 
 ATTN_IMPLEMENTATION = "batchscore_cascade"
 
@@ -404,8 +406,12 @@ def cascade_attention_forward(
     layer_idx = module.layer_idx
     if cascade.invariant is not None:
         return cascade.invariant(query, key, value, cascade, layer_idx, scale), None
-    if cascade.paged_attention is not None:
-        return cascade.paged_attention(query, key, value, cascade, layer_idx, scale), None
+    if cascade.paged_attention is not None:  # optional: any error runs the pass again on the cascade path
+        try:
+            check_forced("paged-attention")
+            return cascade.paged_attention(query, key, value, cascade, layer_idx, scale), None
+        except Exception as exc:  # noqa: BLE001 - the engine falls back (engine._run_decoder)
+            raise KernelFailed("paged-attention", exc) from exc
     return attend_parts(query, key, value, cascade, layer_idx, scale), None
 
 

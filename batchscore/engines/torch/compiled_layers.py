@@ -53,8 +53,10 @@ from batchscore.engines.torch.cascade_attention import (
     PrefixKV,
     SequenceLayout,
     cascade_attention_forward,
+    register_cascade_attention,
 )
 from batchscore.engines.cpu_features import cpu_bf16, gemm_flops
+from batchscore.engines.fallback import check_forced, fell_back
 
 log = logging.getLogger("batchscore")
 
@@ -263,17 +265,37 @@ class LayerCompilation:
             return
         from transformers import AttentionInterface
 
-        AttentionInterface.register(COMPILED_ATTN_IMPLEMENTATION, _disabled_attention())
-        model.set_attn_implementation(COMPILED_ATTN_IMPLEMENTATION)
-        decoder = model.get_decoder()
-        for layer in decoder.layers:
-            layer.compile(dynamic=True)
-        _warm_up(decoder)
+        try:
+            check_forced("compiled-layers")
+            AttentionInterface.register(COMPILED_ATTN_IMPLEMENTATION, _disabled_attention())
+            model.set_attn_implementation(COMPILED_ATTN_IMPLEMENTATION)
+            decoder = model.get_decoder()
+            for layer in decoder.layers:
+                layer.compile(dynamic=True)
+            _warm_up(decoder)
+        except Exception as exc:  # noqa: BLE001 - a compile that fails costs speed, never the job
+            self.uncompile()
+            fell_back("compiled-layers", exc)
+            return
         self.state = "compiled"
         self.seconds = time.perf_counter() - started
         parameter = next(model.parameters())
         write_compile_record(model.config.to_dict(), str(parameter.dtype).removeprefix("torch."),
                              str(parameter.device), self.seconds)
+
+
+    def uncompile(self) -> None:
+        """Back to eager layers and the plain cascade attention (a compile or a compiled pass failed)."""
+        self.state = "eager"
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        model = self._model()
+        if model is None:
+            return
+        for layer in model.get_decoder().layers:
+            layer._compiled_call_impl = None  # what `nn.Module.compile` set
+        model.set_attn_implementation(register_cascade_attention())
 
 
 def compile_decoder_layers(model: torch.nn.Module, when: bool | int = True) -> LayerCompilation:

@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from batchscore.engines.fallback import KernelFailed, check_forced, fell_back
+
 log = logging.getLogger("batchscore")
 
 MIN_GAIN = 1.0  # oneDNN must be this much faster than MKL on the model's largest linear to be used
@@ -79,9 +81,14 @@ def onednn_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 # One op of our own around oneDNN's: torch.compile (engine.compile) keeps it as an opaque call
 # instead of lowering mkldnn's op itself, which inductor only does for the weights it packed.
+# Any error is raised as `KernelFailed`: the engine then runs the pass again on MKL (engine._run_decoder).
 @torch.library.custom_op("batchscore::onednn_linear", mutates_args=())
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    try:
+        check_forced("onednn-linears")
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    except Exception as exc:  # noqa: BLE001 - the plain linear replaces it
+        raise KernelFailed("onednn-linears", exc) from exc
 
 
 @_onednn_linear.register_fake
@@ -98,11 +105,12 @@ def _faster_gemm(shape: tuple[int, int], dtype: str, threads: int) -> str:
     weight = torch.randn(out_features, in_features, generator=generator).to(getattr(torch, dtype))
     x = torch.randn(TIMED_ROWS, in_features, generator=generator).to(weight.dtype)
     try:
+        check_forced("onednn-linears")
         with torch.inference_mode():
             mkl = _best_seconds(lambda: torch.nn.functional.linear(x, weight))
             onednn = _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
-    except RuntimeError as exc:  # an op missing from this build: keep MKL
-        log.info("oneDNN linear unavailable (%s): linear layers stay on MKL", exc)
+    except Exception as exc:  # noqa: BLE001 - an op missing from this build or CPU (bfloat16 on AVX2): keep MKL
+        fell_back("onednn-linears", exc)
         return "mkl"
     kernel = "onednn" if mkl >= MIN_GAIN * onednn else "mkl"
     log.info("linear layers: %s (%s [%d, %d] x [%d, %d], %d threads: MKL %.2f ms, oneDNN %.2f ms)", kernel,

