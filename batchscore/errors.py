@@ -144,6 +144,16 @@ class HybridUnsupported(EngineUnavailable, NotImplementedError):
     """Hybrid prefilling was asked for on a model whose layers it cannot run."""
 
 
+class KernelFailed(BatchscoreError, RuntimeError):
+    """An optional kernel (engines/fallback.py) failed inside a pass; the engine replaces it with its
+    plain path and runs the pass again, so this never reaches the user."""
+
+    def __init__(self, path: str, error: BaseException) -> None:
+        super().__init__(f"{path}: {type(error).__name__}: {error}")
+        self.path = path
+        self.error = error
+
+
 class MemoryBudgetError(BatchscoreError, ValueError):
     """One request needs more memory than `memory_budget` even when scored alone (a row error)."""
 

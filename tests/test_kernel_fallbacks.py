@@ -132,3 +132,22 @@ def test_a_run_with_every_optional_path_failing_exits_0_with_the_plain_scores(tm
     got, want = pq.read_table(tmp_path / "out.parquet"), pq.read_table(tmp_path / "plain.parquet")
     assert got["pair_id"].to_pylist() == want["pair_id"].to_pylist()
     np.testing.assert_allclose(got["p_Yes"].to_numpy(), want["p_Yes"].to_numpy(), atol=FLOAT32_TOLERANCE)
+
+
+def test_holding_onednn_and_aten_to_avx2_takes_effect():
+    """`make test-avx2` (and .ci/run) run the CPU-dependent tests with oneDNN and ATen held to AVX2,
+    an AVX2-only CPU's kernels on a bigger CPU: check that both limits take effect in a process
+    started so (oneDNN says its ISA, ATen its dispatch level) and that bfloat16 is then emulated."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from batchscore.engines.cpu_features import cpu_bf16; "
+            "x = torch.ones(8, 8); torch.ops.mkldnn._linear_pointwise(x, x, None, 'none', [], ''); "
+            "print('capability', torch.backends.cpu.get_cpu_capability(), 'native', cpu_bf16().native)")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_VERBOSE="1")
+    env.pop(fallback.ENV, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "isa:Intel AVX2" in out.stdout  # oneDNN's own verbose line: its kernels are AVX2's
+    assert "capability AVX2 native False" in out.stdout

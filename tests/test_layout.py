@@ -173,8 +173,8 @@ def test_engines_layout():
     """engines/ is a face, device.py, factory.py, base.py, shape.py, cpu_features.py, peak_memory.py
     and three sub-packages; nothing flat is told apart by a prefix."""
     flat = sorted(p.name for p in (PACKAGE / "engines").glob("*.py"))
-    assert flat == ["__init__.py", "base.py", "cpu_features.py", "device.py", "factory.py", "peak_memory.py",
-                    "registry.py", "shape.py"], flat
+    assert flat == ["__init__.py", "base.py", "cpu_features.py", "device.py", "factory.py", "fallback.py",
+                    "peak_memory.py", "registry.py", "shape.py"], flat
     assert sorted(p.name for p in (PACKAGE / "engines").iterdir() if p.is_dir() and p.name != "__pycache__") == [
         "speculative", "torch", "vllm"]
 

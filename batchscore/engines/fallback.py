@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import os
 
+from batchscore.errors import KernelFailed
+
 log = logging.getLogger("batchscore")
 
 ENV = "BATCHSCORE_FAIL_KERNELS"
@@ -34,15 +36,6 @@ PATHS = {
 }
 
 _FELL_BACK: dict[str, str] = {}  # name -> the error that made it fall back (this process)
-
-
-class KernelFailed(RuntimeError):
-    """An optional path failed at run time; the engine replaces it with its plain path and retries."""
-
-    def __init__(self, path: str, error: BaseException) -> None:
-        super().__init__(f"{path}: {type(error).__name__}: {error}")
-        self.path = path
-        self.error = error
 
 
 def check_forced(path: str) -> None:

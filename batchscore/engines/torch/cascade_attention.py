@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
-from batchscore.engines.fallback import KernelFailed, check_forced
+from batchscore.engines.fallback import check_forced
+from batchscore.errors import KernelFailed
 
 
 ATTN_IMPLEMENTATION = "batchscore_cascade"

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from batchscore.engines.fallback import KernelFailed, check_forced, fell_back
+from batchscore.engines.fallback import check_forced, fell_back
+from batchscore.errors import KernelFailed
 
 log = logging.getLogger("batchscore")
 

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from batchscore.engines.base import EngineMetrics, RawScores, check_label_ids
-from batchscore.engines.fallback import KernelFailed, fallbacks, fell_back
+from batchscore.engines.fallback import fallbacks, fell_back
 from batchscore.engines.torch.cascade_attention import (
     CascadeBatch,
     CascadePart,
@@ -75,7 +75,7 @@ from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape, dtype_bytes
 from batchscore.engines.torch.options import LM_HEAD_ROWS, OptionBatch, pack_options, subset
 from batchscore.engines.torch.packing import GroupSlot, LongMember, Pass, PassPacker, PrefixPiece, Refused, flatten
-from batchscore.errors import EngineUnavailable, JobConfigError, MemoryBudgetError
+from batchscore.errors import EngineUnavailable, JobConfigError, KernelFailed, MemoryBudgetError
 from batchscore.plan.types import GroupMember, PrefixGroup
 from batchscore.plan.validate import prompt_problem
 
