@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test test-all test-faults bench bench-plan bench-engine bench-vllm clean
+.PHONY: setup run test test-all test-avx2 test-faults bench bench-plan bench-engine bench-vllm clean
 
 setup: $(STAMP)
 
@@ -29,12 +29,24 @@ run: setup
 
 # The quick tier (a few minutes on 2 cores): every feature keeps an end-to-end test; tests marked
 # `slow` (more runs, references, a second vLLM start) and the full fault suite wait for test-all.
+# One pytest worker per core (at most 4), each on one torch thread: most tests are short and
+# single-threaded (reading, planning, writing), so two workers halve the wall time where one
+# process on two threads left a core idle; a file stays on one worker (module fixtures: one vLLM
+# start, one Ray cluster), the longest files first (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: setup
-	$(VENV)/bin/pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 # Everything: the slow tests and every fault-injection case, in one pytest run. CI runs this.
 test-all: setup
 	BATCHSCORE_FAULTS=all $(VENV)/bin/pytest -q
+
+# The quick tier again with oneDNN and ATen held to AVX2: an AVX2-only CPU's kernels (no AVX-512, no
+# native bfloat16, as on AMD Zen 3 and many cloud machines) on whatever CPU runs it. CI runs it after
+# test-all; tests/test_kernel_fallbacks.py checks that the hold takes effect.
+test-avx2: setup
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 # Every fault-injection case (make test runs a quick selection): 20+ kill points, damaged parts,
 # a 2,000-row single-prefix SIGTERM, random-moment kills.

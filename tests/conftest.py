@@ -111,3 +111,18 @@ def job_factory(tmp_path):
         return write_job(tmp_path, input_path, **overrides)
 
     return make
+
+
+# `make test` runs on one pytest-xdist worker per core (`--dist loadfile`: a file's tests stay on one
+# worker, so module fixtures such as a vLLM start or a Ray cluster are built once). Workers take files
+# in collection order, so the longest files go first: one of them left for last would keep one
+# worker busy while the other waits (seconds of the quick tier, measured serially on 2 cores).
+LONGEST_FILES_FIRST = ["test_vllm_engine.py", "test_scale_out.py", "test_audit.py", "test_faults.py",
+                       "test_hardening.py", "test_hardening_run.py", "test_object_store.py", "test_question_store.py",
+                       "test_decisions.py", "test_fuzz.py", "test_report.py", "test_cpu_bf16.py", "test_layout.py",
+                       "test_hardening_more.py", "test_token_store.py", "test_house.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept

