@@ -271,3 +271,19 @@ def test_read_only_output_folder_is_refused_before_any_work(tmp_path):
     (tmp_path / "job.yaml").write_text(GOOD_JOB)
     result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "-q"])
     assert result.exit_code == EXIT_OUTPUT and "not writable" in result.output
+
+
+def test_row_errors_name_their_own_line_after_blank_lines(tmp_path):
+    """Blank lines are not rows, but they are lines: a row's error names the line it is on in the
+    file, even when blank lines sit between it and the batch's first row (rows on lines 4 and 6
+    were named :2 and :3)."""
+    (tmp_path / "data.jsonl").write_text('{"id": "a", "query": "red shoes"}\n\n\n{"id": "b"}\n\n{"id": "c"}\n'
+                                         '{"id": "d", "query": "tent"}\n')
+    (tmp_path / "job.yaml").write_text(GOOD_JOB.replace("{path: data.jsonl}", "{path: data.jsonl, id_column: id}")
+                                       .replace("{path: out/scores.parquet}",
+                                                "{path: out/scores.parquet, max_error_rate: 1.0}"))
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "-q"])
+    assert result.exit_code == 0, result.output
+    out = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "scores.parquet").to_pylist()}
+    assert "data.jsonl:4:" in out["b"]["error"] and "data.jsonl:6:" in out["c"]["error"]
+    assert out["a"]["status"] == out["d"]["status"] == "ok"

@@ -35,6 +35,15 @@ class InputBatch:
     table: pa.Table  # the requested columns the input has
     row_errors: list[str | None] = field(default_factory=list)
     available: list[str] | None = None  # every column the input has (None: the table's)
+    lines: list[int] | None = None  # each row's line where blank lines sit between rows (None: first_line + offset)
+
+    def line(self, offset: int) -> int:
+        """The 1-based line (or row number) of the batch's row `offset` in its file."""
+        return self.lines[offset] if self.lines is not None else self.first_line + offset
+
+    def where(self, offset: int) -> str:
+        """`file:line` of the batch's row `offset`, as row errors name it."""
+        return f"{self.file}:{self.line(offset)}"
 
 
 def discover_files(path: str, suffixes: Mapping[str, str], fmt: str = "auto",
@@ -202,7 +211,7 @@ def _with_partitions(batch: InputBatch, values: dict, columns: list[str] | None)
     available = table.column_names
     if columns is not None:
         table = table.select([c for c in columns if c in available])
-    return InputBatch(batch.file, batch.first_line, table, batch.row_errors, available)
+    return InputBatch(batch.file, batch.first_line, table, batch.row_errors, available, batch.lines)
 
 
 _ARROW_READ_ERRORS = (pa.ArrowException, OSError, ValueError)  # with store_error_types() where read
@@ -363,7 +372,7 @@ def jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema |
     merge two definitions into one)."""
     rows: list[dict] = []
     errors: list[str | None] = []
-    first_line = 1
+    numbers: list[int] = []  # each row's line: blank lines are skipped, so rows need not be consecutive
     try:
         handle = path.open("rb")
     except OSError as exc:
@@ -373,8 +382,6 @@ def jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema |
             raw = without_bom(raw, number)
             if not raw.strip():
                 continue  # blank lines are not rows
-            if not rows:
-                first_line = number
             row, error, bad_bytes = _parse_json_line(raw, path, number, unique_keys)
             if convert is not None:
                 row, problem = convert(row) if error is None or row else ({}, None)  # row: its id stays
@@ -387,11 +394,18 @@ def jsonl_batches(path: Path, batch_rows: int, convert=None, schema: pa.Schema |
                     row[name] = json.dumps(row[name], ensure_ascii=False)
             rows.append(row)
             errors.append(error)
+            numbers.append(number)
             if len(rows) >= batch_rows:
-                yield InputBatch(path, first_line, _rows_to_table(rows, path, schema), errors)
-                rows, errors = [], []
+                yield _line_batch(path, numbers, _rows_to_table(rows, path, schema), errors)
+                rows, errors, numbers = [], [], []
     if rows:
-        yield InputBatch(path, first_line, _rows_to_table(rows, path, schema), errors)
+        yield _line_batch(path, numbers, _rows_to_table(rows, path, schema), errors)
+
+
+def _line_batch(path: Path, numbers: list[int], table: pa.Table, errors: list[str | None]) -> InputBatch:
+    """A batch of lines `numbers`; their list is kept only where blank lines made gaps."""
+    contiguous = numbers[-1] - numbers[0] == len(numbers) - 1
+    return InputBatch(path, numbers[0], table, errors, lines=None if contiguous else list(numbers))
 
 
 _UTF8_BOM = b"\xef\xbb\xbf"

@@ -153,7 +153,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
             problem = prompt_problem(len(rows_tokens[offset]), max_length, largest_token=arrays.largest(offset),
                                      vocab_size=vocab_size, limit_name=max_length_name(config.engine.max_length,
                                                                                        max_length))
-            errors[row_id + offset] = problem.at(f"{batch.file}:{batch.first_line + offset}")  # typed: too long, or bad ids
+            errors[row_id + offset] = problem.at(batch.where(offset))  # typed: too long, or bad ids
             rows_tokens[offset] = None
         row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id,
                                    cuts)
@@ -254,7 +254,7 @@ def _row_options(options: RowOptionSource | None, batch: InputBatch, rows_tokens
         texts = [p.text if p is not None else None for p in prompts]
         chat = [renderer.chat if p is None or p.chat is None else p.chat for p in prompts]
         pieces = [renderer.last_piece(p) if p is not None and renderer.in_pieces(p) else None for p in prompts]
-    where = [f"{batch.file}:{batch.first_line + offset}" for offset in range(len(rows_tokens))]
+    where = [batch.where(offset) for offset in range(len(rows_tokens))]
     result = []
     for offset, (row_options, problem) in enumerate(options.batch(rows_tokens, texts, choices, where, chat, pieces,
                                                                   cuts)):
@@ -304,13 +304,13 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
             texts.append(renderer.prompt(rows[offset]))
             positions.append(offset)
         except KeyError as exc:
-            errors[rid] = f"{batch.file}:{batch.first_line + offset}: field {exc.args[0]!r} is null or missing"
+            errors[rid] = f"{batch.where(offset)}: field {exc.args[0]!r} is null or missing"
         except RowRenderError as exc:  # prompt.engine jinja: any other failure of this row's template
-            errors[rid] = f"{batch.file}:{batch.first_line + offset}: {exc}"
+            errors[rid] = f"{batch.where(offset)}: {exc}"
         except BatchscoreError:  # about the job, not this row (a model without a chat template)
             raise
         except Exception as exc:  # noqa: BLE001 — e.g. a chat template refusing this row's messages
-            errors[rid] = f"{batch.file}:{batch.first_line + offset}: cannot render the prompt ({type(exc).__name__}: {exc})"
+            errors[rid] = f"{batch.where(offset)}: cannot render the prompt ({type(exc).__name__}: {exc})"
     result: list = [None] * table.num_rows
     rendered: list = [None] * table.num_rows
     cuts: list = [None] * table.num_rows
@@ -342,6 +342,6 @@ def _token_rows(batch: InputBatch, column: str, errors: dict[int, str], first_ro
             else token_ids_problem(value)
         if problem:
             sep = " " if problem.startswith(("is ", "must ")) else ": "
-            errors[rid] = problem if read_error else f"{batch.file}:{batch.first_line + offset}: field {column!r}{sep}{problem}"
+            errors[rid] = problem if read_error else f"{batch.where(offset)}: field {column!r}{sep}{problem}"
         result.append(tokens)
     return result

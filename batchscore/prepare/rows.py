@@ -22,11 +22,14 @@ class RowLocations:
     starts: list[int] = field(default_factory=list)  # the first row id of each batch
     files: list[str] = field(default_factory=list)
     first_lines: list[int] = field(default_factory=list)
+    gaps: dict[int, list[int]] = field(default_factory=dict)  # batch index -> each row's line (blank lines between rows)
 
     def add(self, first_row_id: int, batch: InputBatch) -> None:
         self.starts.append(first_row_id)
         self.files.append(str(batch.file))
         self.first_lines.append(batch.first_line)
+        if batch.lines is not None:
+            self.gaps[len(self.starts) - 1] = batch.lines
 
     def __call__(self, row_id: int) -> str:
         import bisect
@@ -34,7 +37,10 @@ class RowLocations:
         index = bisect.bisect_right(self.starts, row_id) - 1
         if index < 0:
             return f"row {row_id}"
-        return f"{self.files[index]}:{self.first_lines[index] + row_id - self.starts[index]}"
+        offset = row_id - self.starts[index]
+        lines = self.gaps.get(index)
+        line = lines[offset] if lines is not None and offset < len(lines) else self.first_lines[index] + offset
+        return f"{self.files[index]}:{line}"
 
 
 @dataclass
@@ -72,7 +78,7 @@ def batch_ids(batch: InputBatch, id_column: str | None, first_row_id: int) -> pa
                                                       [None] * len(ids))) if null and error is None]
     if missing:
         more = f" (and {len(missing) - 1} more rows)" if len(missing) > 1 else ""
-        raise InputError(f"{batch.file}:{batch.first_line + missing[0]}: input.id_column {id_column!r} is null"
+        raise InputError(f"{batch.where(missing[0])}: input.id_column {id_column!r} is null"
                          f"{more}; every row needs an id")
     return ids
 

@@ -71,13 +71,13 @@ def flat_token_batch(batch: InputBatch, column: str, first_row_id: int, max_leng
                                  largest_token=int(maxima[offset]) if lengths[offset] else None,
                                  vocab_size=vocab_size, limit_name=limit_name)
         if problem:
-            errors[int(row_ids[offset])] = problem.at(f"{batch.file}:{batch.first_line + offset}")  # typed
+            errors[int(row_ids[offset])] = problem.at(batch.where(offset))  # typed
             ok[offset] = False
     options: list[OptionTokens] = []
     option_sets = np.full(n, -1, dtype=np.int32)
     if option_source is not None and ok.any():
         first = int(np.flatnonzero(ok)[0])
-        where = lambda offset: f"{batch.file}:{batch.first_line + offset}"  # noqa: E731
+        where = lambda offset: batch.where(offset)  # noqa: E731
         row_tokens = lambda offset: tokens[offsets[offset] : offsets[offset + 1]]  # noqa: E731
         [(shared, problem)] = option_source.batch([row_tokens(first)], None, [None], [where(first)])
         if shared is None:

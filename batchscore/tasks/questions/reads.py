@@ -105,7 +105,7 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
                 _tokenized_into(sink, requests, pending, chat_renderer, options, max_length, vocab_size, errors,
                                 read_tokens)
                 pending = []
-            where = f"{batch.file}:{batch.first_line + offset}"
+            where = batch.where(offset)
             if read_error is None and offset in map_problems:
                 read_error = f"{where}: {map_problems[offset]}"
             if batch_file and row.get(REQUEST_ID) is not None:
