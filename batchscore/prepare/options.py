@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from batchscore.plan.options import OptionTokens
+from batchscore.prepare.prompts import special_token_pattern
 from batchscore.prepare.tail_tokens import TailCache, tail_rule
 
 log = logging.getLogger("batchscore")
@@ -151,19 +152,39 @@ class OptionEncoder:
         self.tokenizer = tokenizer
         self.boundary = BoundaryReport()
         self._alone: dict[str, list[int]] = {}
+        self._alone_split: dict[str, list[int]] = {}  # options from the data: special-token text split
+        self._special = special_token_pattern(tokenizer)
         self._interned: dict[tuple[bytes, bytes], OptionTokens] = {}
         self._by_lists: dict[tuple, OptionTokens] = {}
         rule = tail_rule(tokenizer) if not getattr(tokenizer, "split_special_tokens", False) else None
         self.tails = TailCache(tokenizer, rule) if rule is not None else None
         self._checked = 0
 
-    def alone(self, options: Sequence[str]) -> list[list[int]]:
-        """Each option tokenized on its own (cached)."""
-        missing = [o for o in dict.fromkeys(options) if o not in self._alone]
+    def alone(self, options: Sequence[str], split: bool = False) -> list[list[int]]:
+        """Each option tokenized on its own (cached); `split`: options from the data, whose
+        special-token text is tokenized as plain text (never a control token)."""
+        cache = self._alone_split if split else self._alone
+        missing = [o for o in dict.fromkeys(options) if o not in cache]
         if missing:
-            encoded = self.tokenizer(missing, add_special_tokens=False)["input_ids"]
-            self._alone.update(zip(missing, encoded))
-        return [self._alone[o] for o in options]
+            encoded = self.tokenizer(missing, add_special_tokens=False, split_special_tokens=split)["input_ids"]
+            cache.update(zip(missing, encoded))
+        return [cache[o] for o in options]
+
+    def data_option_pieces(self, texts: Sequence[str], options: Sequence[Sequence[str]],
+                           pieces: Sequence[tuple[str, bool] | None] | None) -> list[tuple[str, bool] | None] | None:
+        """Options read from the data (`input.choices_column`) are text, never control tokens: a row
+        whose options hold special-token text (`<|im_end|>`) gets as its last piece the prompt's text
+        after its last special token, tokenized with special tokens split (`after_prompts`: the
+        options follow that piece; a special token is a hard boundary, so the piece's own tokens are
+        the prompt's). Other rows keep `pieces`."""
+        if self._special is None or not any(self._special.search(o) for opts in options for o in opts):
+            return pieces
+        out = list(pieces) if pieces is not None else [None] * len(texts)
+        for i, opts in enumerate(options):
+            if any(self._special.search(o) for o in opts):
+                ends = [m.end() for m in self._special.finditer(texts[i])]
+                out[i] = (texts[i][ends[-1]:] if ends else texts[i], True)
+        return out
 
     def intern(self, token_lists: list[list[int]]) -> OptionTokens:
         """One shared OptionTokens per distinct list of option tokens."""
@@ -377,11 +398,14 @@ class RowOptionSource:
             todo.append(i)
             option_texts.append(opts)
         if texts is not None:
-            encoded = self.encoder.after_prompts([texts[i] for i in todo], [prompt_tokens[i] for i in todo],
+            row_texts = [texts[i] for i in todo]
+            row_pieces = [pieces[i] for i in todo] if pieces is not None else None
+            if self.labels is None:  # options from the data: their special-token text stays text
+                row_pieces = self.encoder.data_option_pieces(row_texts, option_texts, row_pieces)
+            encoded = self.encoder.after_prompts(row_texts, [prompt_tokens[i] for i in todo],
                                                  option_texts, [where[i] for i in todo], self._name,
                                                  [chat[i] for i in todo] if chat is not None else None,
-                                                 [pieces[i] for i in todo] if pieces is not None else None,
-                                                 [cuts[i] for i in todo] if cuts is not None else None)
+                                                 row_pieces, [cuts[i] for i in todo] if cuts is not None else None)
         else:
             encoded = [self._alone(opts) for opts in option_texts]
         for i, opts, (token_lists, problem) in zip(todo, option_texts, encoded):
@@ -392,7 +416,7 @@ class RowOptionSource:
         return results
 
     def _alone(self, opts: Sequence[str]) -> tuple[list[list[int]] | None, str | None]:
-        token_lists = self.encoder.alone(opts)
+        token_lists = self.encoder.alone(opts, split=self.labels is None)
         empty = [i for i, tokens in enumerate(token_lists) if not tokens]
         if empty:
             return None, f"{self._name(empty[0], opts[empty[0]])} has no tokens"

@@ -120,9 +120,7 @@ class PromptRenderer:
 
     def _use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        specials = sorted({str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
-                          | {str(t) for t in getattr(tokenizer, "get_added_vocab", dict)()}, key=len, reverse=True)
-        self._special = re.compile("|".join(re.escape(t) for t in specials if t)) if specials else None
+        self._special = special_token_pattern(tokenizer)
 
     @property
     def columns(self) -> list[str]:
@@ -247,6 +245,14 @@ class PromptRenderer:
         if at < len(prompt.text):
             tokens += self.tokenizer(prompt.text[at:], add_special_tokens=False)["input_ids"]
         return tokens
+
+
+def special_token_pattern(tokenizer) -> re.Pattern | None:
+    """A pattern matching the text of any of the tokenizer's special or added tokens (longest first),
+    or None when it has none: text from the data that matches is tokenized as plain text."""
+    specials = sorted({str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
+                      | {str(t) for t in getattr(tokenizer, "get_added_vocab", dict)()}, key=len, reverse=True)
+    return re.compile("|".join(re.escape(t) for t in specials if t)) if any(specials) else None
 
 
 class RequestRenderer(PromptRenderer):
