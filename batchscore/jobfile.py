@@ -347,6 +347,11 @@ def _output_column_problems(config: JobConfig, task: Task) -> list[str]:
         if len(labels) > 1:
             problems.append(f"labels: {labels} would all be written to the column {column!r}; make them differ "
                             "by more than surrounding spaces")
+    sep = config.output.column_separator
+    dotted = [label_column(label) for label in config.labels if "." in label_column(label)]
+    if sep != "." and dotted:  # the separator's promise, as for a questions job: no column name holds a dot
+        problems.append(f"output.column_separator {sep!r}: the column {dotted[0]!r} would still hold a dot (a label "
+                        "with one); rename the label, or keep the separator '.'")
     id_name = config.input.id_column or DEFAULT_ID
     generated, column_problems = task.output_columns(config)
     problems.extend(column_problems)

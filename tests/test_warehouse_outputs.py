@@ -68,3 +68,26 @@ def test_a_questions_output_with_separator_holds_no_dot_and_reports(tmp_path):
     for key, review in summary["review"]["questions"].items():
         section = html.split(f'id="q-{key}"', 1)[1].split('id="q-', 1)[0]
         assert "output.review" in section and (review["threshold"] is not None or review["reason"][:40] in section)
+
+
+def test_column_names_that_would_collide_are_refused_at_load(tmp_path):
+    """Under `column_separator: "__"` question `x` with option `status` and question `x__p` would both
+    write `x__p__status`: refused by name before anything runs (one silently overwrote the other);
+    a labels job's `p_<label>` keeps no dot under `__` either."""
+    import yaml
+
+    from batchscore.errors import JobConfigError
+    from batchscore.jobfile import parse_set_options
+
+    questions = {"x": {"type": "choice", "instructions": "Which?", "criteria": {"status": None, "other": None}},
+                 "x__p": {"type": "noul", "instructions": "Is it?"}}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"input": {"path": "in.jsonl"}, "prompt": {"state_columns": ["s"]},
+                                   "questions": questions, "output": {"path": "out.parquet"}}))
+    load_job(job)  # with the separator '.', the names differ
+    with pytest.raises(JobConfigError, match=r"would both be written as the column 'x__p__status'"):
+        load_job(job, parse_set_options(["output.column_separator=__"]))
+    labels = write_job(tmp_path, tmp_path / "in.parquet", labels=["3.5", "4"])
+    load_job(labels)
+    with pytest.raises(JobConfigError, match=r"'p_3.5' would still hold a dot"):
+        load_job(labels, parse_set_options(["output.column_separator=__"]))

@@ -75,7 +75,14 @@ def output_columns(config: JobConfig) -> tuple[set[str], list[str]]:
         problems.append(f"questions: {both[0]!r} is both a question's answer column and a calibration or review "
                         "column of another; rename a question id or an option")
     sep, keys = config.output.column_separator, [str(q.key) for q in questions]
-    named = {joined(name, keys, sep) for name in [*columns, *judged]}  # as the output names them
+    sources: dict[str, list[str]] = {}  # each column as the output names it -> the names inside batchscore
+    for name in [*columns, *judged]:
+        sources.setdefault(joined(name, keys, sep), []).append(name)
+    named = set(sources)
+    clash = next(((column, inner) for column, inner in sources.items() if len(inner) > 1), None)
+    if clash is not None:  # joined by the separator, two different columns would get one name
+        problems.append(f"output.column_separator {sep!r}: {clash[1][0]!r} and {clash[1][1]!r} would both be written "
+                        f"as the column {clash[0]!r}; rename a question id or an option, or keep the separator '.'")
     dots = sorted(name for name in named if "." in name)
     if sep != "." and dots:  # the separator's promise: no column name holds a dot
         problems.append(f"output.column_separator {sep!r}: the column {dots[0]!r} would still hold a dot (a "
