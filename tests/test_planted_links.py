@@ -141,3 +141,28 @@ def test_a_run_writes_beside_planted_links_and_leaves_their_targets(tmp_path):
     result = invoke("run", job, "-q", "--fresh")
     assert result.exit_code == EXIT_OUTPUT and "is a symbolic link" in result.output, result.output
     assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["parts", "store"])
+def test_a_link_at_a_folder_the_run_fills_is_refused_before_anything_is_written(tmp_path, where):
+    """`<output>.parts` or its token store `<output>.parts/tokens` a link to a foreign folder: the
+    run is refused by name (exit 6) before it builds anything, and the foreign folder's files are
+    all still there (the store's writer used to delete `<target>/tokens` first)."""
+    data, out, job = token_job(tmp_path)
+    foreign = tmp_path / "foreign"
+    (foreign / "tokens").mkdir(parents=True)
+    (foreign / "tokens" / "keep.txt").write_bytes(VICTIM)
+    (foreign / "keep.txt").write_bytes(VICTIM)
+    parts = Path(OutputFiles(str(out)).parts)
+    if where == "parts":
+        os.symlink(foreign, parts)
+    else:
+        parts.mkdir()
+        os.symlink(foreign / "tokens", parts / "tokens")
+    result = invoke("run", job, "-q")
+    assert result.exit_code == EXIT_OUTPUT, result.output
+    named = "the parts folder" if where == "parts" else "the token store's folder"
+    assert f"{named} " in result.output and "is a symbolic link" in result.output
+    assert (foreign / "tokens" / "keep.txt").read_bytes() == VICTIM and (foreign / "keep.txt").read_bytes() == VICTIM
+    assert sorted(p.name for p in foreign.iterdir()) == ["keep.txt", "tokens"]
+    assert not out.exists()

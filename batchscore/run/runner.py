@@ -46,6 +46,7 @@ from batchscore.faults import fault_point
 from batchscore.output.identity import identity_hash
 from batchscore.output.layout import MERGE_WRITER, RUN_WRITER, OutputFiles
 from batchscore.output.lock import OutputLock
+from batchscore.io.atomic import refuse_link
 from batchscore.io.storage import file_size, is_url, remove_tree
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.output.summary import Audit, Execution, Questions, RunSummary, Timing
@@ -122,6 +123,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
     writer = shard.name if shard else RUN_WRITER
     with OutputLock(files, writer) as lock, _output_errors(files.output), _lock_left_clean(lock, files):
         store = PartStore(files, writer, guard=lock.check)
+        _refuse_planted_links(store.folder, writer)  # before the first write through any of them
         output_hash = identity_hash(source.identity)
         done = None if fresh else completed_summary(files, output_hash)
         if done is not None and done.get("assembly_hash", NO_ASSEMBLY) != _assembly_hash(source):
@@ -412,6 +414,17 @@ def _job_hash(source: JobSource, num_workers: int, from_store: bool = False) -> 
     (a placement, or ranges of the metadata plan: positions mean other rows)."""
     placed = {"groups": "store ranges"} if from_store else {}
     return identity_hash({**source.identity, "num_workers": num_workers, **placed})
+
+
+def _refuse_planted_links(parts_folder: Path, writer: str) -> None:
+    """The folders a run fills (its parts folder, the token store, a shard's own store) may not be
+    symbolic links: filled or cleared through one, they would overwrite or delete what it points to.
+    Refused by name (OutputError, exit 6) before anything is written; files written whole (the output,
+    its marker, metrics) replace a link instead (io/atomic.py)."""
+    tokens = store_folder(parts_folder)
+    for path, what in ((parts_folder, "the parts folder"), (tokens, "the token store's folder"),
+                       (tokens.with_name(f"{tokens.name}.{writer}"), "this shard's token store folder")):
+        refuse_link(path, what)
 
 
 def _built_store(source: JobSource, store: PartStore):

@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from batchscore.io.atomic import atomic_write
+from batchscore.io.atomic import atomic_write, refuse_link
 from batchscore.plan.options import OptionTokens
 from batchscore.plan.sorted_rows import FlatTokens
 from batchscore.plan.types import Request
@@ -55,6 +55,7 @@ class StoreWriter:
 
     def __init__(self, folder, identity: dict | None = None) -> None:
         self.folder = Path(folder)
+        refuse_link(self.folder, "the token store's folder")  # never cleared or filled through a link
         if self.folder.exists():
             shutil.rmtree(self.folder)
         self.folder.mkdir(parents=True)
