@@ -286,3 +286,55 @@ def test_a_full_disk_is_a_clean_error_and_the_run_resumes(job, reference, tmp_pa
     code, out = run(job, output)
     assert code == 0, out
     assert_same_output(output, reference)
+
+
+def _damage_store(store: Path, damage: str) -> None:
+    """One damage to one file of a token store left by a killed run."""
+    tokens, row_ids = store / "tokens.i32", store / "row_ids.i64"
+    if damage == "edit-tokens":  # same size: one token id changed
+        data = bytearray(tokens.read_bytes())
+        data[len(data) // 2: len(data) // 2 + 4] = (7).to_bytes(4, "little")
+        tokens.write_bytes(bytes(data))
+    elif damage == "edit-row-ids":  # same size: two rows swapped
+        data = bytearray(row_ids.read_bytes())
+        data[0:8], data[8:16] = data[8:16], data[0:8]
+        row_ids.write_bytes(bytes(data))
+    elif damage == "truncate-tokens":
+        tokens.write_bytes(tokens.read_bytes()[:-16])
+    elif damage == "remove-errors":
+        (store / "errors.jsonl").unlink()
+    elif damage == "link-offsets":
+        copy = store.parent / "offsets.copy"
+        copy.write_bytes((store / "offsets.i64").read_bytes())
+        (store / "offsets.i64").unlink()
+        os.symlink(copy, store / "offsets.i64")
+    elif damage == "lower-num-rows":
+        manifest = json.loads((store / "manifest.json").read_text())
+        manifest["num_rows"] -= 1
+        (store / "manifest.json").write_text(json.dumps(manifest))
+    else:
+        raise ValueError(damage)
+
+
+QUICK_STORE_DAMAGE = "edit-row-ids"
+
+
+@pytest.mark.parametrize("damage", ["edit-tokens", "edit-row-ids", "truncate-tokens", "remove-errors", "link-offsets",
+                                    "lower-num-rows", "fresh"])
+def test_a_token_store_damaged_between_a_kill_and_the_resume_is_rebuilt(job, reference, tmp_path, damage):
+    """The token store is data the run trusts (its row ids name the scores): damaged in any one file
+    between a SIGKILL and the resume, it is rebuilt (said by name), never reused — the output equals
+    the uninterrupted one; `--fresh` builds a new store whatever the old one holds."""
+    if damage != QUICK_STORE_DAMAGE and not ALL:
+        pytest.skip("part of make test-faults")
+    output = tmp_path / "out.parquet"
+    code, _ = run(job, output, fault="part:4")
+    assert code == -signal.SIGKILL
+    store = OutputFiles(output).parts / "tokens"
+    assert (store / "manifest.json").exists()
+    _damage_store(store, "edit-tokens" if damage == "fresh" else damage)
+    code, out = run(job, output, *(["--fresh"] if damage == "fresh" else []))
+    assert code == 0, out
+    if damage != "fresh":
+        assert "token store" in out and "it is rebuilt" in out, out
+    assert_same_output(output, reference)

@@ -238,7 +238,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     from_store = reads_from_store(source, shard, store.files)
     stage("read")
     if from_store:  # the rows tokenized once into a memory-mapped store; the plan a few integers per row
-        job, tokens = _built_store(source, store) if shard is None else set_store(source, store.folder, shard.name)
+        job, tokens = (_built_store(source, store, reuse=not fresh) if shard is None
+                       else set_store(source, store.folder, shard.name))
         stage("plan")
         plan = plan_rows(tokens, plan_options(config, source.kind))
         if num_workers == 1:
@@ -427,11 +428,13 @@ def _refuse_planted_links(parts_folder: Path, writer: str) -> None:
         refuse_link(path, what)
 
 
-def _built_store(source: JobSource, store: PartStore):
-    """The job's token store, built in its parts folder (store/build.py); a refused input leaves
-    no folder behind it (`_lock_left_clean`)."""
+def _built_store(source: JobSource, store: PartStore, reuse: bool = True):
+    """The job's token store, built in its parts folder (store/build.py; `reuse` False: `--fresh`,
+    a new store whatever is there); a refused input leaves no folder behind it (`_lock_left_clean`)."""
     folder = store_folder(store.folder)
     existed = store.folder.exists()
+    if not reuse:
+        remove_tree(folder)
     try:
         on_ray = source.config.executor.kind == "ray" and ray_store(source, folder)  # input files as Ray tasks
         return on_ray or build_store(source, folder)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from functools import lru_cache
@@ -35,7 +36,9 @@ from batchscore.plan.sorted_rows import FlatTokens
 from batchscore.plan.types import Request
 from batchscore.row_errors import kind_of, typed
 
-FORMAT = 1
+log = logging.getLogger("batchscore")
+
+FORMAT = 2  # 2: per-file checksums and the manifest's own digest (store_problem)
 _FILES = ("tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "option_sets.npz", "errors.jsonl",
           "manifest.json")
 
@@ -179,9 +182,43 @@ class StoreWriter:
         manifest = {"format": FORMAT, "identity": self.identity, "num_rows": self.num_rows,
                     "num_tokens": self._total, "num_errors": self.num_errors, "num_input_rows": int(num_input_rows),
                     "max_token": self.max_token, **(extra or {})}
+        manifest["files"] = {name: _file_digest(self.folder / name) for name in _FILES if name != "manifest.json"}
+        manifest["digest"] = _manifest_digest(manifest)
         text = json.dumps(manifest, indent=1)
         atomic_write(self.folder / "manifest.json", lambda tmp: Path(tmp).write_text(text))
         return TokenStore.open(self.folder)
+
+
+def _file_digest(path: Path) -> dict:
+    """A store file's size and sha256 (read in 4 MiB pieces), recorded in the manifest."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(4 << 20):
+            digest.update(chunk)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _manifest_digest(manifest: dict) -> str:
+    """The manifest's own digest (of everything but this field): an edited count does not verify."""
+    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "digest"},
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def store_problem(folder: Path, manifest: dict) -> str | None:
+    """Why the store in `folder` does not verify against its manifest (a file edited, truncated,
+    removed or replaced by a link since it was written; the manifest edited), or None. The store is
+    data the run trusts — scores are written under its row ids — so it is checked as the parts are."""
+    if manifest.get("digest") != _manifest_digest(manifest) or not isinstance(manifest.get("files"), dict):
+        return "its manifest does not match its own digest"
+    for name, recorded in manifest["files"].items():
+        path = Path(folder) / name
+        if path.is_symlink() or not path.is_file():
+            return f"{name} is missing or not a plain file"
+        if path.stat().st_size != recorded.get("size"):
+            return f"{name} has another size than when it was written"
+        if _file_digest(path)["sha256"] != recorded.get("sha256"):
+            return f"{name} has other contents than when it was written"
+    return None
 
 
 def _map(path: Path, dtype, count: int) -> np.ndarray:
@@ -223,12 +260,23 @@ class TokenStore:
 
     @classmethod
     def reusable(cls, folder, identity: dict) -> TokenStore | None:
-        """The store in `folder` if it is complete and was built from the same content, else None."""
+        """The store in `folder` if it is complete, was built from the same content and every file
+        still verifies against its manifest (`store_problem`), else None (the caller rebuilds it;
+        a store that does not verify is logged by name)."""
         try:
-            store = cls.open(folder)
+            manifest = json.loads((Path(folder) / "manifest.json").read_text())
+        except (FileNotFoundError, ValueError, OSError):
+            return None
+        if not isinstance(manifest, dict) or manifest.get("identity") != identity_digest(identity):
+            return None
+        problem = store_problem(Path(folder), manifest)
+        if problem is not None:
+            log.warning("token store %s: %s; it is rebuilt", folder, problem)
+            return None
+        try:
+            return cls.open(folder)
         except (FileNotFoundError, ValueError, KeyError, OSError):
             return None
-        return store if store.manifest.get("identity") == identity_digest(identity) else None
 
     # ------------------------------------------------------------------ rows
 
