@@ -319,6 +319,7 @@ def _damage_store(store: Path, damage: str) -> None:
 QUICK_STORE_DAMAGE = "edit-row-ids"
 
 
+@pytest.mark.slow  # three subprocess runs per damage; make test keeps the damaged-part kill and resume
 @pytest.mark.parametrize("damage", ["edit-tokens", "edit-row-ids", "truncate-tokens", "remove-errors", "link-offsets",
                                     "lower-num-rows", "fresh"])
 def test_a_token_store_damaged_between_a_kill_and_the_resume_is_rebuilt(job, reference, tmp_path, damage):
@@ -326,7 +327,7 @@ def test_a_token_store_damaged_between_a_kill_and_the_resume_is_rebuilt(job, ref
     between a SIGKILL and the resume, it is rebuilt (said by name), never reused — the output equals
     the uninterrupted one; `--fresh` builds a new store whatever the old one holds."""
     if damage != QUICK_STORE_DAMAGE and not ALL:
-        pytest.skip("part of make test-faults")
+        pytest.skip("part of make test-faults (BATCHSCORE_FAULTS=all)")
     output = tmp_path / "out.parquet"
     code, _ = run(job, output, fault="part:4")
     assert code == -signal.SIGKILL

@@ -316,3 +316,71 @@ def test_a_batch_whose_run_fails_its_audit_keeps_its_scored_lines(tmp_path):
     assert message.startswith("batchscore run exited 7: error: exactness audit"), message
     assert str(tmp_path) not in json.dumps(batch) and "/" not in message, message
     store.close()
+
+
+@pytest.mark.slow  # a real server and two runs of a 40-request batch
+def test_a_batch_whose_run_is_killed_resumes_and_completes(tmp_path):
+    """The OOM killer's SIGKILL to a batch's `batchscore run` child (the server lives on): the worker
+    runs it again (a retryable exit, as the README promises a killed run is), the rerun resumes from
+    the parts saved before the kill, and the batch completes with every request once."""
+    import openai
+    import psutil
+
+    from tests.test_serve import KEY, LABELS, Server, long_completions, results, wait_for, _free_port
+
+    state = tmp_path / "state"
+    state.mkdir()
+    server = Server(state, _free_port())
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+        upload = client.files.create(file=("kill.jsonl", long_completions("k", 240).encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
+                                      metadata={"labels": LABELS})
+        parts = state / "batches" / batch.id / "job0" / "output.jsonl.parts"
+        deadline = time.monotonic() + 300
+        while not list(parts.glob("*part*")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        runs = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+                if "run" in p.cmdline() and "batchscore.cli" in p.cmdline()]
+        assert len(runs) == 1, [p.cmdline() for p in runs]
+        runs[0].kill()
+        done = wait_for(client, batch.id, ("completed", "failed"))
+        assert done.status == "completed", done.errors
+        ok, failed = results(client, done)
+        assert sorted(x["custom_id"] for x in ok + failed) == sorted(f"k-{i}" for i in range(240)) and not failed
+        metrics = json.loads((state / "batches" / batch.id / "job0" / "metrics.json").read_text())
+        assert 0 < metrics["resumed_rows"] < 240  # the rerun scored only what the killed run had not saved
+        assert server.process.poll() is None
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow  # a real server and three killed runs of one batch
+def test_a_batch_whose_runs_keep_dying_fails_with_the_lines_it_scored(tmp_path, monkeypatch):
+    """Every run of the batch dies at its second saved part (a failpoint: SIGKILL). After the last
+    attempt the batch is `failed` with its run's message, and it keeps what was scored: those lines in
+    its output file, every other request once in its error file."""
+    import openai
+
+    from tests.test_serve import KEY, LABELS, Server, long_completions, results, wait_for, _free_port
+
+    monkeypatch.setenv("BATCHSCORE_FAULT", "part:2")
+    state = tmp_path / "state"
+    state.mkdir()
+    server = Server(state, _free_port())
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+        upload = client.files.create(file=("die.jsonl", long_completions("d", 240).encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
+                                      metadata={"labels": LABELS})
+        done = wait_for(client, batch.id, ("completed", "failed"))
+        assert done.status == "failed" and "exited -9" in done.errors.data[0].message, done
+        ok, failed = results(client, done)
+        assert ok and all(x["response"]["status_code"] == 200 for x in ok)  # the lines scored are kept
+        assert sorted(x["custom_id"] for x in ok + failed) == sorted(f"d-{i}" for i in range(240))
+        assert all(x["response"] is None for x in failed)
+        assert (done.request_counts.completed, done.request_counts.failed) == (len(ok), len(failed))
+    finally:
+        server.stop()

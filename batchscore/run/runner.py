@@ -422,6 +422,8 @@ def _refuse_planted_links(parts_folder: Path, writer: str) -> None:
     symbolic links: filled or cleared through one, they would overwrite or delete what it points to.
     Refused by name (OutputError, exit 6) before anything is written; files written whole (the output,
     its marker, metrics) replace a link instead (io/atomic.py)."""
+    if is_url(parts_folder):  # an object store has no links
+        return
     tokens = store_folder(parts_folder)
     for path, what in ((parts_folder, "the parts folder"), (tokens, "the token store's folder"),
                        (tokens.with_name(f"{tokens.name}.{writer}"), "this shard's token store folder")):

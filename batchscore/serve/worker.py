@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from batchscore.errors import EXIT_AUDIT, EXIT_ERROR_RATE, EXIT_LOCKED
+from batchscore.errors import EXIT_AUDIT, EXIT_ERROR_RATE, EXIT_LOCKED, NOT_RETRYABLE
 from batchscore.formats.openai_batch import line_request_id
 from batchscore.output.layout import OutputFiles
 from batchscore.serve.progress import JobProgress, RecordProgress
@@ -45,6 +45,7 @@ from batchscore.serve.token_labels import TokenLabels
 log = logging.getLogger(__name__)
 
 PROGRESS_PART_S = 5.0  # a running job saves a part at least this often: the counts polled move (--set wins)
+RUN_ATTEMPTS = 3  # a job's run that exits retryably (killed, stopped, out of memory) runs again, from its parts
 LOCK_RETRY_S = 2.0  # a run still saving (a server killed a moment ago) holds the output's lock
 OUTPUT_WRITTEN = (EXIT_ERROR_RATE, EXIT_AUDIT)  # a run that exits so has written its output whole
 MAX_ATTEMPTS = 3  # a batch the worker fails on this often (an unexpected error, restarts included) is failed
@@ -207,7 +208,9 @@ class Worker:
                    "--metrics", str(folder / "metrics.json")]
         for item in self._job_sets(batch_id, job):
             command += ["--set", item]
+        attempts = 0
         while True:
+            attempts += 1
             with (folder / "run.log").open("ab") as logfile:
                 logged = logfile.tell()  # this run's lines start here
                 self._child = subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT,
@@ -221,6 +224,10 @@ class Worker:
             if code == EXIT_LOCKED:  # the run of a server killed a moment ago is still saving
                 time.sleep(LOCK_RETRY_S)
                 continue
+            if code != 0 and _retryable(code) and attempts < RUN_ATTEMPTS:
+                log.warning("batch %s: its run exited %s (%s); running it again, resuming from its saved parts "
+                            "(attempt %d of %d)", batch_id, code, _exit_name(code), attempts + 1, RUN_ATTEMPTS)
+                continue
             if code != 0:
                 with (folder / "run.log").open("rb") as logfile:
                     logfile.seek(logged)
@@ -232,7 +239,7 @@ class Worker:
                 if code in OUTPUT_WRITTEN and OutputFiles(str(folder / "output.jsonl")).marker.exists():
                     self._run_errors.setdefault(batch_id, []).append(error)  # its lines stay the batch's
                     return "done"
-                self.store.update_batch(batch_id, status="failed", errors={"object": "list", "data": [error]})
+                self._end_early(self.store.batch(batch_id), "failed", ("in_progress",), [error])
                 return "failed"
             return "done"
 
@@ -287,13 +294,18 @@ class Worker:
                                     **files)
 
     def _cancel(self, batch: dict) -> None:
-        """End a cancelling batch (its run stopped, or none running) with what was done: the
-        finished jobs' lines, a stopped job's lines assembled from its parts, and each request
-        that never ran as a `batch_cancelled` line in the error file. A batch cancelled before
-        it started has no files."""
+        """End a cancelling batch (its run stopped, or none running) with what was done (`_end_early`)."""
+        self._end_early(batch, "cancelled", ("cancelling",))
+
+    def _end_early(self, batch: dict, status: str, only_from: tuple[str, ...], errors: list | None = None) -> None:
+        """End a batch before all of its jobs ran — cancelled, or failed (a run that failed for good) —
+        with what was done: the finished jobs' lines, a stopped job's lines assembled from its parts,
+        and each request that never ran as a `batch_cancelled` line in the error file. A batch that
+        never started has no files. `errors`: the batch's own (a failed run's message)."""
         batch_id = batch["id"]
+        listed = {"errors": {"object": "list", "data": errors}} if errors else {}
         if batch.get("in_progress_at") is None:
-            self.store.update_batch(batch_id, only_from=("cancelling",), status="cancelled")
+            self.store.update_batch(batch_id, only_from=only_from, status=status, **listed)
             return
         work = self.store.work / batch_id
         sorted_input = self._sorted(batch)
@@ -312,7 +324,7 @@ class Worker:
             return
         files = self._result_files(batch_id, ok_lines, error_lines)
         counts = {"total": sorted_input.total, "completed": len(ok_lines), "failed": len(error_lines)}
-        self.store.update_batch(batch_id, only_from=("cancelling",), status="cancelled", request_counts=counts, **files)
+        self.store.update_batch(batch_id, only_from=only_from, status=status, request_counts=counts, **files, **listed)
 
     def _job_sets(self, batch_id: str, job) -> list[str]:
         """The `--set`s of one job: the server's, calibration's only for chat/completions lines
@@ -410,3 +422,19 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _retryable(code: int) -> bool:
+    """A run's exit that a rerun may end otherwise (README's exit codes): killed by a signal (the
+    OOM killer's SIGKILL), interrupted (130), the engine or a lock (5, 75), never a bad job, input,
+    output or a bug."""
+    return code < 0 or code not in NOT_RETRYABLE
+
+
+def _exit_name(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return "retryable"
