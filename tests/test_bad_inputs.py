@@ -287,3 +287,26 @@ def test_row_errors_name_their_own_line_after_blank_lines(tmp_path):
     out = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "scores.parquet").to_pylist()}
     assert "data.jsonl:4:" in out["b"]["error"] and "data.jsonl:6:" in out["c"]["error"]
     assert out["a"]["status"] == out["d"]["status"] == "ok"
+
+
+def test_a_huge_row_is_refused_before_it_is_tokenized(tmp_path):
+    """A field far longer than the prompt limit (1 MB here under engine.max_length 512; a 30 MB one
+    took 5 GB and 65 s to tokenize before it became an error): whatever its tokens it cannot fit, so
+    the row is a `too_long` error named by its line without being tokenized; the other rows are scored."""
+    import time
+
+    huge = "word " * 200_000
+    (tmp_path / "data.jsonl").write_text(json.dumps({"id": "a", "query": "red shoes"}) + "\n"
+                                         + json.dumps({"id": "b", "query": huge}) + "\n"
+                                         + json.dumps({"id": "c", "query": "tent"}) + "\n")
+    (tmp_path / "job.yaml").write_text(GOOD_JOB.replace("{path: data.jsonl}", "{path: data.jsonl, id_column: id}")
+                                       .replace("{path: out/scores.parquet}",
+                                                "{path: out/scores.parquet, max_error_rate: 1.0}"))
+    started = time.perf_counter()
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "-q", "--set", "engine.max_length=512"])
+    assert result.exit_code == 0, result.output
+    out = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "scores.parquet").to_pylist()}
+    assert out["a"]["status"] == out["c"]["status"] == "ok"
+    assert "data.jsonl:2: prompt is longer than the maximum" in out["b"]["error"]
+    assert "1,000,0" in out["b"]["error"] and "characters" in out["b"]["error"]
+    assert time.perf_counter() - started < 60

@@ -65,3 +65,20 @@ def test_a_record_that_failed_as_a_whole_is_reported_once_under_no_question(tmp_
     html = write_report(path).read_text()
     assert html.count("in.jsonl:3: not valid JSON") == 1  # once, in the summary
 
+
+
+def test_a_null_state_column_is_the_json_value_null_and_the_row_is_scored(tmp_path):
+    """README ("What a run guarantees") and jobs.md agree with the reader: in a `state_columns` job a
+    null column is part of the state, shown as JSON null, and the record is read (no row error);
+    a null field a template names stays a row error (test_bad_inputs)."""
+    data = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "subject": ["Shirt", None], "size": [None, "M"]}), data)
+    config = config_from_dict({"input": {"path": str(data), "id_column": "id"},
+                               "prompt": {"state_columns": ["subject", "size"]},
+                               "questions": {"fits": {"type": "noul", "instructions": "Does it fit?"}},
+                               "output": {"path": str(tmp_path / "out.parquet")}})
+    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    a, b = prepared.task_input.records
+    assert a.error is None and b.error is None
+    assert json.loads(a.request.state_text) == {"subject": "Shirt", "size": None}
+    assert json.loads(b.request.state_text) == {"subject": None, "size": "M"}

@@ -121,6 +121,17 @@ class PromptRenderer:
     def _use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._special = special_token_pattern(tokenizer)
+        self._longest_token_chars: int | None = None
+
+    @property
+    def longest_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary entry's length: a byte-level
+        entry has a character per byte, at least one per character it decodes to). A text longer than
+        `max_length` times this cannot fit `max_length` tokens."""
+        if self._longest_token_chars is None:
+            vocab = self.tokenizer.get_vocab()
+            self._longest_token_chars = max((len(entry) for entry in vocab), default=1) or 1
+        return self._longest_token_chars
 
     @property
     def columns(self) -> list[str]:

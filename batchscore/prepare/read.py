@@ -30,7 +30,7 @@ from batchscore.plan.types import Request
 from batchscore.plan.validate import token_ids_problem
 from batchscore.prepare.options import RowOptionSource, max_length_name
 from batchscore.prepare.prompts import PromptRenderer, RequestRenderer
-from batchscore.row_errors import with_kinds
+from batchscore.row_errors import TOO_LONG, RowError, with_kinds
 from batchscore.prepare.token_columns import flat_token_batch
 from batchscore.prepare.rows import (PreparedInput, RowLocations, batch_ids, check_columns, check_unique_ids,
                                      concat_arrays, concat_tables, select_kept)
@@ -147,7 +147,8 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
         elif token_column:
             rows_tokens = _token_rows(batch, token_column, errors, row_id)
         else:
-            rows_tokens, prompts, cuts = _rendered_rows(batch, renderer, errors, row_id)
+            rows_tokens, prompts, cuts = _rendered_rows(batch, renderer, errors, row_id, max_length,
+                                                        max_length_name(config.engine.max_length, max_length))
         arrays = _PromptTokens(rows_tokens)
         for offset in arrays.problems(max_length, vocab_size):
             problem = prompt_problem(len(rows_tokens[offset]), max_length, largest_token=arrays.largest(offset),
@@ -281,10 +282,13 @@ def _prepare_synthetic(config: JobConfig, options: RowOptionSource | None = None
     return PreparedInput(n, pa.array(np.arange(n, dtype=np.int64)), pa.table({}), requests, errors)
 
 
-def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int
-                   ) -> tuple[list, list, list]:
+def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_row_id: int,
+                   max_length: int | None = None, limit_name: str = "the model's context") -> tuple[list, list, list]:
     """(each row's prompt token ids, each row's RenderedPrompt, each row's cut for its options:
-    PromptRenderer.encode_cuts); None for rows with errors."""
+    PromptRenderer.encode_cuts); None for rows with errors. A prompt whose text is longer than
+    `max_length` tokens could ever hold (`max_length` × the longest token's characters) is that row's
+    error without being tokenized: a 30 MB field costs its reading, not gigabytes of token lists."""
+    most_chars = max_length * renderer.longest_token_chars if max_length is not None else None
     columns = [c for c in renderer.columns if c in batch.table.column_names]
     table = batch.table.select(columns)
     whole = renderer.render_table(table) or [None] * table.num_rows  # None: rendered one row at a time
@@ -295,13 +299,18 @@ def _rendered_rows(batch: InputBatch, renderer, errors: dict[int, str], first_ro
         if read_error:
             errors[rid] = read_error
             continue
-        if ready is not None:
-            texts.append(ready)
-            positions.append(offset)
-            continue
-        rows = rows or table.to_pylist()
+        if ready is None:
+            rows = rows or table.to_pylist()
         try:
-            texts.append(renderer.prompt(rows[offset]))
+            prompt = ready if ready is not None else renderer.prompt(rows[offset])
+            length = len(getattr(prompt, "text", prompt))
+            if most_chars is not None and length > most_chars:
+                errors[rid] = RowError(TOO_LONG, f"prompt is longer than the maximum {max_length} tokens "
+                                                 f"({limit_name}): its text holds {length:,} characters and no "
+                                                 f"token of this model is longer than {renderer.longest_token_chars} characters"
+                                                 ).at(batch.where(offset))
+                continue
+            texts.append(prompt)
             positions.append(offset)
         except KeyError as exc:
             errors[rid] = f"{batch.where(offset)}: field {exc.args[0]!r} is null or missing"
