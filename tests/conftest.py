@@ -9,6 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchscore  # noqa: F401 - sets HF_HUB_OFFLINE before any test imports transformers
+from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
+
+use_usable_inductor_cache()  # as `batchscore` does: a process held to AVX2 compiles into a cache of its own
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "sample_data" / "relevance.parquet"

@@ -151,3 +151,22 @@ def test_holding_onednn_and_aten_to_avx2_takes_effect():
     assert out.returncode == 0, out.stderr
     assert "isa:Intel AVX2" in out.stdout  # oneDNN's own verbose line: its kernels are AVX2's
     assert "capability AVX2 native False" in out.stdout
+
+
+def test_a_process_held_to_avx2_compiles_into_a_cache_of_its_own(monkeypatch):
+    """Compiled kernels cached by an unheld process and used by one held to AVX2 gave NaN scores
+    (seen: `make test-avx2` after `make test`); a held process that names no cache gets its own
+    folder, a cache the user names is kept."""
+    from batchscore.engines.torch import inductor_cache
+
+    monkeypatch.delenv(inductor_cache.VARIABLE, raising=False)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    inductor_cache.use_usable_inductor_cache()
+    import os
+
+    held = os.environ[inductor_cache.VARIABLE]
+    assert held.endswith(os.path.join("held", "ATEN_CPU_CAPABILITY=avx2-ONEDNN_MAX_CPU_ISA=AVX2"))
+    monkeypatch.setenv(inductor_cache.VARIABLE, "/tmp/users-own-cache")
+    inductor_cache.use_usable_inductor_cache()
+    assert os.environ[inductor_cache.VARIABLE] == "/tmp/users-own-cache"
