@@ -176,13 +176,16 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
             summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
             report_path = files.ok(summary)
         fault_point("done")
-        _say_done(summary, report_path, job, shard, parsed_shard)
+        try:
+            _say_done(summary, report_path, job, shard, parsed_shard, sets, output)
+        except OSError:  # stdout closed or full: the run's output and metrics are written; its exit is theirs
+            sys.stdout = open(os.devnull, "w")  # so the interpreter's own flush at exit stays quiet
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard) -> None:
+def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, sets=(), output=None) -> None:
     if summary.skipped:
         click.echo(f"{summary.output_path} is already the complete output of this job (same configuration, "
                    "input, model and software): nothing to do. Use --fresh to score it again."
@@ -194,8 +197,11 @@ def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard) -
                    + (f"\nreport: {report_path}" if report_path else ""))
         return
     if not summary.complete:
+        import shlex
+
+        same = "".join(f" --set {shlex.quote(item)}" for item in sets) + (f" -o {shlex.quote(output)}" if output else "")
         click.echo(f"shard {shard} done; the output is written when every shard has finished "
-                   f"(or run: batchscore merge {job} --shards {parsed_shard.count})")
+                   f"(or run: batchscore merge {shlex.quote(job)} --shards {parsed_shard.count}{same})")
         return
     click.echo(
         f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors\n"

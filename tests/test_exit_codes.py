@@ -74,3 +74,29 @@ def test_batchscore_without_numpy_exits_8_naming_numpy(tmp_path):
     assert done.returncode == errors.EXIT_ENVIRONMENT, done.stderr
     assert "wrong environment" in done.stderr and "'numpy'" in done.stderr and "Traceback" not in done.stderr
     assert "a bug in batchscore" not in done.stderr and not (tmp_path / "out.parquet").exists()
+
+
+@pytest.mark.slow  # two subprocess runs
+def test_a_finished_run_with_a_full_or_closed_stdout_exits_0_as_its_metrics_say(tmp_path):
+    """The run's output and metrics are written; a summary that cannot be printed (stdout full, or
+    a reader that went away) does not turn the finished run into exit 6."""
+    import json
+
+    from tests.test_hardening import token_job
+
+    data, out, job = token_job(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for target in ("/dev/full", "closed"):
+        metrics = tmp_path / f"m-{target.strip('/').replace('/', '-')}.json"
+        args = [sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "--fresh", "--metrics", str(metrics)]
+        if target == "closed":
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+            proc.stdout.close()  # the reader is gone before the summary is printed
+            code = proc.wait(timeout=600)
+            stderr = proc.stderr.read().decode()
+        else:
+            with open(target, "w") as full:
+                done = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, env=env, timeout=600)
+            code, stderr = done.returncode, done.stderr.decode()
+        assert code == 0, (target, stderr)
+        assert json.loads(metrics.read_text())["status"] == "ok" and out.exists()

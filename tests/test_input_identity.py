@@ -374,3 +374,12 @@ def test_fingerprinting_a_parquet_input_holds_a_row_group_not_the_file(tmp_path)
                              capture_output=True, text=True, check=True, cwd=REPO)
         held[rows] = int(out.stdout.split()[-1])
     assert held[1_500_000] < held[150_000] + 8 * 2**20, held  # 10x the rows: not ~50 MB more
+
+
+def test_a_refused_resume_names_the_job_keys_that_changed():
+    """A resume of another configuration is refused naming each key that changed and its values
+    (it said only "the job configuration"; engine.threads was the change)."""
+    before = {"config": {"engine": {"threads": 2, "kind": "torch"}, "labels": ["Yes", "No"]}}
+    now = {"config": {"engine": {"threads": 1, "kind": "torch"}, "labels": ["Yes", "Maybe"]}}
+    assert describe_changes(before, now) == [
+        "the job configuration (engine.threads: 2 → 1; labels: ['Yes', 'No'] → ['Yes', 'Maybe'])"]

@@ -60,12 +60,16 @@ def test_three_shards_then_merge_equal_the_unsharded_output(job_factory, grouped
 def test_merge_names_the_missing_shard(job_factory, grouped_input, tmp_path):
     job = job_factory(grouped_input)
     output = tmp_path / "out.parquet"
-    assert invoke("run", job, "-q", "-o", output, "--shard", "1/2").exit_code == 0
+    done = invoke("run", job, "-q", "-o", output, "--shard", "1/2", "--set", "engine.token_budget=512")
+    assert done.exit_code == 0
+    # the closing hint, run as printed, looks in this output with this job's settings
+    assert f"batchscore merge {job} --shards 2 --set engine.token_budget=512 -o {output}" in done.output
     assert not list(tmp_path.glob("*.lock"))  # a finished shard leaves no lock file (nothing of it to resume)
-    result = invoke("merge", job, "--shards", "2", "-o", output)
+    result = invoke("merge", job, "--shards", "2", "-o", output, "--set", "engine.token_budget=512")
     assert result.exit_code == EXIT_CONFIG
     assert "shard-0-of-2" in result.output
-    assert invoke("run", job, "-q", "-o", output, "--shard", "2/2").exit_code == EXIT_CONFIG
+    assert invoke("run", job, "-q", "-o", output, "--shard", "2/2", "--set", "engine.token_budget=512").exit_code \
+        == EXIT_CONFIG
     assert not list(tmp_path.glob("*.lock"))
 
 

@@ -233,6 +233,20 @@ def _input_change(name: str, before: dict, now: dict) -> str:
     return f"input file {name} changed ({named})" if columns else f"input file {name} changed"
 
 
+def _changed_keys(before, now, prefix: str = "") -> list[str]:
+    """Each job key whose value differs between two recorded configurations, as `key: old → new`
+    (dotted, e.g. `engine.threads: 2 → 1`), so a refused resume names what changed."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        found = []
+        for key in sorted(set(before) | set(now), key=str):
+            found += _changed_keys(before.get(key), now.get(key), f"{prefix}{key}.")
+        return found
+    if before == now:
+        return []
+    text = lambda value: repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "…"  # noqa: E731
+    return [f"{prefix.rstrip('.')}: {text(before)} → {text(now)}"]
+
+
 def describe_changes(before: dict, now: dict) -> list[str]:
     """What differs between two identities, in words (for a refused resume)."""
     changes = []
@@ -240,7 +254,9 @@ def describe_changes(before: dict, now: dict) -> list[str]:
         changes.append(f"the run identity's version ({before.get('version', 1)} → {now.get('version', 1)}: "
                        "this batchscore records a job's identity differently)")
     if before.get("config") != now.get("config"):
-        changes.append("the job configuration")
+        keys = _changed_keys(before.get("config"), now.get("config"))
+        shown = "; ".join(keys[:3]) + (f"; … ({len(keys)} keys)" if len(keys) > 3 else "")
+        changes.append(f"the job configuration ({shown})" if keys else "the job configuration")
     old_inputs = {e["file"]: e for e in before.get("input", [])}
     new_inputs = {e["file"]: e for e in now.get("input", [])}
     for name in sorted(set(old_inputs) | set(new_inputs)):
