@@ -63,6 +63,32 @@ def _exit_without_teardown(code) -> None:
     os._exit(code or 0)
 
 
+def _stdout_failed(exc: BaseException) -> bool:
+    """True when `exc` was raised writing a command's text (`click.echo`: standard output, full or its
+    reader gone), not reading an input or writing a file."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "echo" and code.co_filename.replace("\\", "/").endswith("click/utils.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _stdout_gone(exc: OSError) -> None:
+    """A command's standard output failed. A reader that went away (`batchscore plan … | head`) ends
+    the command quietly, as a Unix tool ends on SIGPIPE (128 + 13); a full or broken stdout
+    (`> /dev/full`) is an output error (exit 6), named as such, not an unreadable input."""
+    import errno
+
+    from batchscore.errors import EXIT_OUTPUT
+
+    sys.stdout = open(os.devnull, "w")  # what is left in the old buffer is never flushed again
+    if exc.errno == errno.EPIPE:
+        sys.exit(128 + signal.SIGPIPE)
+    _fail(f"cannot write to standard output ({exc.strerror or exc})", EXIT_OUTPUT)
+
+
 def _fail(message: str, code: int) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
@@ -91,6 +117,8 @@ class _Main(click.Group):
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except (Exception, KeyboardInterrupt) as exc:
+            if isinstance(exc, OSError) and _stdout_failed(exc):
+                _stdout_gone(exc)
             code, message = exit_status(exc, ctx.invoked_subcommand)
             if ctx.params.get("verbose"):
                 import traceback

@@ -100,3 +100,19 @@ def test_a_finished_run_with_a_full_or_closed_stdout_exits_0_as_its_metrics_say(
             code, stderr = done.returncode, done.stderr.decode()
         assert code == 0, (target, stderr)
         assert json.loads(metrics.read_text())["status"] == "ok" and out.exists()
+
+
+@pytest.mark.slow  # two subprocess plans
+def test_plan_into_a_full_stdout_is_an_output_error_and_into_a_closed_pipe_ends_quietly():
+    """`plan > /dev/full` is exit 6 saying so (it was 3, "unreadable input"); `plan | head -1` ends
+    as a Unix tool on SIGPIPE, 141, without an `error: BrokenPipeError` line."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = [sys.executable, "-m", "batchscore.cli", "plan", str(REPO / "jobs" / "sample.yaml")]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, env=env, timeout=600)
+    assert done.returncode == errors.EXIT_OUTPUT
+    assert "cannot write to standard output (No space left on device)" in done.stderr.decode()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before the plan is printed (`| head` that stopped reading)
+    assert proc.wait(timeout=600) == 141
+    assert "error" not in proc.stderr.read().decode()
