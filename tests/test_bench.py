@@ -437,3 +437,16 @@ def test_bench_fixed_costs_times_each_step_of_a_fresh_process(tiny_llama):
     assert {"interpreter start", "import torch", "tokenizer", "model load (float32)",
             "audit: float32 reference, twin of the engine's weights"} <= set(rows)
     assert all(seconds >= 0 for seconds in rows.values()) and rows["import torch"] > 0
+
+
+def test_bench_scale_makes_a_workdir_that_is_not_there_yet(tmp_path):
+    """`--workdir` of a folder not made yet is made (it exited 6); one that cannot be a folder is a
+    usage error (exit 2) naming it."""
+    missing = tmp_path / "not" / "yet"
+    result = CliRunner().invoke(main_cli(), ["bench", "scale", "--rows", "200", "--group-size", "4", "--prefix", "16",
+                                             "--distinct", "8", "--workdir", str(missing)])
+    assert result.exit_code == 0, result.output
+    assert missing.is_dir()
+    (tmp_path / "file").write_text("x")
+    bad = CliRunner().invoke(main_cli(), ["bench", "scale", "--rows", "200", "--workdir", str(tmp_path / "file" / "x")])
+    assert bad.exit_code == 2 and "--workdir" in bad.output

@@ -402,3 +402,14 @@ def test_truth_values_that_are_not_labels_are_named():
         add_quality_columns(config, columns, np.ones(3, dtype=bool), kept, pa.array(["a", "b", "c"]))
     assert info.value.exit_code == 2
     assert "calibrate.truth_column 'relevant': 1 row(s)" in str(info.value) and "row 'c': 'yes!'" in str(info.value)
+
+
+def test_a_nan_truth_leaves_the_row_unlabeled_as_a_null_does():
+    """JSON Lines may write NaN; a truth column of floats holds it for an unknown label: the row is
+    unlabeled (jobs.md), not the text 'nan' refused with exit 2."""
+    from batchscore.scores.quality import _truth
+
+    config = config_from_dict(_job(calibrate={"truth_column": "relevant"}))
+    kept = pa.table({"relevant": pa.array([1.0, float("nan"), None, 0.0])})
+    truth = _truth(config, kept, np.ones(4, dtype=bool), pa.array(["a", "b", "c", "d"]), ["0.0", "1.0"], None)
+    assert truth.tolist() == [1, -1, -1, 0]

@@ -358,6 +358,12 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, ki
     if plan_only:
         plan_only_bench(rows, group_size, prefix, distinct, workers)
         return
+    if workdir is not None:
+        try:  # a folder that is not there yet is made, as the output's folder of a run is
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise click.BadParameter(f"{workdir}: cannot be made a folder ({exc.strerror or exc})",
+                                     param_hint="--workdir") from None
     with tempfile.TemporaryDirectory(prefix="batchscore-scale-", dir=workdir) as tmp:
         _scale(Path(tmp), rows, group_size, prefix, distinct, text, kill, part_rows)
 

@@ -281,7 +281,7 @@ def _truth(config, kept: pa.Table, ok: np.ndarray, ids: pa.Array, labels: list[s
     bad = []
     for row in np.flatnonzero(ok):
         value = values[row]
-        if value is None:
+        if value is None or (isinstance(value, float) and value != value):  # null or NaN: unlabeled (jobs.md)
             continue
         text = str(value).strip()
         lookup = index if index is not None else {option.strip(): i for i, option in enumerate(choices[row])}
