@@ -10,7 +10,7 @@ import sys
 def _exit_130_on_sigterm(signum, frame) -> None:
     """SIGTERM before a command installs its own handler: an interruption like any later one,
     exit 130, not a death by the signal (-15) that a scheduler reads as a crash."""
-    os.write(2, b"error: interrupted by SIGTERM before the command started; nothing was written\n")
+    os.write(2, b"error: interrupted by SIGTERM or SIGINT before the command started; nothing was written\n")
     os._exit(130)  # EXIT_INTERRUPTED (errors.py), not imported yet on purpose
 
 
@@ -25,6 +25,7 @@ def _note_sigterm(signum, frame) -> None:
 
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "batchscore":  # the command, not a library import
     signal.signal(signal.SIGTERM, _note_sigterm)  # first thing: before the heavy imports below
+    signal.signal(signal.SIGINT, _note_sigterm)  # Ctrl-C during them too: `run` records it in its metrics
 
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -154,6 +155,8 @@ def main(verbose: bool) -> None:
         if _early_sigterm:
             _exit_130_on_sigterm(signal.SIGTERM, None)
         signal.signal(signal.SIGTERM, _exit_130_on_sigterm)  # `run` installs its own, which records metrics
+    if signal.getsignal(signal.SIGINT) is _note_sigterm:  # from here on Ctrl-C is KeyboardInterrupt again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @main.command()
@@ -188,7 +191,10 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
     previous = files.exit_on_sigterm()  # a SIGTERM before or after the run's block: exit 130 too (with metrics)
     if _early_sigterm:  # one came during the imports: ended here, recorded like any other
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
-    from batchscore.run.runner import Shard, run_job  # seconds of imports: after the handler
+    try:
+        from batchscore.run.runner import Shard, run_job  # seconds of imports: after the handler
+    except KeyboardInterrupt:  # Ctrl-C during them: recorded in the metrics as a SIGTERM is (exit 130)
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
 
     try:
         parsed_shard = Shard.parse(shard) if shard else None

@@ -25,7 +25,7 @@ class _Hook:
     def find_spec(self, name, path=None, target=None):
         if name == os.environ.get("TERM_AT_IMPORT"):
             sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, os.environ.get("SIGNAL_AT_IMPORT", "SIGTERM")))
         return None
 sys.meta_path.insert(0, _Hook())
 '''
@@ -44,6 +44,25 @@ def test_sigterm_while_the_command_imports_exits_130(tmp_path, small_input, modu
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == EXIT_INTERRUPTED, (proc.returncode, proc.stderr[-2000:])
     assert "interrupted by SIGTERM" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.parquet").exists()
+
+
+@pytest.mark.parametrize("module", ["click", "batchscore.run.runner"])
+def test_ctrl_c_while_the_command_imports_exits_130_and_writes_the_metrics(tmp_path, small_input, module):
+    """SIGINT in the same window (it left no `--metrics`, and a traceback while click loaded): exit
+    130 with the metrics recording the interruption, as a SIGTERM there does."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(TERM_AT_IMPORT)
+    job = write_job(tmp_path, small_input)
+    metrics = tmp_path / "m.json"
+    env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{REPO}", TERM_AT_IMPORT=module, SIGNAL_AT_IMPORT="SIGINT")
+    proc = subprocess.run([sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "--metrics", str(metrics)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_INTERRUPTED, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    recorded = json.loads(metrics.read_text())
+    assert recorded["status"] == "failed" and recorded["exit_code"] == EXIT_INTERRUPTED
     assert not (tmp_path / "out.parquet").exists()
 
 
