@@ -190,11 +190,14 @@ class StoreWriter:
 
 
 def _file_digest(path: Path) -> dict:
-    """A store file's size and sha256 (read in 4 MiB pieces), recorded in the manifest."""
+    """A store file's size and sha256, recorded in the manifest. Read into one 1 MiB buffer: a new
+    bytes object per piece kept two pieces alive at once, anonymous memory that grew with the store."""
     digest = hashlib.sha256()
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
     with open(path, "rb") as handle:
-        while chunk := handle.read(4 << 20):
-            digest.update(chunk)
+        while count := handle.readinto(buffer):
+            digest.update(view[:count])
     return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
