@@ -101,6 +101,12 @@ def _load(job: str, sets: tuple[str, ...], output: str | None = None, allow_code
     return load_job(job, parse_set_options(sets), output=output, allow_code=allow_code)
 
 
+def _raise_terminated(signum, frame) -> None:
+    from batchscore.errors import Terminated
+
+    raise Terminated("interrupted by SIGTERM")
+
+
 class _Main(click.Group):
     """The `batchscore` group: every exception that escapes a command (bench included) ends in a
     documented exit code and one `error:` line; the traceback only with `batchscore -v`. Run as the
@@ -151,10 +157,13 @@ def main(verbose: bool) -> None:
     from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 
     use_usable_inductor_cache()  # before torch's compiler loads: an unusable cache folder must not fail a run
-    if signal.getsignal(signal.SIGTERM) is _note_sigterm and click.get_current_context().invoked_subcommand != "run":
+    command = click.get_current_context().invoked_subcommand
+    if signal.getsignal(signal.SIGTERM) is _note_sigterm and command != "run":
         if _early_sigterm:
             _exit_130_on_sigterm(signal.SIGTERM, None)
-        signal.signal(signal.SIGTERM, _exit_130_on_sigterm)  # `run` installs its own, which records metrics
+        # From here a SIGTERM unwinds the command as Ctrl-C does (its temporary folders removed, its
+        # children stopped) and ends in exit 130; `run` installs its own, which records metrics.
+        signal.signal(signal.SIGTERM, _raise_terminated)
     if signal.getsignal(signal.SIGINT) is _note_sigterm:  # from here on Ctrl-C is KeyboardInterrupt again
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -293,6 +302,7 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
         else:  # through the token store and the plan as metadata (rows never held as objects)
             meta, store, _ = plan_store(source, Path(folder) / "tokens")
             stats, groups = meta.stats.to_dict(), lambda: meta.to_plan(store).groups
+        fault_point("plan")
         if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping
             from batchscore.engines.speculative.kept_tokens import plan_drop_stats
             from batchscore.models import resolve_model

@@ -8,7 +8,8 @@ lookup. Points: start, engine, result (each scored row), part (a part file is wr
 manifest entry not yet), atomic (a temporary file is written, not yet renamed), assemble (before
 the output is written), output (after the output, before its completion marker), audit (the
 exactness audit's reference model is loaded), marker (after the marker, before the parts are removed),
-done (`batchscore run`: the metrics are written, the summary not yet printed).
+done (`batchscore run`: the metrics are written, the summary not yet printed), plan (`batchscore
+plan`: planned, its temporary token store not yet removed).
 """
 
 from __future__ import annotations

@@ -66,6 +66,30 @@ def test_ctrl_c_while_the_command_imports_exits_130_and_writes_the_metrics(tmp_p
     assert not (tmp_path / "out.parquet").exists()
 
 
+def test_sigterm_to_a_planning_plan_unwinds_it_with_130_and_removes_its_temporary_store(tmp_path, small_input):
+    """SIGTERM after the imports, while `plan` holds its temporary token store: exit 130 saying so
+    (it said "before the command started"), and the store removed (it was left in the temp folder)."""
+    job = write_job(tmp_path, small_input)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=str(temp), BATCHSCORE_FAULT="plan:1:TERM")
+    proc = subprocess.run([sys.executable, "-m", "batchscore.cli", "plan", str(job)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_INTERRUPTED, (proc.returncode, proc.stderr[-2000:])
+    assert "interrupted by SIGTERM" in proc.stderr and "before the command started" not in proc.stderr
+    assert "Traceback" not in proc.stderr and not list(temp.glob("batchscore-plan-*"))
+
+
+def test_sigterm_from_the_commands_first_line_exits_130():
+    """The window before any batchscore code runs is the interpreter's own start (README: ~40 ms);
+    from the command module's first line on, SIGTERM is 130. Sent at import time of the module."""
+    code = ("import os, signal, sys; sys.argv = ['batchscore', 'plan', 'no-such-job.yaml']; "
+            "import batchscore.cli; os.kill(os.getpid(), signal.SIGTERM); batchscore.cli.main()")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, (proc.returncode, proc.stderr[-2000:])
+
+
 def test_importing_the_cli_leaves_sigterm_alone():
     """A library caller (or a test) importing batchscore.cli keeps its own SIGTERM handling."""
     code = "import signal; import batchscore.cli; print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)"

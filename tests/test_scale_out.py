@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -71,6 +72,17 @@ def test_merge_names_the_missing_shard(job_factory, grouped_input, tmp_path):
     assert invoke("run", job, "-q", "-o", output, "--shard", "2/2", "--set", "engine.token_budget=512").exit_code \
         == EXIT_CONFIG
     assert not list(tmp_path.glob("*.lock"))
+    # the input edited after shard 1 ran: shard 0 is refused before it touches the set's token store
+    store_manifest = OutputFiles(output).parts / "tokens" / "manifest.json"
+    published = store_manifest.read_bytes()
+    table = pq.read_table(grouped_input)
+    queries = table.column("query").to_pylist()
+    pq.write_table(table.set_column(table.schema.get_field_index("query"), "query",
+                                    pa.array(["purple socks"] + queries[1:])), grouped_input)
+    changed = invoke("run", job, "-q", "-o", output, "--shard", "0/2", "--set", "engine.token_budget=512")
+    assert changed.exit_code == EXIT_CONFIG, changed.output
+    assert "shard-1-of-2" in changed.output and "column 'query'" in changed.output and "--fresh" in changed.output
+    assert store_manifest.read_bytes() == published and not list(OutputFiles(output).parts.glob("shard-0-*"))
 
 
 def test_shards_share_one_token_store_and_read_their_rows_from_it(job_factory, grouped_input, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ store is built once per run and passed down.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import re
 import time
@@ -43,7 +44,7 @@ from batchscore.run.run_files import RunFiles
 from batchscore.run.sinks import PartSink, RowProgress
 from batchscore.run.stages import stage
 from batchscore.faults import fault_point
-from batchscore.output.identity import identity_hash
+from batchscore.output.identity import describe_changes, identity_hash
 from batchscore.output.layout import MERGE_WRITER, RUN_WRITER, OutputFiles
 from batchscore.output.lock import OutputLock
 from batchscore.io.atomic import refuse_link
@@ -237,6 +238,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     num_workers = shard.count if shard else config.executor.num_workers if use_ray else 1
     from_store = reads_from_store(source, shard, store.files)
     stage("read")
+    if shard is not None and not fresh:  # before the set's store is reused or published
+        _check_shard_set(store, shard, source.identity)
     if from_store:  # the rows tokenized once into a memory-mapped store; the plan a few integers per row
         job, tokens = (_built_store(source, store, reuse=not fresh) if shard is None
                        else set_store(source, store.folder, shard.name))
@@ -257,8 +260,6 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         split_extra_tokens = placement.split_extra_tokens
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
 
-    if shard is not None and not fresh:
-        _check_shard_count(store, shard)
     my_workers = [shard.index] if shard else list(range(num_workers))
     fault_point("start")
     manifest = store.start(Manifest(
@@ -399,15 +400,28 @@ def _decide_compile(resolved: ResolvedEngine, engine: EngineConfig, job: Prepare
     return decide_compile(resolved, engine, work, model_config)
 
 
-def _check_shard_count(store: PartStore, shard: Shard) -> None:
-    """Refuse shard I/N next to shards of another N (their placements differ)."""
+def _check_shard_set(store: PartStore, shard: Shard, identity: dict) -> None:
+    """Refuse shard I/N next to shards of another N (their placements differ), or next to shards
+    (itself included) started on other content: another input, model or configuration. Checked
+    before the set's token store is touched: a shard of changed content would otherwise publish a
+    store of its own over the set's and score a share of rows the others never planned."""
     if not store.folder.exists():
         return
-    for manifest in store.folder.glob("shard-*-of-*.manifest.json"):
-        other = int(manifest.name.split("-of-")[1].split(".")[0])
+    for path in sorted(store.folder.glob("shard-*-of-*.manifest.json")):
+        other = int(path.name.split("-of-")[1].split(".")[0])
         if other != shard.count:
             raise ResumeMismatch(f"{store.folder} holds shards of a {other}-way split; run --shard I/{other}, "
                                  "or --fresh to start over")
+        try:
+            theirs = json.loads(path.read_text()).get("identity")
+        except (OSError, ValueError, AttributeError):
+            continue  # unreadable: that shard starts over when it runs (PartStore.start)
+        if isinstance(theirs, dict) and identity_hash(theirs) != identity_hash(identity):
+            name = path.name.removesuffix(".manifest.json")
+            changed = "; ".join(describe_changes(theirs, identity)) or "the job"
+            raise ResumeMismatch(
+                f"{store.folder} holds {name}, started on other content than this shard's: changed since: "
+                f"{changed}. Restore what changed, or rerun every shard of the set with --fresh")
 
 
 def _job_hash(source: JobSource, num_workers: int, from_store: bool = False) -> str:
