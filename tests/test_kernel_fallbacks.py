@@ -4,8 +4,12 @@ run's `kernels`, and the scores stay those of the plain forward."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,7 +21,7 @@ from batchscore.engines.torch import cpu_linear
 from batchscore.engines.torch.engine import TorchEngine
 from batchscore.engines.torch.paged_attention import paged_kernel_loaded
 from batchscore.scores.normalize import normalize_totals
-from tests.conftest import write_job, write_sample_subset
+from tests.conftest import REPO, write_job, write_sample_subset
 from tests.test_cpu_kernels import paged_model
 from tests.test_torch_engine import FLOAT32_TOLERANCE, LABELS, make_groups, reference_log_probs
 
@@ -130,6 +134,27 @@ def test_a_run_with_every_optional_path_failing_exits_0_with_the_plain_scores(tm
     assert set(tried) <= set(kernels["fallbacks"]) and not kernels["compiled"]
     assert kernels["linears"] == "mkl" and kernels["attention"] == "cascade"
     got, want = pq.read_table(tmp_path / "out.parquet"), pq.read_table(tmp_path / "plain.parquet")
+    assert got["pair_id"].to_pylist() == want["pair_id"].to_pylist()
+    np.testing.assert_allclose(got["p_Yes"].to_numpy(), want["p_Yes"].to_numpy(), atol=FLOAT32_TOLERANCE)
+
+
+@pytest.mark.slow  # two vLLM starts, each in a process of its own
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+def test_vllm_whose_in_process_start_fails_starts_in_a_process_of_its_own(tmp_path):
+    """A job on vLLM (CPU) starts its engine core in the job's process; forced to fail there, the run
+    says so once, starts vLLM's own engine process and writes the scores the in-process run wrote."""
+    data = write_sample_subset(tmp_path / "in.parquet", queries=3, product_ids=("P001", "P002"))
+    job = write_job(tmp_path, data, engine={"kind": "vllm", "memory_budget": 64 << 20})
+    outputs = {}
+    for forced in ("", "vllm-in-process"):
+        outputs[forced] = tmp_path / f"out{forced}.parquet"
+        env = dict(os.environ, PYTHONPATH=str(REPO), **{fallback.ENV: forced})
+        proc = subprocess.run([sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "-o",
+                               str(outputs[forced])], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        said = proc.stderr.count("optional kernel vllm-in-process failed")
+        assert said == (1 if forced else 0), proc.stderr[-3000:]
+    got, want = pq.read_table(outputs["vllm-in-process"]), pq.read_table(outputs[""])
     assert got["pair_id"].to_pylist() == want["pair_id"].to_pylist()
     np.testing.assert_allclose(got["p_Yes"].to_numpy(), want["p_Yes"].to_numpy(), atol=FLOAT32_TOLERANCE)
 

