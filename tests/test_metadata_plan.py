@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from batchscore.plan import PlanOptions, Request, build_plan
 from batchscore.plan.metadata import RequestRows, plan_rows
 from batchscore.plan.options import OptionTokens
+from batchscore.plan import sorted_rows
 from batchscore.plan.sorted_rows import FlatTokens, sort_rows
 from batchscore.plan.tree import TokenTable, lexicographic_order, neighbour_lcp
 from batchscore.prepare.synthetic import WORKLOADS
@@ -57,14 +58,43 @@ metadata_options = st.builds(PlanOptions, min_prefix_tokens=st.integers(0, 5), b
 
 
 @SETTINGS
-@given(batches())
-def test_sort_and_lcp_equal_the_tree_builders(prompts):
+@given(batches(), st.sampled_from([1, 2, 5, sorted_rows.SKIP_WINDOW]))
+def test_sort_and_lcp_equal_the_tree_builders(prompts, window):
+    """...whatever the window a tied run skips its shared tokens by (small ones: several rounds of
+    skipping, windows that end inside a row, past its end, and on a duplicate's end)."""
     arrays = [np.asarray(p, dtype=np.int32) for p in prompts]
     table = TokenTable(arrays, np.asarray([len(a) for a in arrays]), max(int(a.max()) for a in arrays))
     order = lexicographic_order(table)
-    order2, lcp2 = sort_rows(FlatTokens.from_arrays(arrays), table.max_token)
+    saved, sorted_rows.SKIP_WINDOW = sorted_rows.SKIP_WINDOW, window
+    try:
+        order2, lcp2 = sort_rows(FlatTokens.from_arrays(arrays), table.max_token)
+    finally:
+        sorted_rows.SKIP_WINDOW = saved
     assert order2.tolist() == order
     assert lcp2.tolist() == neighbour_lcp(table, order)
+
+
+def test_long_shared_prefixes_sort_in_a_few_rounds():
+    """Groups of 3 rows sharing 1,000 random tokens (BatchLLM's long-prefix case), plus a duplicate
+    and rows that are prefixes of others: the order and common prefixes of a plain sort of the rows."""
+    rng = np.random.default_rng(0)
+    arrays = []
+    for _ in range(20):
+        prefix = rng.integers(0, 49152, 1000, dtype=np.int32)
+        arrays += [np.concatenate([prefix, rng.integers(0, 49152, int(rng.integers(1, 300)), dtype=np.int32)])
+                   for _ in range(3)]
+    arrays += [arrays[0].copy(), arrays[1][:500].copy(), arrays[2][:1000].copy(), arrays[3][:1001].copy()]
+    arrays = [arrays[i] for i in rng.permutation(len(arrays))]
+    order, lcp = sort_rows(FlatTokens.from_arrays(arrays), 49151)
+    assert order.tolist() == sorted(range(len(arrays)), key=lambda i: arrays[i].astype(">u2").tobytes())
+
+    def common(a, b):
+        m = min(len(a), len(b))
+        differ = np.flatnonzero(a[:m] != b[:m])
+        return int(differ[0]) if len(differ) else m
+
+    assert lcp[0] == 0
+    assert lcp[1:].tolist() == [common(arrays[order[k - 1]], arrays[order[k]]) for k in range(1, len(order))]
 
 
 @SETTINGS

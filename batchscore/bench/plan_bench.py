@@ -7,8 +7,10 @@ grouping + ordering, validation excluded) for N and scale*N requests and the gro
 Targets: <= 0.5 s for 8000 requests (~1,600 tokens, sharing degree ~3) on one core, and
 10x the requests costing <= 12x.
 
-Each timing is one build_plan call in a fresh process (best of --runs processes): a batch
-job plans once per process, and a fresh process gives both sizes the same cold allocator
+Both planners are timed: the one every job runs (`plan_rows`, the plan as metadata over the
+token store's flat arrays; the targets are its) and the in-memory tree planner beside it
+(`build_plan`, which `plan.order: srjf` still uses). Each timing is one call in a fresh process
+(best of --runs processes): a batch job plans once per process, and a fresh process gives both sizes the same cold allocator
 (a repeat in the same process lets a small batch reuse freed memory a large one cannot).
 CPU time is printed beside wall time because a shared machine inflates wall time.
 """
@@ -33,13 +35,23 @@ class Timing:
     tokens_per_request: float
 
 
-def plan_once(num_requests: int, block_size: int) -> dict:
-    """Generate the industry workload and plan it once; returns PlanStats.to_dict()."""
+PLANNERS = {"metadata": "plan_rows, every job's planner", "tree": "build_plan, in memory (plan.order: srjf)"}
+
+
+def plan_once(num_requests: int, block_size: int, planner: str = "metadata") -> dict:
+    """Generate the industry workload and plan it once with `planner` (PLANNERS); returns
+    PlanStats.to_dict() (its timing covers the planning alone, not making the rows)."""
     requests = requests_from_token_lists(industry(num_requests=num_requests, seed=1))
-    return build_plan(requests, PlanOptions(block_size=block_size)).stats.to_dict()
+    options = PlanOptions(block_size=block_size)
+    if planner == "tree":
+        return build_plan(requests, options).stats.to_dict()
+    from batchscore.plan.metadata import RequestRows, plan_rows
+
+    return plan_rows(RequestRows.from_requests(requests), options).stats.to_dict()
 
 
-def time_in_fresh_processes(sizes: list[int], runs: int, block_size: int) -> dict[int, Timing]:
+def time_in_fresh_processes(sizes: list[int], runs: int, block_size: int,
+                            planner: str = "metadata") -> dict[int, Timing]:
     """Plan each size once in each of `runs` fresh processes; keep the best times per size.
 
     Sizes alternate run by run, so a burst of load elsewhere hits them alike.
@@ -47,8 +59,8 @@ def time_in_fresh_processes(sizes: list[int], runs: int, block_size: int) -> dic
     best = {n: Timing(float("inf"), float("inf"), 0.0) for n in sizes}
     for _ in range(runs):
         for n in sizes:
-            stats = in_fresh_process("batchscore.bench.plan_bench", "plan_once", n, block_size,
-                                     what=f"planning {n} requests")
+            stats = in_fresh_process("batchscore.bench.plan_bench", "plan_once", n, block_size, planner,
+                                     what=f"planning {n} requests ({planner})")
             best[n] = Timing(
                 min(best[n].plan_seconds, stats["plan_seconds"]),
                 min(best[n].plan_cpu_seconds, stats["plan_cpu_seconds"]),
@@ -84,14 +96,16 @@ def plan(requests: int, scale: int, runs: int, block_size: int) -> None:
         batchscore bench plan --requests 8000 --scale 10 --runs 3
     """
     print_savings(block_size)
-    click.echo("== planning time, industry workload, one build_plan per fresh process ==")
+    click.echo("== planning time, industry workload, one plan per fresh process ==")
     small, large = requests, requests * scale
-    timings = time_in_fresh_processes([small, large], runs, block_size)
-    for n, t in timings.items():
-        click.echo(
-            f"{n:>7} requests ({t.tokens_per_request:,.0f} tokens avg, sharing degree ~3): "
-            f"plan {t.plan_seconds:.3f} s wall, {t.plan_cpu_seconds:.3f} s CPU"
-        )
+    for planner in ("tree", "metadata"):  # the targets below are the last one's: every job's planner
+        timings = time_in_fresh_processes([small, large], runs, block_size, planner)
+        click.echo(f"{planner} ({PLANNERS[planner]}):")
+        for n, t in timings.items():
+            click.echo(
+                f"{n:>7} requests ({t.tokens_per_request:,.0f} tokens avg, sharing degree ~3): "
+                f"plan {t.plan_seconds:.3f} s wall, {t.plan_cpu_seconds:.3f} s CPU"
+            )
     wall_ratio = timings[large].plan_seconds / timings[small].plan_seconds
     cpu_ratio = timings[large].plan_cpu_seconds / timings[small].plan_cpu_seconds
     limit = 1.2 * scale

@@ -4,6 +4,8 @@ token array (the token store's, memory-mapped) without a Python object per row o
 An MSD radix sort in numpy: rows are sorted on a key of their next few tokens packed into one
 uint64 (4 tokens of 16 bits when every id fits, else 2 of 32), then only the runs of rows whose
 keys tie are sorted again on the following tokens, read from the store, until no tie is left.
+A run still tied first skips the tokens all its rows share (compared `SKIP_WINDOW` at a time): a
+1,000-token shared prefix costs a few rounds, not 250 of 4 tokens each.
 A token is packed as id + 1 and a position past a row's end as 0, so a row that is a prefix of
 another sorts first and integer order is token order: the order equals `tree.lexicographic_order`
 (stable: duplicates keep input order). The common-prefix length of two neighbours falls out of
@@ -43,23 +45,69 @@ class FlatTokens:
         return cls(tokens, offsets)
 
 
-def _key_words(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, word: int, per_word: int,
+SKIP_WINDOW = 256  # tokens compared per round when a tied run skips what its rows share
+
+
+def _window(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, depth: np.ndarray, width: int) -> np.ndarray:
+    """[len(rows), width] uint64: tokens [depth, depth + width) of each row as id + 1, 0 past its end."""
+    last = max(len(tokens) - 1, 0)
+    columns = np.arange(width)
+    starts = offsets[rows] + depth
+    values = tokens[np.minimum(starts[:, None] + columns, last)].astype(np.uint64) + np.uint64(1)
+    values[columns >= (offsets[rows + 1] - starts)[:, None]] = 0  # past the row's end
+    return values
+
+
+def _key_words(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, depth: np.ndarray, per_word: int,
                bits: int, chunk: int = 1 << 16) -> np.ndarray:
-    """[len(rows)] uint64: tokens [word * per_word, (word + 1) * per_word) of each row, packed.
+    """[len(rows)] uint64: tokens [depth, depth + per_word) of each row (its own depth), packed.
     A row's tokens are read together ([chunk, per_word] at a time): one cache line per row."""
     key = np.empty(len(rows), dtype=np.uint64)
-    last = max(len(tokens) - 1, 0)
-    columns = word * per_word + np.arange(per_word)
     for lo in range(0, len(rows), chunk):
-        part = rows[lo : lo + chunk]
-        starts = offsets[part]
-        values = tokens[np.minimum(starts[:, None] + columns, last)].astype(np.uint64) + np.uint64(1)
-        values[columns >= (offsets[part + 1] - starts)[:, None]] = 0  # past the row's end
+        values = _window(tokens, offsets, rows[lo : lo + chunk], depth[lo : lo + chunk], per_word)
         packed = values[:, 0]
         for j in range(1, per_word):
             packed = (packed << np.uint64(bits)) | values[:, j]
         key[lo : lo + chunk] = packed
     return key
+
+
+def _raw_window(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """[len(starts), width]: tokens [start, start + width) (clipped at the array's end: the caller
+    masks what lies past a row). Rows are copied whole from a sliding view, not gathered token by
+    token: the skip's cost is memory bandwidth."""
+    out = np.empty((len(starts), width), dtype=tokens.dtype)
+    fits = starts <= len(tokens) - width
+    if len(tokens) >= width and fits.any():
+        out[fits] = np.lib.stride_tricks.sliding_window_view(tokens, width)[starts[fits]]
+    if not fits.all():
+        out[~fits] = tokens[np.minimum(starts[~fits, None] + np.arange(width), max(len(tokens) - 1, 0))]
+    return out
+
+
+def _shared_run_tokens(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, runs: np.ndarray,
+                       depth: np.ndarray, chunk: int = 1 << 13) -> np.ndarray:
+    """[len(rows)]: how many tokens from `depth` on every row of each one's tied run shares (at most
+    SKIP_WINDOW). Rows of a run are contiguous; equal prefixes are transitive, so a run shares what
+    the least similar pair of neighbours shares."""
+    pair = np.flatnonzero(runs[1:] == runs[:-1]) + 1  # position k: rows k - 1 and k, one run
+    shared = np.empty(len(pair), dtype=np.int64)
+    columns = np.arange(SKIP_WINDOW)
+    for lo in range(0, len(pair), chunk):
+        k = pair[lo : lo + chunk]
+        a, b = rows[k - 1], rows[k]
+        a_start, b_start = offsets[a] + depth[k], offsets[b] + depth[k]
+        a_left, b_left = offsets[a + 1] - a_start, offsets[b + 1] - b_start  # tokens left from depth
+        limit = np.clip(np.minimum(a_left, b_left), 0, SKIP_WINDOW)
+        differ = _raw_window(tokens, a_start, SKIP_WINDOW) != _raw_window(tokens, b_start, SKIP_WINDOW)
+        differ &= columns < limit[:, None]
+        first = np.where(differ.any(axis=1), differ.argmax(axis=1), limit)
+        # no difference and the same length: the pair is equal to its end (duplicates), skip the window
+        shared[lo : lo + chunk] = np.where((first == limit) & (a_left == b_left), SKIP_WINDOW, first)
+    run_index = np.cumsum(np.concatenate(([True], runs[1:] != runs[:-1]))) - 1
+    least = np.full(int(run_index[-1]) + 1, SKIP_WINDOW, dtype=np.int64)
+    np.minimum.at(least, run_index[pair], shared)
+    return least[run_index]
 
 
 def _equal_leading(x: np.ndarray, per_word: int, bits: int) -> np.ndarray:
@@ -86,10 +134,10 @@ def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = Non
     positions = order.copy()  # sorted positions still tied with a neighbour
     runs = None  # the first position of each one's tied run (all one run at first)
     tokens, offsets = (a.view(np.ndarray) if isinstance(a, np.memmap) else a for a in (flat.tokens, flat.offsets))
-    word = 0
+    depth = np.zeros(n, dtype=np.int64)  # per tied position: the token its next key word starts at
     while len(positions) > 1:
         rows = order[positions]
-        key = _key_words(tokens, offsets, rows, word, per_word, bits)
+        key = _key_words(tokens, offsets, rows, depth, per_word, bits)
         if runs is None:
             perm = np.argsort(key, kind="stable")
             rows, key = rows[perm], key[perm]
@@ -110,10 +158,10 @@ def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = Non
                 order[positions[chosen]] = rows[chosen]
         same_run = runs[1:] == runs[:-1]
         equal = same_run & (key[1:] == key[:-1])
-        ended = lengths[rows] <= (word + 1) * per_word
+        ended = lengths[rows] <= depth + per_word
         differ = np.flatnonzero(same_run & ~equal)
-        lcp[positions[1:][differ]] = word * per_word + _equal_leading(key[1:][differ] ^ key[:-1][differ],
-                                                                      per_word, bits)
+        lcp[positions[1:][differ]] = depth[1:][differ] + _equal_leading(key[1:][differ] ^ key[:-1][differ],
+                                                                        per_word, bits)
         # a chain of equal keys stays tied while any of its rows goes on (all ended: duplicates)
         chain = np.cumsum(~np.concatenate(([False], equal))) - 1
         going_on = np.bincount(chain, weights=~ended) > 0
@@ -126,6 +174,7 @@ def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = Non
         keep[:-1] |= tied
         starts = ~np.concatenate(([False], tied))
         first = np.maximum.accumulate(np.where(starts, np.arange(len(positions), dtype=index), 0))
-        positions, runs = positions[keep], positions[first][keep]
-        word += 1
+        positions, runs, depth = positions[keep], positions[first][keep], depth[keep] + per_word
+        if len(positions) > 1:  # skip the tokens each tied run's rows all share
+            depth += _shared_run_tokens(tokens, offsets, order[positions], runs, depth)
     return order, lcp  # int32 (int64 past 2**31 rows)
