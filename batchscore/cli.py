@@ -181,7 +181,9 @@ def main(verbose: bool) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--fresh", is_flag=True, help="Discard a partial earlier run of this output and start over.")
 @click.option("--shard", metavar="I/N", help="Score only static shard I of N (e.g. one Airflow task each); "
-              "the shard that completes the set writes the output, or run `batchscore merge`.")
+              "the shard that completes the set writes the output, or run `batchscore merge`. "
+              "`auto` (or `auto/N`): I (and N) from the job array's environment: Slurm, Kubernetes "
+              "Indexed Jobs, AWS Batch, Google Cloud Batch.")
 @click.option("--allow-code", is_flag=True, help="Allow engine.vllm_args that make vLLM load code "
               "(trust_remote_code, worker_extension_cls, ...); off: a job file cannot run code.")
 def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None, metrics_prom: str | None,
@@ -206,9 +208,11 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
 
     try:
-        parsed_shard = Shard.parse(shard) if shard else None
+        parsed_shard = _shard(Shard, shard) if shard else None
     except ValueError as exc:
         _fail(str(exc), EXIT_CONFIG)
+    if parsed_shard is not None:
+        shard = f"{parsed_shard.index}/{parsed_shard.count}"
     if quiet:
         os.environ.setdefault("TQDM_DISABLE", "1")  # also the model loader's bars
     try:
@@ -226,6 +230,17 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _shard(shard_class, spec: str):
+    """`--shard I/N`, or `--shard auto` / `auto/N` read from the job array's environment (said on stderr)."""
+    from batchscore.run.job_arrays import array_task, is_auto
+
+    if not is_auto(spec):
+        return shard_class.parse(spec)
+    task = array_task(spec, os.environ)
+    click.echo(f"shard {task.index}/{task.count} from the {task.source}", err=True)
+    return shard_class(task.index, task.count)
 
 
 def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, sets=(), output=None) -> None:
@@ -326,14 +341,22 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
 def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> None:
     """Combine the parts of N finished static shards into the output.
 
+    Until every shard has finished it exits 75 (retry later), prints the shard indexes still to
+    run on stdout (comma-separated, as `sbatch --array=` takes them) and says why on stderr.
+
     Example:
 
         batchscore run job.yaml --shard 0/2 && batchscore run job.yaml --shard 1/2
         batchscore merge job.yaml --shards 2
     """
+    from batchscore.errors import ShardsUnfinished
     from batchscore.run.runner import merge_shards
 
-    summary = merge_shards(_load(job, sets, output), shards)
+    try:
+        summary = merge_shards(_load(job, sets, output), shards)
+    except ShardsUnfinished as waiting:  # stdout: the indexes to rerun, as a job array takes them (1,3)
+        click.echo(",".join(map(str, waiting.retry)))
+        raise
     if summary is None:
         click.echo("nothing to merge: the output was already written by the last shard")
         return

@@ -122,6 +122,17 @@ class OutputLocked(BatchscoreError, RuntimeError):
     exit_code = EXIT_LOCKED
 
 
+class ShardsUnfinished(BatchscoreError, RuntimeError):
+    """`batchscore merge` before every shard of the set has finished: `retry` lists the shard
+    indexes to run (again); exit 75, as a job array retries a task later."""
+
+    exit_code = EXIT_LOCKED
+
+    def __init__(self, message: str, retry: list[int]):
+        super().__init__(message)
+        self.retry = list(retry)
+
+
 class ReportError(BatchscoreError, ValueError):
     """`batchscore report`: the output (or a file given with it) cannot be reported on."""
 

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchscore.cli import main
-from batchscore.errors import EXIT_CONFIG
+from batchscore.errors import EXIT_CONFIG, EXIT_LOCKED
 from batchscore.output.layout import OutputFiles
 from tests.conftest import write_sample_subset
 
@@ -59,16 +59,21 @@ def test_three_shards_then_merge_equal_the_unsharded_output(job_factory, grouped
 
 
 def test_merge_names_the_missing_shard(job_factory, grouped_input, tmp_path):
+    """A job-array task (`--shard auto/2`, its index from a Kubernetes Indexed Job's environment) runs
+    shard 1; the merge then exits 75 (retry later), the shard still to run on stdout and why."""
     job = job_factory(grouped_input)
     output = tmp_path / "out.parquet"
-    done = invoke("run", job, "-q", "-o", output, "--shard", "1/2", "--set", "engine.token_budget=512")
-    assert done.exit_code == 0
+    done = CliRunner().invoke(main, ["run", str(job), "-q", "-o", str(output), "--shard", "auto/2", "--set",
+                                     "engine.token_budget=512"], env={"JOB_COMPLETION_INDEX": "1"})
+    assert done.exit_code == 0, done.output
+    assert "shard 1/2 from the Kubernetes Indexed Job (JOB_COMPLETION_INDEX=1)" in done.output
     # the closing hint, run as printed, looks in this output with this job's settings
     assert f"batchscore merge {job} --shards 2 --set engine.token_budget=512 -o {output}" in done.output
     assert not list(tmp_path.glob("*.lock"))  # a finished shard leaves no lock file (nothing of it to resume)
     result = invoke("merge", job, "--shards", "2", "-o", output, "--set", "engine.token_budget=512")
-    assert result.exit_code == EXIT_CONFIG
-    assert "shard-0-of-2" in result.output
+    assert result.exit_code == EXIT_LOCKED == 75
+    assert result.stdout.splitlines()[0] == "0"  # as `sbatch --array=` takes it
+    assert "1 of 2 shards to run" in result.output and "0/2 not started" in result.output
     assert invoke("run", job, "-q", "-o", output, "--shard", "2/2", "--set", "engine.token_budget=512").exit_code \
         == EXIT_CONFIG
     assert not list(tmp_path.glob("*.lock"))

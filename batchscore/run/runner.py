@@ -30,7 +30,7 @@ from batchscore.engines.registry import get_kind
 from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError, OutputError,
-                               ResumeMismatch)
+                               ResumeMismatch, ShardsUnfinished)
 from batchscore.run.assemble import assemble_in_windows, assembles_in_windows
 from batchscore.run.ranges import StoreGroups, audit_sample, place_shares, reads_from_store
 from batchscore.plan.metadata import plan_rows
@@ -351,7 +351,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
 
     Reads only the input's id and kept columns (the shards recorded every row's result or
     error). Returns None when there is nothing to merge because the output is already complete.
-    Raises ResumeMismatch naming the shards that are missing or unfinished.
+    Raises ShardsUnfinished (exit 75) naming the shards still to run, and why.
     """
     started = time.perf_counter()
     files = output_files(config)
@@ -369,10 +369,13 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
             return None  # another merge finished while this one started
         manifests = store.sibling_manifests(names)
         expected = _job_hash(source, count, reads_from_store(source, Shard(0, count), files))
-        missing = [n for n, m in zip(names, manifests) if m is None or not m.complete or m.job_hash != expected]
-        if missing:
-            raise ResumeMismatch(f"cannot merge: shard(s) {', '.join(missing)} of this job are missing or "
-                                 f"unfinished in {store.folder}; run them with --shard I/{count}")
+        unfinished = _unfinished_shards(manifests, expected)
+        if unfinished:
+            said = "; ".join(f"{i}/{count} {why}" for i, why in unfinished.items())
+            raise ShardsUnfinished(
+                f"cannot merge yet: {len(unfinished)} of {count} shards to run in {store.folder}: {said}. Run "
+                f"them (--shard I/{count}, or a job array's retry of those indexes), then merge again",
+                list(unfinished))
         lock.check()
         errors, quality = assemble_output(job, store, manifests)
         summary = RunSummary(output_path=str(files.output), rows=job.input.num_records,
@@ -387,6 +390,22 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
         store.finish()
     _check_error_rate(summary, config)
     return summary
+
+
+def _unfinished_shards(manifests: list, expected_hash: str) -> dict[int, str]:
+    """The shards a merge still waits for, by index: why each one (never started, its rows so far,
+    or parts of other content that only its rerun with --fresh replaces)."""
+    unfinished = {}
+    for index, manifest in enumerate(manifests):
+        if manifest is None:
+            unfinished[index] = "not started"
+        elif manifest.job_hash != expected_hash:
+            unfinished[index] = "holds parts of other content (rerun it with --fresh)"
+        elif not manifest.complete:
+            done = sum(manifest.rows_done(int(w)) for w in manifest.worker_rows)
+            total = sum(manifest.worker_rows.values())
+            unfinished[index] = f"unfinished ({done:,} of {total:,} rows)"
+    return unfinished
 
 
 def _decide_compile(resolved: ResolvedEngine, engine: EngineConfig, job: PreparedJob, worker_groups: list,
