@@ -4,6 +4,7 @@ window's results in memory whatever the job's size."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -111,9 +112,11 @@ def test_merge_memory_does_not_grow_with_the_rows(tmp_path):
     assert whole > grown_large + 8 * 2**20, (grown_large, whole)
 
 
-def test_windowed_output_equals_the_whole_table_output(tmp_path, monkeypatch):
-    """The labels job's output written window by window equals the one assembled at once (the
-    task's own assemble), bit for bit, with refused rows among them; every row once, in order."""
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+def test_windowed_output_equals_the_whole_table_output(tmp_path, monkeypatch, suffix):
+    """The labels job's output written window by window (the format's window writer) equals the one
+    assembled at once (the task's own assemble, the format's whole-table writer), bit for bit, with
+    refused rows among them; every row once, in order."""
     from batchscore.bench.standin import HashScores, expected_p_first
     from batchscore.jobfile import config_from_dict
     from batchscore.run import assemble
@@ -129,17 +132,26 @@ def test_windowed_output_equals_the_whole_table_output(tmp_path, monkeypatch):
         config = config_from_dict({"input": {"path": str(tmp_path / "in.parquet"), "token_ids_column": "tokens",
                                              "id_column": "id"}, "labels": ["Yes", "No"],
                                    "model": "smollm2-135m-instruct", "engine": {"kind": "torch", "compile": False},
-                                   "output": {"path": str(tmp_path / f"{name}.parquet"), "part_rows": 6,
+                                   "output": {"path": str(tmp_path / f"{name}.{suffix}"), "part_rows": 6,
                                               "audit_rows": 0, "keep_columns": ["keep"], "max_error_rate": 0.5}})
         run_job(config, progress=False, engine_factory=lambda *_: HashScores())
-        return pq.read_table(tmp_path / f"{name}.parquet")
+        path = tmp_path / f"{name}.{suffix}"
+        if suffix == "jsonl":
+            return path.read_bytes(), pa.Table.from_pylist([json.loads(line) for line in path.read_text().splitlines()])
+        return None, pq.read_table(path)
 
+    from batchscore.formats.table import JsonlWindowWriter
+
+    windows = []
+    monkeypatch.setattr(JsonlWindowWriter, "write_table", lambda self, table, write=JsonlWindowWriter.write_table:
+                        (windows.append(table.num_rows), write(self, table))[1])
     monkeypatch.setattr(row_merge, "WINDOW_ROWS", 4)
-    windowed = run("windowed")
+    windowed_bytes, windowed = run("windowed")
+    assert windows == ([4] * 10 if suffix == "jsonl" else [])  # JSON Lines too, 4 rows at a time
     monkeypatch.setattr(assemble, "assembles_in_windows", lambda job: False)
     monkeypatch.setattr("batchscore.run.runner.assembles_in_windows", lambda job: False)
-    whole = run("whole")
-    assert windowed.equals(whole)
+    whole_bytes, whole = run("whole")
+    assert windowed.equals(whole) and windowed_bytes == whole_bytes
     assert windowed.column("id").to_pylist() == [f"r{r}" for r in range(40)]
     status = windowed.column("status").to_pylist()
     assert [r for r in range(40) if status[r] != "ok"] == [0, 11, 22, 33]  # the empty prompts, refused

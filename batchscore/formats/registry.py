@@ -36,8 +36,11 @@ class WireFormat:
     `input.id_column` names another; None: rows have no id of their own). `response_lines`: its
     output answers each request with one response line (no raw, calibration or extra columns).
     `keeps_raw_columns`: an output in it is read back whole with its raw score columns, so its
-    post-processing can be re-derived without scoring (run/rederive.py). `job_problems(config)`:
-    what it refuses of a job that reads or writes it (it checks which role it has).
+    post-processing can be re-derived without scoring (run/rederive.py). `window_writer(path,
+    schema)`: a writer of the output window by window (`write_table(table)`, `close()`; the schema
+    carries the run's metadata), so a labels job's output is assembled without holding every row
+    (run/assemble.py); None: the output is written whole. `job_problems(config)`: what it refuses
+    of a job that reads or writes it (it checks which role it has).
     """
 
     name: str
@@ -50,6 +53,7 @@ class WireFormat:
     request_id: str | None = None
     response_lines: bool = False
     keeps_raw_columns: bool = False
+    window_writer: Callable[..., object] | None = None
     job_problems: Callable[..., list[str]] | None = None
     output_suffixes: tuple[str, ...] | None = None  # what `output.format: auto` writes in it (None: `suffixes`)
 

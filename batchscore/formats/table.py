@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import math
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from batchscore.formats.lines import write_lines
 from batchscore.formats.registry import WireFormat, register
 from batchscore.io.readers import jsonl_batches
@@ -30,7 +33,24 @@ def _finite(row: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
+class JsonlWindowWriter:
+    """JSON Lines written window by window: the same lines `write_jsonl` writes for the whole table
+    (JSON has no schema: the run's metadata stays in the completion marker)."""
+
+    def __init__(self, path, schema: pa.Schema) -> None:
+        self.schema = schema
+        self._file = open(path, "w", encoding="utf-8")
+
+    def write_table(self, table: pa.Table) -> None:
+        for row in table.to_pylist():
+            self._file.write(json.dumps(_finite(row), ensure_ascii=False, default=str))
+            self._file.write("\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
 PARQUET = register(WireFormat("parquet", suffixes=(".parquet", ".pq"), dataset=True, write=write_parquet,
-                              keeps_raw_columns=True))
+                              keeps_raw_columns=True, window_writer=pq.ParquetWriter))
 JSONL = register(WireFormat("jsonl", suffixes=(".jsonl", ".ndjson", ".json"), read=read_jsonl, write=write_jsonl,
-                            output_suffixes=(".jsonl", ".ndjson")))
+                            output_suffixes=(".jsonl", ".ndjson"), window_writer=JsonlWindowWriter))

@@ -2,8 +2,8 @@
 row order, each window normalized and written as it comes, so the output of a 10M-row job never
 sits in memory whole.
 
-Taken by jobs whose output needs nothing beyond each row's own results: fixed labels, a Parquet
-output, no calibration, review or confidence columns (they are fitted over every row), no
+Taken by jobs whose output needs nothing beyond each row's own results: fixed labels, an output
+format that writes windows (Parquet, JSON Lines: `WireFormat.window_writer`), no calibration, review or confidence columns (they are fitted over every row), no
 `output.top_token` (it reads each row's options). Other jobs assemble the whole table at once
 (their task's `assemble`). Both write the same rows, columns and values.
 """
@@ -11,8 +11,6 @@ output, no calibration, review or confidence columns (they are fitted over every
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchscore.faults import fault_point
 from batchscore.formats.registry import output_format_of
@@ -35,9 +33,9 @@ def assembles_in_windows(job) -> bool:
 
 def windowed_output(config) -> bool:
     """A labels job's output that needs only each row's own results (see the module docstring)."""
-    wire = output_format_of(config)  # a format whose output is one Parquet table (its raw columns kept)
+    wire = output_format_of(config)  # a format that writes its output window by window
     return (bool(config.labels) and config.input.choices_column is None and wire is not None
-            and wire.keeps_raw_columns and not config.output.top_token and not quality.wanted(config))
+            and wire.window_writer is not None and not config.output.top_token and not quality.wanted(config))
 
 
 def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx_keep: float | None,
@@ -68,7 +66,8 @@ def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx
                                      approx_keep=approx_keep)
                 if writer is None:
                     fault_point("assemble")
-                    writer = pq.ParquetWriter(tmp, with_metadata(table, provenance(job)).schema)  # the run, in the schema
+                    writer = output_format_of(config).window_writer(  # the run, in the schema
+                        tmp, with_metadata(table, provenance(job)).schema)
                 writer.write_table(table.cast(writer.schema))
                 written += table.num_rows
                 errors.update({row + window.start: message for row, message in local.items()})
