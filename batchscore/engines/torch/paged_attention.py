@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batchscore.engines.cpu_features import note_vllm_kernels
 from batchscore.engines.fallback import fell_back
 from batchscore.engines.torch.cascade_attention import _attend_part, attend_parts
 
@@ -66,6 +67,7 @@ def paged_kernel_loaded() -> bool:
     try:
         if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
             torch.ops.load_library(str(path))
+            note_vllm_kernels(library)  # a vLLM engine core in this process must not load another one
         return all(hasattr(torch.ops._C, op) for op in
                    ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache", "get_scheduler_metadata"))
     except Exception as exc:  # noqa: BLE001 - any failure: the cascade attention runs

