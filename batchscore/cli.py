@@ -203,12 +203,12 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
     if _early_sigterm:  # one came during the imports: ended here, recorded like any other
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
     try:
-        from batchscore.run.runner import Shard, run_job  # seconds of imports: after the handler
+        from batchscore.run.runner import run_job  # seconds of imports: after the handler
     except KeyboardInterrupt:  # Ctrl-C during them: recorded in the metrics as a SIGTERM is (exit 130)
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
 
     try:
-        parsed_shard = _shard(Shard, shard) if shard else None
+        parsed_shard = _shard(shard) if shard else None
     except ValueError as exc:
         _fail(str(exc), EXIT_CONFIG)
     if parsed_shard is not None:
@@ -232,15 +232,16 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
             signal.signal(signal.SIGTERM, previous)
 
 
-def _shard(shard_class, spec: str):
+def _shard(spec: str):
     """`--shard I/N`, or `--shard auto` / `auto/N` read from the job array's environment (said on stderr)."""
     from batchscore.run.job_arrays import array_task, is_auto
+    from batchscore.run.runner import Shard
 
     if not is_auto(spec):
-        return shard_class.parse(spec)
+        return Shard.parse(spec)
     task = array_task(spec, os.environ)
     click.echo(f"shard {task.index}/{task.count} from the {task.source}", err=True)
-    return shard_class(task.index, task.count)
+    return Shard(task.index, task.count)
 
 
 def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, sets=(), output=None) -> None:

