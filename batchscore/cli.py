@@ -435,6 +435,40 @@ def bench() -> None:
     """
 
 
+@main.command(name="eval", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                             "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def eval_command(args: tuple[str, ...]) -> None:
+    """lm-evaluation-harness with the batchscore backend: every argument goes to lm-eval unchanged.
+
+    Example (the sample tasks: batchscore eval-tasks DIR):
+
+        batchscore eval --model batchscore --model_args dtype=float32 --tasks batchscore_mc --include_path DIR
+    """
+    from batchscore.evaluation.command import run_lm_eval
+
+    sys.exit(run_lm_eval(list(args)))
+
+
+@main.command(name="eval-tasks")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--questions", default=250, show_default=True, type=click.IntRange(min=1),
+              help="Questions of the multiple-choice task.")
+def eval_tasks(folder: str, questions: int) -> None:
+    """Write lm-eval's offline sample tasks to FOLDER (for --include_path): batchscore_mc, a 5-shot
+    multiple-choice task of 4 choices, batchscore_ppl, a perplexity task, and batchscore_gen, a
+    generation task (which the batchscore backend refuses).
+
+    Example:
+
+        batchscore eval-tasks out/tasks
+    """
+    from batchscore.evaluation.sample_tasks import write_sample_tasks
+
+    for path in write_sample_tasks(folder, questions=questions):
+        click.echo(f"wrote {path}")
+
+
 @main.command()
 def models() -> None:
     """List the built-in model names.

@@ -18,7 +18,7 @@ import yaml
 from batchscore.config import (CalibrateConfig, EngineConfig, ExecutorConfig, InputConfig, JobConfig, OutOfScopeConfig,
                                OutputConfig, PlanConfig, PromptConfig, ReviewConfig, ScoreConfig, SpeculativeConfig,
                                SyntheticInput, safe_load_yaml)
-from batchscore.engines.registry import engine_problems, kind_names as engine_kind_names
+from batchscore.engines.registry import engine_problems, kind_names as engine_kind_names, reads_greedy
 from batchscore.engines.vllm.kind import vllm_args_problems
 from batchscore.engines.shape import DTYPE_BYTES
 from batchscore.engines.speculative.kept_tokens import options_problems
@@ -315,6 +315,10 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     if config.output.top_token and (not task.top_token or getattr(output_format_of(config), "response_lines", False)):
         problems.append("output.top_token: for labels and choices jobs written as Parquet or JSON Lines (questions "
                         "jobs write <id>.argmax_is_label; an openai_batch response has no such column)")
+    if config.output.greedy and (not inp.choices_column or not reads_greedy(config.engine.kind)
+                                 or getattr(output_format_of(config), "response_lines", False)):
+        problems.append("output.greedy: writes greedy_choices for input.choices_column jobs on the torch engine, "
+                        "written as Parquet or JSON Lines (the other engines do not read each option token's argmax)")
     if config.output.audit_rows is not None and config.output.audit_rows < 0:
         problems.append(f"output.audit_rows: must be ≥ 0 (0 turns the exactness audit off), "
                         f"got {config.output.audit_rows}")

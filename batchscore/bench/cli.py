@@ -15,6 +15,7 @@ from batchscore.bench.fixed_costs import fixed_costs
 from batchscore.bench.gpu_command import gpu
 from batchscore.bench.invariance import invariance
 from batchscore.bench.labels_bench import labels
+from batchscore.bench.lm_eval_bench import lm_eval_bench
 from batchscore.bench.mil_bench import mil
 from batchscore.bench.placement_bench import placement
 from batchscore.bench.plan_bench import plan
@@ -24,6 +25,6 @@ from batchscore.bench.tokenize_store import tokenize_store
 from batchscore.bench.vllm_bench import vllm
 
 COMMANDS = [workloads, plan, engine, attention, vllm, gpu, mil, scale, placement, dtype_parity, specprefill, labels,
-            decisions, invariance, tokenize_store, fixed_costs]
+            decisions, invariance, tokenize_store, fixed_costs, lm_eval_bench]
 
 __all__ = ["COMMANDS"]

@@ -30,6 +30,7 @@ class RawScores:
     error: str | None = None  # set (with NaN totals) when the engine could not score this row
     top_logp: float = float("nan")  # the vocabulary's largest log-probability at the read position (NaN: not read)
     top_token: int = -1  # that most probable token's id (-1: not read)
+    greedy: np.ndarray | None = None  # [num_options] bool: each of the option's tokens is the argmax at its place
 
     @classmethod
     def failed(cls, row_id: int, num_options: int, error: str) -> RawScores:
@@ -38,10 +39,13 @@ class RawScores:
 
     @classmethod
     def of_options(cls, row_id: int, totals: np.ndarray, options: OptionTokens | None = None,
-                   top_logp: float = float("nan"), top_token: int = -1) -> RawScores:
-        """Scores of a member's `options` from their totals [K] (token counts from the options)."""
+                   top_logp: float = float("nan"), top_token: int = -1,
+                   greedy: np.ndarray | None = None) -> RawScores:
+        """Scores of a member's `options` from their totals [K] (token counts from the options;
+        `greedy`: [K] whether each option is the greedy continuation, None when not read)."""
         tokens = None if options is None else np.asarray(options.lengths, dtype=np.int32)
-        return cls(row_id, np.asarray(totals, dtype=np.float64), tokens, top_logp=top_logp, top_token=top_token)
+        return cls(row_id, np.asarray(totals, dtype=np.float64), tokens, top_logp=top_logp, top_token=top_token,
+                   greedy=None if greedy is None else np.asarray(greedy, dtype=bool))
 
 
 def num_options(member, label_token_ids: Sequence[int] | None) -> int:

@@ -61,7 +61,8 @@ class EngineKind:
 `decide_compile`: whether to compile its layers (kinds that never compile leave it None).
     `honours`: which of the `engine:` section's SHARED_KNOBS it acts on (a job that sets another is
     refused by name, never silently ignored); `job_problems(engine)`: its own rules on the
-    `engine:` section (e.g. what it cannot combine).
+    `engine:` section (e.g. what it cannot combine). `reads_greedy`: it can write
+    `output.greedy`'s column.
     """
 
     name: str
@@ -79,6 +80,7 @@ class EngineKind:
     explicit_only: bool = field(default=False)  # never chosen by auto (e.g. a test kind)
     honours: frozenset[str] = frozenset()  # the SHARED_KNOBS it acts on; the others it refuses by name
     job_problems: Callable[[EngineConfig], list[str]] = lambda engine: []  # what else it refuses of `engine:`
+    reads_greedy: bool = False  # it reads whether each option token is the argmax (output.greedy)
 
 
 _KINDS: Registry[EngineKind] = Registry(BUILT_IN, lambda kind: kind.build.__module__)
@@ -119,6 +121,13 @@ def register(kind: EngineKind) -> EngineKind:
 
 def unregister(name: str) -> None:
     _KINDS.unregister(name)
+
+
+def reads_greedy(name: str) -> bool:
+    """Whether the job's `engine.kind` reads each option token's argmax (`output.greedy`); `auto`
+    does where it picks the torch engine, its first choice wherever that can run the job."""
+    kind = _KINDS.get(name) if name != "auto" else None
+    return name == "auto" or (kind is not None and kind.reads_greedy)
 
 
 def kinds() -> dict[str, EngineKind]:

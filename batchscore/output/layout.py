@@ -133,6 +133,8 @@ ARGMAX_IS_LABEL = "argmax_is_label"  # the most probable token is an option's fi
 TOP_TOKEN = "top_token"  # that token, as text
 TOP_P = "top_p"  # its probability under the full-vocabulary softmax
 TOP_COLUMNS = (ARGMAX_IS_LABEL, TOP_TOKEN, TOP_P)
+# output.greedy (choices jobs): list<bool>, per option, whether it is the model's greedy continuation
+GREEDY_CHOICES = "greedy_choices"
 
 
 LABEL_PREFIX, LOGP_PREFIX = "p_", "logp_"

@@ -248,14 +248,14 @@ class PartStore:
     def write_part(self, manifest: Manifest, row_ids: np.ndarray, logp: list[np.ndarray],
                    option_tokens: list[np.ndarray | None], errors: dict[int, str],
                    start: int, end: int, worker: int = 0, top_logp: list[float] | None = None,
-                   top_token: list[int] | None = None) -> None:
+                   top_token: list[int] | None = None, greedy: list[np.ndarray | None] | None = None) -> None:
         """Write one part (atomically), then record it in the manifest (atomically).
 
         row_ids: [R]; logp: R arrays of each option's raw total log-probability, as the engine
         returned it (NaN: not scored); option_tokens: R arrays of tokens per option (None: one
         token each); errors: row_id -> engine error message; top_logp: R of the vocabulary's largest
         log-probability at each row's read position (NaN: not read); top_token: R of that token's id
-        (-1: not read);
+        (-1: not read); greedy: R of whether each option is the greedy continuation (None: not read);
         [start, end): the positions of the worker's member order the part covers (R = end - start).
         """
         self.guard()
@@ -271,6 +271,9 @@ class PartStore:
                                  type=pa.float64()),
             "top_token": pa.array(np.full(len(row_ids), -1) if top_token is None else np.asarray(top_token, np.int64),
                                   type=pa.int64()),
+            "greedy": pa.array([None] * len(row_ids) if greedy is None else
+                               [None if g is None else np.asarray(g, dtype=bool) for g in greedy],
+                               type=pa.list_(pa.bool_())),
         })
         written = {}
 
@@ -298,7 +301,7 @@ class PartStore:
         `only` (sorted distinct row ids): keep just those rows, as the audit does with its sample:
         the scores are then in the order of `only` (index i is row only[i]), errors stay keyed by
         row id, and what is held is the sample's, not every row's (a part is read at a time)."""
-        row_chunks, logp_chunks, token_chunks, top_chunks, top_id_chunks = [], [], [], [], []
+        row_chunks, logp_chunks, token_chunks, top_chunks, top_id_chunks, greedy_chunks = [], [], [], [], [], []
         errors: dict[int, str] = {}
         kept = None if only is None else np.asarray(only, dtype=np.int64)
         seen = np.zeros(num_rows if kept is None else len(kept), dtype=np.int64)
@@ -336,6 +339,8 @@ class PartStore:
             top_chunks.append(table.column("top_logp").combine_chunks())
             top_id_chunks.append(table.column("top_token").combine_chunks() if "top_token" in table.column_names
                                  else pa.array(np.full(len(rows), -1), type=pa.int64()))  # parts from before the column
+            greedy_chunks.append(table.column("greedy").combine_chunks() if "greedy" in table.column_names
+                                 else pa.nulls(len(rows), pa.list_(pa.bool_())))
             for row_id, message in zip(ids.tolist(), _row_errors(table, FAILED)):
                 if message is not None:
                     errors[row_id] = message
@@ -357,7 +362,7 @@ class PartStore:
         tops = pa.concat_arrays(top_chunks) if top_chunks else pa.array([], type=pa.float64())
         top_ids = pa.concat_arrays(top_id_chunks) if top_id_chunks else pa.array([], type=pa.int64())
         scores = RowScores(in_row_order(logp_chunks, pa.float64()), in_row_order(token_chunks, pa.int32()),
-                           tops.take(take), top_ids.take(take))
+                           tops.take(take), top_ids.take(take), in_row_order(greedy_chunks, pa.bool_()))
         return scores, errors
 
     def sibling_manifests(self, names: list[str]) -> list[Manifest | None]:

@@ -24,6 +24,7 @@ class RowScores:
     tokens: pa.ListArray | None = None
     top_logp: pa.Array | None = None  # double: the vocabulary's top log-probability at each read position
     top_token: pa.Array | None = None  # int64: that most probable token's id (-1: not read)
+    greedy: pa.ListArray | None = None  # list<bool>: each option is the greedy continuation (null: not read)
 
     def unscored(self) -> np.ndarray:
         """Rows without a whole result: no part holds them, or one of their totals is NaN."""

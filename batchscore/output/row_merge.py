@@ -28,7 +28,8 @@ from batchscore.output.raw_scores import RowScores
 WINDOW_ROWS = 1_000_000  # rows per window: ~100 MB of results and output columns at a time
 
 _COLUMNS = pa.schema([("row_id", pa.int64()), ("logp", pa.list_(pa.float64())), ("option_tokens", pa.list_(pa.int32())),
-                      ("error", pa.string()), ("top_logp", pa.float64()), ("top_token", pa.int64())])
+                      ("error", pa.string()), ("top_logp", pa.float64()), ("top_token", pa.int64()),
+                      ("greedy", pa.list_(pa.bool_()))])
 
 
 @dataclass
@@ -83,13 +84,16 @@ def _result_tables(store: PartStore, manifests: list[Manifest]) -> Iterator[pa.T
         n = refused.num_rows
         yield pa.table([refused.column("row_id"), pa.nulls(n, _COLUMNS.field("logp").type),
                         pa.nulls(n, _COLUMNS.field("option_tokens").type), refused.column("error"),
-                        pa.nulls(n, pa.float64()), pa.nulls(n, pa.int64())], schema=_COLUMNS)
+                        pa.nulls(n, pa.float64()), pa.nulls(n, pa.int64()), pa.nulls(n, _COLUMNS.field("greedy").type)],
+                       schema=_COLUMNS)
     for part in (p for m in manifests for p in m.parts):
         table = _read(store.folder / part.file)
         if table.num_rows != part.rows:
             raise RuntimeError(f"{part.file} holds {table.num_rows} rows, its manifest says {part.rows}")
         if "top_token" not in table.column_names:  # parts from before the column
             table = table.append_column("top_token", pa.array(np.full(table.num_rows, -1), type=pa.int64()))
+        if "greedy" not in table.column_names:
+            table = table.append_column("greedy", pa.nulls(table.num_rows, _COLUMNS.field("greedy").type))
         yield table.select(_COLUMNS.names).cast(_COLUMNS)
 
 
@@ -118,4 +122,4 @@ def _window(table: pa.Table, start: int, end: int, folder) -> Window:
         return table.column(name).combine_chunks().take(take)
 
     return Window(start, end, RowScores(column("logp"), column("option_tokens"), column("top_logp"),
-                                        column("top_token")), errors)
+                                        column("top_token"), column("greedy")), errors)

@@ -96,13 +96,49 @@ def choices_problem(value: Any) -> tuple[list[str] | None, str | None]:
     return list(value), None
 
 
+def holds_token_lists(value: Any) -> bool:
+    """A choices value given as token ids: a list whose first option is itself a list (of ids)."""
+    return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], (list, tuple, np.ndarray))
+
+
+def token_choices_problem(value: Any, vocab_size: int | None = None) -> tuple[list[list[int]] | None, str | None]:
+    """(a pre-tokenized row's options as token id lists, None), or (None, why not).
+
+    With `input.token_ids_column`, `input.choices_column` may hold each option's token ids
+    (list<list<int>>): the tokens scored after the prompt, as given (lm-eval's continuation
+    tokens). One option is allowed: its total log-probability (`output.logprobs`, `logp_choices`)
+    is the point of such a row; its normalized probability is 1. Repeated options are refused as
+    for text (two copies would split one option's probability).
+    """
+    from batchscore.plan.validate import token_ids_problem
+
+    lists = []
+    for index, option in enumerate(value):
+        tokens, problem = token_ids_problem(list(option) if isinstance(option, np.ndarray) else option)
+        if problem:
+            return None, f"option {index}: {problem}"
+        if not len(tokens):
+            return None, f"option {index} is an empty list of token ids; every option needs a token"
+        if vocab_size is not None and int(tokens.max()) >= vocab_size:
+            return None, (f"option {index}: token id {int(tokens.max())} is outside the model's vocabulary "
+                          f"(size {vocab_size})")
+        lists.append([int(t) for t in tokens])
+    first: dict[tuple, int] = {}
+    for index, tokens in enumerate(lists):
+        if first.setdefault(tuple(tokens), index) != index:
+            return None, f"option {index} repeats option {first[tuple(tokens)]}; a row's options must be distinct"
+    return lists, None
+
+
 def choices_for_output(choices, ok: np.ndarray) -> list | None:
     """Each row's options as read (for the `choice` column), from `choices` (an Arrow array of the
-    choices column): a list for ok rows, None elsewhere."""
+    choices column): a list for ok rows, None elsewhere. Options given as token ids are named by
+    their ids as JSON text ("[323, 9]")."""
     if choices is None:
         return None
     values = choices.to_pylist()
-    return [choices_problem(v)[0] if good else None for v, good in zip(values, ok)]
+    return [(([json.dumps([int(t) for t in option]) for option in v] if holds_token_lists(v)
+              else choices_problem(v)[0]) if good else None) for v, good in zip(values, ok)]
 
 
 def _short(value: Any, limit: int = 40) -> str:
@@ -363,16 +399,19 @@ class RowOptionSource:
 
     labels: the job's fixed labels, or None with `choices_column`. `encoder` tokenizes; prompts
     that are text are passed per batch (`texts`), pre-tokenized prompts are not (options are then
-    tokenized alone). `max_length`: the longest sequence the engine takes in.
+    tokenized alone, or given as token ids: `token_choices_problem`). `max_length`: the longest
+    sequence the engine takes in; `vocab_size`: the model's, which options given as ids must fit.
     """
 
     def __init__(self, labels: Sequence[str] | None, choices_column: str | None, encoder: OptionEncoder,
-                 max_length: int | None = None, limit_name: str = "the model's context") -> None:
+                 max_length: int | None = None, limit_name: str = "the model's context",
+                 vocab_size: int | None = None) -> None:
         self.labels = list(labels) if labels else None
         self.choices_column = choices_column
         self.encoder = encoder
         self.max_length = max_length
         self.limit_name = limit_name
+        self.vocab_size = vocab_size
 
     def batch(self, prompt_tokens: Sequence, texts: Sequence[str | None] | None, choices: Sequence | None,
               where: Sequence[str], chat: Sequence[bool] | None = None,
@@ -390,6 +429,9 @@ class RowOptionSource:
                 continue
             if self.labels is not None:
                 opts = self.labels
+            elif texts is None and holds_token_lists(choices[i]):
+                results[i] = self._given_tokens(choices[i], len(tokens), where[i])
+                continue
             else:
                 opts, problem = choices_problem(choices[i])
                 if problem:
@@ -414,6 +456,16 @@ class RowOptionSource:
                                                        self.limit_name, self._name)
             results[i] = (None, f"{where[i]}: {problem}") if problem else (options, None)
         return results
+
+    def _given_tokens(self, value, prompt_len: int, where: str) -> tuple[OptionTokens | None, str | None]:
+        """A pre-tokenized row's options given as token ids (or the row's error)."""
+        token_lists, problem = token_choices_problem(value, self.vocab_size)
+        if problem:
+            return None, f"{where}: field {self.choices_column!r} {problem}"
+        options = self.encoder.intern(token_lists)
+        problem = option_length_problem(options, [json.dumps(t) for t in token_lists], prompt_len, self.max_length,
+                                        self.limit_name, self._name)
+        return (None, f"{where}: {problem}") if problem else (options, None)
 
     def _alone(self, opts: Sequence[str]) -> tuple[list[list[int]] | None, str | None]:
         token_lists = self.encoder.alone(opts, split=self.labels is None)

@@ -49,6 +49,7 @@ class PartSink:
         self.option_tokens: list[np.ndarray | None] = []  # tokens per option (None: one each)
         self.top_logp: list[float] = []  # the vocabulary's top log-probability at each read position
         self.top_token: list[int] = []  # ...and that token's id (-1: not read)
+        self.greedy: list[np.ndarray | None] = []  # per option: the greedy continuation (None: not read)
         self.errors: dict[int, str] = {}
 
     @property
@@ -84,6 +85,7 @@ class PartSink:
         self.option_tokens.append(result.option_tokens)
         self.top_logp.append(float(result.top_logp))
         self.top_token.append(int(getattr(result, "top_token", -1)))
+        self.greedy.append(getattr(result, "greedy", None))
         if result.error:
             self.errors[result.row_id] = result.error
         self.position += 1
@@ -109,7 +111,7 @@ class PartSink:
             return
         self.store.write_part(self.manifest, np.asarray(self.row_ids, dtype=np.int64), self.logp, self.option_tokens,
                               self.errors, start=self.part_start, end=self.position, worker=self.worker,
-                              top_logp=self.top_logp, top_token=self.top_token)
+                              top_logp=self.top_logp, top_token=self.top_token, greedy=self.greedy)
         self.part_start, self.last_flush = self.position, time.monotonic()
         self._reset()
 

@@ -124,6 +124,16 @@ def top_columns(scores: RowScores, ok: np.ndarray, first_tokens: Sequence[set[in
             layout.TOP_P: pa.array(np.exp(tops), mask=~read, type=pa.float64())}
 
 
+def greedy_column(scores: RowScores, ok: np.ndarray) -> pa.Array:
+    """`output.greedy`'s column: per option of each scored row, whether every one of its tokens is
+    the argmax of the model's distribution at its place (lm-eval's `is_greedy`); null where the row
+    was not scored or the engine did not read it."""
+    if scores.greedy is None:
+        return pa.nulls(len(ok), pa.list_(pa.bool_()))
+    greedy = scores.greedy.combine_chunks() if isinstance(scores.greedy, pa.ChunkedArray) else scores.greedy
+    return pc.if_else(pa.array(ok), greedy, pa.scalar(None, pa.list_(pa.bool_())))
+
+
 def results_table(ids: pa.Array, id_name: str, kept: pa.Table, labels: list[str], logp: np.ndarray,
                   errors: dict[int, str], approx_keep: float | None = None) -> pa.Table:
     """The output table of fixed labels from each row's raw label totals, as a run writes it.

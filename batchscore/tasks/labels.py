@@ -12,7 +12,7 @@ from batchscore.faults import fault_point
 from batchscore.formats import write_output
 from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.scores.job_checks import common_quality_problems
-from batchscore.output.layout import DEFAULT_ID, TOP_COLUMNS, calibrated_column, label_column, output_columns
+from batchscore.output.layout import DEFAULT_ID, GREEDY_CHOICES, TOP_COLUMNS, calibrated_column, label_column, output_columns
 from batchscore.output.table import ok_rows, provenance, scores_table, with_metadata
 from batchscore.plan.types import Request
 from batchscore.prepare.read import load_tokenizer, make_renderer, prepare_input, prompt_limits
@@ -22,7 +22,7 @@ from batchscore.prepare.options import (OptionEncoder, RowOptionSource, choices_
 from batchscore.prepare.prompts import PromptRenderer, compile_template
 from batchscore.scores import quality
 from batchscore.scores.calibration import FITTED, PER_ROW_CHOICES
-from batchscore.scores.normalize import score_columns, top_columns
+from batchscore.scores.normalize import greedy_column, score_columns, top_columns
 from batchscore.scores.quality import (add_quality_columns, check_calibration_source, content_free_row,
                                        content_free_rows)
 from batchscore.task import InputColumns, Task, register
@@ -43,6 +43,7 @@ def job_output_columns(config: JobConfig) -> tuple[set[str], list[str]]:
     through the labels, which job_problems checks)."""
     generated = set(output_columns(config.labels, config.input.choices_column is not None, config.output.logprobs))
     generated |= set(TOP_COLUMNS) if config.output.top_token else set()
+    generated |= {GREEDY_CHOICES} if config.output.greedy else set()
     generated |= set(quality.column_names(config))
     return generated, []
 
@@ -147,7 +148,7 @@ def tokenizing(config: JobConfig, source: JobSource) -> tuple[PromptRenderer, Ro
     max_length, vocab_size = prompt_limits(config, source.kind, source.model_dir, tokenizer)
     renderer = make_renderer(config, tokenizer)
     options = RowOptionSource(config.labels, config.input.choices_column, OptionEncoder(tokenizer), max_length,
-                              max_length_name(config.engine.max_length, max_length))
+                              max_length_name(config.engine.max_length, max_length), vocab_size)
     return renderer, options, max_length, vocab_size
 
 
@@ -175,6 +176,8 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
                             scores=scores, ok=ok, normalize=config.score.normalize, logprobs=config.output.logprobs)
     if config.output.top_token:
         columns.update(top_columns(scores, ok, _first_tokens(job), load_tokenizer(job.model_dir).decode))
+    if config.output.greedy:
+        columns[GREEDY_CHOICES] = greedy_column(scores, ok)
     columns, result = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids,
                                           choices_for_output(prepared.choices, ok), content_free)
     table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=approx_keep)

@@ -426,16 +426,22 @@ class TorchEngine:
         order = np.argsort(pair_source, kind="stable")
         tops, top_ids = np.empty(members), np.empty(members, dtype=np.int64)
         stacked = torch.cat([torch.stack(firsts)] + rows)  # [members + rows, hidden]
-        pair_logp = np.empty(len(pair_source))
-        pair_logp[order] = self._pair_log_probs(stacked, pair_source[order], pair_target[order], tops, top_ids)
+        pair_logp, sorted_misses = np.empty(len(pair_source)), np.empty(len(pair_source), dtype=bool)
+        pair_logp[order] = self._pair_log_probs(stacked, pair_source[order], pair_target[order], tops, top_ids,
+                                                sorted_misses)
+        pair_misses = np.empty(len(pair_source), dtype=bool)
+        pair_misses[order] = sorted_misses
         owner = np.concatenate(owners)
         first = 0
         for number, (entries, batch, _, _) in enumerate(batches):
-            totals = batch.totals(pair_logp[owner == number])
-            for (run, index), total, top, top_id in zip(entries, totals, tops[first : first + batch.num_members],
-                                                        top_ids[first : first + batch.num_members]):
+            mine = owner == number
+            totals, greedy = batch.totals(pair_logp[mine]), batch.greedy(pair_misses[mine])
+            for (run, index), total, is_greedy, top, top_id in zip(
+                    entries, totals, greedy, tops[first : first + batch.num_members],
+                    top_ids[first : first + batch.num_members]):
                 member = run.slot.group.members[index]
-                run.set(index, RawScores.of_options(member.row_id, total, member.options, float(top), int(top_id)))
+                run.set(index, RawScores.of_options(member.row_id, total, member.options, float(top), int(top_id),
+                                                    greedy=is_greedy))
             first += batch.num_members
 
     @torch.inference_mode()
@@ -460,7 +466,7 @@ class TorchEngine:
         in passes under the budget (an option longer than the budget in chunks of its own)."""
         options = member.options
         prompt = self.prefill_prefix(member.suffix, base=prefix.kv) if len(member.suffix) else prefix
-        totals = np.empty(options.count)
+        totals, greedy = np.empty(options.count), np.empty(options.count, dtype=bool)
         top, top_id = np.empty(1), np.empty(1, dtype=np.int64)
         self._pair_log_probs(prompt.last_hidden[None], np.zeros(0, np.int64), np.zeros(0, np.int64), top, top_id)
         rows = (options.lengths - 1).tolist()
@@ -468,15 +474,18 @@ class TorchEngine:
         groups = [b.member_indices for b in plan_suffix_batches(rows, self.token_budget, long_in_one_pass=True)]
         for indices in ([singles] if singles else []) + groups:
             if len(indices) == 1 and rows[indices[0]] > self.token_budget:
-                totals[indices[0]] = self._option_in_chunks(prompt, options.option(indices[0]))
+                totals[indices[0]], greedy[indices[0]] = self._option_in_chunks(prompt, options.option(indices[0]))
                 continue
             batch = pack_options([(np.zeros(0, np.int32), subset(options, indices))], prompt.kv.length)
-            totals[indices] = self._option_pass(prompt, batch)[0][0]
-        return RawScores.of_options(member.row_id, totals, options, float(top[0]), int(top_id[0]))
+            pass_totals, pass_greedy, _ = self._option_pass(prompt, batch)
+            totals[indices], greedy[indices] = pass_totals[0], pass_greedy[0]
+        return RawScores.of_options(member.row_id, totals, options, float(top[0]), int(top_id[0]), greedy=greedy)
 
-    def _option_pass(self, prefix: PrefilledPrefix, batch: OptionBatch) -> tuple[list[np.ndarray], np.ndarray]:
+    def _option_pass(self, prefix: PrefilledPrefix, batch: OptionBatch
+                     ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
         """Run `batch`'s pass on top of `prefix` (if it has tokens) and return each member's option
-        totals and its top log-probability at its read position."""
+        totals, whether each option is the greedy continuation, and the member's top log-probability
+        at its read position."""
         parts, last_index = [], None
         if batch.suffixes:
             start = prefix.kv.length
@@ -494,33 +503,40 @@ class TorchEngine:
             first.append(prefix.last_hidden[None] if index is None else hidden[int(last_index[index])][None])
         start = batch.suffix_tokens
         sources = torch.cat(first + ([hidden[start : start + batch.num_option_rows]] if batch.num_option_rows else []))
-        tops = np.empty(batch.num_members)
-        return batch.totals(self._pair_log_probs(sources, batch.pair_source, batch.pair_target, tops)), tops
+        tops, misses = np.empty(batch.num_members), np.empty(len(batch.pair_source), dtype=bool)
+        logp = self._pair_log_probs(sources, batch.pair_source, batch.pair_target, tops, misses=misses)
+        return batch.totals(logp), batch.greedy(misses), tops
 
-    def _option_in_chunks(self, prompt: PrefilledPrefix, option: np.ndarray) -> float:
+    def _option_in_chunks(self, prompt: PrefilledPrefix, option: np.ndarray) -> tuple[float, bool]:
         """Total log-probability of one option longer than the budget, prefilled in chunks on top of
-        the prompt's KV (left unchanged)."""
+        the prompt's KV (left unchanged), and whether each of its tokens is the argmax at its place."""
         kv = prompt.kv.extended()
-        first = self._pair_log_probs(prompt.last_hidden[None], np.zeros(1, np.int64), option[:1].astype(np.int64))
-        pieces = [first]
+        miss = np.empty(1, dtype=bool)
+        first = self._pair_log_probs(prompt.last_hidden[None], np.zeros(1, np.int64), option[:1].astype(np.int64),
+                                     misses=miss)
+        pieces, greedy = [first], not miss[0]
         inputs = option[:-1]
         for start in range(0, len(inputs), self.token_budget):
             chunk = inputs[start : start + self.token_budget]
             hidden = self._run_decoder([_prefix_part(chunk, kv)])  # [C, hidden]
             kv.length += len(chunk)
             targets = option[start + 1 : start + 1 + len(chunk)].astype(np.int64)
-            pieces.append(self._pair_log_probs(hidden, np.arange(len(chunk)), targets))
+            misses = np.empty(len(chunk), dtype=bool)
+            pieces.append(self._pair_log_probs(hidden, np.arange(len(chunk)), targets, misses=misses))
+            greedy = greedy and not misses.any()
         values = np.concatenate(pieces)  # summed in token order from 0.0, as `OptionBatch.totals` sums a pass's
-        return float(np.bincount(np.zeros(len(values), np.int64), weights=values)[0])
+        return float(np.bincount(np.zeros(len(values), np.int64), weights=values)[0]), greedy
 
     @torch.inference_mode()
     def _pair_log_probs(self, sources: torch.Tensor, pair_source: np.ndarray, pair_target: np.ndarray,
-                        tops: np.ndarray | None = None, top_ids: np.ndarray | None = None) -> np.ndarray:
+                        tops: np.ndarray | None = None, top_ids: np.ndarray | None = None,
+                        misses: np.ndarray | None = None) -> np.ndarray:
         """log P(pair_target[m]) under the full-vocabulary softmax at hidden row pair_source[m]
         (sorted); the LM head runs on `LM_HEAD_ROWS` rows at a time. Returns [M] float64.
         `tops` [n], when given, receives the largest log-probability of the vocabulary at source
         rows 0..n-1 (the members' read positions: whether the model's own argmax is a label), and
-        `top_ids` [n], when given, that token's id."""
+        `top_ids` [n], when given, that token's id. `misses` [M], when given, receives whether
+        pair m's target is not the argmax at its row (lm-eval's `is_greedy` is no miss)."""
         out = np.empty(len(pair_source))
         for first in range(0, sources.shape[0], LM_HEAD_ROWS):
             last = min(first + LM_HEAD_ROWS, sources.shape[0])
@@ -538,6 +554,8 @@ class TorchEngine:
             rows = torch.from_numpy(pair_source[lo:hi] - first).to(logits.device)
             targets = torch.from_numpy(pair_target[lo:hi]).to(logits.device)
             out[lo:hi] = (logits[rows, targets] - lse[rows]).double().cpu().numpy()
+            if misses is not None and hi > lo:
+                misses[lo:hi] = (logits[rows].argmax(dim=-1) != targets).cpu().numpy()
         return out
 
     @torch.inference_mode()

@@ -105,6 +105,6 @@ def build(resolved, model_dir: str | Path, engine):
 KIND = register(EngineKind(
     name="torch", packages=("torch", "transformers"), install_hint="pip install batchscore", auto_rank=0,
     refuses=refuses, build=build, device=device, choose_reason=choose_reason,
-    decide_compile=decide_compile, job_problems=job_problems,
+    decide_compile=decide_compile, job_problems=job_problems, reads_greedy=True,
     honours=frozenset({"threads", "compile", "hybrid_chunk", "memory_budget", "speculative", "batch_invariant",
                         "cpu_kernels"})))

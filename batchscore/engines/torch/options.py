@@ -64,6 +64,13 @@ class OptionBatch:
         bounds = np.cumsum([0, *self.option_counts])
         return [total[bounds[b] : bounds[b + 1]] for b in range(self.num_members)]
 
+    def greedy(self, pair_misses: np.ndarray) -> list[np.ndarray]:
+        """Each member's [K_b] bool: every token of the option is the argmax at its place (the
+        greedy continuation), from whether each pair [M] missed its row's argmax."""
+        missed = np.bincount(self.pair_option, weights=pair_misses, minlength=sum(self.option_counts))
+        bounds = np.cumsum([0, *self.option_counts])
+        return [missed[bounds[b] : bounds[b + 1]] == 0 for b in range(self.num_members)]
+
 
 def pack_options(items: list[tuple[np.ndarray, OptionTokens]], prefix_len: int) -> OptionBatch:
     """Lay out members `(suffix, options)` scored on a prefix of `prefix_len` tokens: the non-empty
