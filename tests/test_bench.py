@@ -282,7 +282,7 @@ def test_bench_commands_are_registered_and_production_does_not_import_them():
 
     names = {c.name for c in COMMANDS}
     assert names == {"workloads", "plan", "engine", "attention", "vllm", "gpu", "mil", "scale", "placement", "dtype-parity",
-                     "specprefill", "labels", "decisions", "invariance", "tokenize-store", "fixed-costs"}
+                     "specprefill", "labels", "decisions", "invariance", "tokenize-store", "fixed-costs", "lm-eval"}
     for name in sorted(names):
         result = CliRunner().invoke(main, ["bench", name, "--help"])
         assert result.exit_code == 0, result.output
