@@ -20,7 +20,7 @@ Example:
     batchscore eval --model batchscore --model_args dtype=float32 --tasks batchscore_mc --include_path out/tasks
 
 --model_args of the batchscore backend: model, dtype, engine, work_dir, max_length, add_bos_token,
-prefix_token_id, progress, report, and dotted job keys (engine.token_budget=8192); docs/jobs.md,
+prefix_token_id, progress, and dotted job keys (engine.token_budget=8192); docs/jobs.md,
 "lm-evaluation-harness on batchscore".
 
 """

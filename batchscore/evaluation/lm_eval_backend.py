@@ -37,7 +37,7 @@ log = logging.getLogger("batchscore")
 NAME = "batchscore"
 # keys of --model_args the backend reads itself; any other key is a job key (engine.token_budget=...)
 OWN_KEYS = ("model", "pretrained", "dtype", "engine", "work_dir", "max_length", "add_bos_token",
-            "prefix_token_id", "progress", "report")
+            "prefix_token_id", "progress")
 # what lm-eval hands every backend that batchscore does not use: the plan batches by tokens
 IGNORED_KEYS = ("batch_size", "max_batch_size", "device", "trust_remote_code", "parallelize")
 
@@ -61,14 +61,15 @@ class BatchscoreLM(TemplateLM):
     the cache); dtype: float32 | bfloat16 | float16; engine: torch (the default; the only engine
     that reads `is_greedy`) ; work_dir: where the evaluation's jobs live (default
     `$BATCHSCORE_HOME/lm-eval`); max_length, add_bos_token, prefix_token_id: as lm-eval's `hf`
-    backend has them; report: write each job's HTML run report next to its output; any dotted key
-    (`engine.token_budget=4096`) sets that job key.
+    backend has them; progress: the job's progress bars; any dotted key (`engine.token_budget=4096`)
+    sets that job key. Each job writes its run summary (`run.json`) beside its output; the HTML run
+    report covers fixed labels only, not these per-row options.
     """
 
     def __init__(self, model: str | None = None, pretrained: str | None = None, dtype: str = "float32",
                  engine: str = "torch", work_dir: str | None = None, max_length: int | None = None,
                  add_bos_token: bool = False, prefix_token_id: int | None = None, progress: bool = True,
-                 report: bool = False, **keys: Any) -> None:
+                 **keys: Any) -> None:
         super().__init__()
         from transformers import AutoConfig
 
@@ -90,7 +91,7 @@ class BatchscoreLM(TemplateLM):
         self.dtype, self.engine = str(dtype), str(engine)
         self.job_keys = {k: v for k, v in keys.items() if "." in k}
         self.work_dir = Path(work_dir) if work_dir else batchscore_home() / "lm-eval"
-        self.progress, self.report = bool(progress), bool(report)
+        self.progress = bool(progress)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.add_bos_token = bool(add_bos_token)
         self.custom_prefix_token_id = prefix_token_id
@@ -229,7 +230,7 @@ class BatchscoreLM(TemplateLM):
         config = config_from_dict(raw, source=str(folder / "job"))
         log.info("lm-eval: %d requests as %d rows of one job in %s", sum(len(o) for o in options), len(contexts),
                  folder)
-        run_job(config, progress=self.progress, report=self.report, metrics=str(folder / "run.json"))
+        run_job(config, progress=self.progress, metrics=str(folder / "run.json"))
         out = pq.read_table(folder / "scores.parquet", columns=["row", "status", "error", "logp_choices"]
                             + (["greedy_choices"] if config.output.greedy else []))
         status = out.column("status").to_pylist()
