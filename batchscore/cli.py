@@ -177,7 +177,7 @@ def main(verbose: bool) -> None:
 @click.option("--metrics-prom", type=click.Path(dir_okay=False),
               help="Write the run summary for Prometheus (node-exporter textfile collector; name it *.prom).")
 @click.option("--report", "report", is_flag=True,
-              help="After a complete run, write <output>.report.html (see `batchscore report`).")
+              help="After a complete run, write _<output>.report.html (see `batchscore report`).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--fresh", is_flag=True, help="Discard a partial earlier run of this output and start over.")
 @click.option("--shard", metavar="I/N", help="Score only static shard I of N (e.g. one Airflow task each); "
@@ -375,7 +375,7 @@ def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> N
               help="OUTPUT's column of true labels, for accuracy, calibration and the confusion matrix "
                    "(default: the run's calibrate.truth_column).")
 @click.option("--html", "-o", "html", type=click.Path(dir_okay=False),
-              help="Where to write the HTML (default: <OUTPUT>.report.html).")
+              help="Where to write the HTML (default: _<OUTPUT>.report.html beside it).")
 def report(output: str, previous: str | None, metrics: str | None, id_column: str | None, truth: str | None,
            html: str | None) -> None:
     """Write one self-contained HTML report on an output: labels and their prevalence, P(label),

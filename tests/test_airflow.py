@@ -148,7 +148,7 @@ def test_shipped_dag_retries_a_held_lock_resumes_and_pushes_the_metrics_once(air
     assert earlier.wait(timeout=300) == 130, earlier.stderr.read()
     assert not output.exists()
 
-    lock = open(str(output) + ".lock", "a")
+    lock = open(output.with_name(f"_{output.name}.lock"), "a")
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run holds the output
     process = subprocess.Popen(
         [str(airflow_venv / "bin" / "airflow"), "dags", "test", "batchscore_nightly", LOGICAL_DATE],
@@ -208,7 +208,7 @@ def test_sharded_dag_scores_one_shard_per_task_into_one_output(airflow_venv, tmp
     assert "--shard 0/2" in log and "--shard 1/2" in log
     folder = out_root / LOGICAL_DATE
     assert pq.read_table(folder / "scores.parquet").num_rows == 8
-    assert not list(folder.glob("*.lock")) and not (folder / "scores.parquet.parts").exists()
+    assert not list(folder.glob("*.lock")) and not (folder / "_scores.parquet.parts").exists()
     assert {json.loads((folder / f"metrics-shard-{i}.json").read_text())["status"] for i in range(2)} == {"ok"}
     assert our_warnings(log) == []
 

@@ -387,7 +387,7 @@ def test_review_without_a_labeled_row_exits_2_naming_output_review(tmp_path):
     result = CliRunner().invoke(main, ["run", str(job), "-q"])
     assert result.exit_code == 2, result.output
     assert "output.review" in result.output and "none of the 10 scored rows" in result.output
-    assert (tmp_path / "out.parquet.parts").exists()  # the scored rows are kept for the rerun
+    assert (tmp_path / "_out.parquet.parts").exists()  # the scored rows are kept for the rerun
 
 
 def test_truth_values_that_are_not_labels_are_named():

@@ -271,7 +271,7 @@ def batch_run(tmp_path_factory) -> Path:
 
 def test_a_real_run_writes_batch_calibrated_columns_of_its_own_raw_columns(batch_run):
     table = pq.read_table(batch_run / "out.parquet").to_pydict()
-    summary = json.loads((batch_run / "out.parquet.complete.json").read_text())["summary"]
+    summary = json.loads((batch_run / "_out.parquet.complete.json").read_text())["summary"]
     assert table["true_team"] == TRUE_TEAM  # the truth columns are copied into the output
     for q in questions():
         key = str(q.key)
@@ -300,9 +300,9 @@ def test_the_report_of_a_real_run_reads_each_question_and_its_calibration(batch_
 
     result = CliRunner().invoke(main, ["report", str(batch_run / "out.parquet")])
     assert result.exit_code == 0, result.output
-    html = (batch_run / "out.parquet.report.html").read_text()
+    html = (batch_run / "_out.parquet.report.html").read_text()
     table = pq.read_table(batch_run / "out.parquet")
-    summary = json.loads((batch_run / "out.parquet.complete.json").read_text())["summary"]
+    summary = json.loads((batch_run / "_out.parquet.complete.json").read_text())["summary"]
     for question in read_questions(table):
         assert f'id="q-{question.key}"' in html and question.answered == 12
         assert question.out_of_scope == sum(table.column(f"{question.key}.out_of_scope").to_pylist())
@@ -330,5 +330,5 @@ def test_calibrate_from_reuses_the_fitted_values(batch_run, tmp_path):
                                atol=1e-5)
     raw = np.log(np.column_stack([again[f"team.p.{o}"] for o in team.options]))
     assert np.abs(reused - softmax(raw - raw.mean(axis=0))).max() > 1e-2  # not the three records' own mean
-    summary = json.loads((tmp_path / "out.parquet.complete.json").read_text())["summary"]
+    summary = json.loads((tmp_path / "_out.parquet.complete.json").read_text())["summary"]
     assert summary["calibration"]["questions"]["team"]["source"].startswith("calibrate.from")

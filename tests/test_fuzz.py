@@ -516,8 +516,8 @@ GARBAGE_KEYS = {
 
 def _paths(draw, output: str, input_name: str) -> tuple[list[str], list[str], str | None]:
     """CLI options naming files to write: fresh names, the inputs, the output and its own files."""
-    pool = ["m.json", "m.json", "sub dir/ü m.json", "metrics.prom", f"{output}.metrics.json", output, f"{output}.parts/x.json",
-            f"{output}.lock", f"{output}.complete.json", f"{output}.report.html", input_name, "job.yaml", ".",
+    pool = ["m.json", "m.json", "sub dir/ü m.json", "metrics.prom", f"{output}.metrics.json", output, f"_{output}.parts/x.json",
+            f"_{output}.lock", f"_{output}.complete.json", f"_{output}.report.html", input_name, "job.yaml", ".",
             "data/m.json", f".{output}.tmp", "metrics.prom"]
     options, written = [], []
     for option in ("--metrics", "--metrics-prom"):
@@ -527,8 +527,8 @@ def _paths(draw, output: str, input_name: str) -> tuple[list[str], list[str], st
             written.append(path)
     if _chance(draw, 1 / 10):
         options.append("--report")
-    html = draw(st.sampled_from([output, f"{output}.report.html", "r.html", "r.html", input_name,
-                                 f"{output}.parts/r.html"])) if _chance(draw, 0.2) else None
+    html = draw(st.sampled_from([output, f"_{output}.report.html", "r.html", "r.html", input_name,
+                                 f"_{output}.parts/r.html"])) if _chance(draw, 0.2) else None
     return options, written, html
 
 
@@ -571,8 +571,8 @@ def cases(draw, generators: tuple[str, ...] = GENERATORS) -> Case:
         output = draw(st.sampled_from(["out.jsonl", "out.jsonl", "results.ndjson"]))
         job["input"] = {"path": "data" if folder_input else input_name, "format": "openai_batch"}
         job["output"] = {"path": output, "max_error_rate": 1.0}
-        error_path = draw(st.sampled_from(["errors.jsonl", "errors.jsonl", output, f"{output}.parts/e.jsonl",
-                                           input_name, f"{output}.lock", "job.yaml"])) if _chance(draw, 0.3) else None
+        error_path = draw(st.sampled_from(["errors.jsonl", "errors.jsonl", output, f"_{output}.parts/e.jsonl",
+                                           input_name, f"_{output}.lock", "job.yaml"])) if _chance(draw, 0.3) else None
         if error_path:
             job["output"]["error_path"] = error_path
         error_file = error_path or output.rsplit(".", 1)[0] + ".errors.jsonl"
@@ -686,8 +686,8 @@ def _output_ids(case: Case, folder: Path) -> list:
 def _allowed(case: Case, path: str) -> bool:
     """Whether a run may create or change `path` (relative): the output's own files, and the
     files the options name (unless those are inputs: checked apart)."""
-    own = (case.output, f"{case.output}.", f".{case.output}.")
-    return (path == case.output or path.startswith(own[1:]) or path in case.written
+    own = (f"_{case.output}.", f".{case.output}.")  # its lock, parts, marker, report; temporary files
+    return (path == case.output or path.startswith(own) or path in case.written
             or path == case.report_html or (case.error_file is not None and path == case.error_file))
 
 

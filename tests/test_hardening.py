@@ -70,7 +70,7 @@ def test_error_path_equal_to_the_output_is_refused_before_any_work(tmp_path):
 def test_error_path_inside_the_parts_folder_is_refused(tmp_path):
     requests = openai_requests(tmp_path)
     out = tmp_path / "out.jsonl"
-    inside = tmp_path / "out.jsonl.parts" / "errors.jsonl"
+    inside = tmp_path / "_out.jsonl.parts" / "errors.jsonl"
     job = write_job(tmp_path, input={"path": str(requests), "format": "openai_batch"},
                     output={"path": str(out), "error_path": str(inside), "max_error_rate": 1.0})
     result = invoke("run", job, "-q")
@@ -115,7 +115,7 @@ def test_metrics_and_report_html_cannot_replace_the_finished_output(tmp_path):
         assert "is the output" in result.output
     result = invoke("report", out, "--html", out)
     assert result.exit_code == EXIT_CONFIG, result.output
-    for sibling in ("out.parquet.complete.json", "out.parquet.lock", "out.parquet.parts/m.json"):
+    for sibling in ("_out.parquet.complete.json", "_out.parquet.lock", "_out.parquet.parts/m.json"):
         result = invoke("run", job, "-q", "--metrics", tmp_path / sibling)
         assert result.exit_code == EXIT_CONFIG, (sibling, result.output)
     assert out.read_bytes() == scores
@@ -277,7 +277,7 @@ def test_a_label_with_dollar_signs_gets_its_report(tmp_path):
                     input={"path": str(data), "token_ids_column": "t", "id_column": "id"}, output={"path": str(out)})
     result = invoke("run", job, "-q", "--report")
     assert result.exit_code == 0, result.output
-    html = (tmp_path / "out.parquet.report.html").read_text()
+    html = (tmp_path / "_out.parquet.report.html").read_text()
     assert "$x^$" in html
     again = invoke("report", out)  # and every rerun
     assert again.exit_code == 0, again.output

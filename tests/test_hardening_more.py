@@ -159,7 +159,7 @@ def test_a_metrics_path_under_a_plain_file_is_refused_before_any_work(tmp_path, 
     result = invoke("run", job, "-q", flag, tmp_path / "afile" / "m.json")
     assert result.exit_code == EXIT_OUTPUT, result.output
     assert f"{flag} {tmp_path / 'afile' / 'm.json'}: {tmp_path / 'afile'} is a file, not a folder" in result.output
-    assert not out.exists() and not (tmp_path / "out.parquet.parts").exists()  # nothing scored
+    assert not out.exists() and not (tmp_path / "_out.parquet.parts").exists()  # nothing scored
 
 
 def test_an_error_path_under_a_plain_file_is_refused_before_any_work(tmp_path):
@@ -172,7 +172,7 @@ def test_an_error_path_under_a_plain_file_is_refused_before_any_work(tmp_path):
     result = invoke("run", job, "-q")
     assert result.exit_code == EXIT_OUTPUT, result.output
     assert "output.error_path" in result.output and "is a file, not a folder" in result.output
-    assert not out.exists() and not (tmp_path / "out.jsonl.parts").exists()
+    assert not out.exists() and not (tmp_path / "_out.jsonl.parts").exists()
 
 
 # ---------------------------------------------------------------------------- the report
@@ -246,7 +246,7 @@ def test_a_lock_file_left_by_an_earlier_run_stays_after_a_refusal(tmp_path):
     out = tmp_path / "out.parquet"
     job = write_job(tmp_path, input={"path": str(data), "token_ids_column": "t", "id_column": "id"},
                     output={"path": str(out)})
-    left = tmp_path / "out.parquet.lock"  # a crashed run's
+    left = tmp_path / "_out.parquet.lock"  # a crashed run's
     left.write_text("{}")
     assert invoke("run", job, "-q").exit_code == EXIT_INPUT
     assert left.exists()

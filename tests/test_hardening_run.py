@@ -209,9 +209,9 @@ def test_a_hand_edited_calibrate_from_marker_is_refused_before_scoring(tmp_path,
 
     previous = tmp_path / "previous.parquet"
     shutil.copy(finished_run, previous)
-    marker = json.loads(Path(f"{finished_run}.complete.json").read_text())
+    marker = json.loads(finished_run.with_name(f"_{finished_run.name}.complete.json").read_text())
     marker["summary"]["calibration"] = calibration
-    Path(f"{previous}.complete.json").write_text(json.dumps(marker))
+    previous.with_name(f"_{previous.name}.complete.json").write_text(json.dumps(marker))
     data = pq.read_table(finished_run.parent / "input.parquet")
     pq.write_table(data, tmp_path / "input.parquet")
     job = write_job(tmp_path, tmp_path / "input.parquet", score={"calibrate": "temperature"},

@@ -200,7 +200,7 @@ def test_a_truth_problem_fixed_in_the_input_reruns_without_fresh_and_without_a_f
     with pytest.raises(CalibrationError) as caught:
         run_job(_labels_job(tmp_path, data), progress=False)
     assert caught.value.exit_code == 2 and "'Maybe'" in str(caught.value)
-    assert (tmp_path / "out.parquet.parts").is_dir() and not (tmp_path / "out.parquet").exists()
+    assert (tmp_path / "_out.parquet.parts").is_dir() and not (tmp_path / "out.parquet").exists()
 
     _edit(data, "relevant", 3, "Yes")  # the fix, in the input file itself
     forwards[0] = 0
@@ -322,7 +322,7 @@ def test_a_questions_truth_problem_fixed_in_a_json_lines_input_reruns_without_fr
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("true_team").to_pylist() == TICKET_TRUTH
     assert pc.all(pc.equal(out.column("status"), "ok")).as_py()
-    summary = json.loads((tmp_path / "out.parquet.complete.json").read_text())["summary"]
+    summary = json.loads((tmp_path / "_out.parquet.complete.json").read_text())["summary"]
     assert summary["resumed_rows"] == 12
 
 

@@ -22,6 +22,7 @@ import yaml
 
 from batchscore.errors import EXIT_INPUT, EXIT_LOCKED, EXIT_OUTPUT, OutputLocked
 from batchscore.output.lease import LeaseLock
+from batchscore.output.layout import OutputFiles
 from batchscore.io.storage import as_path
 from tests.conftest import SAMPLE, write_job
 
@@ -126,7 +127,7 @@ def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run
     output = f"s3://{BUCKET}/scores/2026-11-25.parquet"
     job = _job(remote, f"s3://{BUCKET}/relevance/", output)
     proc = _run(job, env, wait=False)
-    manifest = f"{BUCKET}/scores/2026-11-25.parquet.parts/run.manifest.json"
+    manifest = f"{BUCKET}/scores/_2026-11-25.parquet.parts/run.manifest.json"
     deadline = time.monotonic() + 300
     while proc.poll() is None and _parts_written(fs, manifest) < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -135,10 +136,10 @@ def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run
     proc.wait()
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/scores/2026-11-25.parquet")  # no output before every row is scored
-    assert fs.exists(f"{BUCKET}/scores/2026-11-25.parquet.lock")  # the dead run's lease
+    assert fs.exists(f"{BUCKET}/scores/_2026-11-25.parquet.lock")  # the dead run's lease
 
-    with pytest.raises(OutputLocked, match="2026-11-25.parquet.lock"):  # at once: the dead run's lease is live
-        LeaseLock(as_path(output + ".lock")).acquire()
+    with pytest.raises(OutputLocked, match="_2026-11-25.parquet.lock"):  # at once: the dead run's lease is live
+        LeaseLock(OutputFiles(output).lock()).acquire()
     assert _parts_written(fs, manifest) >= 1
 
     time.sleep(LEASE + 0.5)  # the dead run renewed at most LEASE seconds before it was killed
@@ -153,7 +154,7 @@ def test_hive_input_from_s3_output_to_s3_killed_and_resumed_equals_the_local_run
 
     fs.invalidate_cache()
     left = sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{BUCKET}/scores"))
-    assert left == ["2026-11-25.parquet", "2026-11-25.parquet.complete.json"]  # parts and lease removed
+    assert left == ["2026-11-25.parquet", "_2026-11-25.parquet.complete.json"]  # parts and lease removed
     written = fs.info(output)["LastModified"]
     code, out = _run(job, env)  # the marker says the output is complete: nothing to do
     assert code == 0 and "already the complete output" in out, out
@@ -166,12 +167,12 @@ def test_a_run_while_another_holds_the_lease_exits_75_touching_nothing(s3, hive_
     fs, env = s3
     output = f"s3://{BUCKET}/held/out.parquet"
     job = _job(tmp_path, f"s3://{BUCKET}/relevance/", output)
-    with LeaseLock(as_path(output + ".lock"), lease_seconds=120):
+    with LeaseLock(OutputFiles(output).lock(), lease_seconds=120):
         code, out = _run(job, env)
     assert code == EXIT_LOCKED, out
-    assert "another batchscore run is writing this output" in out and "out.parquet.lock" in out
+    assert "another batchscore run is writing this output" in out and "_out.parquet.lock" in out
     fs.invalidate_cache()
-    assert not fs.exists(f"{BUCKET}/held/out.parquet.parts") and not fs.exists(f"{BUCKET}/held/out.parquet")
+    assert not fs.exists(f"{BUCKET}/held/_out.parquet.parts") and not fs.exists(f"{BUCKET}/held/out.parquet")
 
 
 def test_storage_options_reach_the_store_without_environment(s3, hive_input, tmp_path, monkeypatch):
@@ -200,7 +201,7 @@ def test_storage_options_reach_the_store_without_environment(s3, hive_input, tmp
     result = CliRunner().invoke(main, ["report", f"s3://{BUCKET}/options/out.parquet"])
     assert result.exit_code == 0, result.output
     fs.invalidate_cache()
-    html = fs.cat(f"{BUCKET}/options/out.parquet.report.html").decode()
+    html = fs.cat(f"{BUCKET}/options/_out.parquet.report.html").decode()
     assert html.lower().startswith("<!doctype html") and "label_mass" in html
 
 
@@ -217,7 +218,8 @@ def test_missing_input_and_missing_bucket_are_clear_errors(s3, hive_input, tmp_p
     job = write_job(tmp_path, str(hive_input / "date=2026-11-24" / "part-0.parquet"))
     result = CliRunner().invoke(main, ["run", str(job), "-q", "-o", "s3://no-such-bucket/out.parquet"])
     assert result.exit_code == EXIT_OUTPUT, result.output
-    assert "s3://no-such-bucket/out.parquet" in result.output and "Traceback" not in result.output
+    assert "s3://no-such-bucket/" in result.output and "bucket does not exist" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_job_file_paths_stay_urls(tmp_path):
@@ -267,7 +269,7 @@ def test_a_wide_parquet_object_is_read_by_its_needed_columns_only(s3, tmp_path, 
 def test_lease_two_runs_starting_together_exactly_one_holds_it(s3):
     import threading
 
-    path = as_path(f"s3://{BUCKET}/leases/together.parquet.lock")
+    path = as_path(f"s3://{BUCKET}/leases/_together.parquet.lock")
     locks = [LeaseLock(path, lease_seconds=30) for _ in range(4)]
     outcomes = [None] * len(locks)
 
@@ -294,7 +296,7 @@ def test_lease_two_runs_starting_together_exactly_one_holds_it(s3):
 def test_lease_of_a_dead_holder_is_taken_over_once_it_ends(s3):
 
     fs, _ = s3
-    path = as_path(f"s3://{BUCKET}/leases/dead.parquet.lock")
+    path = as_path(f"s3://{BUCKET}/leases/_dead.parquet.lock")
     record = {"pid": 1, "host": "gone", "token": "dead", "started": "2026-11-25T02:00:00+0000"}
     fs.pipe(path.path, json.dumps({**record, "expires": time.time() + 60}).encode())
     with pytest.raises(OutputLocked, match="pid 1 on gone"):
@@ -307,7 +309,7 @@ def test_lease_of_a_dead_holder_is_taken_over_once_it_ends(s3):
 def test_a_run_that_lost_its_lease_stops_writing(s3):
 
     fs, _ = s3
-    path = as_path(f"s3://{BUCKET}/leases/lost.parquet.lock")
+    path = as_path(f"s3://{BUCKET}/leases/_lost.parquet.lock")
     lock = LeaseLock(path, lease_seconds=5)
     lock.acquire()
     lock.check()  # held
@@ -325,7 +327,7 @@ def test_a_run_that_lost_its_lease_stops_writing(s3):
 def test_a_write_conflicting_with_its_own_earlier_attempt_is_not_a_loss(s3):
     """A retried request (the store got the first attempt, its reply was lost) conflicts with
     itself: the lease is read back, and it is ours."""
-    path = as_path(f"s3://{BUCKET}/leases/retried.parquet.lock")
+    path = as_path(f"s3://{BUCKET}/leases/_retried.parquet.lock")
     with LeaseLock(path, lease_seconds=30) as lock:
         assert lock._create() is True  # an exclusive create of an object that is already ours
         lock._etag = '"an-older-tag"'  # a renewal whose If-Match carries a stale tag

@@ -21,8 +21,8 @@ from batchscore.output.lock import OutputLock
 def test_every_file_beside_an_output_is_named_once(tmp_path):
     files = OutputFiles(str(tmp_path / "out.parquet"))
     assert [p.name for p in files.all_siblings()] == [
-        "out.parquet.lock", "out.parquet.parts", "out.parquet.complete.json", "out.parquet.report.html"]
-    assert files.lock("shard-0-of-3").name == "out.parquet.shard-0-of-3.lock" and files.path == tmp_path / "out.parquet"
+        "_out.parquet.lock", "_out.parquet.parts", "_out.parquet.complete.json", "_out.parquet.report.html"]
+    assert files.lock("shard-0-of-3").name == "_out.parquet.shard-0-of-3.lock" and files.path == tmp_path / "out.parquet"
     batch = output_files(config_from_dict({"input": {"path": "in.jsonl", "format": "openai_batch"},
                                                   "labels": ["Yes", "No"], "output": {"path": "/x/batch.jsonl"}}))
     assert batch.errors == "/x/batch.errors.jsonl" and str(batch.all_siblings()[3]) == "/x/batch.errors.jsonl"
@@ -73,3 +73,37 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.slow  # two CLI runs: make test-all
+def test_the_output_folder_reads_as_a_dataset_while_a_run_is_stopped_and_after_it(tmp_path, small_input):
+    """pyarrow.dataset and DuckDB over the output's folder: no row of a run's own files while it is
+    unfinished (lock, parts, token store), exactly the output's rows once it is done (report and
+    marker beside it)."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    from tests.conftest import write_job
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    job = write_job(tmp_path, small_input, output={"path": str(folder / "scores.parquet"), "part_rows": 4})
+
+    def rows() -> tuple[int, int]:
+        arrow = ds.dataset(folder, format="parquet").count_rows()
+        duckdb = pytest.importorskip("duckdb")
+        try:
+            found = duckdb.sql(f"select count(*) from read_parquet('{folder}/**/*.parquet')").fetchall()[0][0]
+        except duckdb.IOException:  # no file matches the glob
+            found = 0
+        return arrow, found
+
+    command = [sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "--report"]
+    stopped = subprocess.run(command, env=dict(os.environ, BATCHSCORE_FAULT="part:2"), capture_output=True, text=True)
+    assert stopped.returncode == -9, stopped.stderr[-2000:]
+    assert OutputFiles(folder / "scores.parquet").parts.is_dir() and rows() == (0, 0)
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "_scores.parquet.complete.json", "_scores.parquet.report.html", "scores.parquet"]
+    assert rows() == (pq.read_table(folder / "scores.parquet").num_rows,) * 2 == (12, 12)

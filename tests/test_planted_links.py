@@ -104,20 +104,20 @@ def test_a_parquet_output_link_is_replaced_not_followed(tmp_path):
 def test_a_report_link_is_replaced_not_followed(tmp_path):
     from batchscore.report.html import write_html
 
-    victim = _plant(tmp_path / "out.parquet.report.html", tmp_path / "victim.html")
-    write_html("<!DOCTYPE html><p>report</p>", tmp_path / "out.parquet.report.html")
-    _replaced(tmp_path / "out.parquet.report.html", victim)
+    victim = _plant(tmp_path / "_out.parquet.report.html", tmp_path / "victim.html")
+    write_html("<!DOCTYPE html><p>report</p>", tmp_path / "_out.parquet.report.html")
+    _replaced(tmp_path / "_out.parquet.report.html", victim)
 
 
 def test_a_run_refuses_a_lock_link_to_its_own_input(tmp_path):
-    """The attack as found: `ln -s in.jsonl out.parquet.lock` replaced the job's input with the
+    """The attack as found: `ln -s in.jsonl _out.parquet.lock` replaced the job's input with the
     lock record, then read it back as input (exit 3). Now: exit 6 naming the link, input kept."""
     data, out, job = token_job(tmp_path)
     before = data.read_bytes()
-    os.symlink(data, tmp_path / "out.parquet.lock")
+    os.symlink(data, tmp_path / "_out.parquet.lock")
     result = invoke("run", job, "-q")
     assert result.exit_code == EXIT_OUTPUT, result.output
-    assert "is a symbolic link" in result.output and "out.parquet.lock" in result.output
+    assert "is a symbolic link" in result.output and "_out.parquet.lock" in result.output
     assert data.read_bytes() == before and not out.exists()
 
 
@@ -129,7 +129,7 @@ def test_a_run_writes_beside_planted_links_and_leaves_their_targets(tmp_path):
     job = write_job(tmp_path, input={"path": str(requests), "format": "openai_batch"},
                     output={"path": str(out), "max_error_rate": 1.0})
     links = {path: _plant(path, tmp_path / f"victim{k}") for k, path in enumerate(
-        [out, errors, tmp_path / "out.jsonl.complete.json", tmp_path / "m.json", tmp_path / "m.prom"])}
+        [out, errors, tmp_path / "_out.jsonl.complete.json", tmp_path / "m.json", tmp_path / "m.prom"])}
     result = invoke("run", job, "-q", "--metrics", tmp_path / "m.json", "--metrics-prom", tmp_path / "m.prom")
     assert result.exit_code == 0, result.output
     for link, victim in links.items():
@@ -137,7 +137,7 @@ def test_a_run_writes_beside_planted_links_and_leaves_their_targets(tmp_path):
     assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] == ["req-0", "req-1"]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    os.symlink(elsewhere, tmp_path / "out.jsonl.parts")
+    os.symlink(elsewhere, tmp_path / "_out.jsonl.parts")
     result = invoke("run", job, "-q", "--fresh")
     assert result.exit_code == EXIT_OUTPUT and "is a symbolic link" in result.output, result.output
     assert list(elsewhere.iterdir()) == []

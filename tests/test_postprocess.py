@@ -72,7 +72,7 @@ def test_a_truth_problem_is_fixed_and_rerun_from_the_kept_parts(tmp_path, forwar
         run_job(_job(tmp_path, data, calibrate={"truth_column": "bad"}, output={"review": {"max_error": 0.3}}),
                 progress=False)
     assert caught.value.exit_code == 2 and "'Maybe'" in str(caught.value)
-    assert (tmp_path / "out.parquet.parts").is_dir() and not (tmp_path / "out.parquet").exists()
+    assert (tmp_path / "_out.parquet.parts").is_dir() and not (tmp_path / "out.parquet").exists()
 
     forwards[0] = 0  # the fix: another truth column; no --fresh, no row scored again
     summary = run_job(_job(tmp_path, data, calibrate={"truth_column": "relevant"},

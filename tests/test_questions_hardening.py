@@ -272,6 +272,6 @@ refund: {type: noul, instructions: "Money back?", criteria: {true: they ask for 
     assert all(r["team.choice"] in ("1", "2", "3") for r in table)
     assert set(json.loads(table[1]["answers"])["kind"]["probabilities"]) == {"x", "y", "z"}
     assert json.loads(table[2]["answers"])["kind"]["type"] == "noul"
-    summary = json.loads((folder / "out.parquet.complete.json").read_text())["summary"]
+    summary = json.loads((folder / "_out.parquet.complete.json").read_text())["summary"]
     assert summary["calibration"]["questions"]["refund"]["labeled_rows"] == 3
     assert summary["calibration"]["questions"]["team"]["truth_column"] is None

@@ -65,7 +65,7 @@ def real_run(tmp_path_factory):
 
 def test_run_report_writes_a_self_contained_page_with_every_section(real_run):
     folder, result = real_run
-    page_path = folder / "out.parquet.report.html"
+    page_path = folder / "_out.parquet.report.html"
     assert f"report: {page_path}" in result.output
     page = _Page(page_path.read_text(encoding="utf-8"))
     assert set(SECTION_IDS) <= set(page.sections)
@@ -140,7 +140,7 @@ def test_error_rate_exceeded_still_writes_report_and_metrics(tmp_path, small_inp
     job = write_job(tmp_path, small_input)
     result = invoke("run", job, "-q", "--report", "--metrics-prom", tmp_path / "m.prom")
     assert result.exit_code == EXIT_ERROR_RATE, result.output
-    page = _Page((tmp_path / "out.parquet.report.html").read_text())
+    page = _Page((tmp_path / "_out.parquet.report.html").read_text())
     assert "field 'title' is null or missing" in page.sections["errors"]
     prom = (tmp_path / "m.prom").read_text()
     assert 'batchscore_rows_error{job="job"} 1.0' in prom
@@ -177,7 +177,7 @@ def test_the_runs_diagnostic_columns_are_not_listed_as_kept_columns(tmp_path):
     pq.write_table(table, path)
     assert set(load_output(path).kept) == {"query"}
     write_report(path)
-    html = (tmp_path / "out.parquet.report.html").read_text()
+    html = (tmp_path / "_out.parquet.report.html").read_text()
     kept_row = html.split("keep columns", 1)[1].split("</tr>", 1)[0]
     assert "query" in kept_row and not any(n in kept_row for n in ("logp_", "top_token", "top_p", "approx_keep"))
 
@@ -414,7 +414,7 @@ def test_report_truth_option_and_its_errors(tmp_path):
     result = invoke("report", output, "--truth", "nope")
     assert result.exit_code == EXIT_INPUT and "--truth 'nope' is not a column" in result.output
     result = invoke("report", output)  # no summary naming a truth column: said how to add one
-    assert "No truth column" in _Page((tmp_path / "q.parquet.report.html").read_text()).sections["quality"]
+    assert "No truth column" in _Page((tmp_path / "_q.parquet.report.html").read_text()).sections["quality"]
 
 
 def test_quality_section_of_labels_matplotlib_would_read_as_tex(tmp_path):
@@ -480,7 +480,7 @@ def test_report_of_a_questions_output_has_a_section_per_question(tmp_path):
     assert 'id="label-distribution"' in write_report(labels).read_text()
     result = CliRunner().invoke(main, ["report", str(path)])  # no run summary beside it: still a report
     assert result.exit_code == 0, result.output
-    assert 'id="q-mood"' in (tmp_path / "decisions.parquet.report.html").read_text()
+    assert 'id="q-mood"' in (tmp_path / "_decisions.parquet.report.html").read_text()
 
 
 def test_question_columns_are_told_from_kept_columns_and_edge_cases_read():

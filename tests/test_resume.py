@@ -157,7 +157,7 @@ def test_parts_of_an_older_format_are_scored_again_never_mixed(job_factory, mult
     assert code == 0, out
     assert f"its parts are format version {MANIFEST_VERSION - 1}, this batchscore writes version " \
            f"{MANIFEST_VERSION}" in out
-    assert all(name in out for name in old + ["run.manifest.json", "run-input-errors.parquet"]), out
+    assert all(name in out for name in old + ["run.manifest.json", "run-input-errors.part"]), out
     assert json.loads(metrics.read_text())["resumed_rows"] == 0  # every row scored again
     got, want = pq.read_table(output).to_pandas(), pq.read_table(reference).to_pandas()
     assert list(got.columns) == list(want.columns) and list(got["pair_id"]) == list(want["pair_id"])

@@ -156,8 +156,8 @@ def test_calibrate_from_says_what_is_wrong_with_the_previous_output(tmp_path, fi
 
     previous = tmp_path / "previous.parquet"
     shutil.copy(finished_output, previous)
-    marker = Path(f"{previous}.complete.json")
-    recorded = json.loads(Path(f"{finished_output}.complete.json").read_text())
+    marker = previous.with_name(f"_{previous.name}.complete.json")
+    recorded = json.loads(finished_output.with_name(f"_{finished_output.name}.complete.json").read_text())
     if callable(damage):
         marker.write_text(json.dumps(damage(recorded)))
     elif damage == "not json":

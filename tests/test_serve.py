@@ -275,7 +275,7 @@ def test_a_cancelled_batch_keeps_its_finished_jobs_lines_and_cancels_the_rest(tm
     ok = [{"id": f"batch_req_{c}", "custom_id": c, "response": {"status_code": 200, "body": {}}, "error": None}
           for c in ("a", "b")]
     (job0 / "output.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ok))
-    (job0 / "output.jsonl.complete.json").write_text("{}")
+    (job0 / "_output.jsonl.complete.json").write_text("{}")
 
     Worker(store, WorkerSettings(model=MODEL))._cancel(store.batch("batch_x"))
     done = store.batch("batch_x")
@@ -473,7 +473,7 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer
         killed_file = client.files.create(file=("kill.jsonl", long_completions("k", 60).encode()), purpose="batch")
         killed = client.batches.create(input_file_id=killed_file.id, endpoint="/v1/completions",
                                        completion_window="24h", metadata={"labels": LABELS})
-        parts = server.state / "batches" / killed.id / "job0" / "output.jsonl.parts"
+        parts = server.state / "batches" / killed.id / "job0" / "_output.jsonl.parts"
         deadline = time.monotonic() + 300
         while not list(parts.glob("*part*")) and time.monotonic() < deadline:
             time.sleep(0.2)

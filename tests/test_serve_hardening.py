@@ -352,7 +352,7 @@ def test_a_batch_whose_run_is_killed_resumes_and_completes(tmp_path):
 
     server, state, client, batch = _serve_a_batch(tmp_path, "k")
     try:
-        parts = state / "batches" / batch.id / "job0" / "output.jsonl.parts"
+        parts = state / "batches" / batch.id / "job0" / "_output.jsonl.parts"
         deadline = time.monotonic() + 300
         while not list(parts.glob("*part*")) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -29,7 +29,7 @@ def _provenance(path) -> dict[str, str]:
 
 def _check_provenance(path, started: datetime) -> None:
     recorded = _provenance(path)
-    marker = json.loads(path.with_name(path.name + ".complete.json").read_text())
+    marker = json.loads(path.with_name("_" + path.name + ".complete.json").read_text())
     assert recorded["batchscore.model"] == "smollm2-135m-instruct"
     assert recorded["batchscore.job_hash"] == marker["output_hash"]  # the completion marker's identity
     assert recorded["batchscore.version"] == batchscore.__version__
@@ -61,10 +61,10 @@ def test_a_questions_output_with_separator_holds_no_dot_and_reports(tmp_path):
     assert "team__choice" in names and "team__needs_review" in names
     _check_provenance(out, started)
     assert _provenance(out)["batchscore.column_separator"] == "__"
-    html = (tmp_path / "out.parquet.report.html").read_text()  # the report reads the columns back by question
+    html = (tmp_path / "_out.parquet.report.html").read_text()  # the report reads the columns back by question
     assert all(f'id="q-{q.key}"' in html for q in questions())
     # each reviewed question says what output.review did (its threshold, or why none), as the labels page does
-    summary = json.loads((tmp_path / "out.parquet.complete.json").read_text())["summary"]
+    summary = json.loads((tmp_path / "_out.parquet.complete.json").read_text())["summary"]
     for key, review in summary["review"]["questions"].items():
         section = html.split(f'id="q-{key}"', 1)[1].split('id="q-', 1)[0]
         assert "output.review" in section and (review["threshold"] is not None or review["reason"][:40] in section)

@@ -28,7 +28,7 @@ def test_run_metrics_inside_a_folder_input_is_refused_before_any_work(tmp_path):
     result = invoke("run", job, "-q", "--metrics", folder / "m.json")
     assert result.exit_code == EXIT_CONFIG, result.output
     assert "is inside the input folder" in result.output
-    assert not out.exists() and not (tmp_path / "out.parquet.parts").exists()
+    assert not out.exists() and not (tmp_path / "_out.parquet.parts").exists()
 
 
 def test_an_error_path_inside_a_folder_input_is_refused_before_any_work(tmp_path):

@@ -386,7 +386,7 @@ def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, te
         code = run_child(job, tmp / "killed.json", fault=f"part:{max(1, parts // 2)}")
         if code != -9:
             raise click.ClickException(f"the first run was to be killed (SIGKILL) but exited with {code}")
-        manifest = json.loads((tmp / "scores.parquet.parts" / "run.manifest.json").read_text())
+        manifest = json.loads((tmp / "_scores.parquet.parts" / "run.manifest.json").read_text())
         runs.append(("killed", json.loads((tmp / "killed.json").read_text()),
                      sum(p["end"] - p["start"] for p in manifest["parts"])))
     code = run_child(job, tmp / "resumed.json", fault=None)

@@ -43,13 +43,17 @@ def is_remote(path: str | os.PathLike) -> bool:
 def use_storage_options(*pairs: tuple[str | None, dict[str, Any] | None]) -> None:
     """For one job: use each (url, options) pair's fsspec keyword arguments (key, secret,
     endpoint_url, client_kwargs, …) for the paths that begin with `url` — a file and its siblings
-    `<file>.parts/`, `.lock`, `.complete.json`, …; a folder (no suffix in its last name) and what
+    (`_<file>.parts/`, `_<file>.lock`, `_<file>.complete.json`, …); a folder (no suffix in its last name) and what
     is below it; a glob's text before its first wildcard; the longest match wins. Replaces the
     options of the job before, so a later job in the same process never reuses them."""
     _OPTIONS.clear()
     for url, options in pairs:
         if url and options and is_url(url):
-            _OPTIONS[_prefix(url)] = dict(options)
+            prefix = _prefix(url)
+            _OPTIONS[prefix] = dict(options)
+            if not prefix.endswith("/"):  # a file: its siblings (`sibling`) are `_` + its name + ...
+                folder, _, name = prefix.rpartition("/")
+                _OPTIONS[f"{folder}/_{name}"] = dict(options)
 
 
 def as_path(path: str | os.PathLike):
@@ -77,9 +81,11 @@ def as_path(path: str | os.PathLike):
 
 
 def sibling(path, suffix: str):
-    """The path beside `path` with `suffix` added to its name (`out.parquet` → `out.parquet.lock`)."""
+    """The path beside `path` whose name is `_` + its name + `suffix` (`out.parquet` →
+    `_out.parquet.lock`): the leading `_` is what Arrow, DuckDB, Spark and Hive skip when they read
+    a folder as a dataset, so a run's own files never read as rows of the output."""
     path = as_path(path)
-    return path.with_name(path.name + suffix)
+    return path.with_name("_" + path.name + suffix)
 
 
 def relative_folder(file, base) -> str:

@@ -2,11 +2,15 @@
 
 Files, for `output.path = out/scores.parquet`:
 
-    out/scores.parquet.lock             # the run's lock (a shard's: .shard-0-of-3.lock; a merge's: .merge.lock)
-    out/scores.parquet.parts/           # manifests and parts while scoring (output/parts.py)
-    out/scores.parquet.complete.json    # the completion marker: a rerun is a no-op
+    out/_scores.parquet.lock            # the run's lock (a shard's: .shard-0-of-3.lock; a merge's: .merge.lock)
+    out/_scores.parquet.parts/          # manifests and parts while scoring (output/parts.py)
+    out/_scores.parquet.complete.json   # the completion marker: a rerun is a no-op
     out/scores.errors.jsonl             # openai_batch only: the failed rows (output.error_path)
-    out/scores.parquet.report.html      # `run --report` / `batchscore report`
+    out/_scores.parquet.report.html     # `run --report` / `batchscore report`
+
+Every file a run writes beside the output starts with `_` (`io/storage.sibling`): Arrow
+(`pyarrow.dataset`), DuckDB, Spark and Hive skip such names, so the folder reads as a dataset of
+the outputs alone, during a run and after it.
 
 Columns, after the id and the kept input columns: with fixed labels `p_<label>`..., `label`,
 `label_mass` (then `logp_<label>`... with `output.logprobs`); with per-row choices `choice`,

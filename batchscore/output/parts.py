@@ -3,14 +3,14 @@
 Layout, for `output.path = out/scores.parquet` (the files beside the output are named in
 output/layout.py):
 
-    out/scores.parquet.lock              # held for the whole run (output/lock.py)
-    out/scores.parquet.parts/
+    out/_scores.parquet.lock             # held for the whole run (output/lock.py)
+    out/_scores.parquet.parts/
         run.manifest.json                # run identity + which rows each part covers
-        run-input-errors.parquet         # row_id, error of rows refused before scoring
-        run-part-001-000000.parquet      # attempt 1, part 0: row_id, raw option totals and tokens, error
+        run-input-errors.part            # row_id, error of rows refused before scoring
+        run-part-001-000000.part         # attempt 1, part 0: row_id, raw option totals and tokens, error
         shard-1-of-3.manifest.json       # a static shard writes its own manifest and parts
         ...
-    out/scores.parquet.complete.json     # written after the output: a rerun is a no-op
+    out/_scores.parquet.complete.json    # written after the output: a rerun is a no-op
 
 Every file is written under a temporary name, fsynced and renamed when complete, and a manifest
 is rewritten (atomically) after each part, so a run killed at any moment leaves a consistent
@@ -49,6 +49,9 @@ log = logging.getLogger("batchscore")
 # 3: parts cover row positions, carry checksums; identity by content; 4: option totals;
 # 5: raw totals only (no label_mass: scores/normalize.py derives it at assembly)
 MANIFEST_VERSION = 5
+# Parts are Parquet files named `.part`: a `**/*.parquet` glob over the output's folder (DuckDB's,
+# which does not skip `_` folders) never reads a running job's parts as rows of the output.
+PART_SUFFIX = ".part"
 
 
 @dataclass
@@ -237,7 +240,7 @@ class PartStore:
             return existing
         self._remove_own_files(stale)  # leftovers without a usable manifest
         errors = input_errors or {}
-        manifest.input_errors_file = f"{self.name}-input-errors.parquet"
+        manifest.input_errors_file = f"{self.name}-input-errors{PART_SUFFIX}"
         table = pa.table({"row_id": pa.array(list(errors), type=pa.int64()),
                           "error": pa.array(list(errors.values()), type=pa.string()),
                           "error_kind": pa.array([kind_of(e) for e in errors.values()], type=pa.string())})
@@ -259,7 +262,7 @@ class PartStore:
         [start, end): the positions of the worker's member order the part covers (R = end - start).
         """
         self.guard()
-        name = f"{self.name}-part-{manifest.attempt:03d}-{len(manifest.parts):06d}.parquet"
+        name = f"{self.name}-part-{manifest.attempt:03d}-{len(manifest.parts):06d}{PART_SUFFIX}"
         table = pa.table({
             "row_id": pa.array(row_ids, type=pa.int64()),
             "logp": pa.array([np.asarray(v, dtype=np.float64) for v in logp], type=pa.list_(pa.float64())),
@@ -376,7 +379,7 @@ class PartStore:
     def _own_files(self):
         return [p for p in list_files(self.folder)
                 if p.name.startswith(f"{self.name}-part-") or p.name.startswith(f".{self.name}")
-                or p.name == f"{self.name}-input-errors.parquet"
+                or p.name == f"{self.name}-input-errors{PART_SUFFIX}"
                 or p.name == self.manifest_path.name]
 
     def _remove_own_files(self, reason: str | None = None) -> None:

@@ -6,7 +6,7 @@
 - the output, or anything inside the output's parts folder;
 - a file beside the output that the output owns (output/layout.py: its locks, completion
   marker, error file, report, and any `<output name>.*` file), except the one that option writes
-  by default (`report` → `<output>.report.html`, `--metrics` → `<output>.metrics.json`, …).
+  by default (`report` → `_<output>.report.html`, `--metrics` → `<output>.metrics.json`, …).
 
 A path that breaks it is refused before any work with a WritePathError (exit 2) naming both paths;
 one that cannot be written (under a plain file, in a read-only folder) with an OutputError (exit 6),

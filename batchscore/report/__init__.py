@@ -35,7 +35,7 @@ def require_matplotlib() -> None:
 
 
 def default_report_path(output: str | os.PathLike) -> Path:
-    """`<output>.report.html`, next to the output (named in output/layout.py)."""
+    """`_<output>.report.html`, next to the output (named in output/layout.py)."""
     return OutputFiles(output).report
 
 

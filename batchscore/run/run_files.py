@@ -89,7 +89,7 @@ def interrupt_on_sigterm():
 
 class RunFiles:
     """The metrics, Prometheus file and report of one run (each optional; `report`: True for
-    `<output>.report.html`, or the report's path). `job`: the job file, when there is one (its
+    `_<output>.report.html`, or the report's path). `job`: the job file, when there is one (its
     stem labels the Prometheus metrics; the paths are checked against it); `warn`: where a file
     that is not written is said (default: the log)."""
 
@@ -165,7 +165,7 @@ class RunFiles:
             return None
         from batchscore.report import write_report as write_html
 
-        html_path = self.report if isinstance(self.report, str) else None  # True: <output>.report.html
+        html_path = self.report if isinstance(self.report, str) else None  # True: _<output>.report.html
         return write_html(summary.output_path, metrics=summary.to_dict(), html_path=html_path)
 
     def ok(self, summary) -> Path | None:

@@ -91,7 +91,7 @@ def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
     """Score every input row of `config` (or one static shard's share) and write the output.
 
     `metrics` (a JSON summary), `metrics_prom` (a Prometheus textfile) and `report` (True:
-    `<output>.report.html`, or a path) are written however the run ends, as `batchscore run`
+    `_<output>.report.html`, or a path) are written however the run ends, as `batchscore run`
     writes them (run/run_files.py); SIGTERM at any moment raises RunInterrupted.
     """
     use_usable_inductor_cache()  # the Python API's callers too: before the engine imports torch's compiler
@@ -111,7 +111,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
     Holds the output's lock for the whole run (OutputLocked if another run has it). A rerun of
     a job whose output is complete (same configuration, input, model and software) does nothing
     and returns the recorded summary. Otherwise: may convert and cache the model; writes part
-    files to `<output>.parts/`, then the final output atomically, a completion marker, and
+    files to `_<output>.parts/`, then the final output atomically, a completion marker, and
     removes the parts. Resumes a matching partial run unless `fresh`. With `shard`, scores only
     that shard's groups; the shard that completes the set writes the output. `engine_factory`
     builds the engine of a local run (Ray workers always use `create_engine`). Raises a

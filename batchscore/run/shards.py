@@ -3,7 +3,7 @@
 A static shard (`--shard I/N`) is an independent process, maybe on another machine, with no
 coordinator: to find its share it needs the whole job's plan, so it needs every row's tokens.
 The token store lets the set do that work once: the set's store lives in the parts folder beside
-the shards' parts (`<output>.parts/tokens`, as a one-process run's does). A shard that finds a
+the shards' parts (`_<output>.parts/tokens`, as a one-process run's does). A shard that finds a
 complete store of the same content there reuses it (no tokenizing); otherwise it tokenizes into a
 folder of its own and publishes it by renaming it into place, and a shard that loses that race
 drops its copy and reads the winner's. Shards started together therefore each tokenize (as

@@ -106,7 +106,7 @@ def previous_calibration(config) -> dict:
                                "finished run of this batchscore")
     recorded = summary.get("calibration") or {}
     if not isinstance(recorded, dict):
-        raise CalibrationError(f"calibrate.from: {path}.complete.json: calibration is {type(recorded).__name__}, "
+        raise CalibrationError(f"calibrate.from: {path}'s completion marker: calibration is {type(recorded).__name__}, "
                                "not a mapping; give the output of a finished run")
     method = config.score.calibrate
     if recorded.get("method") != method or recorded.get("params") is None:
@@ -119,7 +119,7 @@ def previous_calibration(config) -> dict:
                                f"{config.score.normalize}")
     problem = calibration.params_problem(method, recorded["params"], len(labels) if labels else None)
     if problem:
-        raise CalibrationError(f"calibrate.from: {path}.complete.json: the {method} calibration cannot be "
+        raise CalibrationError(f"calibrate.from: {path}'s completion marker: the {method} calibration cannot be "
                                f"applied: {problem}")
     if summary.get("model") not in (None, str(config.model)):
         log.warning("calibrate.from: %s was fitted with the model %s; this job uses %s", path, summary.get("model"),

@@ -204,7 +204,7 @@ def previous_calibration(config, questions: Sequence) -> dict[str, dict]:
                                    f"options {list(question.options)} (it has {sorted(recorded['questions'])})")
         problem = calibration.params_problem(method, entry["params"], len(question.options))
         if problem:
-            raise CalibrationError(f"calibrate.from: {path}.complete.json: question {q!r}: the {method} "
+            raise CalibrationError(f"calibrate.from: {path}'s completion marker: question {q!r}: the {method} "
                                    f"calibration cannot be applied: {problem}")
         params[q] = entry["params"]
     return params
