@@ -1,4 +1,4 @@
-"""Ray beyond one machine: the KubeRay RayJob manifest and the Slurm batch script in jobs/deploy/.
+"""Beyond one machine: the KubeRay RayJob manifest, the Slurm batch scripts and the job-array recipes (Kubernetes Indexed Job, AWS Batch array) in jobs/deploy/.
 
 The manifest is checked against the RayJob fields it uses (KubeRay's ray.io/v1 API) and its
 entrypoint is loaded as a batchscore job; the script is checked by `bash -n` and run here, outside
@@ -187,3 +187,37 @@ def test_slurm_array_task_scores_its_own_partition(tmp_path, job_factory):
     table = pq.read_table(tmp_path / "out" / "product=P002" / "scores.parquet")
     assert table.num_rows == 3 and set(table.column("status").to_pylist()) == {"ok"}
     assert not (tmp_path / "out" / "product=P001").exists()
+
+
+def _shard_command(command: list[str]) -> tuple[str, str]:
+    """(the --shard spec, the --shards of a merge) of a recipe's command (one of them is None)."""
+    spec = command[command.index("--shard") + 1] if "--shard" in command else None
+    count = command[command.index("--shards") + 1] if "--shards" in command else None
+    return spec, count
+
+
+def test_indexed_job_and_batch_array_recipes_give_each_task_its_shard_of_the_same_count():
+    """jobs/deploy/k8s-indexed-job.yaml and aws-batch-array.json: each task's `--shard auto/N`
+    names the array's own size, the merge the same N, and the scheduler's index variable becomes
+    the task's shard (run/job_arrays.py)."""
+    from batchscore.run.job_arrays import array_task
+
+    shards, merge = yaml.safe_load_all((DEPLOY / "k8s-indexed-job.yaml").read_text())
+    assert shards["spec"]["completionMode"] == "Indexed"
+    size = shards["spec"]["completions"]
+    [container] = shards["spec"]["template"]["spec"]["containers"]
+    spec, _ = _shard_command(container["command"])
+    assert spec == f"auto/{size}" and _shard_command(merge["spec"]["template"]["spec"]["containers"][0]["command"])[1] \
+        == str(size)
+    load_job(Path(container["command"][2].replace(IMAGE_CHECKOUT, str(REPO))))
+    task = array_task(spec, {"JOB_COMPLETION_INDEX": "5"})
+    assert (task.index, task.count) == (5, size)
+
+    aws = json.loads((DEPLOY / "aws-batch-array.json").read_text())
+    size = aws["submitArray"]["arrayProperties"]["size"]
+    spec, _ = _shard_command(aws["jobDefinition"]["containerProperties"]["command"])
+    assert spec == f"auto/{size}" and _shard_command(aws["submitMerge"]["containerOverrides"]["command"])[1] == str(size)
+    task = array_task(spec, {"AWS_BATCH_JOB_ARRAY_INDEX": "7"})
+    assert (task.index, task.count) == (7, size)
+    rules = aws["jobDefinition"]["retryStrategy"]["evaluateOnExit"]
+    assert [r["onExitCode"] for r in rules if r["action"] == "RETRY"] == ["75", "130"] and rules[-1]["onExitCode"] == "*"
