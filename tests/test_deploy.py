@@ -1,4 +1,5 @@
-"""Beyond one machine: the KubeRay RayJob manifest, the Slurm batch scripts and the job-array recipes (Kubernetes Indexed Job, AWS Batch array) in jobs/deploy/.
+"""Beyond one machine: the KubeRay RayJob manifest, the Slurm batch scripts and the job-array
+recipes (Kubernetes Indexed Job, AWS Batch array) in jobs/deploy/.
 
 The manifest is checked against the RayJob fields it uses (KubeRay's ray.io/v1 API) and its
 entrypoint is loaded as a batchscore job; the script is checked by `bash -n` and run here, outside
