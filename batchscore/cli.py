@@ -297,7 +297,8 @@ def _time_split(summary) -> str:
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job key (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar while the input is read.")
+def plan(job: str, sets: tuple[str, ...], as_json: bool, quiet: bool) -> None:
     """Plan a job without scoring: prefix groups, token counts and saving ratios.
 
     Example:
@@ -307,16 +308,20 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool) -> None:
     import tempfile
 
     from batchscore.run.open import open_job, prepare_job
+    from batchscore.run.read_progress import reading_bar
     from batchscore.store.build import plan_store
 
     config = _load(job, sets)
     source = open_job(config, for_output=False)
     with tempfile.TemporaryDirectory(prefix="batchscore-plan-") as folder:
         if config.plan.order == "srjf":  # re-costed against a simulated cache per unit: the in-memory planner
-            plan = prepare_job(config, source=source).plan()
+            with reading_bar(not quiet) as on_rows:
+                prepared = prepare_job(config, source=source, progress=on_rows)
+            plan = prepared.plan()
             stats, groups = plan.stats.to_dict(), lambda: plan.groups
         else:  # through the token store and the plan as metadata (rows never held as objects)
-            meta, store, _ = plan_store(source, Path(folder) / "tokens")
+            with reading_bar(not quiet) as on_rows:
+                meta, store, _ = plan_store(source, Path(folder) / "tokens", on_rows)
             stats, groups = meta.stats.to_dict(), lambda: meta.to_plan(store).groups
         fault_point("plan")
         if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping

@@ -57,3 +57,24 @@ def test_a_questions_job_maps_each_read_to_its_record(tmp_path):
                            {row: int(job.input.record_of[row]) for row in range(job.input.num_rows)})
     assert progress.bar.total == 12  # the summary's `rows`, not its `reads`
     progress.close()
+
+
+def test_plan_shows_rows_read_while_it_reads_and_quiet_shows_nothing(job_factory, small_input, capsys):
+    """`batchscore plan` (and `run`, through the same bar) count the rows read before any plan or
+    scoring: a million-row input is minutes of reading that used to be silent."""
+    from click.testing import CliRunner
+
+    from batchscore.cli import main
+    from batchscore.run.read_progress import reading_bar
+
+    with reading_bar(True) as on_rows:
+        on_rows(5)
+        on_rows(7)
+    assert "reading" in capsys.readouterr().err
+    with reading_bar(False) as on_rows:
+        assert on_rows is None
+    job = job_factory(small_input)
+    shown = CliRunner().invoke(main, ["plan", str(job), "--json"])
+    assert shown.exit_code == 0 and "reading: " in shown.stderr and "12" in shown.stderr, shown.stderr
+    quiet = CliRunner().invoke(main, ["plan", str(job), "--json", "-q"])
+    assert quiet.exit_code == 0 and "reading" not in quiet.stderr and '"num_requests": 12' in quiet.stdout

@@ -53,6 +53,7 @@ from batchscore.output.parts import Manifest, PartStore, completed_summary, writ
 from batchscore.output.summary import Audit, Execution, Questions, RunSummary, Timing
 from batchscore.scores.quality import QualityResult, content_free_rows, split_content_free
 from batchscore.plan.placement import place_groups
+from batchscore.run.read_progress import reading_bar
 from batchscore.run.open import (JobSource, PreparedJob, assembly_config, open_job, output_files, prepare_job,
                                  use_job_storage)
 from batchscore.run.rederive import rederive_output, rederive_problem
@@ -241,8 +242,9 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     if shard is not None and not fresh:  # before the set's store is reused or published
         _check_shard_set(store, shard, source.identity)
     if from_store:  # the rows tokenized once into a memory-mapped store; the plan a few integers per row
-        job, tokens = (_built_store(source, store, reuse=not fresh) if shard is None
-                       else set_store(source, store.folder, shard.name))
+        with reading_bar(progress) as on_rows:
+            job, tokens = (_built_store(source, store, reuse=not fresh, progress=on_rows) if shard is None
+                           else set_store(source, store.folder, shard.name, on_rows))
         stage("plan")
         plan = plan_rows(tokens, plan_options(config, source.kind))
         if num_workers == 1:
@@ -252,7 +254,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
             shares, split_extra_tokens = place_shares(plan, tokens, num_workers)
             worker_groups = [StoreGroups.range(share, tokens, 0, len(share)) for share in shares]
     else:
-        job = prepare_job(config, source=source)
+        with reading_bar(progress) as on_rows:
+            job = prepare_job(config, source=source, progress=on_rows)
         stage("plan")
         plan = job.plan()
         placement = place_groups(plan.groups, num_workers)
@@ -463,16 +466,17 @@ def _refuse_planted_links(parts_folder: Path, writer: str) -> None:
         refuse_link(path, what)
 
 
-def _built_store(source: JobSource, store: PartStore, reuse: bool = True):
+def _built_store(source: JobSource, store: PartStore, reuse: bool = True, progress=None):
     """The job's token store, built in its parts folder (store/build.py; `reuse` False: `--fresh`,
-    a new store whatever is there); a refused input leaves no folder behind it (`_lock_left_clean`)."""
+    a new store whatever is there; `progress(n)`: rows read); a refused input leaves no folder
+    behind it (`_lock_left_clean`)."""
     folder = store_folder(store.folder)
     existed = store.folder.exists()
     if not reuse:
         remove_tree(folder)
     try:
-        on_ray = source.config.executor.kind == "ray" and ray_store(source, folder)  # input files as Ray tasks
-        return on_ray or build_store(source, folder)
+        on_ray = source.config.executor.kind == "ray" and ray_store(source, folder, progress)  # files as Ray tasks
+        return on_ray or build_store(source, folder, progress)
     except BaseException:
         remove_tree(folder)
         if not existed:

@@ -28,17 +28,17 @@ from batchscore.store.tokens import TokenStore
 log = logging.getLogger("batchscore")
 
 
-def set_store(source, parts_folder, writer: str):
+def set_store(source, parts_folder, writer: str, progress=None):
     """(PreparedJob, TokenStore): the shard set's store in `parts_folder`, reused when complete
-    and of this content, else built in a folder of this writer's and published. A refused input
-    leaves no folder of this shard's behind."""
+    and of this content, else built in a folder of this writer's and published (`progress(n)`:
+    rows read). A refused input leaves no folder of this shard's behind."""
     folder = store_folder(parts_folder)
     if TokenStore.reusable(folder, source.identity) is not None:
-        return build_store(source, folder)  # reused: no tokenizing
+        return build_store(source, folder, progress)  # reused: no tokenizing
     private = folder.with_name(f"{folder.name}.{writer}")
     existed = Path(parts_folder).exists()
     try:
-        job, _ = build_store(source, private)  # a resumed shard may reuse its own unpublished copy
+        job, _ = build_store(source, private, progress)  # a resumed shard may reuse its own unpublished copy
     except BaseException:
         remove_tree(private)
         if not existed:
