@@ -222,3 +222,25 @@ def test_indexed_job_and_batch_array_recipes_give_each_task_its_shard_of_the_sam
     assert (task.index, task.count) == (7, size)
     rules = aws["jobDefinition"]["retryStrategy"]["evaluateOnExit"]
     assert [r["onExitCode"] for r in rules if r["action"] == "RETRY"] == ["75", "130"] and rules[-1]["onExitCode"] == "*"
+
+
+def test_the_dockerfile_sets_up_as_the_makefile_does_and_runs_make_run():
+    """No container runtime here: the Dockerfile is checked to be the Makefile's steps — it copies
+    what `make setup` and `make run` read, installs torch from the CPU index into the venv the
+    Makefile uses, runs `make setup`, and its default command is `make run`."""
+    text = (REPO / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
+    copied = {part.rstrip("/").removeprefix("./") for line in lines if line.startswith("COPY ")
+              for part in line.split()[1:-1]}
+    sample = load_job(REPO / "jobs" / "sample.yaml")
+    needed = {"pyproject.toml", "Makefile", "README.md", "batchscore", "jobs",
+              Path(sample.input.path).relative_to(REPO).parts[0]}
+    assert needed <= copied, needed - copied
+    [run] = [line for line in lines if line.startswith("RUN python -m venv")]
+    makefile = (REPO / "Makefile").read_text()
+    assert "VENV ?= .venv" in makefile and "python -m venv .venv" in run and "make setup" in run
+    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in run
+    assert "$(PIP) install torch==2.13.0" in makefile  # the version the image pre-installs
+    assert lines[-1] == 'CMD ["make", "run"]' and "HF_HUB_OFFLINE=1" in text
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert ".venv/" in ignored and ".git/" in ignored
