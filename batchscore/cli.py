@@ -245,6 +245,8 @@ def _shard(spec: str):
 
 
 def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, sets=(), output=None) -> None:
+    from batchscore.output.cost import cost_line
+
     if summary.skipped:
         click.echo(f"{summary.output_path} is already the complete output of this job (same configuration, "
                    "input, model and software): nothing to do. Use --fresh to score it again."
@@ -269,6 +271,7 @@ def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, s
         f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}"
         f"{_kernels(summary.execution.kernels)}\n"
         f"{_time_split(summary)}"
+        + (f"\n{line}" if (line := cost_line(summary.cost)) else "")
         + (f"\nreport: {report_path}" if report_path else "")
     )
 

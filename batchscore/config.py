@@ -252,6 +252,11 @@ class OutputConfig:
 
 
 @dataclass
+class ReportConfig:
+    price_per_hour: float | None = key(None, identity=NEITHER)  # one machine-hour's price (any currency): the summary, metrics and report then give the night's cost, per million rows, and what sharing saved
+
+
+@dataclass
 class ExecutorConfig:
     kind: str = key("local", identity=NEITHER)  # local (this process) | ray (one engine per Ray actor)
     num_workers: int = key(1, identity=NEITHER)  # engines (Ray actors), each scoring its share of the prefix groups
@@ -275,6 +280,7 @@ class JobConfig:
     plan: PlanConfig = key(factory=PlanConfig, identity=SECTION)  # prefix grouping and order
     output: OutputConfig = key(factory=OutputConfig, identity=SECTION)  # where the scores go
     executor: ExecutorConfig = key(factory=ExecutorConfig, identity=SECTION)  # one process, or Ray workers
+    report: ReportConfig = key(factory=ReportConfig, identity=SECTION)  # what the summary and report add (a price)
     source: str | None = key(None, identity=NEITHER)  # the job file this came from (for messages and relative paths)
 
     def to_dict(self) -> dict[str, Any]:

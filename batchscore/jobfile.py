@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from batchscore.config import (CalibrateConfig, EngineConfig, ExecutorConfig, InputConfig, JobConfig, OutOfScopeConfig,
-                               OutputConfig, PlanConfig, PromptConfig, ReviewConfig, ScoreConfig, SpeculativeConfig,
-                               SyntheticInput, safe_load_yaml)
+                               OutputConfig, PlanConfig, PromptConfig, ReportConfig, ReviewConfig, ScoreConfig,
+                               SpeculativeConfig, SyntheticInput, safe_load_yaml)
 from batchscore.engines.registry import engine_problems, kind_names as engine_kind_names, reads_greedy
 from batchscore.engines.vllm.kind import vllm_args_problems
 from batchscore.engines.shape import DTYPE_BYTES
@@ -197,6 +197,7 @@ _INVALID = object()
 def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
     nested = {"InputConfig": InputConfig, "PromptConfig": PromptConfig, "EngineConfig": EngineConfig,
               "PlanConfig": PlanConfig, "OutputConfig": OutputConfig, "ExecutorConfig": ExecutorConfig,
+              "ReportConfig": ReportConfig,
               "ScoreConfig": ScoreConfig, "CalibrateConfig": CalibrateConfig, "ReviewConfig | None": ReviewConfig,
               "OutOfScopeConfig | None": OutOfScopeConfig,
               "SyntheticInput | None": SyntheticInput, "SpeculativeConfig | None": SpeculativeConfig}

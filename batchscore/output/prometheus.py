@@ -43,6 +43,10 @@ GAUGES = (
     ("audit_bound", "batchscore_audit_bound", "Exactness audit: above this max |dP| the run exits 7."),
     ("audit_rows", "batchscore_audit_rows", "Exactness audit: rows re-scored (0: no audit)."),
     ("audit_seconds", "batchscore_audit_seconds", "Exactness audit: seconds it took (part of the run's wall time)."),
+    ("cost", "batchscore_cost", "The run's machine-seconds at report.price_per_hour (the job's currency)."),
+    ("cost_per_million_rows", "batchscore_cost_per_million_rows", "The run's cost per million input rows."),
+    ("cost_saved_by_sharing", "batchscore_cost_saved_by_sharing",
+     "The scoring cost the shared prefixes were not computed for, at the run's token rate."),
 )
 
 

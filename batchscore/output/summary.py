@@ -83,7 +83,24 @@ class Audit:
     plain_mean_dp: float | None = None
 
 
-PARTS = {"timing": Timing, "execution": Execution, "questions": Questions, "quality": Quality, "audit": Audit}
+@dataclass
+class Cost:
+    """What the night cost (output/cost.py): machine-seconds per stage, and with the job's
+    `report.price_per_hour` the price of the run, per million rows, and what prefix sharing saved."""
+
+    KEY: ClassVar[dict[str, str]] = {"machine_seconds": "machine_seconds", "price_per_hour": "price_per_hour",
+                                     "total": "cost", "per_million_rows": "cost_per_million_rows",
+                                     "sharing_saved": "cost_saved_by_sharing"}
+
+    machine_seconds: dict = field(default_factory=dict)  # stage -> seconds × the machines it held
+    price_per_hour: float | None = None  # of one machine (report.price_per_hour), in the job's currency
+    total: float | None = None  # the run's machine-seconds at that price
+    per_million_rows: float | None = None
+    sharing_saved: float | None = None  # the scoring the shared prefixes were not computed for, at that price
+
+
+PARTS = {"timing": Timing, "execution": Execution, "questions": Questions, "quality": Quality, "audit": Audit,
+         "cost": Cost}
 
 # The flat keys in the order the JSON has always had.
 KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "processed_tokens", "saving_ratio",
@@ -91,7 +108,8 @@ KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "proce
         "workers", "batch_token_counts", "skipped", "approx_keep", "reads", "decisions", "calibration",
         "confidence_method", "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds",
         "audit_differing", "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash",
-        "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels")
+        "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels",
+        "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing")
 
 
 def _key(part: type, name: str) -> str:
@@ -122,6 +140,7 @@ class RunSummary:
     questions: Questions = field(default_factory=Questions)
     quality: Quality = field(default_factory=Quality)
     audit: Audit = field(default_factory=Audit)
+    cost: Cost = field(default_factory=Cost)
 
     @property
     def rows_per_second(self) -> float:

@@ -177,6 +177,13 @@ def _throughput_section(current: ScoredOutput, run: RunSummary | None, metrics_n
             ("processed tokens / s (scoring)", f"{t.processed_tokens_per_score_second:,.0f}"),
             ("tokens", f"{t.logical_tokens:,} logical, {t.processed_tokens:,} processed "
                        f"(saving {_pct(t.saving_ratio)})")]
+    if run.cost.machine_seconds:
+        rows.append(("machine-seconds", ", ".join(f"{stage.replace('_', ' ')} {value:,.1f}"
+                                                  for stage, value in run.cost.machine_seconds.items())))
+    if run.cost.total is not None:
+        per_million = "" if run.cost.per_million_rows is None else f", {run.cost.per_million_rows:,.4g} per million rows"
+        rows.append(("cost", f"{run.cost.total:,.4g} at {run.cost.price_per_hour:g} an hour{per_million}; "
+                             f"prefix sharing saved {run.cost.sharing_saved:,.4g}"))
     parts = [f'<p class="note">From {_e(metrics_note)}.</p>']
     parts += [f'<p class="warn">{_e(w)}</p>' for w in t.warnings]
     parts.append(_table(["", ""], rows, header=False))

@@ -53,6 +53,7 @@ from batchscore.output.parts import Manifest, PartStore, completed_summary, writ
 from batchscore.output.summary import Audit, Execution, Questions, RunSummary, Timing
 from batchscore.scores.quality import QualityResult, content_free_rows, split_content_free
 from batchscore.plan.placement import place_groups
+from batchscore.output.cost import night_cost
 from batchscore.run.read_progress import reading_bar
 from batchscore.run.open import (JobSource, PreparedJob, assembly_config, open_job, output_files, prepare_job,
                                  use_job_storage)
@@ -325,7 +326,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
                  if complete else Audit())
     else:
         audit = audit_output(job, store, manifests, plan, processed, weights) if complete else Audit()
-    return RunSummary(
+    summary = RunSummary(
         output_path=str(store.files.output),
         rows=job.input.num_records,
         rows_ok=job.input.num_records - len(errors),
@@ -347,6 +348,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         quality=quality,
         audit=audit,
     )
+    summary.cost = night_cost(summary, config.report.price_per_hour, num_workers if use_ray and not shard else 0)
+    return summary
 
 
 def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
