@@ -271,6 +271,8 @@ def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, s
         f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}"
         f"{_kernels(summary.execution.kernels)}\n"
         f"{_time_split(summary)}"
+        + (f"\nincremental: {summary.carry.carried:,} rows carried from the previous night, {summary.carry.scored:,} "
+           f"scored, {summary.carry.dropped:,} of its rows dropped" if summary.carry.carried is not None else "")
         + (f"\n{line}" if (line := cost_line(summary.cost)) else "")
         + (f"\nreport: {report_path}" if report_path else "")
     )

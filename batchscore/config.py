@@ -241,6 +241,8 @@ class OutputConfig:
     part_seconds: float = key(120.0, identity=NEITHER)  # ...or fewer, when this many seconds passed since the last part
     logprobs: bool = key(False, identity=SCORING)  # add each option's raw total log-probability (logp_<label> / logp_choices)
     top_token: bool = key(False, identity=SCORING)  # add argmax_is_label, top_token and top_p: the most probable token at the read (torch engine)
+    mode: str = key("full", identity=NEITHER)  # full | incremental: rows whose content the previous night scored (same model and scoring keys) are carried with its scores, the rest scored
+    previous: str | None = key(None, identity=NEITHER)  # incremental: the previous night's output (default: output.path itself); its _<output>.rows file is read
     greedy: bool = key(False, identity=SCORING)  # add greedy_choices: per option, whether each of its tokens is the argmax at its place (lm-eval's is_greedy; choices jobs, torch engine)
     audit_rows: int | None = key(None, identity=NEITHER)  # the exactness audit: rows re-scored by a plain float32 forward after the run (0: off; null: within 5% of the scoring's tokens, 1 to 32 rows)
     audit_seed: int = key(0, identity=NEITHER)  # seeds which scored rows the audit picks

@@ -53,6 +53,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "plan.order": ORDER_POLICIES,
     "output.format": output_format_names(),
     "output.column_separator": COLUMN_SEPARATORS,
+    "output.mode": ("full", "incremental"),
     "executor.kind": ("local", "ray"),
     "executor.tokenize": ("auto", "tasks", "driver"),
 }
@@ -301,6 +302,14 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("plan.block_size: must be ≥ 1")
     problems.extend(_not_allowed(config, "output.format"))
     problems.extend(_not_allowed(config, "output.column_separator"))
+    problems.extend(_not_allowed(config, "output.mode"))
+    if config.output.mode == "incremental" and (not task.incremental or requests_in_lines(config)
+                                                 or config.input.synthetic is not None):
+        problems.append("output.mode incremental: for labels and choices jobs over rows of a table or JSON Lines "
+                        "(not questions jobs, OpenAI Batch lines or synthetic rows)")
+    if config.output.previous is not None and config.output.mode != "incremental":
+        problems.append("output.previous: the previous night's output an incremental run carries rows from; "
+                        "set output.mode: incremental")
     if not 0.0 <= config.output.max_error_rate <= 1.0:
         problems.append(f"output.max_error_rate: must be between 0 and 1, got {config.output.max_error_rate}")
     problems.extend(_not_allowed(config, "executor.kind"))

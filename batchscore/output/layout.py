@@ -7,6 +7,7 @@ Files, for `output.path = out/scores.parquet`:
     out/_scores.parquet.complete.json   # the completion marker: a rerun is a no-op
     out/scores.errors.jsonl             # openai_batch only: the failed rows (output.error_path)
     out/_scores.parquet.report.html     # `run --report` / `batchscore report`
+    out/_scores.parquet.rows            # output.mode incremental: what the next night carries
 
 Every file a run writes beside the output starts with `_` (`io/storage.sibling`): Arrow
 (`pyarrow.dataset`), DuckDB, Spark and Hive skip such names, so the folder reads as a dataset of
@@ -97,13 +98,19 @@ class OutputFiles:
         """The default place of the HTML report."""
         return sibling(self.output, ".report.html")
 
+    @property
+    def rows(self):
+        """An incremental run's rows file: each scored row's digest and raw results, which the next
+        night carries (output/carry.py)."""
+        return sibling(self.output, ".rows")
+
     def all_siblings(self, writer: str = RUN_WRITER) -> list:
         """Every path beside the output that a run of `writer` owns: its lock, the parts folder,
-        the completion marker, the error file (openai_batch) and the report."""
+        the completion marker, the error file (openai_batch), the report and the rows file."""
         paths = [self.lock(writer), self.parts, self.marker]
         if self.errors is not None:
             paths.append(as_path(self.errors))
-        return paths + [self.report]
+        return paths + [self.report, self.rows]
 
 
 # ---------------------------------------------------------------------------- columns

@@ -77,6 +77,7 @@ class Manifest:
     worker_rows: dict[str, int] = field(default_factory=dict)  # worker -> members it must score
     parts: list[PartRecord] = field(default_factory=list)
     input_errors_file: str | None = None  # rows refused before scoring (row_id, error)
+    carried_file: str | None = None  # output.mode incremental: rows carried from the previous night, as a part
     attempt: int = 1  # incremented by each run that continues this manifest
     version: int = MANIFEST_VERSION
 
@@ -211,7 +212,8 @@ class PartStore:
         except (TypeError, KeyError, AttributeError):
             return None, "its manifest is unreadable"
 
-    def start(self, manifest: Manifest, fresh: bool, input_errors: dict[int, str] | None = None) -> Manifest:
+    def start(self, manifest: Manifest, fresh: bool, input_errors: dict[int, str] | None = None,
+              carried: pa.Table | None = None) -> Manifest:
         """Open the staging folder for `manifest`'s job; returns the manifest to continue.
 
         Side effects: with `fresh`, deletes this writer's files first; otherwise keeps a matching
@@ -220,7 +222,8 @@ class PartStore:
         to another job. The files of a manifest that cannot be continued (unreadable, or of
         another parts format version) are deleted, the log naming them. A new manifest records
         `input_errors` (rows refused before scoring) in a file of its own, so assembling the
-        output never needs to tokenize the input again.
+        output never needs to tokenize the input again, and `carried` (an incremental run's rows
+        carried from the previous night, a part's columns) in another.
         The caller holds the output's lock.
         """
         refuse_link(self.folder, "the parts folder")  # its parts would be written into the linked folder
@@ -245,6 +248,9 @@ class PartStore:
                           "error": pa.array(list(errors.values()), type=pa.string()),
                           "error_kind": pa.array([kind_of(e) for e in errors.values()], type=pa.string())})
         atomic_write(self.folder / manifest.input_errors_file, lambda tmp: pq.write_table(table, tmp))
+        if carried is not None and carried.num_rows:
+            manifest.carried_file = f"{self.name}-carried{PART_SUFFIX}"
+            atomic_write(self.folder / manifest.carried_file, lambda tmp: pq.write_table(carried, tmp))
         self.write_manifest(manifest)
         return manifest
 
@@ -326,11 +332,12 @@ class PartStore:
             if mask is not None:
                 table, rows = table.filter(pa.array(mask)), rows[mask]
             errors.update(zip(rows.tolist(), _row_errors(table, INPUT)))
-        for part in (p for m in manifests for p in m.parts):
-            table = _read_parquet(self.folder / part.file)
+        carried = [(m.carried_file, None) for m in manifests if m.carried_file]
+        for file, expected in carried + [(p.file, p.rows) for m in manifests for p in m.parts]:
+            table = _read_parquet(self.folder / file)
             rows = table.column("row_id").to_numpy()
-            if len(rows) != part.rows:
-                raise RuntimeError(f"{part.file} holds {len(rows)} rows, its manifest says {part.rows}")
+            if expected is not None and len(rows) != expected:
+                raise RuntimeError(f"{file} holds {len(rows)} rows, its manifest says {expected}")
             mask = counted(rows)
             ids = rows
             if mask is not None:
@@ -379,7 +386,7 @@ class PartStore:
     def _own_files(self):
         return [p for p in list_files(self.folder)
                 if p.name.startswith(f"{self.name}-part-") or p.name.startswith(f".{self.name}")
-                or p.name == f"{self.name}-input-errors{PART_SUFFIX}"
+                or p.name in (f"{self.name}-input-errors{PART_SUFFIX}", f"{self.name}-carried{PART_SUFFIX}")
                 or p.name == self.manifest_path.name]
 
     def _remove_own_files(self, reason: str | None = None) -> None:
@@ -417,7 +424,8 @@ class PartStore:
 
     def _remove_strays(self, manifest: Manifest) -> None:
         # Temporary files and parts written after the last manifest update are not trusted.
-        known = {p.file for p in manifest.parts} | {self.manifest_path.name, manifest.input_errors_file}
+        known = {p.file for p in manifest.parts} | {self.manifest_path.name, manifest.input_errors_file,
+                                                     manifest.carried_file}
         for path in self._own_files():
             if path.name not in known:
                 remove_file(path)

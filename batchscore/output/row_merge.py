@@ -86,10 +86,11 @@ def _result_tables(store: PartStore, manifests: list[Manifest]) -> Iterator[pa.T
                         pa.nulls(n, _COLUMNS.field("option_tokens").type), refused.column("error"),
                         pa.nulls(n, pa.float64()), pa.nulls(n, pa.int64()), pa.nulls(n, _COLUMNS.field("greedy").type)],
                        schema=_COLUMNS)
-    for part in (p for m in manifests for p in m.parts):
-        table = _read(store.folder / part.file)
-        if table.num_rows != part.rows:
-            raise RuntimeError(f"{part.file} holds {table.num_rows} rows, its manifest says {part.rows}")
+    carried = [(m.carried_file, None) for m in manifests if m.carried_file]
+    for file, expected in carried + [(p.file, p.rows) for m in manifests for p in m.parts]:
+        table = _read(store.folder / file)
+        if expected is not None and table.num_rows != expected:
+            raise RuntimeError(f"{file} holds {table.num_rows} rows, its manifest says {expected}")
         if "top_token" not in table.column_names:  # parts from before the column
             table = table.append_column("top_token", pa.array(np.full(table.num_rows, -1), type=pa.int64()))
         if "greedy" not in table.column_names:

@@ -99,8 +99,21 @@ class Cost:
     sharing_saved: float | None = None  # the scoring the shared prefixes were not computed for, at that price
 
 
+@dataclass
+class Carry:
+    """An incremental run (output.mode incremental, output/carry.py): rows carried from the previous
+    night with its scores, rows scored tonight, and the previous night's rows tonight's input no
+    longer holds (dropped). None: not an incremental run."""
+
+    KEY: ClassVar[dict[str, str]] = {"carried": "rows_carried", "scored": "rows_scored", "dropped": "rows_dropped"}
+
+    carried: int | None = None
+    scored: int | None = None
+    dropped: int | None = None
+
+
 PARTS = {"timing": Timing, "execution": Execution, "questions": Questions, "quality": Quality, "audit": Audit,
-         "cost": Cost}
+         "cost": Cost, "carry": Carry}
 
 # The flat keys in the order the JSON has always had.
 KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "processed_tokens", "saving_ratio",
@@ -109,7 +122,8 @@ KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "proce
         "confidence_method", "review", "out_of_scope", "audit_rows", "audit_max_dp", "audit_bound", "audit_seconds",
         "audit_differing", "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash",
         "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels",
-        "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing")
+        "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing",
+        "rows_carried", "rows_scored", "rows_dropped")
 
 
 def _key(part: type, name: str) -> str:
@@ -141,6 +155,7 @@ class RunSummary:
     quality: Quality = field(default_factory=Quality)
     audit: Audit = field(default_factory=Audit)
     cost: Cost = field(default_factory=Cost)
+    carry: Carry = field(default_factory=Carry)
 
     @property
     def rows_per_second(self) -> float:

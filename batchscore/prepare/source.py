@@ -88,9 +88,15 @@ class PreparedJob:
     def model_dir(self) -> Path | None:
         return self.source.model_dir
 
-    def plan(self) -> Plan:
+    def plan(self, leave_out=None) -> Plan:
+        """The plan of the job's requests (and the content-free input); `leave_out`: row ids not to
+        plan (an incremental run's carried rows)."""
         extra = [self.content_free] if self.content_free is not None else []
-        return build_plan(self.input.requests + extra, plan_options(self.config, self.kind))
+        requests = self.input.requests
+        if leave_out is not None and len(leave_out):
+            skipped = set(int(r) for r in leave_out)
+            requests = [r for r in requests if r.row_id not in skipped]
+        return build_plan(requests + extra, plan_options(self.config, self.kind))
 
 
 def plan_options(config: JobConfig, engine_kind: str) -> PlanOptions:

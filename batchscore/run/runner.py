@@ -11,6 +11,7 @@ store is built once per run and passed down.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import re
@@ -29,8 +30,8 @@ from batchscore.engines.factory import ResolvedEngine, create_engine, decide_com
 from batchscore.engines.registry import get_kind
 from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
-from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError, OutputError,
-                               ResumeMismatch, ShardsUnfinished)
+from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError,
+                               JobConfigError, OutputError, ResumeMismatch, ShardsUnfinished)
 from batchscore.run.assemble import assemble_in_windows, assembles_in_windows
 from batchscore.run.ranges import StoreGroups, audit_sample, place_shares, reads_from_store
 from batchscore.plan.metadata import plan_rows
@@ -50,7 +51,10 @@ from batchscore.output.lock import OutputLock
 from batchscore.io.atomic import refuse_link
 from batchscore.io.storage import file_size, is_url, remove_tree
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
-from batchscore.output.summary import Audit, Execution, Questions, RunSummary, Timing
+from batchscore.output.summary import Audit, Carry, Execution, Questions, RunSummary, Timing
+from batchscore.output import carry
+from batchscore.output.row_merge import row_windows
+from batchscore.store.tokens import StoreWriter, TokenStore
 from batchscore.scores.quality import QualityResult, content_free_rows, split_content_free
 from batchscore.plan.placement import place_groups
 from batchscore.output.cost import night_cost
@@ -242,10 +246,19 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     stage("read")
     if shard is not None and not fresh:  # before the set's store is reused or published
         _check_shard_set(store, shard, source.identity)
+    incremental = config.output.mode == "incremental"
+    if incremental and shard is not None:  # a shard set plans every row together; each shard carrying its own breaks that
+        raise JobConfigError(["output.mode incremental: not with --shard (a shard set is planned as one); "
+                              "run the job whole (executor.kind: ray scales it out), or output.mode: full"],
+                             config.source)
     if from_store:  # the rows tokenized once into a memory-mapped store; the plan a few integers per row
         with reading_bar(progress) as on_rows:
             job, tokens = (_built_store(source, store, reuse=not fresh, progress=on_rows) if shard is None
                            else set_store(source, store.folder, shard.name, on_rows))
+        if incremental:
+            digests = carry.store_digests(tokens, job.input.num_rows)
+            carried, previous = _carried(source, store.files, digests)
+            tokens = _scored_store(tokens, carried, store.folder, source.identity)
         stage("plan")
         plan = plan_rows(tokens, plan_options(config, source.kind))
         if num_workers == 1:
@@ -257,8 +270,11 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     else:
         with reading_bar(progress) as on_rows:
             job = prepare_job(config, source=source, progress=on_rows)
+        if incremental:
+            digests = carry.request_digests(job.input.requests, job.input.num_rows)
+            carried, previous = _carried(source, store.files, digests)
         stage("plan")
-        plan = job.plan()
+        plan = job.plan(leave_out=carried.rows if incremental else None)
         placement = place_groups(plan.groups, num_workers)
         worker_groups = [w.groups for w in placement.workers]
         split_extra_tokens = placement.split_extra_tokens
@@ -266,11 +282,14 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
 
     my_workers = [shard.index] if shard else list(range(num_workers))
     fault_point("start")
+    job_hash = _job_hash(source, num_workers, from_store)
+    if incremental:  # the rows carried decide the plan: another set of them is another partial run
+        job_hash = hashlib.sha256((job_hash + carry.rows_digest(carried)).encode()).hexdigest()[:16]
     manifest = store.start(Manifest(
-        job_hash=_job_hash(source, num_workers, from_store), identity=source.identity,
+        job_hash=job_hash, identity=source.identity,
         num_groups=plan.stats.num_groups, num_rows=job.input.num_rows,
         worker_rows={str(w): _rows_of(worker_groups[w]) for w in my_workers},
-    ), fresh=fresh, input_errors=job.input.errors)
+    ), fresh=fresh, input_errors=job.input.errors, carried=carried.part(previous) if incremental and previous is not None else None)
     resumed = sum(manifest.rows_done(w) for w in my_workers)
     if resumed:
         log.info("resuming: %d rows already scored", resumed)
@@ -319,6 +338,9 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     stage("assemble")
     write_started = time.perf_counter()
     errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
+    if complete and incremental:  # what the next night carries, beside the output (before its marker)
+        carry.write_rows_file(store.files.rows, carry.scoring_key(source.identity), digests,
+                              row_windows(store, manifests, job.input.num_rows))
     write_seconds = time.perf_counter() - write_started
     stage("audit")
     if from_store:  # the audit picks its rows among a seeded sample read back from the store
@@ -349,6 +371,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         audit=audit,
     )
     summary.cost = night_cost(summary, config.report.price_per_hour, num_workers if use_ray and not shard else 0)
+    if incremental:
+        summary.carry = Carry(carried=len(carried.rows), scored=_rows_of_all(worker_groups), dropped=carried.dropped)
     return summary
 
 
@@ -485,6 +509,33 @@ def _built_store(source: JobSource, store: PartStore, reuse: bool = True, progre
         if not existed:
             remove_tree(store.folder)
         raise
+
+
+def _carried(source: JobSource, files, digests: np.ndarray) -> tuple:
+    """(carry.Carried, carry.Previous or None): tonight's rows the previous night scored under the
+    same scoring key (output.previous, else this output's own rows file)."""
+    config = source.config
+    previous_files = OutputFiles(config.output.previous) if config.output.previous else files
+    previous = carry.Previous.load(previous_files.rows, carry.scoring_key(source.identity))
+    carried = carry.match(digests, previous)
+    log.info("incremental: %d rows carried from %s, %d of its rows dropped", len(carried.rows),
+             previous.path if previous else "no previous rows", carried.dropped)
+    return carried, previous
+
+
+def _scored_store(tokens: TokenStore, carried, parts_folder, identity: dict) -> TokenStore:
+    """The store of the rows still to score: `tokens` itself when nothing is carried, else a copy
+    of its other rows beside it (row ids kept), which the plan, the engines and Ray read."""
+    if not len(carried.rows):
+        return tokens
+    keep = np.flatnonzero(~np.isin(np.asarray(tokens.row_ids), carried.rows))
+    writer = StoreWriter(Path(parts_folder) / "tokens.scored", identity)
+    writer.append_positions(tokens, keep)
+    return writer.close(tokens.num_input_rows, {"label_ids": tokens.label_ids})
+
+
+def _rows_of_all(worker_groups) -> int:
+    return sum(_rows_of(groups) for groups in worker_groups)
 
 
 def _rows_of(groups) -> int:

@@ -152,6 +152,20 @@ class StoreWriter:
                 self._errors.write(json.dumps(entry) + "\n")
                 self.num_errors += 1
 
+    def append_positions(self, store: TokenStore, positions: np.ndarray, chunk: int = 1 << 16) -> None:
+        """Append the rows at `positions` (increasing) of a finished `store`, their row ids kept: the
+        rows an incremental run still scores (output/carry.py), a chunk of rows at a time."""
+        options = store.option_sets()
+        offsets, tokens = store.flat.offsets, store.flat.tokens
+        for first in range(0, len(positions), chunk):
+            at = np.asarray(positions[first:first + chunk], dtype=np.int64)
+            starts, ends = np.asarray(offsets[at]), np.asarray(offsets[at + 1])
+            lengths = ends - starts
+            gather = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths) + \
+                np.arange(int(lengths.sum()), dtype=np.int64)
+            self.add_flat(np.asarray(store.row_ids[at]), np.asarray(tokens[gather]), lengths,
+                          np.asarray(store.option_set[at]), options)
+
     def shared_single_token_ids(self) -> list[int] | None:
         """The label token ids when every row so far has the same one-token options (the
         one-position path: `RowOptionSource.single_token_ids`), else None."""
@@ -316,6 +330,10 @@ class TokenStore:
             return None
         index = int(self.option_set[position])
         return None if index < 0 else self._option_set_cache(index)
+
+    def option_sets(self) -> list[OptionTokens]:
+        """Every option set of the store, by index (`option_set[pos]` indexes it; -1: none)."""
+        return [self._build_option_set(i) for i in range(len(self._token_starts) - 1)]
 
     def _build_option_set(self, index: int) -> OptionTokens:
         tokens = self._set_tokens[self._token_starts[index] : self._token_starts[index + 1]]

@@ -227,6 +227,7 @@ LABELS = register(Task(
     summary=_no_summary,
     row_name=row_name,
     top_token=True,
+    incremental=True,
     default=True,
     input_columns=input_columns,
 ))

@@ -1,0 +1,104 @@
+"""`output.mode: incremental`: the second night scores only the rows whose content changed or is
+new; every carried row keeps the first night's bits; the output holds every row of tonight's input
+(on the token-store path of a fixed-labels job and on the in-memory path of a choices job)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchscore import run_job
+from batchscore.errors import JobConfigError
+from batchscore.jobfile import config_from_dict, load_job
+from batchscore.output.layout import OutputFiles
+from tests.conftest import write_job
+
+
+def _nights(tmp_path, small_input):
+    """Night 1: the 12 sample rows; night 2: rows 1 and 5 changed, one row added."""
+    first = pq.read_table(small_input).to_pydict()
+    second = {k: list(v) for k, v in first.items()}
+    for i in (1, 5):
+        second["query"][i] += " for a wedding"
+    for k in second:
+        second[k].append(second[k][0])
+    second["pair_id"][-1], second["query"][-1] = "new-1", "garden chairs"
+    return first, second
+
+
+def _run(tmp_path, rows: dict, path, output: dict | None = None, **overrides):
+    pq.write_table(pa.table(rows), tmp_path / "in.parquet")
+    job = load_job(write_job(tmp_path, tmp_path / "in.parquet",
+                             output={"path": str(path), "mode": "incremental", **(output or {})}, **overrides))
+    summary = run_job(job, progress=False)
+    return summary, pq.read_table(path).to_pandas().set_index("pair_id")
+
+
+def test_the_second_night_scores_only_changed_and_new_rows_and_carries_the_bits(tmp_path, small_input):
+    first, second = _nights(tmp_path, small_input)
+    output = tmp_path / "out" / "scores.parquet"
+    night1, out1 = _run(tmp_path, first, output)
+    assert (night1.carry.carried, night1.carry.scored, night1.carry.dropped) == (0, 12, 0)
+    assert OutputFiles(output).rows.exists()
+    night2, out2 = _run(tmp_path, second, output)
+    assert (night2.carry.carried, night2.carry.scored, night2.carry.dropped) == (10, 3, 2)
+    assert len(out2) == 13 and (out2["status"] == "ok").all() and list(out2.index) == second["pair_id"]
+    carried = [i for i in first["pair_id"] if i not in (first["pair_id"][1], first["pair_id"][5])]
+    assert (out2.loc[carried, "p_Yes"].values == out1.loc[carried, "p_Yes"].values).all()  # the same bits
+    metrics = night2.to_dict()
+    assert (metrics["rows_carried"], metrics["rows_scored"], metrics["rows_dropped"]) == (10, 3, 2)
+
+
+@pytest.mark.slow  # three runs: make test-all
+def test_with_batch_invariance_an_incremental_night_is_a_full_runs_output_bit_for_bit(tmp_path, small_input):
+    """engine.batch_invariant: a row's bits do not depend on what else is scored, so the second
+    night's output equals a full fresh run of its input, bit for bit."""
+    first, second = _nights(tmp_path, small_input)
+    output = tmp_path / "out" / "scores.parquet"
+    invariant = {"engine": {"kind": "torch", "dtype": "float32", "token_budget": 1024, "batch_invariant": True}}
+    _run(tmp_path, first, output, **invariant)
+    night2, out2 = _run(tmp_path, second, output, **invariant)
+    assert (night2.carry.carried, night2.carry.scored) == (10, 3)
+    _, fresh = _run(tmp_path, second, tmp_path / "fresh" / "scores.parquet", output={"mode": "full"}, **invariant)
+    assert out2.equals(fresh)  # row for row, bit for bit
+
+
+@pytest.mark.slow  # three runs: make test-all
+def test_a_choices_job_carries_on_the_in_memory_path_and_all_carried_scores_nothing(tmp_path, small_input):
+    first, second = _nights(tmp_path, small_input)
+    for rows in (first, second):
+        rows["options"] = [[" Yes", " No", " Maybe"]] * len(rows["pair_id"])
+    choices = {"labels": [], "input": {"id_column": "pair_id", "choices_column": "options"}}
+    output = tmp_path / "out" / "scores.parquet"
+    _, out1 = _run(tmp_path, first, output, **choices)
+    night2, out2 = _run(tmp_path, second, output, **choices)
+    assert (night2.carry.carried, night2.carry.scored, night2.carry.dropped) == (10, 3, 2)
+    kept = [i for i in out1.index if i in out2.index and i not in (first["pair_id"][1], first["pair_id"][5])]
+    assert [list(p) for p in out2.loc[kept, "p_choices"]] == [list(p) for p in out1.loc[kept, "p_choices"]]
+    again, out3 = _run(tmp_path, second, tmp_path / "again" / "scores.parquet", **choices,
+                       output={"previous": str(output)})
+    assert (again.carry.carried, again.carry.scored, again.processed_tokens) == (13, 0, 0)
+    assert [list(p) for p in out3["p_choices"]] == [list(p) for p in out2.loc[out3.index, "p_choices"]]
+
+
+def test_incremental_is_refused_where_rows_are_not_carried(tmp_path):
+    with pytest.raises(JobConfigError, match="output.previous: the previous night's output"):
+        config_from_dict({"input": {"path": "x.parquet"}, "prompt": {"template": "{q}"}, "labels": ["Yes", "No"],
+                          "output": {"path": "o.parquet", "previous": "p.parquet"}})
+    with pytest.raises(JobConfigError, match="output.mode incremental: for labels and choices jobs"):
+        config_from_dict({"input": {"synthetic": {"workload": "micro"}}, "labels": ["Yes", "No"],
+                          "output": {"path": "o.parquet", "mode": "incremental"}})
+
+
+def test_a_shard_of_an_incremental_job_is_refused_by_name(tmp_path, small_input):
+    from click.testing import CliRunner
+
+    from batchscore.cli import main
+
+    job = write_job(tmp_path, small_input, output={"path": str(tmp_path / "o.parquet"), "mode": "incremental"})
+    result = CliRunner().invoke(main, ["run", str(job), "-q", "--shard", "0/2"])
+    assert result.exit_code == 2 and "output.mode incremental: not with --shard" in result.output
+    assert not (tmp_path / "o.parquet").exists()
