@@ -450,3 +450,14 @@ def test_bench_scale_makes_a_workdir_that_is_not_there_yet(tmp_path):
     (tmp_path / "file").write_text("x")
     bad = CliRunner().invoke(main_cli(), ["bench", "scale", "--rows", "200", "--workdir", str(tmp_path / "file" / "x")])
     assert bad.exit_code == 2 and "--workdir" in bad.output
+
+
+@pytest.mark.slow  # three child runs: make test-all
+def test_bench_scale_incremental_scores_exactly_the_edited_rows(tmp_path):
+    """`bench scale --incremental 0.1`: the second night scores every 10th row (edited) and carries
+    the rest, and its output is every row's own tokens' score (what a fresh run writes)."""
+    result = CliRunner().invoke(main_cli(), ["bench", "scale", "--rows", "2000", "--part-rows", "400",
+                                             "--incremental", "0.1", "--workdir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "second night: 200 rows scored, 1,800 carried, 200 of the first night's dropped" in result.output
+    assert "the edited rows' new tokens" in result.output

@@ -98,9 +98,10 @@ class StageMeter:
 
 
 def write_token_input(path: Path, rows: int, group_size: int, prefix_len: int, distinct_len: int, seed: int,
-                      chunk: int = 500_000) -> None:
+                      chunk: int = 500_000, changed_every: int = 0) -> None:
     """Pre-tokenized prompts: groups of `group_size` rows sharing a prefix, shuffled; written in
-    chunks (a 10M-row input never sits in memory whole). Row i's tokens: `token_rows(...)`."""
+    chunks (a 10M-row input never sits in memory whole). Row i's tokens: `token_rows(...)`
+    (`changed_every`: every such row's own tokens changed, the next night's input)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -108,22 +109,24 @@ def write_token_input(path: Path, rows: int, group_size: int, prefix_len: int, d
     with pq.ParquetWriter(path, schema) as writer:
         for start in range(0, rows, chunk):
             ids = np.arange(start, min(start + chunk, rows))
-            tokens = token_rows(ids, rows, group_size, prefix_len, distinct_len, seed)
+            tokens = token_rows(ids, rows, group_size, prefix_len, distinct_len, seed, changed_every)
             flat = pa.ListArray.from_arrays(pa.array(np.arange(0, tokens.size + 1, tokens.shape[1], dtype=np.int32)),
                                             pa.array(tokens.reshape(-1)))
             writer.write_table(pa.table({"id": pa.array(ids), "tokens": flat}, schema=schema), row_group_size=chunk)
 
 
 def token_rows(ids: np.ndarray, rows: int, group_size: int, prefix_len: int, distinct_len: int,
-               seed: int) -> np.ndarray:
+               seed: int, changed_every: int = 0) -> np.ndarray:
     """[len(ids), P + D] the tokens of input rows `ids`: their group's prefix (the group of a row:
     a fixed shuffle of the rows, `shuffled`) then tokens of their own, each a hash of (seed, group
-    or row, position): any row's tokens without generating the others."""
+    or row, position): any row's tokens without generating the others. `changed_every` k > 0:
+    rows whose id is a multiple of k get other tokens of their own (an edited row)."""
     groups = shuffled(ids, rows) // group_size
     prefix = _mix(np.uint64(seed) * np.uint64(1 << 40) + groups[:, None].astype(np.uint64) * np.uint64(prefix_len)
                   + np.arange(prefix_len, dtype=np.uint64))
-    own = _mix(np.uint64(seed) * np.uint64(1 << 40) + np.uint64(1 << 62) + ids[:, None].astype(np.uint64)
-               * np.uint64(distinct_len) + np.arange(distinct_len, dtype=np.uint64))
+    edited = (ids % changed_every == 0).astype(np.uint64) if changed_every else np.zeros(len(ids), np.uint64)
+    own = _mix(np.uint64(seed) * np.uint64(1 << 40) + np.uint64(1 << 62) + edited[:, None] * np.uint64(1 << 61)
+               + ids[:, None].astype(np.uint64) * np.uint64(distinct_len) + np.arange(distinct_len, dtype=np.uint64))
     return (np.concatenate((prefix, own), axis=1) % np.uint64(49152)).astype(np.int32)
 
 
@@ -162,12 +165,13 @@ def write_text_input(path: Path, rows: int, group_size: int, words: int, seed: i
             writer.write_table(pa.table({"id": pa.array(ids), "document": text, "question": questions}, schema=schema))
 
 
-def job_dict(source: Path, output: Path, text: bool, part_rows: int) -> dict:
+def job_dict(source: Path, output: Path, text: bool, part_rows: int, incremental: bool = False) -> dict:
     """The benchmark's job: two labels, parts by rows only, no exactness audit (the stand-in's
     scores are not the model's), no compile decision (no model runs)."""
     job = {"labels": ["Yes", "No"], "model": "smollm2-135m-instruct",
            "engine": {"kind": "torch", "compile": False},
-           "output": {"path": str(output), "part_seconds": 1e9, "part_rows": part_rows, "audit_rows": 0}}
+           "output": {"path": str(output), "part_seconds": 1e9, "part_rows": part_rows, "audit_rows": 0,
+                      "mode": "incremental" if incremental else "full"}}
     if text:
         job["input"] = {"path": str(source), "id_column": "id"}
         job["prompt"] = {"template": "Article: {document}\n\nQuestion: {question} Answer Yes or No.\nAnswer:"}
@@ -209,7 +213,9 @@ def child_run(job_path: str, stats_path: str) -> None:
         summary = run_job(config, progress=False, engine_factory=stand_in)
     stats["summary"] = {"rows": summary.rows, "rows_ok": summary.rows_ok, "resumed_rows": summary.resumed_rows,
                         "logical_tokens": summary.logical_tokens, "saving_ratio": summary.saving_ratio,
-                        "groups_scored": sum(e.groups for e in engines), "rows_scored": sum(e.rows for e in engines)}
+                        "groups_scored": sum(e.groups for e in engines), "rows_scored": sum(e.rows for e in engines),
+                        "rows_carried": summary.carry.carried, "rows_dropped": summary.carry.dropped,
+                        "rows_planned": summary.carry.scored}
     save(meter.close())
 
 
@@ -225,7 +231,7 @@ def run_child(job: Path, stats: Path, fault: str | None) -> int:
 # ------------------------------------------------------------------ checks and the table
 
 
-def check_output(output: Path, source: Path, rows: int, text: bool, args: dict) -> str:
+def check_output(output: Path, source: Path, rows: int, text: bool, args: dict, changed_every: int = 0) -> str:
     """Every input row once, in input order, scored, with the stand-in's score for its tokens
     (token inputs: the first row group's rows recomputed from their tokens). Raises AssertionError."""
     import pyarrow.parquet as pq
@@ -240,7 +246,7 @@ def check_output(output: Path, source: Path, rows: int, text: bool, args: dict) 
     if text:
         return f"{rows:,} rows, each once, in input order, all scored"
     checked = min(rows, 20_000)
-    tokens = token_rows(np.arange(checked), rows, **args)
+    tokens = token_rows(np.arange(checked), rows, **args, changed_every=changed_every)
     p = table.column("p_Yes").to_numpy()[:checked]
     expected = np.array([expected_p_first(t) for t in tokens])
     assert np.allclose(p, expected, rtol=0, atol=1e-12), "a row's score is not its own tokens' score"
@@ -338,11 +344,15 @@ def plan_only_bench(rows: int, group_size: int, prefix_len: int, distinct_len: i
 @click.option("--part-rows", type=click.IntRange(min=1), default=20_000, show_default=True)
 @click.option("--plan-only", is_flag=True, help="Plan N rows from generated sort keys (no tokens, no run).")
 @click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True, help="--plan-only: ranges cut.")
+@click.option("--incremental", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="Then a second night (output.mode incremental) with this share of the rows edited: the rows "
+                   "it scores and carries, its peak RssAnon, and its output checked against the rows' tokens.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the input and output go (default: a temporary folder, removed after).")
 @click.option("--child", nargs=2, hidden=True, default=None)
 def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, kill: bool, part_rows: int,
-          plan_only: bool, workers: int, workdir: str | None, child: tuple[str, str] | None) -> None:
+          plan_only: bool, workers: int, incremental: float | None, workdir: str | None,
+          child: tuple[str, str] | None) -> None:
     """N rows through `batchscore run` with a stand-in engine, killed once and resumed; seconds,
     rows/s, tokens/s and peak RssAnon per stage.
 
@@ -351,6 +361,8 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, ki
         batchscore bench scale --rows 1000000
         batchscore bench scale --rows 200000 --text
         batchscore bench scale --rows 100000000 --plan-only
+
+        batchscore bench scale --rows 1000000 --incremental 0.1
     """
     if child:
         child_run(*child)
@@ -365,11 +377,13 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, ki
             raise click.BadParameter(f"{workdir}: cannot be made a folder ({exc.strerror or exc})",
                                      param_hint="--workdir") from None
     with tempfile.TemporaryDirectory(prefix="batchscore-scale-", dir=workdir) as tmp:
-        _scale(Path(tmp), rows, group_size, prefix, distinct, text, kill, part_rows)
+        _scale(Path(tmp), rows, group_size, prefix, distinct, text, kill, part_rows, incremental)
 
 
 def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, text: bool, kill: bool,
-           part_rows: int) -> None:
+           part_rows: int, incremental: float | None = None) -> None:
+    if incremental is not None and text:
+        raise click.BadParameter("--incremental edits token rows: leave out --text", param_hint="--incremental")
     source, output, job = tmp / "input.parquet", tmp / "scores.parquet", tmp / "job.json"
     args = {"group_size": group_size, "prefix_len": prefix, "distinct_len": distinct, "seed": 0}
     started = time.perf_counter()
@@ -379,7 +393,7 @@ def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, te
         write_token_input(source, rows, **args)
     kind = "text" if text else "token ids"
     click.echo(f"input: {rows:,} rows ({kind}) written in {time.perf_counter() - started:.1f} s")
-    job.write_text(json.dumps(job_dict(source, output, text, part_rows)))
+    job.write_text(json.dumps(job_dict(source, output, text, part_rows, incremental is not None)))
     parts = -(-rows // part_rows)
     runs = []
     if kill and parts >= 2:
@@ -407,6 +421,35 @@ def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, te
     peak = max(e["peak_anon"] for _, stats, _ in runs for e in stats["stages"].values())
     click.echo(f"peak RssAnon of any run: {peak / 2**30:.2f} GiB")
     click.echo(f"check: {checked}")
+    if incremental is not None:
+        _second_night(tmp, job, source, output, rows, args, incremental)
+
+
+def _second_night(tmp: Path, job: Path, source: Path, output: Path, rows: int, args: dict, share: float) -> None:
+    """The next night: every k-th row edited (k = 1 / share), the job run again incrementally."""
+    every = max(1, round(1 / share))
+    started = time.perf_counter()
+    write_token_input(source, rows, **args, changed_every=every)
+    edited = -(-rows // every)
+    click.echo(f"second night: {edited:,} of {rows:,} rows edited, input written in {time.perf_counter() - started:.1f} s")
+    code = run_child(job, tmp / "night2.json", fault=None)
+    if code != 0:
+        raise click.ClickException(f"the second night exited with {code}")
+    night = json.loads((tmp / "night2.json").read_text())
+    summary = night["summary"]
+    click.echo(f"second night: {summary['rows_planned']:,} rows scored, {summary['rows_carried']:,} carried, "
+               f"{summary['rows_dropped']:,} of the first night's dropped (expected {edited:,} scored, "
+               f"{rows - edited:,} carried)")
+    every_rows = {"read": rows, "plan": rows - summary["rows_carried"], "score": summary["rows_planned"],
+                  "assemble": rows}
+    tokens_per_row = summary["logical_tokens"] / max(rows - summary["rows_carried"], 1)
+    for line in stage_table(night["stages"], every_rows, {k: v * tokens_per_row for k, v in every_rows.items()}):
+        click.echo(line)
+    peak = max(e["peak_anon"] for e in night["stages"].values())
+    click.echo(f"second night's peak RssAnon: {peak / 2**30:.2f} GiB")
+    if summary["rows_planned"] != edited or summary["rows_carried"] != rows - edited:
+        raise click.ClickException("the second night did not score exactly the edited rows")
+    click.echo(f"check: {check_output(output, source, rows, False, args, every)} (the edited rows' new tokens)")
 
 
 if __name__ == "__main__":
