@@ -274,6 +274,8 @@ def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, s
         + (f"\nincremental: {summary.carry.carried:,} rows carried from the previous night, {summary.carry.scored:,} "
            f"scored, {summary.carry.dropped:,} of its rows dropped" if summary.carry.carried is not None else "")
         + (f"\n{line}" if (line := cost_line(summary.cost)) else "")
+        + (f"\ntable: version {summary.table_version} of the Delta table holds it" if summary.table_version is not None
+           else "")
         + (f"\nreport: {report_path}" if report_path else "")
     )
 
@@ -302,7 +304,7 @@ def _time_split(summary) -> str:
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job key (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar while the input is read.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar while the input is read (none with --json either).")
 def plan(job: str, sets: tuple[str, ...], as_json: bool, quiet: bool) -> None:
     """Plan a job without scoring: prefix groups, token counts and saving ratios.
 
@@ -320,12 +322,12 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool, quiet: bool) -> None:
     source = open_job(config, for_output=False)
     with tempfile.TemporaryDirectory(prefix="batchscore-plan-") as folder:
         if config.plan.order == "srjf":  # re-costed against a simulated cache per unit: the in-memory planner
-            with reading_bar(not quiet) as on_rows:
+            with reading_bar(not (quiet or as_json)) as on_rows:
                 prepared = prepare_job(config, source=source, progress=on_rows)
             plan = prepared.plan()
             stats, groups = plan.stats.to_dict(), lambda: plan.groups
         else:  # through the token store and the plan as metadata (rows never held as objects)
-            with reading_bar(not quiet) as on_rows:
+            with reading_bar(not (quiet or as_json)) as on_rows:
                 meta, store, _ = plan_store(source, Path(folder) / "tokens", on_rows)
             stats, groups = meta.stats.to_dict(), lambda: meta.to_plan(store).groups
         fault_point("plan")

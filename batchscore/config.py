@@ -231,6 +231,16 @@ class OutOfScopeConfig:
 
 
 @dataclass
+class TableConfig:
+    """`output.table`: the finished output published to a Delta Lake table (output/table_publish.py)."""
+
+    path: str = key("", identity=NEITHER)  # the Delta table (a folder; s3://, gs://, az:// with output.storage_options); made on the first night
+    format: str = key("delta", identity=NEITHER)  # delta
+    mode: str = key("merge", identity=NEITHER)  # merge (rows upserted by the id column) | append | overwrite
+    partition_by: list[str] = key(factory=list, identity=NEITHER)  # output columns the table is partitioned by (hive-style folders)
+
+
+@dataclass
 class OutputConfig:
     path: str | None = key(None, identity=NEITHER)  # the output file: local, file://, s3://, gs:// or az://
     format: str = key("auto", identity=SCORING, value=lambda config, output: config.output_format)  # auto | parquet | jsonl | openai_batch: see JobConfig.output_format
@@ -243,6 +253,7 @@ class OutputConfig:
     top_token: bool = key(False, identity=SCORING)  # add argmax_is_label, top_token and top_p: the most probable token at the read (torch engine)
     mode: str = key("full", identity=NEITHER)  # full | incremental: rows whose content the previous night scored (same model and scoring keys) are carried with its scores, the rest scored
     previous: str | None = key(None, identity=NEITHER)  # incremental: the previous night's output (default: output.path itself); its _<output>.rows file is read
+    table: TableConfig | None = key(None, identity=NEITHER)  # publish the finished output to a Delta Lake table, exactly once: {path, mode: merge | append | overwrite, partition_by}
     greedy: bool = key(False, identity=SCORING)  # add greedy_choices: per option, whether each of its tokens is the argmax at its place (lm-eval's is_greedy; choices jobs, torch engine)
     audit_rows: int | None = key(None, identity=NEITHER)  # the exactness audit: rows re-scored by a plain float32 forward after the run (0: off; null: within 5% of the scoring's tokens, 1 to 32 rows)
     audit_seed: int = key(0, identity=NEITHER)  # seeds which scored rows the audit picks

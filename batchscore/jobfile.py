@@ -17,7 +17,7 @@ import yaml
 
 from batchscore.config import (CalibrateConfig, EngineConfig, ExecutorConfig, InputConfig, JobConfig, OutOfScopeConfig,
                                OutputConfig, PlanConfig, PromptConfig, ReportConfig, ReviewConfig, ScoreConfig,
-                               SpeculativeConfig, SyntheticInput, safe_load_yaml)
+                               SpeculativeConfig, SyntheticInput, TableConfig, safe_load_yaml)
 from batchscore.engines.registry import engine_problems, kind_names as engine_kind_names, reads_greedy
 from batchscore.engines.vllm.kind import vllm_args_problems
 from batchscore.engines.shape import DTYPE_BYTES
@@ -54,6 +54,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "output.format": output_format_names(),
     "output.column_separator": COLUMN_SEPARATORS,
     "output.mode": ("full", "incremental"),
+    "output.table.format": ("delta",),
+    "output.table.mode": ("merge", "append", "overwrite"),
     "executor.kind": ("local", "ray"),
     "executor.tokenize": ("auto", "tasks", "driver"),
 }
@@ -198,7 +200,7 @@ _INVALID = object()
 def _convert(type_str: str, value: Any, name: str, problems: list[str]) -> Any:
     nested = {"InputConfig": InputConfig, "PromptConfig": PromptConfig, "EngineConfig": EngineConfig,
               "PlanConfig": PlanConfig, "OutputConfig": OutputConfig, "ExecutorConfig": ExecutorConfig,
-              "ReportConfig": ReportConfig,
+              "ReportConfig": ReportConfig, "TableConfig | None": TableConfig,
               "ScoreConfig": ScoreConfig, "CalibrateConfig": CalibrateConfig, "ReviewConfig | None": ReviewConfig,
               "OutOfScopeConfig | None": OutOfScopeConfig,
               "SyntheticInput | None": SyntheticInput, "SpeculativeConfig | None": SpeculativeConfig}
@@ -303,6 +305,12 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     problems.extend(_not_allowed(config, "output.format"))
     problems.extend(_not_allowed(config, "output.column_separator"))
     problems.extend(_not_allowed(config, "output.mode"))
+    if config.output.table is not None:
+        problems.extend(_not_allowed(config, "output.table.format") + _not_allowed(config, "output.table.mode"))
+        if not config.output.table.path:
+            problems.append("output.table.path: the Delta table to publish the output to (a folder or a URL)")
+        if not getattr(output_format_of(config), "dataset", False):  # read back as one Arrow table to commit
+            problems.append(f"output.table: publishes a Parquet output; output.format is {config.output_format}")
     if config.output.mode == "incremental" and (not task.incremental or requests_in_lines(config)
                                                  or config.input.synthetic is not None):
         problems.append("output.mode incremental: for labels and choices jobs over rows of a table or JSON Lines "
@@ -342,8 +350,11 @@ def _semantic_problems(config: JobConfig) -> list[str]:
 
 def _not_allowed(config: JobConfig, key: str) -> list[str]:
     """The problem of the job's value of `key` when it is not one of ALLOWED[key] (else none)."""
-    section, name = key.split(".")
-    value = getattr(getattr(config, section), name)
+    *sections, name = key.split(".")
+    owner = config
+    for section in sections:
+        owner = getattr(owner, section)
+    value = getattr(owner, name)
     registered = {"engine.kind": engine_kind_names, "input.format": input_format_names,
                   "output.format": output_format_names}  # kinds and formats registered since import too
     allowed = registered[key]() if key in registered else ALLOWED[key]

@@ -74,7 +74,9 @@ def test_plan_shows_rows_read_while_it_reads_and_quiet_shows_nothing(job_factory
     with reading_bar(False) as on_rows:
         assert on_rows is None
     job = job_factory(small_input)
-    shown = CliRunner().invoke(main, ["plan", str(job), "--json"])
-    assert shown.exit_code == 0 and "reading: " in shown.stderr and "12" in shown.stderr, shown.stderr
-    quiet = CliRunner().invoke(main, ["plan", str(job), "--json", "-q"])
-    assert quiet.exit_code == 0 and "reading" not in quiet.stderr and '"num_requests": 12' in quiet.stdout
+    shown = CliRunner().invoke(main, ["plan", str(job)])
+    assert shown.exit_code == 0 and "reading: " in shown.stderr and "row" in shown.stderr, shown.stderr
+    quiet = CliRunner().invoke(main, ["plan", str(job), "-q"])
+    assert quiet.exit_code == 0 and "reading" not in quiet.stderr and "num_requests" in quiet.stdout
+    machine = CliRunner().invoke(main, ["plan", str(job), "--json"])  # JSON for a program: no bar either
+    assert machine.exit_code == 0 and "reading" not in machine.stderr and '"num_requests": 12' in machine.stdout

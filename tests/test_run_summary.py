@@ -16,7 +16,7 @@ METRICS_KEYS = [
     "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash", "rederived",
     "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels",
     "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing", "rows_carried",
-    "rows_scored", "rows_dropped", "rows_per_second", "logical_tokens_per_second"]
+    "rows_scored", "rows_dropped", "table_version", "rows_per_second", "logical_tokens_per_second"]
 
 
 def full_summary() -> RunSummary:

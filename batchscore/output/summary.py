@@ -123,7 +123,7 @@ KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "proce
         "audit_differing", "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash",
         "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels",
         "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing",
-        "rows_carried", "rows_scored", "rows_dropped")
+        "rows_carried", "rows_scored", "rows_dropped", "table_version")
 
 
 def _key(part: type, name: str) -> str:
@@ -149,6 +149,7 @@ class RunSummary:
     skipped: bool = False  # True: the output was already complete; nothing was scored
     assembly_hash: str | None = None  # the post-processing keys' hash (run/open.assembly_config)
     rederived: bool = False  # True: only the post-processing changed; re-derived from the raw scores, nothing scored
+    table_version: int | None = None  # output.table: the Delta table version that holds this output
     timing: Timing = field(default_factory=Timing)
     execution: Execution = field(default_factory=Execution)
     questions: Questions = field(default_factory=Questions)

@@ -46,7 +46,7 @@ from batchscore.run.sinks import PartSink, RowProgress
 from batchscore.run.stages import stage
 from batchscore.faults import fault_point
 from batchscore.output.identity import describe_changes, identity_hash
-from batchscore.output.layout import MERGE_WRITER, RUN_WRITER, OutputFiles
+from batchscore.output.layout import DEFAULT_ID, MERGE_WRITER, RUN_WRITER, OutputFiles
 from batchscore.output.lock import OutputLock
 from batchscore.io.atomic import refuse_link
 from batchscore.io.storage import file_size, is_url, remove_tree
@@ -137,6 +137,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
             summary = _rederive(source, store, done, started)  # only the post-processing changed
             if summary is not None:
                 lock.check()
+                summary.table_version = _publish(source, output_hash + "-" + str(summary.assembly_hash))
                 write_completion_marker(files, output_hash, summary.to_dict(stored=True))
                 store.finish()
                 lock.release(remove=True)
@@ -144,12 +145,14 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
             done = None
         if done is not None:
             log.info("%s is already the complete output of this job: nothing to do", files.output)
+            _publish(source, output_hash)  # a table named since, or a commit a crash left undone
             store.finish()  # parts left by a run killed after its marker
             summary = replace(RunSummary.from_dict(done), seconds=time.perf_counter() - started, skipped=True)
         else:
             summary = _run(source, store, progress, fresh, shard, engine_factory, started)
             if summary.complete:
                 lock.check()
+                summary.table_version = _publish(source, output_hash)
                 write_completion_marker(files, output_hash, summary.to_dict(stored=True))
                 fault_point("marker")
                 store.finish()
@@ -416,6 +419,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
                              execution=Execution(workers=count), quality=quality,
                              audit=Audit(skipped="batchscore merge reads no prompts; the shards' scores are not audited"))
         lock.check()
+        summary.table_version = _publish(source, identity_hash(source.identity))
         write_completion_marker(files, identity_hash(source.identity), summary.to_dict(stored=True))
         store.finish()
     _check_error_rate(summary, config)
@@ -509,6 +513,20 @@ def _built_store(source: JobSource, store: PartStore, reuse: bool = True, progre
         if not existed:
             remove_tree(store.folder)
         raise
+
+
+def _publish(source: JobSource, run: str) -> int | None:
+    """`output.table`: commit the finished output to its Delta table once (None: no table)."""
+    config = source.config
+    if config.output.table is None:
+        return None
+    from batchscore import __version__
+    from batchscore.output.table_publish import publish
+
+    lineage = {"batchscore.version": __version__, "batchscore.model": str(config.model),
+               "batchscore.output": str(source.output.output), "batchscore.job": str(config.source or "")}
+    return publish(config.output.table, source.output.output, config.input.id_column or DEFAULT_ID, run, lineage,
+                   config.output.storage_options)
 
 
 def _carried(source: JobSource, files, digests: np.ndarray) -> tuple:

@@ -1,0 +1,79 @@
+"""`output.table`: the night's finished output published to a Delta Lake table (the `deltalake`
+package), exactly once.
+
+The run writes its output as always (a Parquet file, resumable, with its completion marker); once
+it is complete, before the marker, its rows are committed to the table: merged by the id column
+(rows of the same id updated, new ids inserted), appended, or overwriting the table. The commit
+carries the run's identity (`batchscore.run`) and lineage (model, batchscore version, output,
+rows) as commit metadata; a run that finds its identity among the table's recent commits commits
+nothing (it was published: a run killed after its commit and resumed, or rerun). Delta's commit is
+atomic, so a run killed before or during its commit leaves the table at its last version and the
+resumed run commits once. Every version stays readable (Delta's time travel), and the table's
+data files are Parquet that Spark, DuckDB and Trino read.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pyarrow.parquet as pq
+
+from batchscore.errors import OutputError
+from batchscore.faults import fault_point
+from batchscore.io.storage import as_path
+
+log = logging.getLogger("batchscore")
+
+MODES = ("merge", "append", "overwrite")
+RUN_KEY = "batchscore.run"
+RECENT_COMMITS = 50  # a run resumed the same night finds its commit among these
+
+
+def publish(table_config, output, id_name: str, run: str, lineage: dict[str, str],
+            storage_options: dict | None = None) -> int:
+    """Commit the finished `output` (a Parquet file) to the Delta table `table_config` names; returns
+    the table version that holds it (the existing one when this run was published already)."""
+    try:
+        from deltalake import CommitProperties, DeltaTable, write_deltalake
+        from deltalake.exceptions import TableNotFoundError
+    except ImportError as exc:
+        raise OutputError(f"output.table: publishing to Delta Lake needs the deltalake package "
+                          f"(pip install 'batchscore[delta]'): {exc}") from None
+    path, options = str(table_config.path), dict(storage_options or {}) or None
+    try:
+        existing = DeltaTable(path, storage_options=options)
+    except TableNotFoundError:
+        existing = None
+    if existing is not None:
+        for commit in existing.history(RECENT_COMMITS):
+            if commit.get(RUN_KEY) == run:
+                log.info("output.table: %s already holds this run (version %s): nothing committed", path,
+                         commit.get("version"))
+                return int(commit["version"])
+    with as_path(output).open("rb") as handle:
+        rows = pq.read_table(handle)
+    rows = rows.replace_schema_metadata(None)  # the Parquet file's lineage goes to the commit instead
+    missing = [c for c in table_config.partition_by if c not in rows.column_names]
+    if missing:
+        raise OutputError(f"output.table.partition_by: {missing} are not columns of the output "
+                          f"(it has {rows.column_names}); keep them with output.keep_columns")
+    commit = CommitProperties(custom_metadata={RUN_KEY: run, **lineage})
+    fault_point("table")
+    try:
+        if existing is None or table_config.mode == "overwrite":
+            write_deltalake(path, rows, mode="overwrite", partition_by=table_config.partition_by or None,
+                            commit_properties=commit, storage_options=options,
+                            schema_mode="overwrite" if existing is not None else None)
+        elif table_config.mode == "append":
+            write_deltalake(path, rows, mode="append", commit_properties=commit, storage_options=options)
+        else:
+            (existing.merge(rows, predicate=f't."{id_name}" = s."{id_name}"', source_alias="s", target_alias="t",
+                            commit_properties=commit)
+             .when_matched_update_all().when_not_matched_insert_all().execute())
+    except Exception as exc:  # the table's own refusal (a schema that does not fit, a store error)
+        raise OutputError(f"output.table: committing {output} to the Delta table {path} failed: {exc}") from exc
+    version = DeltaTable(path, storage_options=options).version()
+    fault_point("published")
+    log.info("output.table: %s %s into %s as version %d", table_config.mode if existing is not None else "wrote",
+             output, path, version)
+    return version
