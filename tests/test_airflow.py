@@ -109,6 +109,7 @@ def our_warnings(log: str) -> list[str]:
     (AIRFLOW_2_VERSION, SHIPPED_DAG, "batchscore_nightly ['BatchscoreOperator'] 3"),
     (AIRFLOW_VERSION, SHARDED_DAG, "batchscore_nightly_sharded ['BatchscoreOperator', 'BatchscoreOperator', "
                                    "'BatchscoreOperator'] 3"),
+    (AIRFLOW_VERSION, REPO / "jobs" / "airflow_incremental_dag.py", "batchscore_incremental ['BatchscoreOperator'] 3"),
 ])
 def test_the_shipped_dag_imports_without_a_warning(version, dag_file, expected):
     """Airflow 3 (the Task SDK) and 2.x load the DAG with its one BatchscoreOperator, and nothing
