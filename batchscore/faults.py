@@ -9,7 +9,9 @@ manifest entry not yet), atomic (a temporary file is written, not yet renamed), 
 the output is written), output (after the output, before its completion marker), audit (the
 exactness audit's reference model is loaded), marker (after the marker, before the parts are removed),
 done (`batchscore run`: the metrics are written, the summary not yet printed), plan (`batchscore
-plan`: planned, its temporary token store not yet removed).
+plan`: planned, its temporary token store not yet removed), rows (an incremental run's rows file
+written into the parts folder, the output's marker not yet), table (before an output.table commit),
+published (after it, before the output's marker).
 """
 
 from __future__ import annotations

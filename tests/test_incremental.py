@@ -102,3 +102,28 @@ def test_a_shard_of_an_incremental_job_is_refused_by_name(tmp_path, small_input)
     result = CliRunner().invoke(main, ["run", str(job), "-q", "--shard", "0/2"])
     assert result.exit_code == 2 and "output.mode incremental: not with --shard" in result.output
     assert not (tmp_path / "o.parquet").exists()
+
+
+@pytest.mark.slow  # three CLI runs, one killed: make test-all
+def test_a_night_killed_after_its_rows_file_resumes_carrying_the_same_rows(tmp_path, small_input):
+    """The night's rows file waits in the parts folder until the output's marker: a run killed
+    before the marker resumes carrying from the previous night's file, the same rows (it is the
+    same partial run), and the file is in place once the night is complete."""
+    import os
+    import subprocess
+    import sys
+
+    first, second = _nights(tmp_path, small_input)
+    output = tmp_path / "out" / "scores.parquet"
+    _run(tmp_path, first, output)
+    before = OutputFiles(output).rows.read_bytes()
+    pq.write_table(pa.table(second), tmp_path / "in.parquet")
+    command = [sys.executable, "-m", "batchscore.cli", "run", str(tmp_path / "job.yaml"), "-q",
+               "--metrics", str(tmp_path / "m.json")]
+    killed = subprocess.run(command, env=dict(os.environ, BATCHSCORE_FAULT="rows"))
+    assert killed.returncode == -9 and OutputFiles(output).rows.read_bytes() == before
+    resumed = subprocess.run(command, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert (metrics["rows_carried"], metrics["rows_scored"], metrics["resumed_rows"]) == (10, 3, 3)
+    assert OutputFiles(output).rows.read_bytes() != before and not OutputFiles(output).parts.exists()

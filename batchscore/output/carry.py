@@ -8,10 +8,14 @@ part, so a prompt repeated under another id is carried too. A carried row gets t
 row's raw results (its option totals, top token, greedy flags), so its scores are the previous
 night's bits; the assembly normalizes them as it normalizes every row.
 
-What the next night reads is written beside the output after it: `_<output>.rows` (Parquet, named
-in output/layout.py), one line per scored row — its digest and raw results — with the scoring key
-in its metadata. Rows of the previous night that tonight's input no longer holds are dropped
-(counted in the summary).
+What the next night reads is `_<output>.rows` beside the output (Parquet, named in
+output/layout.py), one line per scored row — its digest and raw results — with the scoring key in
+its metadata. It is written into the parts folder with the output and moved into place after the
+completion marker: until then the previous night's file is what a resumed run carries from (the
+same rows, so the same partial run); a run killed between the marker and the move leaves no new
+file, and the next night carries from the older one (matched by content, as valid) or scores
+every row. Rows of the previous night that tonight's input no longer holds are dropped (counted in
+the summary).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from batchscore.output.identity import identity_hash
 log = logging.getLogger("batchscore")
 
 DIGEST = np.dtype([("hi", "<u8"), ("lo", "<u8")])  # a row's 128-bit content digest, sortable
+NEXT_ROWS = "rows.next"  # in the parts folder: the rows file until the output's marker is written
 KEY_METADATA = b"batchscore.scoring_key"
 _RESULTS = pa.schema([("digest", pa.binary(16)), ("logp", pa.list_(pa.float64())),
                       ("option_tokens", pa.list_(pa.int32())), ("top_logp", pa.float64()),
@@ -169,6 +174,22 @@ def write_rows_file(path, key: str, digests: np.ndarray, windows) -> int:
     return written
 
 
+def move_rows_file(written, final) -> None:
+    """Put the rows file written with the output (`written`, in the parts folder) in its place
+    beside the output; nothing when there is none (not an incremental run)."""
+    source = as_path(written)
+    if not source.exists():
+        return
+    target = as_path(final)
+    if isinstance(source, type(target)) and hasattr(source, "replace"):
+        try:
+            source.replace(target)  # one file system: an atomic rename
+            return
+        except (OSError, NotImplementedError):
+            pass
+    atomic_write(target, lambda tmp: as_path(tmp).write_bytes(source.read_bytes()))
+
+
 def _or_nulls(array, take, value_type):
     if array is None:
         return pa.nulls(len(take), value_type)
@@ -181,5 +202,5 @@ def rows_digest(carried: Carried) -> str:
     return hashlib.sha256(np.ascontiguousarray(carried.rows, dtype="<i8").tobytes()).hexdigest()[:16]
 
 
-__all__ = ["Carried", "DIGEST", "Previous", "match", "request_digests", "row_digest", "rows_digest", "scoring_key",
-           "store_digests", "write_rows_file"]
+__all__ = ["Carried", "DIGEST", "NEXT_ROWS", "Previous", "match", "move_rows_file", "request_digests", "row_digest",
+           "rows_digest", "scoring_key", "store_digests", "write_rows_file"]

@@ -155,6 +155,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
                 summary.table_version = _publish(source, output_hash)
                 write_completion_marker(files, output_hash, summary.to_dict(stored=True))
                 fault_point("marker")
+                carry.move_rows_file(store.folder / carry.NEXT_ROWS, files.rows)
                 store.finish()
         # a shard whose share is scored needs no lock file either (the set's last shard writes the output)
         lock.release(remove=summary.complete or (shard is not None and _share_done(store, writer)))
@@ -341,9 +342,10 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     stage("assemble")
     write_started = time.perf_counter()
     errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
-    if complete and incremental:  # what the next night carries, beside the output (before its marker)
-        carry.write_rows_file(store.files.rows, carry.scoring_key(source.identity), digests,
+    if complete and incremental:  # what the next night carries: moved beside the output after its marker
+        carry.write_rows_file(store.folder / carry.NEXT_ROWS, carry.scoring_key(source.identity), digests,
                               row_windows(store, manifests, job.input.num_rows))
+        fault_point("rows")
     write_seconds = time.perf_counter() - write_started
     stage("audit")
     if from_store:  # the audit picks its rows among a seeded sample read back from the store
