@@ -28,7 +28,8 @@ run: setup
 	$(VENV)/bin/batchscore run jobs/sample.yaml
 
 # The quick tier (a few minutes on 2 cores): every feature keeps an end-to-end test; tests marked
-# `slow` (more runs, references, a second vLLM start) and the full fault suite wait for test-all.
+# `slow` (more runs, references, a second vLLM start, a Ray cluster's start) and the full fault suite
+# wait for test-all.
 # One pytest worker per core (at most 4), each on one torch thread: most tests are short and
 # single-threaded (reading, planning, writing), so two workers halve the wall time where one
 # process on two threads left a core idle; a file stays on one worker (module fixtures: one vLLM

@@ -40,7 +40,7 @@ def assert_same_scores(got_path, want_path):
     assert (got[SCORES] - want[SCORES]).abs().max().max() < 1e-4  # the float32 bound; shards batch differently
 
 
-@pytest.mark.slow  # four runs; make test keeps the merge and Ray tests
+@pytest.mark.slow  # four runs; make test keeps the merge test
 def test_three_shards_then_merge_equal_the_unsharded_output(job_factory, grouped_input, tmp_path):
     job = job_factory(grouped_input, engine={"token_budget": 256})
     reference = tmp_path / "reference.parquet"
@@ -149,6 +149,7 @@ def _ray_workers() -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # Ray's start and its actors' imports (~25 s on 2 cores): make test-all
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'batchscore[ray]')")
 def test_ray_two_workers_match_one_worker_even_when_a_worker_dies(job_factory, grouped_input, tmp_path):
     job = job_factory(grouped_input, engine={"token_budget": 256})

@@ -35,6 +35,7 @@ def _job(tmp_path, rows: dict, night: str, table):
                      output={"path": str(tmp_path / f"{night}.parquet"), "table": {"path": str(table)}})
 
 
+@pytest.mark.slow  # two runs: make test-all (the quick tier checks the job file's table keys)
 def test_two_nights_merge_into_one_table_and_the_first_version_stays_readable(tmp_path, small_input):
     first, second = _nights(small_input)
     table = tmp_path / "relevance"

@@ -60,7 +60,7 @@ def _split_input(tmp_path, rows: int = 200):
     return config, folder
 
 
-@pytest.mark.slow  # ~7 s; test_ray_tasks_build_the_drivers_store checks 60 of these rows on Ray in make test
+@pytest.mark.slow  # ~7 s; make test keeps the in-process segment tests below
 def test_segments_of_split_files_with_bad_rows_equal_the_drivers_store(tmp_path):
     _, folder = _split_input(tmp_path)
     config = load_job(REPO / "jobs" / "sample.yaml", {"input.path": str(folder), "engine.max_length": "512",
