@@ -121,9 +121,9 @@ def job_factory(tmp_path):
 # in collection order, so the longest files go first: one of them left for last would keep one
 # worker busy while the other waits (seconds of the quick tier, measured serially on 2 cores).
 LONGEST_FILES_FIRST = ["test_vllm_engine.py", "test_scale_out.py", "test_audit.py", "test_faults.py",
-                       "test_hardening.py", "test_lm_eval.py", "test_hardening_run.py", "test_object_store.py", "test_question_store.py",
-                       "test_decisions.py", "test_fuzz.py", "test_report.py", "test_cpu_bf16.py", "test_layout.py",
-                       "test_hardening_more.py", "test_token_store.py", "test_house.py"]
+                       "test_hardening.py", "test_lm_eval.py", "test_hardening_run.py", "test_object_store.py",
+                       "test_question_store.py", "test_decisions.py", "test_fuzz.py", "test_report.py", "test_cpu_bf16.py",
+                       "test_layout.py", "test_hardening_more.py", "test_token_store.py", "test_house.py"]
 
 
 def pytest_collection_modifyitems(config, items):
