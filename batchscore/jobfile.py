@@ -461,4 +461,7 @@ def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
     config.input.path = relative(config.input.path)
     config.output.path = relative(config.output.path)
     config.output.error_path = relative(config.output.error_path)
+    config.output.previous = relative(config.output.previous)
+    if config.output.table is not None:
+        config.output.table.path = relative(config.output.table.path)
     config.calibrate.from_ = relative(config.calibrate.from_)
