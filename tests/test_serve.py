@@ -475,7 +475,7 @@ def test_openai_client_runs_batches_against_batchscore_serve(tmp_path, tokenizer
                                        completion_window="24h", metadata={"labels": LABELS})
         parts = server.state / "batches" / killed.id / "job0" / "_output.jsonl.parts"
         deadline = time.monotonic() + 300
-        while not list(parts.glob("*part*")) and time.monotonic() < deadline:
+        while not list(parts.glob("*-part-*")) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert client.batches.retrieve(killed.id).status == "in_progress"
         server.kill()

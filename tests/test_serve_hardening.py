@@ -354,7 +354,7 @@ def test_a_batch_whose_run_is_killed_resumes_and_completes(tmp_path):
     try:
         parts = state / "batches" / batch.id / "job0" / "_output.jsonl.parts"
         deadline = time.monotonic() + 300
-        while not list(parts.glob("*part*")) and time.monotonic() < deadline:
+        while not list(parts.glob("*-part-*")) and time.monotonic() < deadline:
             time.sleep(0.1)
         runs = [p for p in psutil.Process(server.process.pid).children(recursive=True)
                 if "run" in p.cmdline() and "batchscore.cli" in p.cmdline()]

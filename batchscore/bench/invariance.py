@@ -183,6 +183,8 @@ def _kill_a_run(job_path: str, overrides: dict, table, workdir: Path) -> None:
     (rows / 3)-th row is scored. Raises unless it was killed with parts saved."""
     import pyarrow.parquet as pq
 
+    from batchscore.output.layout import OutputFiles
+
     source, output = workdir / "resume.input.parquet", workdir / "resume.parquet"
     pq.write_table(table, source)
     args = [sys.executable, "-m", "batchscore.cli", "run", job_path, "-q", "--fresh", "-o", str(output)]
@@ -190,7 +192,7 @@ def _kill_a_run(job_path: str, overrides: dict, table, workdir: Path) -> None:
         args += ["--set", f"{key}={value}"]
     env = {**os.environ, "BATCHSCORE_FAULT": f"result:{max(1, table.num_rows // 3)}"}
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
-    parts = Path(f"{output}.parts")
+    parts = OutputFiles(output).parts
     if done.returncode != -9 or not parts.exists():
         raise click.ClickException(f"the run to kill ended with {done.returncode}, parts saved: {parts.exists()}:\n"
                                    f"{done.stderr[-2000:]}")
