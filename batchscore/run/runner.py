@@ -137,7 +137,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
             summary = _rederive(source, store, done, started)  # only the post-processing changed
             if summary is not None:
                 lock.check()
-                summary.table_version = _publish(source, output_hash + "-" + str(summary.assembly_hash))
+                summary.table_version = _publish(source, output_hash)
                 write_completion_marker(files, output_hash, summary.to_dict(stored=True))
                 store.finish()
                 lock.release(remove=True)
@@ -517,11 +517,14 @@ def _built_store(source: JobSource, store: PartStore, reuse: bool = True, progre
         raise
 
 
-def _publish(source: JobSource, run: str) -> int | None:
-    """`output.table`: commit the finished output to its Delta table once (None: no table)."""
+def _publish(source: JobSource, output_hash: str) -> int | None:
+    """`output.table`: commit the finished output to its Delta table once (None: no table). The
+    commit is named by the job's identity and its post-processing (`_assembly_hash`), so a rerun of
+    either branch that wrote this output finds its commit, and a re-derived output is committed anew."""
     config = source.config
     if config.output.table is None:
         return None
+    run = f"{output_hash}-{_assembly_hash(source)}"
     from batchscore import __version__
     from batchscore.output.table_publish import publish
 
