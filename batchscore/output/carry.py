@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from batchscore.io.atomic import atomic_write
 from batchscore.io.storage import as_path
 from batchscore.output.identity import identity_hash
+from batchscore.output.raw_scores import combined
 
 log = logging.getLogger("batchscore")
 
@@ -193,8 +194,7 @@ def move_rows_file(written, final) -> None:
 def _or_nulls(array, take, value_type):
     if array is None:
         return pa.nulls(len(take), value_type)
-    array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
-    return array.take(take).cast(value_type)
+    return combined(array).take(take).cast(value_type)
 
 
 def rows_digest(carried: Carried) -> str:
