@@ -84,7 +84,8 @@ def test_the_same_plan_as_build_plan(planned):
 @pytest.mark.slow  # two benchmark children of 20k and 200k rows (~1 min)
 def test_the_run_paths_memory_does_not_grow_per_row(tmp_path):
     """The run path from the token store, at 20k and 200k rows: the score stage's peak anonymous
-    memory grows by far less than 1 KB a row (the list path held ~1-2 KB a row). Assembly holds a
+    memory grows by far less than 1 KB a row (the list path held ~1-2 KB a row; this path measures
+    ~140 B a row alone and up to ~250 B with another test process beside it). Assembly holds a
     window of up to a million rows (both sizes fit one): test_row_merge.py checks it with small
     windows."""
     from batchscore.bench.scale_bench import job_dict, run_child, write_token_input
@@ -99,7 +100,7 @@ def test_the_run_paths_memory_does_not_grow_per_row(tmp_path):
         assert run_child(folder / "job.json", folder / "stats.json", fault=None) == 0
         stages = json.loads((folder / "stats.json").read_text())["stages"]
         peaks[rows] = stages["score"]["peak_anon"]
-    assert peaks[200_000] - peaks[20_000] < 180_000 * 200, peaks  # < 200 bytes a row more
+    assert peaks[200_000] - peaks[20_000] < 180_000 * 400, peaks  # < 400 bytes a row more
 
 
 def test_plan_only_from_generated_sort_keys():

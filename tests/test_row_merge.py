@@ -104,8 +104,9 @@ def test_merge_memory_does_not_grow_with_the_rows(tmp_path):
     small, manifest_small = parts_of(tmp_path / "small", rows=20_000, part_rows=10_000)
     large, manifest_large = parts_of(tmp_path / "large", rows=200_000, part_rows=10_000)
     merge_peak(small, manifest_small, 20_000, 10_000)  # warm the allocator and pyarrow's pools
-    grown_small = merge_peak(small, manifest_small, 20_000, 10_000)
-    grown_large = merge_peak(large, manifest_large, 200_000, 10_000)
+    # the least of two: a sample can only add noise (pyarrow's pool, the allocator's decay, a busy CPU)
+    grown_small = min(merge_peak(small, manifest_small, 20_000, 10_000) for _ in range(2))
+    grown_large = min(merge_peak(large, manifest_large, 200_000, 10_000) for _ in range(2))
     whole = merge_peak(large, manifest_large, 200_000, 10_000_000)  # one window: every row at once
     # 10x the rows: the windowed merge grows by a few MiB at most, all at once grows with the rows
     assert grown_large < grown_small + 8 * 2**20, (grown_small, grown_large)
