@@ -7,7 +7,7 @@
 
 import os
 
-__version__ = "0.1.0"
+from batchscore.version import __version__
 
 # Nothing is ever downloaded from a model hub: set before any module imports huggingface_hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -33,7 +33,7 @@ from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 
-from batchscore import __version__  # noqa: E402
+from batchscore.version import __version__  # noqa: E402
 from batchscore.errors import EXIT_CONFIG  # noqa: E402
 from batchscore.faults import fault_point  # noqa: E402
 from batchscore.run.run_files import exit_status  # noqa: E402  (also the CLI's: every escaped exception gets its exit code)

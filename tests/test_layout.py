@@ -127,8 +127,6 @@ def face_imports() -> list[tuple[str, str]]:
             face = node.module
             if modules.get(face, Path()).name != "__init__.py" or not name.startswith(face + "."):
                 continue
-            if face == "batchscore" and all(alias.name == "__version__" for alias in node.names):
-                continue  # the version string: the top face imports nothing eagerly
             if any(f"{face}.{alias.name}" not in modules for alias in node.names):
                 found.append((name, face))
     return found
@@ -364,3 +362,13 @@ def test_variant_names_stay_in_their_adapters():
     outside_engines = _modules_outside("engines", "bench")
     kind_names = {m: hits for m, tree in outside_engines.items() if (hits := compared_names(tree, set(kinds())))}
     assert len(kind_names) <= 1, kind_names
+
+
+def test_one_version_string():
+    """batchscore/version.py holds the version pyproject.toml declares (the package's metadata)."""
+    import tomllib
+
+    from batchscore.version import __version__
+
+    declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["version"]
+    assert __version__ == declared

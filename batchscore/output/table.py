@@ -53,7 +53,7 @@ def provenance(job) -> dict[str, str]:
     """What an output's Parquet schema records about the run of `job` (a PreparedJob) that wrote it,
     so a warehouse load keeps it beside the data: the model, the job's identity hash (the
     completion marker's `output_hash`), the batchscore version and the UTC time of writing."""
-    from batchscore import __version__
+    from batchscore.version import __version__
     from batchscore.output.identity import identity_hash
 
     return {"batchscore.model": str(job.config.model), "batchscore.job_hash": identity_hash(job.source.identity),

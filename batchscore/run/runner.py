@@ -525,7 +525,7 @@ def _publish(source: JobSource, output_hash: str) -> int | None:
     if config.output.table is None:
         return None
     run = f"{output_hash}-{_assembly_hash(source)}"
-    from batchscore import __version__
+    from batchscore.version import __version__
     from batchscore.output.table_publish import publish
 
     lineage = {"batchscore.version": __version__, "batchscore.model": str(config.model),
