@@ -158,3 +158,53 @@ def test_windowed_output_equals_the_whole_table_output(tmp_path, monkeypatch, su
     assert [r for r in range(40) if status[r] != "ok"] == [0, 11, 22, 33]  # the empty prompts, refused
     p = windowed.column("p_Yes").to_pylist()
     assert p[5] == pytest.approx(expected_p_first(np.array(tokens[5])), abs=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["choices", pytest.param("labels", marks=pytest.mark.slow)])
+def test_choices_and_top_token_jobs_score_from_the_store_as_from_requests(tmp_path, monkeypatch, job_factory,
+                                                                        small_input, variant):
+    """Per-row choices and `output.top_token` run the token-store path and assemble in windows
+    (3 rows a window here); their output equals the request-list path's bit for bit on the real
+    model (schema metadata aside), a refused row's choices included."""
+    from batchscore.jobfile import load_job
+    from batchscore.run import runner
+    from batchscore.run.runner import run_job
+
+    table = pq.read_table(small_input)
+    choices = [["Yes", "No"], ["A match", "Not a match", "Unsure"], ["Relevant", "Irrelevant"]]
+    table = table.append_column("options", pa.array([choices[i % 3] if i != 4 else [] for i in range(table.num_rows)],
+                                                    type=pa.list_(pa.string())))
+    pq.write_table(table, tmp_path / "in.parquet")
+    overrides = {"output": {"top_token": True, "logprobs": True}}  # the top token's first-token sets: per row, or the labels'
+    overrides.update({"input": {"choices_column": "options"}} if variant == "choices" else {})
+    job = job_factory(tmp_path / "in.parquet", **overrides)
+    if variant == "choices":
+        import yaml
+
+        raw = yaml.safe_load(job.read_text())
+        del raw["labels"]
+        job.write_text(yaml.safe_dump(raw))
+
+    def run(name: str, from_store: bool) -> pa.Table:
+        config = load_job(job)
+        output = tmp_path / f"{name}.parquet"
+        config.output.path = str(output)
+        config.output.max_error_rate = 0.5
+        seen = []
+        real = runner.reads_from_store
+        monkeypatch.setattr(runner, "reads_from_store",
+                            lambda *a: seen.append(real(*a) and from_store) or seen[-1])
+        run_job(config, progress=False)
+        assert seen[0] is from_store
+        return pq.read_table(output)
+
+    monkeypatch.setattr(row_merge, "WINDOW_ROWS", 3)
+    from_store = run("store", True)
+    monkeypatch.setattr(runner, "assembles_in_windows", lambda job: False)  # and the task's whole-table assembly
+    from_requests = run("requests", False)
+    assert from_store.num_rows == 12 and from_store.replace_schema_metadata().equals(from_requests.replace_schema_metadata())
+    assert from_store.column("top_token").null_count == (1 if variant == "choices" else 0)
+    assert from_store.column("argmax_is_label").null_count == (1 if variant == "choices" else 0)
+    if variant == "choices":
+        assert from_store.column("status").to_pylist()[4] != "ok"
+        assert from_store.column("choice").to_pylist()[1] in choices[1]

@@ -172,12 +172,7 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
     config, prepared = job.config, job.input
     id_name = config.input.id_column or DEFAULT_ID
     ok = ok_rows(prepared.num_rows, errors)
-    columns = score_columns(labels=config.labels or None, choices=choices_for_output(prepared.choices, ok),
-                            scores=scores, ok=ok, normalize=config.score.normalize, logprobs=config.output.logprobs)
-    if config.output.top_token:
-        columns.update(top_columns(scores, ok, _first_tokens(job), load_tokenizer(job.model_dir).decode))
-    if config.output.greedy:
-        columns[GREEDY_CHOICES] = greedy_column(scores, ok)
+    columns = row_columns(job, scores, ok, 0, first_tokens(job) if config.output.top_token else None)
     columns, result = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids,
                                           choices_for_output(prepared.choices, ok), content_free)
     table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=approx_keep)
@@ -191,7 +186,23 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
     return errors, result
 
 
-def _first_tokens(job: PreparedJob) -> list[set[int] | None]:
+def row_columns(job: PreparedJob, scores, ok, start: int, firsts) -> dict:
+    """The columns rows [start, start + len(ok)) need only their own results for: the normalized
+    scores (each row's choices named), `output.top_token`'s (firsts: each row's options' first
+    token ids) and `output.greedy`'s. The whole-table assembly and the windowed one
+    (run/assemble.py) both build them here."""
+    config, prepared = job.config, job.input
+    choices = None if prepared.choices is None else prepared.choices.slice(start, len(ok))
+    columns = score_columns(labels=config.labels or None, choices=choices_for_output(choices, ok),
+                            scores=scores, ok=ok, normalize=config.score.normalize, logprobs=config.output.logprobs)
+    if config.output.top_token:
+        columns.update(top_columns(scores, ok, firsts, load_tokenizer(job.model_dir).decode))
+    if config.output.greedy:
+        columns[GREEDY_CHOICES] = greedy_column(scores, ok)
+    return columns
+
+
+def first_tokens(job: PreparedJob) -> list[set[int] | None]:
     """Each input row's options' first token ids (None for a row not tokenized)."""
     shared = set(job.label_ids) if job.label_ids is not None else None
     firsts: list[set[int] | None] = [None] * job.input.num_rows
