@@ -8,6 +8,7 @@ Python runs a package's `__init__` before any of its modules anyway.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -15,6 +16,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "batchscore"
 
 # The one place production names the benchmark wing: `batchscore bench` loads its commands lazily.
 ALLOWED_INTO_BENCH = {("batchscore.cli", "batchscore.bench.cli"), ("batchscore.cli", "batchscore.bench")}
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.AST:
+    """A module's syntax tree, parsed once for all the tests here (they only read it)."""
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(_tree(path)))
 
 
 def _module_name(path: Path) -> str:
@@ -26,6 +38,7 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
+@functools.lru_cache(maxsize=None)
 def import_graph() -> dict[str, set[str]]:
     """module -> the batchscore modules it imports (a package's `__init__` counts as imported too)."""
     modules = _modules()
@@ -33,7 +46,7 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         targets: set[str] = set()
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _nodes(path):
             found: list[str] = []
             if isinstance(node, ast.Import):
                 found = [alias.name for alias in node.names]
@@ -105,7 +118,7 @@ def test_every_error_has_one_base():
     for name, path in _modules().items():
         if name == "batchscore.errors":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.ClassDef) and any(
                     getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception", "Mismatch"))
                     for b in node.bases):
@@ -121,7 +134,7 @@ def face_imports() -> list[tuple[str, str]]:
     modules = _modules()
     found = []
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _nodes(path):
             if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
                 continue
             face = node.module
@@ -143,7 +156,7 @@ def test_faces_import_only_their_own_modules():
     for name, path in modules.items():
         if path.name != "__init__.py":
             continue
-        lazy = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.FunctionDef,))
+        lazy = [node for node in _nodes(path) if isinstance(node, (ast.FunctionDef,))
                 and any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(node))]
         if name in ("batchscore", "batchscore.report"):
             continue  # the top face loads run_job lazily; report's face is its entry point (write_report)
@@ -156,7 +169,7 @@ def test_config_stays_on_the_ground_floor():
     path = PACKAGE / "config.py"
     allowed = {"batchscore.errors", "batchscore.models", "batchscore"}
     imported = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             imported |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -337,7 +350,7 @@ def written_literal(tree: ast.AST, text: str) -> list[str]:
 
 
 def _modules_outside(*folders: str) -> dict[str, ast.AST]:
-    return {str(p.relative_to(PACKAGE.parent)): ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")
+    return {str(p.relative_to(PACKAGE.parent)): _tree(p) for p in PACKAGE.rglob("*.py")
             if "__pycache__" not in p.parts and not any((PACKAGE / f) in p.parents for f in folders)}
 
 
