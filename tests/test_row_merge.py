@@ -160,12 +160,13 @@ def test_windowed_output_equals_the_whole_table_output(tmp_path, monkeypatch, su
     assert p[5] == pytest.approx(expected_p_first(np.array(tokens[5])), abs=1e-12)
 
 
-@pytest.mark.parametrize("variant", ["choices", pytest.param("labels", marks=pytest.mark.slow)])
-def test_choices_and_top_token_jobs_score_from_the_store_as_from_requests(tmp_path, monkeypatch, job_factory,
-                                                                        small_input, variant):
-    """Per-row choices and `output.top_token` run the token-store path and assemble in windows
-    (3 rows a window here); their output equals the request-list path's bit for bit on the real
-    model (schema metadata aside), a refused row's choices included."""
+@pytest.mark.parametrize("variant", ["choices", "contextual", pytest.param("labels", marks=pytest.mark.slow)])
+def test_choices_top_token_and_calibrated_jobs_score_from_the_store_as_from_requests(tmp_path, monkeypatch, job_factory,
+                                                                                   small_input, variant):
+    """Per-row choices, `output.top_token` and contextual calibration (its content-free row scored
+    beside the rows) run the token-store path (the first two assemble in windows, 3 rows a window
+    here); their output equals the request-list path's bit for bit on the real model (schema
+    metadata aside), a refused row's choices included."""
     from batchscore.jobfile import load_job
     from batchscore.run import runner
     from batchscore.run.runner import run_job
@@ -177,6 +178,8 @@ def test_choices_and_top_token_jobs_score_from_the_store_as_from_requests(tmp_pa
     pq.write_table(table, tmp_path / "in.parquet")
     overrides = {"output": {"top_token": True, "logprobs": True}}  # the top token's first-token sets: per row, or the labels'
     overrides.update({"input": {"choices_column": "options"}} if variant == "choices" else {})
+    if variant == "contextual":
+        overrides["score"] = {"calibrate": "contextual", "confidence": "margin"}
     job = job_factory(tmp_path / "in.parquet", **overrides)
     if variant == "choices":
         import yaml
@@ -205,6 +208,8 @@ def test_choices_and_top_token_jobs_score_from_the_store_as_from_requests(tmp_pa
     assert from_store.num_rows == 12 and from_store.replace_schema_metadata().equals(from_requests.replace_schema_metadata())
     assert from_store.column("top_token").null_count == (1 if variant == "choices" else 0)
     assert from_store.column("argmax_is_label").null_count == (1 if variant == "choices" else 0)
+    if variant == "contextual":
+        assert from_store.column("p_cal_Yes").null_count == 0
     if variant == "choices":
         assert from_store.column("status").to_pylist()[4] != "ok"
         assert from_store.column("choice").to_pylist()[1] in choices[1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from batchscore.config import JobConfig
 from batchscore.engines.factory import ResolvedEngine, kv_block_size
@@ -63,6 +64,7 @@ class PreparedJob:
     label_ids: list[int] | None  # one-token labels shared by every row; None: each request's own options
     input: PreparedInput
     content_free: Request | None = None  # score.calibrate contextual: scored beside the rows, never an output row
+    tokens: Any = None  # the token store (store/tokens.TokenStore) the rows were read into; None: the request list
 
     @property
     def task(self) -> Task:

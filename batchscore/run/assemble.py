@@ -11,8 +11,6 @@ table at once (their task's `assemble`). Both write the same rows, columns and v
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
 from batchscore.faults import fault_point
@@ -24,9 +22,7 @@ from batchscore.output import row_merge
 from batchscore.output.table import ok_rows, provenance, scores_table, with_metadata
 from batchscore.scores import quality
 from batchscore.scores.quality import QualityResult
-from batchscore.store import TokenStore
-from batchscore.store.build import store_folder
-from batchscore.tasks.labels import first_tokens, row_columns
+from batchscore.tasks.labels import first_tokens_reader, row_columns
 
 NOT_SCORED = "not scored: no result from the engine"
 
@@ -36,11 +32,17 @@ def assembles_in_windows(job) -> bool:
     return job.task.name == "labels" and windowed_output(job.config) and job.content_free is None
 
 
-def windowed_output(config) -> bool:
-    """A labels job's output that needs only each row's own results (see the module docstring)."""
-    wire = output_format_of(config)  # a format that writes its output window by window
+def windowed_format(config) -> bool:
+    """A labels or choices job whose output format writes window by window (Parquet, JSON Lines)."""
+    wire = output_format_of(config)
     return ((bool(config.labels) or config.input.choices_column is not None) and wire is not None
-            and wire.window_writer is not None and not quality.wanted(config))
+            and wire.window_writer is not None)
+
+
+def windowed_output(config) -> bool:
+    """A labels job's output that needs only each row's own results (see the module docstring):
+    calibration, review and confidence columns are fitted over every row's scores."""
+    return windowed_format(config) and not quality.wanted(config)
 
 
 def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx_keep: float | None,
@@ -52,7 +54,7 @@ def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx
     id_name = config.input.id_column or DEFAULT_ID
     errors: dict[int, str] = {}
     written = 0
-    first_tokens = first_tokens_reader(job, store.folder) if config.output.top_token else None
+    first_tokens = first_tokens_reader(job) if config.output.top_token else None
 
     def write(tmp: str) -> None:
         nonlocal written
@@ -88,27 +90,3 @@ def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx
     return errors, QualityResult()
 
 
-
-def first_tokens_reader(job, parts_folder) -> Callable[[int, int], list[set[int] | None]]:
-    """rows [start, end) -> each row's options' first token ids (None: a row not tokenized), read
-    from the run's token store: `output.top_token`'s `argmax_is_label` without a request per row."""
-    shared = set(job.label_ids) if job.label_ids is not None else None
-    num_rows = job.input.num_rows
-    if not (store_folder(parts_folder) / "manifest.json").exists():  # a run from the request list (an object-store output)
-        every = first_tokens(job)
-        return lambda start, end: every[start:end]
-    tokens = TokenStore.open(store_folder(parts_folder))
-    row_ids = np.asarray(tokens.row_ids)
-    inside = row_ids < num_rows  # not the content-free row
-    position = np.full(num_rows, -1, dtype=np.int64)
-    position[row_ids[inside]] = np.flatnonzero(inside)
-    sets = np.asarray(tokens.option_set) if shared is None else None
-    firsts = [] if shared is not None else [{int(o.option(i)[0]) for i in range(o.count)} for o in tokens.option_sets()]
-
-    def read(start: int, end: int) -> list[set[int] | None]:
-        at = position[start:end]
-        if sets is None:
-            return [shared if p >= 0 else None for p in at.tolist()]
-        return [None if p < 0 else shared if sets[p] < 0 else firsts[sets[p]] for p in at.tolist()]
-
-    return read

@@ -259,6 +259,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         with reading_bar(progress) as on_rows:
             job, tokens = (_built_store(source, store, reuse=not fresh, progress=on_rows) if shard is None
                            else set_store(source, store.folder, shard.name, on_rows))
+        job.tokens = tokens  # every row's (the incremental run plans the scored rows' sub-store below)
         if incremental:
             digests = carry.store_digests(tokens, job.input.num_rows)
             carried, previous = _carried(source, store.files, digests)
@@ -412,6 +413,8 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
                 f"them (--shard I/{count}, or a job array's retry of those indexes), then merge again",
                 list(unfinished))
         lock.check()
+        if config.output.top_token:  # the rows' options' first tokens, from the set's store
+            job.tokens = TokenStore.reusable(store_folder(store.folder), source.identity)
         errors, quality = assemble_output(job, store, manifests)
         summary = RunSummary(output_path=str(files.output), rows=job.input.num_records,
                              rows_ok=job.input.num_records - len(errors), rows_error=len(errors),

@@ -22,7 +22,7 @@ from batchscore.errors import LabelError
 from batchscore.plan.metadata import MetaPlan, plan_rows
 from batchscore.prepare.read import prepare_input
 from batchscore.prepare.source import JobSource, PreparedJob, plan_options
-from batchscore.store.tokens import StoreWriter, TokenStore
+from batchscore.store.tokens import StoreWriter, TokenStore, store_folder  # noqa: F401 (run/ names it here)
 
 log = logging.getLogger("batchscore")
 
@@ -118,8 +118,3 @@ def plan_store(source: JobSource, folder, progress: Callable[[int], None] | None
     the PreparedJob). The plan's statistics and groups equal `PreparedJob.plan()`'s."""
     job, store = build_store(source, folder, progress)
     return plan_rows(store, plan_options(source.config, source.kind)), store, job
-
-
-def store_folder(parts_folder) -> Path:
-    """Where a run keeps its token store: inside its parts folder."""
-    return Path(parts_folder) / "tokens"

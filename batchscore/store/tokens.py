@@ -387,3 +387,8 @@ class TokenStore:
                 os.unlink(self.folder / name)
             except FileNotFoundError:
                 pass
+
+
+def store_folder(parts_folder) -> Path:
+    """Where a run keeps its token store: inside its parts folder."""
+    return Path(parts_folder) / "tokens"

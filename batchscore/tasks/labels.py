@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import numpy as np
+
 from batchscore.config import JobConfig
 from batchscore.errors import LabelError
 from batchscore.faults import fault_point
@@ -172,7 +174,8 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
     config, prepared = job.config, job.input
     id_name = config.input.id_column or DEFAULT_ID
     ok = ok_rows(prepared.num_rows, errors)
-    columns = row_columns(job, scores, ok, 0, first_tokens(job) if config.output.top_token else None)
+    firsts = first_tokens_reader(job)(0, prepared.num_rows) if config.output.top_token else None
+    columns = row_columns(job, scores, ok, 0, firsts)
     columns, result = add_quality_columns(config, columns, ok, prepared.kept, prepared.ids,
                                           choices_for_output(prepared.choices, ok), content_free)
     table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors, approx_keep=approx_keep)
@@ -202,7 +205,34 @@ def row_columns(job: PreparedJob, scores, ok, start: int, firsts) -> dict:
     return columns
 
 
-def first_tokens(job: PreparedJob) -> list[set[int] | None]:
+def first_tokens_reader(job: PreparedJob) -> Callable[[int, int], list[set[int] | None]]:
+    """rows [start, end) -> each row's options' first token ids (None: a row not tokenized):
+    `output.top_token`'s `argmax_is_label`, read from the job's token store (no request per row)
+    or, on the request list, from its requests."""
+    tokens = job.tokens
+    if tokens is None:
+        every = _request_first_tokens(job)
+        return lambda start, end: every[start:end]
+    label_ids = job.label_ids if job.label_ids is not None else tokens.label_ids
+    shared = set(label_ids) if label_ids is not None else None
+    num_rows = job.input.num_rows
+    row_ids = np.asarray(tokens.row_ids)
+    inside = row_ids < num_rows  # not the content-free row
+    position = np.full(num_rows, -1, dtype=np.int64)
+    position[row_ids[inside]] = np.flatnonzero(inside)
+    sets = np.asarray(tokens.option_set) if shared is None else None
+    firsts = [] if shared is not None else [{int(o.option(i)[0]) for i in range(o.count)} for o in tokens.option_sets()]
+
+    def read(start: int, end: int) -> list[set[int] | None]:
+        at = position[start:end]
+        if sets is None:
+            return [shared if p >= 0 else None for p in at.tolist()]
+        return [None if p < 0 else shared if sets[p] < 0 else firsts[sets[p]] for p in at.tolist()]
+
+    return read
+
+
+def _request_first_tokens(job: PreparedJob) -> list[set[int] | None]:
     """Each input row's options' first token ids (None for a row not tokenized)."""
     shared = set(job.label_ids) if job.label_ids is not None else None
     firsts: list[set[int] | None] = [None] * job.input.num_rows
