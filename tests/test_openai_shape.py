@@ -59,7 +59,26 @@ def test_prompt_usage_counts_each_prompt_once_and_the_shared_part_as_cached():
     assert usage[2][1] == 0 and {usage[0][1], usage[3][1]} == {0, 4} and usage[1][1] == 3
 
 
-def test_a_chat_batch_is_answered_in_openais_shape(tmp_path, tokenizer):
+@pytest.mark.parametrize("seed", range(4))
+def test_the_stores_usage_equals_the_requests_usage(tmp_path, seed):
+    """`store_usage` (the rows sorted once, no request per row) equals `prompt_usage` on the same
+    prompts: duplicates, prefixes of each other, an empty row's absence, a content-free row last."""
+    from batchscore.output.token_usage import store_usage
+    from batchscore.store import StoreWriter
+
+    rng = np.random.default_rng(seed)
+    stems = [rng.integers(0, 50, size=rng.integers(1, 30)).tolist() for _ in range(5)]
+    prompts = [stems[rng.integers(0, 5)][: rng.integers(1, 30)] + rng.integers(0, 50, size=rng.integers(0, 4)).tolist()
+               for _ in range(60)]
+    prompts = [p or [7] for p in prompts]
+    requests = [Request(i, np.array(t)) for i, t in enumerate(prompts) if i != 9]  # row 9: refused, no tokens
+    writer = StoreWriter(tmp_path / "tokens")
+    writer.add_requests(requests + [Request(len(prompts), np.array(prompts[0] + [1]))])  # a content-free row last
+    store = writer.close(len(prompts))
+    assert store_usage(store, len(prompts)) == prompt_usage(requests)
+
+
+def test_a_chat_batch_is_answered_in_openais_shape(tmp_path, tokenizer, monkeypatch):
     """Four multi-token labels, prompts sharing a system message: each line's usage counts its
     prompt once (not once per label), the label is the finished answer, options honoured, and
     calibration (score.calibrate: batch) carried by the answers: the label follows it."""
@@ -74,8 +93,13 @@ def test_a_chat_batch_is_answered_in_openais_shape(tmp_path, tokenizer):
     job = {"input": {"path": str(tmp_path / "in.jsonl"), "format": "openai_batch"}, "labels": labels, "model": MODEL,
            "engine": {"kind": "torch", "dtype": "float32"}, "score": {"calibrate": "batch"}, "output": {"path": str(tmp_path / "out.jsonl"), "max_error_rate": 0.5, "audit_rows": 0}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    from batchscore.run import runner
+
+    from_store, real = [], runner.reads_from_store
+    monkeypatch.setattr(runner, "reads_from_store", lambda *a: from_store.append(real(*a)) or from_store[-1])
     result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "-q"])
     assert result.exit_code == 0, result.output
+    assert from_store == [True]  # Batch API lines in and out: the token store's path, usage read from it
     ok = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     failed = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert [x["custom_id"] for x in failed] == ["two-answers"]

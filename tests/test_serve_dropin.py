@@ -164,11 +164,13 @@ def test_the_openai_client_and_the_shipped_samples_run_unchanged_against_serve(t
         # the server said what it did: where it listens, every request, every batch's moves
         log = (tmp_path / "server.log").read_text()
         assert f"listening on http://127.0.0.1:{server.port}" in log and "POST /v1/batches 200" in log
-        for batch in batches.values():
+        for name, batch in batches.items():
             for move in ("validating -> in_progress", "in_progress -> finalizing", "finalizing -> completed"):
                 assert f"batch {batch.id}: {move}" in log, (batch.id, move)
             run_log = server.state / "batches" / batch.id / "job0" / "run.log"
             assert " INFO " in run_log.read_text()  # the run's own log, kept beside its job
+            if name == "chat_batch.jsonl":  # a labels batch runs the token store's path, as any job
+                assert "into the token store" in run_log.read_text()
     finally:
         server.stop()
 

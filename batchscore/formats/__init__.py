@@ -38,15 +38,15 @@ def iter_batches(files: list[tuple[Path, str]], batch_rows: int, columns: list[s
 
 def write_output(table: pa.Table, path: str | os.PathLike, fmt: str, *, id_name: str, labels: list[str],
                  model: str = "", error_path: str | os.PathLike | None = None,
-                 requests: list | None = None, row_errors: dict | None = None) -> None:
+                 usage: dict | None = None, row_errors: dict | None = None) -> None:
     """Write the results table (output/table.py) as `fmt` (`error_path`: its failed rows' file,
-    `OutputFiles.errors`, for a format that writes one; `requests`: the rows' tokenized requests,
-    for a format whose answers report their token usage; `row_errors`: row -> its RowError
+    `OutputFiles.errors`, for a format that writes one; `usage`: row -> (prompt tokens, cached
+    tokens), output/token_usage.py, for a format whose answers report their token usage; `row_errors`: row -> its RowError
     (row_errors.py), for a format whose failed rows say what kind of failure they are)."""
     wire = get_format(fmt)
     if wire.write is None:
         raise ValueError(f"format {fmt!r} is read only, not written")
-    wire.write(table, path, id_name=id_name, labels=labels, model=model, error_path=error_path, requests=requests,
+    wire.write(table, path, id_name=id_name, labels=labels, model=model, error_path=error_path, usage=usage,
                row_errors=row_errors)
 
 

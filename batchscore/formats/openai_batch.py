@@ -27,7 +27,6 @@ from batchscore.formats.lines import write_lines
 from batchscore.formats.registry import WireFormat, register
 from batchscore.io.readers import jsonl_batches
 from batchscore.output import layout
-from batchscore.output.token_usage import prompt_usage
 from batchscore.row_errors import FAILED, INPUT, NOT_SCORED, TOO_LONG, RowError, kind_of
 
 NAME = "openai_batch"
@@ -303,10 +302,9 @@ def read_requests(path, batch_rows: int, columns, json_columns):
 
 
 def write_batch(table: pa.Table, path, *, id_name: str, labels: list[str], model: str = "", error_path=None,
-                requests=None, row_errors=None, **_) -> None:
+                usage=None, row_errors=None, **_) -> None:
     """The output file and the error file (`error_path`), the error file first; each answer's
-    `usage` counted from its request's tokens (`requests`; none without them)."""
-    usage = prompt_usage(requests) if requests is not None else None
+    `usage` as given (row -> (prompt tokens, cached tokens); none without it)."""
     ok, failed = openai_batch_lines(table, id_name, labels, model, usage=usage, row_errors=row_errors)
     write_lines(error_path, failed)
     write_lines(path, ok)

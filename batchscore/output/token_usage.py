@@ -15,6 +15,7 @@ from typing import Iterable
 
 import numpy as np
 
+from batchscore.plan.sorted_rows import FlatTokens, sort_rows
 from batchscore.plan.types import Request
 
 
@@ -36,3 +37,27 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
+
+
+def store_usage(tokens, num_rows: int) -> dict[int, tuple[int, int]]:
+    """`prompt_usage` of a token store's rows (store/tokens.TokenStore) without a request per row:
+    the rows sorted once (plan/sorted_rows: the same token order, ties in input order), each one's
+    cached part its common prefix with the row before it. Positions past `num_rows` (the
+    content-free row a contextual calibration appends last) are left out."""
+    row_ids = np.asarray(tokens.row_ids)
+    n = int(np.count_nonzero(row_ids < num_rows))
+    if np.any(row_ids[:n] >= num_rows):
+        raise ValueError("a token store's extra rows are expected after its input rows")
+    flat = FlatTokens(tokens.flat.tokens, np.asarray(tokens.flat.offsets[: n + 1]))
+    order, lcp = sort_rows(flat, tokens.max_token)
+    lengths = flat.lengths[order]
+    cached = np.minimum(lcp, np.maximum(lengths - 1, 0))
+    return dict(zip(row_ids[order].tolist(), zip(lengths.tolist(), cached.tolist())))
+
+
+def job_usage(job) -> dict[int, tuple[int, int]]:
+    """row_id -> (prompt tokens, cached tokens) of a read job (prepare/source.PreparedJob): from its
+    token store when it was read into one, else from its requests."""
+    if job.tokens is not None:
+        return store_usage(job.tokens, job.input.num_rows)
+    return prompt_usage(job.input.requests)

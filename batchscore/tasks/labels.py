@@ -15,6 +15,7 @@ from batchscore.formats import write_output
 from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.scores.job_checks import common_quality_problems
 from batchscore.output.layout import DEFAULT_ID, GREEDY_CHOICES, TOP_COLUMNS, calibrated_column, label_column, output_columns
+from batchscore.output.token_usage import job_usage
 from batchscore.output.table import ok_rows, provenance, scores_table, with_metadata
 from batchscore.plan.types import Request
 from batchscore.prepare.read import load_tokenizer, make_renderer, prepare_input, prompt_limits
@@ -184,7 +185,8 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
         raise RuntimeError(f"the output would hold {table.num_rows} rows for {prepared.num_rows} input rows")
     fault_point("assemble")
     write_output(table, files.output, config.output_format, id_name=id_name, labels=config.labels,
-                 model=str(config.model), error_path=files.errors, requests=prepared.requests, row_errors=errors)
+                 model=str(config.model), error_path=files.errors, row_errors=errors,
+                 usage=job_usage(job) if output_format_of(config).response_lines else None)
     fault_point("output")
     return errors, result
 
