@@ -266,22 +266,18 @@ def reads_from_store(source, shard, files) -> bool:
     """Whether the run scores from a token store and a metadata plan (workers read their rows)
     rather than a list of requests: a labels or choices job (assembled window by window,
     run/assemble.py, or whole from the parts' results when calibration, review or confidence
-    columns are fitted over every row or the format writes Batch API lines), or a
-    questions job with a table output (assembled whole by its task, from the reads' results and
-    its records: no prompt read back), run in this process, on Ray actors or as static shards
-    (`shard`: all of a set alike), planned by a policy the metadata plan has, into a local output
-    folder. A questions job answering in Batch API lines stays on the request list: each line's
-    usage counts every read's prompt (output/token_usage.prompt_usage)."""
-    from batchscore.formats.registry import output_format_of
+    columns are fitted over every row or the format writes Batch API lines), or a questions job
+    (assembled whole by its task, from the reads' results and its records: no prompt read back;
+    Batch API lines' usage read from the store, output/token_usage.store_usage), run in this
+    process, on Ray actors or as static shards (`shard`: all of a set alike), planned by a policy
+    the metadata plan has, into a local output folder."""
     from batchscore.io.storage import is_url
     from batchscore.plan.metadata import METADATA_POLICIES
 
     config = source.config
     if config.input.synthetic is not None or config.plan.order not in METADATA_POLICIES or is_url(str(files.output)):
         return False
-    if source.task.name == "questions":
-        return not getattr(output_format_of(config), "response_lines", False)
-    return source.task.name == "labels"
+    return source.task.name in ("labels", "questions")
 
 
 def audit_sample(job, store: TokenStore, rows: int = 4096):

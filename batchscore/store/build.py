@@ -58,6 +58,7 @@ def build_store(source: JobSource, folder, progress: Callable[[int], None] | Non
     writer.add_errors(sorted(job.input.errors.items()))
     store = writer.close(job.input.num_rows, extra={
         "label_ids": job.label_ids, "content_free": job.content_free is not None})
+    log.info("built the token store in %s: %d rows, %d tokens", folder, store.num_rows, store.logical_tokens)
     _release_read_buffers()
     return job, store
 

@@ -186,7 +186,7 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
     fault_point("assemble")
     write_output(table, files.output, config.output_format, id_name=id_name, labels=config.labels,
                  model=str(config.model), error_path=files.errors, row_errors=errors,
-                 usage=job_usage(job) if output_format_of(config).response_lines else None)
+                 usage=job_usage(job) if getattr(output_format_of(config), "response_lines", False) else None)
     fault_point("output")
     return errors, result
 

@@ -27,7 +27,6 @@ from batchscore.tasks.questions.quality import add_question_quality, column_type
 from batchscore.tasks.questions.answers import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
                                          row_values, systemone_answer, systemone_body, table_column_types)
 from batchscore.output.layout import OutputFiles
-from batchscore.output.token_usage import prompt_usage
 from batchscore.scores.quality import QualityResult
 from batchscore.output.raw_scores import RowScores
 from batchscore.row_errors import FAILED, RowError, no_result
@@ -73,7 +72,7 @@ def record_answers(record: Record, logp: list, errors: dict[int, str], tops: lis
 
 
 def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: RowScores, errors: dict[int, str],
-                          files: OutputFiles, model: str, requests: list | None = None,
+                          files: OutputFiles, model: str, usage: dict[int, tuple[int, int]] | None = None,
                           provenance: dict[str, str] | None = None) -> tuple[dict[int, str], QualityResult]:
     """Write the output of a decision job (and, for a batch file, its error file) atomically.
     Returns (record -> error for the records that are errors (the run's failed rows), what
@@ -82,8 +81,8 @@ def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: R
     logp = scores.logp.to_pylist()
     tops = scores.top_logp.to_pylist() if scores.top_logp is not None else None
     if getattr(output_format_of(config), "response_lines", False):  # one Batch API line per record
-        usage = prompt_usage(requests) if requests else {}  # read -> its prompt's (tokens, cached tokens)
-        return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels), usage), QualityResult()
+        return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels),
+                            usage or {}), QualityResult()  # usage: read -> its prompt's (tokens, cached tokens)
     return _write_table(config, decisions, logp, tops, errors, files, provenance or {})
 
 

@@ -11,7 +11,9 @@ from batchscore.faults import fault_point
 from batchscore.scores.job_checks import common_quality_problems
 from batchscore.prepare.read import load_tokenizer, prompt_limits
 from batchscore.prepare.source import PreparedJob
+from batchscore.formats.registry import output_format_of
 from batchscore.output.table import provenance
+from batchscore.output.token_usage import job_usage
 from batchscore.task import Task, TaskPage, register
 from batchscore.tasks.questions import checks
 from batchscore.tasks.questions.columns import question_keys
@@ -56,8 +58,9 @@ def prepare_into(source, sink, progress=None) -> PreparedJob:
 def _assemble(job, scores, errors: dict[int, str], content_free, files, approx_keep):
     """Reads gathered back into records: one response body or table row per record."""
     fault_point("assemble")
+    lines = getattr(output_format_of(job.config), "response_lines", False)
     failed, quality = write_decision_output(job.config, job.input.task_input, scores, errors, files,
-                                            str(job.config.model), job.input.requests, provenance(job))
+                                            str(job.config.model), job_usage(job) if lines else None, provenance(job))
     fault_point("output")
     return failed, quality
 
