@@ -275,9 +275,7 @@ def reads_from_store(source, shard, files) -> bool:
     from batchscore.plan.metadata import METADATA_POLICIES
 
     config = source.config
-    if config.input.synthetic is not None or config.plan.order not in METADATA_POLICIES or is_url(str(files.output)):
-        return False
-    return source.task.name in ("labels", "questions")
+    return config.plan.order in METADATA_POLICIES and not is_url(str(files.output))
 
 
 def audit_sample(job, store: TokenStore, rows: int = 4096):
