@@ -190,8 +190,16 @@ def test_storage_options_reach_the_store_without_environment(s3, hive_input, tmp
                     input={"path": f"s3://{BUCKET}/relevance/date=2026-11-24/part-0.parquet", "id_column": "pair_id",
                            "storage_options": options},
                     output={"path": f"s3://{BUCKET}/options/out.parquet", "storage_options": options})
+    from batchscore.run import runner
+
+    from_store, real = [], runner.reads_from_store
+    monkeypatch.setattr(runner, "reads_from_store", lambda *a: from_store.append(real(*a)) or from_store[-1])
+    monkeypatch.setattr(runner, "batchscore_home", lambda: tmp_path / "home")
     result = CliRunner().invoke(main, ["run", str(job), "-q"])
     assert result.exit_code == 0, result.output
+    # the token store's path: the store in a local folder (a memory map), removed with the parts
+    assert from_store == [True] and (tmp_path / "home" / "token-stores").is_dir()
+    assert list((tmp_path / "home" / "token-stores").iterdir()) == []
     out = _read(fs, f"{BUCKET}/options/out.parquet")
     assert len(out) == 6 and (out["status"] == "ok").all()
     manifest_like = [p for p in fs.find(f"{BUCKET}/options") if p.endswith(".json")]

@@ -269,13 +269,14 @@ def reads_from_store(source, shard, files) -> bool:
     columns are fitted over every row or the format writes Batch API lines), or a questions job
     (assembled whole by its task, from the reads' results and its records: no prompt read back;
     Batch API lines' usage read from the store, output/token_usage.store_usage), run in this
-    process, on Ray actors or as static shards (`shard`: all of a set alike), planned by a policy
-    the metadata plan has, into a local output folder."""
+    process, on Ray actors or as static shards (`shard`: all of a set alike; into a local output
+    folder), planned by a policy the metadata plan has. An object-store output keeps its token store
+    in a local folder (run/runner.token_folder) and its parts in the store."""
     from batchscore.io.storage import is_url
     from batchscore.plan.metadata import METADATA_POLICIES
 
-    config = source.config
-    return config.plan.order in METADATA_POLICIES and not is_url(str(files.output))
+    config = source.config  # a shard set's store is shared through its parts folder: a local one
+    return config.plan.order in METADATA_POLICIES and not (shard is not None and is_url(str(files.output)))
 
 
 def audit_sample(job, store: TokenStore, rows: int = 4096):

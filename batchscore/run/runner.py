@@ -50,11 +50,12 @@ from batchscore.output.layout import DEFAULT_ID, MERGE_WRITER, RUN_WRITER, Outpu
 from batchscore.output.lock import OutputLock
 from batchscore.io.atomic import refuse_link
 from batchscore.io.storage import file_size, is_url, remove_tree
+from batchscore.models import batchscore_home
 from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
 from batchscore.output.summary import Audit, Carry, Execution, Questions, RunSummary, Timing
 from batchscore.output import carry
 from batchscore.output.row_merge import row_windows
-from batchscore.store.tokens import StoreWriter, TokenStore
+from batchscore.store.tokens import StoreWriter, TokenStore, identity_digest
 from batchscore.scores.quality import QualityResult, content_free_rows, split_content_free
 from batchscore.plan.placement import place_groups
 from batchscore.output.cost import night_cost
@@ -139,14 +140,14 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
                 lock.check()
                 summary.table_version = _publish(source, output_hash)
                 write_completion_marker(files, output_hash, summary.to_dict(stored=True))
-                store.finish()
+                _finish(source, store)
                 lock.release(remove=True)
                 return _checked(summary, config)
             done = None
         if done is not None:
             log.info("%s is already the complete output of this job: nothing to do", files.output)
             _publish(source, output_hash)  # a table named since, or a commit a crash left undone
-            store.finish()  # parts left by a run killed after its marker
+            _finish(source, store)  # parts left by a run killed after its marker
             summary = replace(RunSummary.from_dict(done), seconds=time.perf_counter() - started, skipped=True)
         else:
             summary = _run(source, store, progress, fresh, shard, engine_factory, started)
@@ -156,7 +157,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
                 write_completion_marker(files, output_hash, summary.to_dict(stored=True))
                 fault_point("marker")
                 carry.move_rows_file(store.folder / carry.NEXT_ROWS, files.rows)
-                store.finish()
+                _finish(source, store)
         # a shard whose share is scored needs no lock file either (the set's last shard writes the output)
         lock.release(remove=summary.complete or (shard is not None and _share_done(store, writer)))
     return _checked(summary, config) if summary.complete else summary
@@ -263,7 +264,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         if incremental:
             digests = carry.store_digests(tokens, job.input.num_rows)
             carried, previous = _carried(source, store.files, digests)
-            tokens = _scored_store(tokens, carried, store.folder, source.identity)
+            tokens = _scored_store(tokens, carried, source.identity)
         stage("plan")
         plan = plan_rows(tokens, plan_options(config, source.kind))
         if num_workers == 1:
@@ -502,11 +503,28 @@ def _refuse_planted_links(parts_folder: Path, writer: str) -> None:
         refuse_link(path, what)
 
 
+def token_folder(source: JobSource, store: PartStore) -> Path:
+    """Where a run keeps its token store: in its parts folder, or, for an output in an object
+    store (a memory map needs a local file; the parts stay in the store, so a resume anywhere
+    finds them), in a local folder named by the job's identity under $BATCHSCORE_HOME, which a
+    resume on this machine reuses and any other machine builds again."""
+    if not store.files.remote:
+        return store_folder(store.folder)
+    return batchscore_home() / "token-stores" / identity_digest(source.identity)
+
+
+def _finish(source: JobSource, store: PartStore) -> None:
+    """The output is in place: remove the staging folder (and an object-store output's local token store)."""
+    store.finish()
+    if store.files.remote:
+        remove_tree(token_folder(source, store))
+
+
 def _built_store(source: JobSource, store: PartStore, reuse: bool = True, progress=None):
-    """The job's token store, built in its parts folder (store/build.py; `reuse` False: `--fresh`,
+    """The job's token store, built in its token folder (store/build.py; `reuse` False: `--fresh`,
     a new store whatever is there; `progress(n)`: rows read); a refused input leaves no folder
     behind it (`_lock_left_clean`)."""
-    folder = store_folder(store.folder)
+    folder = token_folder(source, store)
     existed = store.folder.exists()
     if not reuse:
         remove_tree(folder)
@@ -549,13 +567,13 @@ def _carried(source: JobSource, files, digests: np.ndarray) -> tuple:
     return carried, previous
 
 
-def _scored_store(tokens: TokenStore, carried, parts_folder, identity: dict) -> TokenStore:
+def _scored_store(tokens: TokenStore, carried, identity: dict) -> TokenStore:
     """The store of the rows still to score: `tokens` itself when nothing is carried, else a copy
     of its other rows beside it (row ids kept), which the plan, the engines and Ray read."""
     if not len(carried.rows):
         return tokens
     keep = np.flatnonzero(~np.isin(np.asarray(tokens.row_ids), carried.rows))
-    writer = StoreWriter(Path(parts_folder) / "tokens.scored", identity)
+    writer = StoreWriter(tokens.folder.with_name(f"{tokens.folder.name}.scored"), identity)
     writer.append_positions(tokens, keep)
     return writer.close(tokens.num_input_rows, {"label_ids": tokens.label_ids})
 
