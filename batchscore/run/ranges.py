@@ -270,13 +270,14 @@ def reads_from_store(source, shard, files) -> bool:
     (assembled whole by its task, from the reads' results and its records: no prompt read back;
     Batch API lines' usage read from the store, output/token_usage.store_usage), run in this
     process, on Ray actors or as static shards (`shard`: all of a set alike; into a local output
-    folder), planned by a policy the metadata plan has. An object-store output keeps its token store
-    in a local folder (run/runner.token_folder) and its parts in the store."""
+    folder), planned by a policy the metadata plan has. An object-store output scored in one process
+    keeps its token store in a local folder (run/runner.token_folder) and its parts in the store."""
     from batchscore.io.storage import is_url
     from batchscore.plan.metadata import METADATA_POLICIES
 
-    config = source.config  # a shard set's store is shared through its parts folder: a local one
-    return config.plan.order in METADATA_POLICIES and not (shard is not None and is_url(str(files.output)))
+    config = source.config  # workers on other machines read the store from the parts folder: a local one
+    spread = shard is not None or config.executor.kind == "ray"
+    return config.plan.order in METADATA_POLICIES and not (spread and is_url(str(files.output)))
 
 
 def audit_sample(job, store: TokenStore, rows: int = 4096):
