@@ -452,6 +452,17 @@ def test_bench_scale_makes_a_workdir_that_is_not_there_yet(tmp_path):
     assert bad.exit_code == 2 and "--workdir" in bad.output
 
 
+@pytest.mark.slow  # two child runs: make test-all
+def test_bench_scale_calibrate_runs_the_calibrated_job_killed_and_resumed(tmp_path):
+    """`bench scale --calibrate`: a batch-calibrated job (fitted over every row) through the token
+    store's path, killed once and resumed; every row once, scored, calibrated."""
+    result = CliRunner().invoke(main_cli(), ["bench", "scale", "--rows", "2000", "--part-rows", "400", "--calibrate",
+                                             "--workdir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "killed run" in result.output and "resumed run" in result.output
+    assert "check: 2,000 rows, each once, in input order, all scored" in result.output
+
+
 @pytest.mark.slow  # three child runs: make test-all
 def test_bench_scale_incremental_scores_exactly_the_edited_rows(tmp_path):
     """`bench scale --incremental 0.1`: the second night scores every 10th row (edited) and carries

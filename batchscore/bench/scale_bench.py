@@ -165,13 +165,17 @@ def write_text_input(path: Path, rows: int, group_size: int, words: int, seed: i
             writer.write_table(pa.table({"id": pa.array(ids), "document": text, "question": questions}, schema=schema))
 
 
-def job_dict(source: Path, output: Path, text: bool, part_rows: int, incremental: bool = False) -> dict:
+def job_dict(source: Path, output: Path, text: bool, part_rows: int, incremental: bool = False,
+             calibrate: bool = False) -> dict:
     """The benchmark's job: two labels, parts by rows only, no exactness audit (the stand-in's
-    scores are not the model's), no compile decision (no model runs)."""
+    scores are not the model's), no compile decision (no model runs); `calibrate`: batch
+    calibration and margin confidence, fitted over every row's scores."""
     job = {"labels": ["Yes", "No"], "model": "smollm2-135m-instruct",
            "engine": {"kind": "torch", "compile": False},
            "output": {"path": str(output), "part_seconds": 1e9, "part_rows": part_rows, "audit_rows": 0,
                       "mode": "incremental" if incremental else "full"}}
+    if calibrate:
+        job["score"] = {"calibrate": "batch", "confidence": "margin"}
     if text:
         job["input"] = {"path": str(source), "id_column": "id"}
         job["prompt"] = {"template": "Article: {document}\n\nQuestion: {question} Answer Yes or No.\nAnswer:"}
@@ -238,9 +242,13 @@ def check_output(output: Path, source: Path, rows: int, text: bool, args: dict, 
 
     from batchscore.bench.standin import expected_p_first
 
-    table = pq.read_table(output, columns=["id", "p_Yes", "status"])
+    calibrated = "p_cal_Yes" in pq.read_schema(output).names
+    table = pq.read_table(output, columns=["id", "p_Yes", "status"] + (["p_cal_Yes", "confidence"] if calibrated else []))
     ids = table.column("id").to_numpy()
     assert len(ids) == rows, f"the output holds {len(ids)} rows for {rows} input rows"
+    if calibrated:
+        assert table.column("p_cal_Yes").null_count == table.column("confidence").null_count == 0, \
+            "a scored row without its calibrated probability or confidence"
     assert np.array_equal(ids, np.arange(rows)), "the output's ids are not every input row once, in input order"
     assert table.column("status").to_pylist().count("ok") == rows, "rows not scored"
     if text:
@@ -349,9 +357,11 @@ def plan_only_bench(rows: int, group_size: int, prefix_len: int, distinct_len: i
                    "it scores and carries, its peak RssAnon, and its output checked against the rows' tokens.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the input and output go (default: a temporary folder, removed after).")
+@click.option("--calibrate", is_flag=True,
+              help="The job calibrates (score.calibrate: batch, margin confidence): fitted over every row's scores.")
 @click.option("--child", nargs=2, hidden=True, default=None)
 def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, kill: bool, part_rows: int,
-          plan_only: bool, workers: int, incremental: float | None, workdir: str | None,
+          plan_only: bool, workers: int, incremental: float | None, workdir: str | None, calibrate: bool,
           child: tuple[str, str] | None) -> None:
     """N rows through `batchscore run` with a stand-in engine, killed once and resumed; seconds,
     rows/s, tokens/s and peak RssAnon per stage.
@@ -377,11 +387,11 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, ki
             raise click.BadParameter(f"{workdir}: cannot be made a folder ({exc.strerror or exc})",
                                      param_hint="--workdir") from None
     with tempfile.TemporaryDirectory(prefix="batchscore-scale-", dir=workdir) as tmp:
-        _scale(Path(tmp), rows, group_size, prefix, distinct, text, kill, part_rows, incremental)
+        _scale(Path(tmp), rows, group_size, prefix, distinct, text, kill, part_rows, incremental, calibrate)
 
 
 def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, text: bool, kill: bool,
-           part_rows: int, incremental: float | None = None) -> None:
+           part_rows: int, incremental: float | None = None, calibrate: bool = False) -> None:
     if incremental is not None and text:
         raise click.BadParameter("--incremental edits token rows: leave out --text", param_hint="--incremental")
     source, output, job = tmp / "input.parquet", tmp / "scores.parquet", tmp / "job.json"
@@ -393,7 +403,7 @@ def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, te
         write_token_input(source, rows, **args)
     kind = "text" if text else "token ids"
     click.echo(f"input: {rows:,} rows ({kind}) written in {time.perf_counter() - started:.1f} s")
-    job.write_text(json.dumps(job_dict(source, output, text, part_rows, incremental is not None)))
+    job.write_text(json.dumps(job_dict(source, output, text, part_rows, incremental is not None, calibrate)))
     parts = -(-rows // part_rows)
     runs = []
     if kill and parts >= 2:
