@@ -160,7 +160,8 @@ def test_windowed_output_equals_the_whole_table_output(tmp_path, monkeypatch, su
     assert p[5] == pytest.approx(expected_p_first(np.array(tokens[5])), abs=1e-12)
 
 
-@pytest.mark.parametrize("variant", ["choices", "contextual", pytest.param("labels", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("variant", ["choices", pytest.param("contextual", marks=pytest.mark.slow),
+                                     pytest.param("labels", marks=pytest.mark.slow)])
 def test_choices_top_token_and_calibrated_jobs_score_from_the_store_as_from_requests(tmp_path, monkeypatch, job_factory,
                                                                                    small_input, variant):
     """Per-row choices, `output.top_token` and contextual calibration (its content-free row scored
