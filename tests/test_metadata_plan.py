@@ -54,7 +54,8 @@ def batches(draw):
 
 
 metadata_options = st.builds(PlanOptions, min_prefix_tokens=st.integers(0, 5), block_size=st.integers(1, 4),
-                             order=st.sampled_from(["r_group", "input"]), enlarge=st.booleans())
+                             order=st.sampled_from(["r_group", "input", "srjf"]), enlarge=st.booleans(),
+                             cache_tokens=st.sampled_from([None, 4, 16, 64]), srjf_lambda=st.sampled_from([0.0, 500.0]))
 
 
 @SETTINGS
@@ -113,16 +114,17 @@ def test_rows_with_options_keep_them_and_count_them():
 
 
 @pytest.mark.parametrize("name", ["table3_a", "table3_b", "microbench", "industry"])
-@pytest.mark.parametrize("options", [PlanOptions(block_size=16), PlanOptions(order="input", enlarge=False, block_size=32)])
+@pytest.mark.parametrize("options", [PlanOptions(block_size=16), PlanOptions(order="input", enlarge=False, block_size=32),
+                                     PlanOptions(order="srjf", block_size=16, cache_tokens=20_000)])
 def test_metadata_plan_on_the_generated_workloads(name, options):
     params = {"industry": {"num_requests": 3000}}.get(name, {})
     prompts = WORKLOADS[name](**params)
     assert_same_plan([Request(i, p) for i, p in enumerate(prompts)], options)
 
 
-def test_srjf_is_build_plan_only_and_an_empty_row_is_named():
-    with pytest.raises(ValueError, match="srjf"):
-        plan_rows(RequestRows.from_requests([Request(0, [1])]), PlanOptions(order="srjf"))
+def test_an_unknown_order_is_refused_and_an_empty_row_is_named():
+    with pytest.raises(ValueError, match="shortest"):
+        plan_rows(RequestRows.from_requests([Request(0, [1])]), PlanOptions(order="shortest"))
     rows = RequestRows(FlatTokens(np.asarray([1, 2], np.int32), np.asarray([0, 2, 2])), np.asarray([4, 9]), 2, [None] * 2)
     with pytest.raises(Exception, match="row 9: empty"):
         plan_rows(rows, PlanOptions())

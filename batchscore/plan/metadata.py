@@ -34,7 +34,7 @@ from batchscore.plan.planner import Plan, PlanOptions, PlanStats, _stats
 from batchscore.plan.sorted_rows import FlatTokens, sort_rows
 from batchscore.plan.types import GroupMember, PrefixGroup, Request
 
-METADATA_POLICIES = ("r_group", "input")  # srjf re-costs against a simulated cache: build_plan only
+METADATA_POLICIES = ("r_group", "input", "srjf")  # every order.py policy
 
 
 class PlanRows(Protocol):
@@ -111,7 +111,7 @@ class MetaPlan:
 
 def plan_rows(source: PlanRows, options: PlanOptions = PlanOptions()) -> MetaPlan:
     """Plan every row of `source` (store positions 0..N-1) as `build_plan` would plan them.
-    Raises PlanInputError for an empty row and ValueError for the `srjf` order."""
+    Raises PlanInputError for an empty row and ValueError for an unknown order."""
     if options.order not in METADATA_POLICIES:
         raise ValueError(f"the metadata plan orders by {METADATA_POLICIES}, not {options.order!r}")
     flat = source.flat
@@ -139,7 +139,8 @@ def plan_rows(source: PlanRows, options: PlanOptions = PlanOptions()) -> MetaPla
     plain_first = np.flatnonzero(nodes.parent == 0)
     plain_first = plain_first[plain_first > 0]
     keep_input_order = options.order == "input"
-    rows, starts, prefix_lens, group_tokens = _groups(nodes, first, order, lengths, rule, keep_input_order)
+    srjf = _Srjf(flat, options) if options.order == "srjf" else None
+    rows, starts, prefix_lens, group_tokens = _groups(nodes, first, order, lengths, rule, keep_input_order, srjf)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
 
     stats = _stats(
@@ -255,12 +256,65 @@ def _shared_lens(depths: np.ndarray, leaves: np.ndarray, rule: SharingRule) -> n
     return np.where(worth, aligned, 0)
 
 
+@dataclass
+class _Srjf:
+    """What the `srjf` order needs beyond the units: the rows' tokens (their KV blocks' keys) and
+    the simulated cache's settings."""
+
+    flat: FlatTokens
+    options: PlanOptions
+
+    def order(self, units: list[tuple[int, list[int], int]]) -> list[int]:
+        """order.srjf_order over units given as (prefix_len, rows in run order, processed tokens),
+        in groups.make_units' order (ties go to the earlier)."""
+        from batchscore.plan.cache_sim import PrefixCache, block_keys
+        from batchscore.plan.srjf import SrjfJob, srjf_schedule
+
+        block = self.options.block_size
+        jobs = []
+        for prefix_len, rows, processed in units:
+            prompts = [block_keys(np.asarray(self.flat.row(r)), block) for r in rows]
+            lookup, max_cached = ((prompts[0][: prefix_len // block], prefix_len) if prefix_len
+                                  else (prompts[0], int(self.flat.offsets[rows[0] + 1] - self.flat.offsets[rows[0]]) - 1))
+            jobs.append(SrjfJob(lookup, processed, max_cached, prompts))
+        return srjf_schedule(jobs, PrefixCache(self.options.cache_tokens, block), self.options.srjf_lambda)
+
+
+def _srjf_run_order(srjf: _Srjf, nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.ndarray,
+                    unit: np.ndarray, row_owner: np.ndarray, prefix: np.ndarray, processed: np.ndarray,
+                    shared_nodes: np.ndarray, flat_rows: np.ndarray) -> np.ndarray:
+    """Units in `srjf` order. The jobs are listed in groups.make_units' order, so ties break as the
+    tree planner's do: first-level nodes in pre-order (a node before the grandchildren forked out of
+    it, siblings in token order: by (lo, depth)), a flattened node's rows shortest first."""
+    n, units = len(order), len(prefix)
+    sorted_position = np.empty(n, dtype=np.int64)
+    sorted_position[order] = np.arange(n)
+    lo_key = np.empty(units, dtype=np.int64)
+    depth_key = np.empty(units, dtype=np.int64)
+    length_key = np.full(units, -1, dtype=np.int64)
+    position_key = np.full(units, -1, dtype=np.int64)
+    k = len(shared_nodes)
+    lo_key[:k], depth_key[:k] = nodes.lo[first[shared_nodes]], nodes.depth[first[shared_nodes]]
+    owners = row_owner[flat_rows]
+    owned = owners >= 0
+    node_lo, node_depth = np.append(nodes.lo[first], 0), np.append(nodes.depth[first], 0)  # [-1]: no node
+    lo_key[k:] = np.where(owned, node_lo[owners], sorted_position[flat_rows])
+    depth_key[k:] = np.where(owned, node_depth[owners], np.iinfo(np.int64).max)
+    length_key[k:], position_key[k:] = lengths[flat_rows], flat_rows
+    tree_units = np.lexsort((position_key, length_key, depth_key, lo_key))
+    members = np.lexsort((np.arange(n), lengths, unit))  # rows by unit, shortest first
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(unit, minlength=units))))
+    listed = [(int(prefix[u]), members[bounds[u]:bounds[u + 1]].tolist(), int(processed[u])) for u in tree_units.tolist()]
+    return tree_units[np.asarray(srjf.order(listed), dtype=np.int64)]
+
+
 def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.ndarray, rule: SharingRule,
-            keep_input_order: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            keep_input_order: bool, srjf: _Srjf | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """groups.make_units, order.py and planner._materialize on arrays: (rows, starts, prefix_lens,
     group_tokens). A unit is a shared first-level node or one flattened row; units run by
-    (processed tokens, first row) (`r_group`) or first row (`input`); consecutive flattened rows
-    merge into one plain group; members run shortest first, then by position (`input`: by position)."""
+    (processed tokens, first row) (`r_group`), first row (`input`) or PrefillOnly's calibrated
+    shortest-remaining-job-first (`srjf`, srjf.py); consecutive flattened rows merge into one plain
+    group; members run shortest first, then by position (`input`: by position)."""
     n = len(order)
     owner = np.full(n, -1, dtype=np.int64)
     for i in np.argsort(nodes.depth[first], kind="stable").tolist():  # outermost first: innermost wins
@@ -288,7 +342,11 @@ def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.nda
     processed = token_sum - (members - 1) * prefix
     first_row = np.full(units, n, dtype=np.int64)
     np.minimum.at(first_row, unit, np.arange(n, dtype=np.int64))
-    run_order = np.argsort(first_row, kind="stable") if keep_input_order else np.lexsort((first_row, processed))
+    if srjf is not None:
+        run_order = _srjf_run_order(srjf, nodes, first, order, lengths, unit, row_owner, prefix, processed,
+                                    shared_nodes, flat_rows)
+    else:
+        run_order = np.argsort(first_row, kind="stable") if keep_input_order else np.lexsort((first_row, processed))
 
     # groups: each shared unit, and each run of consecutive flattened units
     is_shared = prefix[run_order] > 0
