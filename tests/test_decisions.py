@@ -578,13 +578,13 @@ SMOL_HEADER = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, 
 def prepared_reads(folder: Path, lines: list) -> dict:
     """Each line's only read, tokenized as a run would (no model weights loaded): custom_id -> ids."""
     from batchscore.jobfile import config_from_dict
-    from batchscore.run.open import locate_job, prepare_job
+    from batchscore.run.open import open_job, prepare_job
 
     source = folder / "requests.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     config = config_from_dict({"input": {"path": str(source), "format": "openai_batch"},
                                "model": "smollm2-135m-instruct", "output": {"path": str(folder / "out.jsonl")}})
-    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    prepared = prepare_job(config, source=open_job(config, for_output=False)).input
     assert not prepared.errors, prepared.errors
     ids = {r.row_id: r.token_ids.tolist() for r in prepared.requests}
     return {line["custom_id"]: ids[i] for i, line in enumerate(lines)}

@@ -340,7 +340,7 @@ def test_a_repeated_per_row_option_is_that_rows_error(tmp_path):
     """Two copies of one option would split its probability between them: the row is refused,
     naming its line and both copies; the other rows are scored."""
     from batchscore.jobfile import load_job
-    from batchscore.run.open import locate_job, prepare_job
+    from batchscore.run.open import open_job, prepare_job
 
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"id": f"r{i}", "q": "Capital of France?", "c": c}) + "\n" for i, c in
@@ -348,7 +348,7 @@ def test_a_repeated_per_row_option_is_that_rows_error(tmp_path):
     job = write_job(tmp_path, labels=[], input={"path": str(data), "id_column": "id", "choices_column": "c"},
                     prompt={"template": "Q: {q}\nA:"}, output={"path": str(tmp_path / "out.parquet")})
     config = load_job(job)
-    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    prepared = prepare_job(config, source=open_job(config, for_output=False)).input
     assert sorted(r.row_id for r in prepared.requests) == [0, 2]
     assert list(prepared.errors) == [1]
     assert "in.jsonl:2" in prepared.errors[1] and "field 'c' option 2 ' Paris' repeats option 0" in prepared.errors[1]
@@ -358,7 +358,7 @@ def test_a_per_row_choice_with_one_option_is_that_rows_error(tmp_path):
     """One option alone would get P = 1 whatever the model says (a labels job needs two labels):
     the row is refused naming its line and field; the other rows are scored."""
     from batchscore.jobfile import load_job
-    from batchscore.run.open import locate_job, prepare_job
+    from batchscore.run.open import open_job, prepare_job
 
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"id": f"r{i}", "q": "Capital of France?", "c": c}) + "\n" for i, c in
@@ -366,7 +366,7 @@ def test_a_per_row_choice_with_one_option_is_that_rows_error(tmp_path):
     job = write_job(tmp_path, labels=[], input={"path": str(data), "id_column": "id", "choices_column": "c"},
                     prompt={"template": "Q: {q}\nA:"}, output={"path": str(tmp_path / "out.parquet")})
     config = load_job(job)
-    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    prepared = prepare_job(config, source=open_job(config, for_output=False)).input
     assert sorted(r.row_id for r in prepared.requests) == [0, 2] and list(prepared.errors) == [1]
     assert "in.jsonl:2: field 'c' holds one option (' Paris')" in prepared.errors[1]
 

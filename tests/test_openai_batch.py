@@ -194,7 +194,7 @@ def test_a_key_twice_in_a_line_or_a_lone_surrogate_in_its_custom_id_is_that_line
     option twice, or a chat message with two contents, would be answered as another request. The
     line is refused naming the key, under its custom_id; so is a custom_id that is not text."""
     from batchscore.jobfile import load_job
-    from batchscore.run.open import locate_job, prepare_job
+    from batchscore.run.open import open_job, prepare_job
 
     systemone = '{"custom_id": "%s", "method": "POST", "url": "/v1/systemone", "body": {"state": "Where is my parcel?", ' \
                 '"questions": {"team": {"type": "choice", "instructions": "Which team?", "criteria": %s}}}}'
@@ -207,7 +207,7 @@ def test_a_key_twice_in_a_line_or_a_lone_surrogate_in_its_custom_id_is_that_line
     batch_file = tmp_path / "batch.jsonl"
     batch_file.write_text("\n".join(lines) + "\n")
     config = load_job(batch_job(tmp_path, batch_file))
-    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    prepared = prepare_job(config, source=open_job(config, for_output=False)).input
     records = prepared.task_input.records
     assert len(records) == 4 and records[0].error is None
     assert records[1].error.startswith(f"{batch_file}:2") and "key 'billing' appears twice" in records[1].error

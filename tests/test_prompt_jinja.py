@@ -103,10 +103,10 @@ def few_shot_job(job_factory, small_input):
 
 
 def test_prompts_of_a_real_input_hold_the_examples(few_shot_job, tokenizer):
-    from batchscore.run.open import locate_job, prepare_job
+    from batchscore.run.open import open_job, prepare_job
 
     config = load_job(few_shot_job)
-    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    prepared = prepare_job(config, source=open_job(config, for_output=False)).input
     assert sorted(prepared.errors) == [2, 7]
     assert "field 'query' is null or missing" in prepared.errors[7]
     assert "input.parquet:" in prepared.errors[2] and "is null" in prepared.errors[2]

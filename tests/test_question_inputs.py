@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchscore.jobfile import config_from_dict
-from batchscore.run.open import locate_job, prepare_job
+from batchscore.run.open import open_job, prepare_job
 
 
 def test_a_map_state_column_is_an_object_and_a_repeated_map_key_is_that_rows_error(tmp_path):
@@ -21,7 +21,7 @@ def test_a_map_state_column_is_an_object_and_a_repeated_map_key_is_that_rows_err
                                "prompt": {"state_columns": ["subject", "attrs"]},
                                "questions": {"fits": {"type": "noul", "instructions": "Does it fit?"}},
                                "output": {"path": str(tmp_path / "out.parquet")}})
-    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    prepared = prepare_job(config, source=open_job(config, for_output=False)).input
     a, b, c = prepared.task_input.records
     assert json.loads(a.request.state_text) == {"subject": "Shirt", "attrs": {"size": "L", "color": "red"}}
     assert json.loads(c.request.state_text)["attrs"] == {}  # an empty map is an empty object, not a list
@@ -36,7 +36,7 @@ def test_per_row_questions_as_json_text_refuse_a_key_written_twice(tmp_path):
     pq.write_table(pa.table({"id": ["a", "b"], "subject": ["Shirt", "Shoe"], "qs": [good, twice]}), data)
     config = config_from_dict({"input": {"path": str(data), "id_column": "id", "questions_column": "qs"},
                                "prompt": {"state_columns": ["subject"]}, "output": {"path": str(tmp_path / "o.parquet")}})
-    a, b = prepare_job(config, source=locate_job(config, for_output=False)).input.task_input.records
+    a, b = prepare_job(config, source=open_job(config, for_output=False)).input.task_input.records
     assert a.error is None and [q.key for q in a.request.questions] == ["fits"]
     assert b.error == f"{data}:2: field 'qs': key 'fits' appears twice in one JSON object; a JSON reader keeps only the last"
 
@@ -77,7 +77,7 @@ def test_a_null_state_column_is_the_json_value_null_and_the_row_is_scored(tmp_pa
                                "prompt": {"state_columns": ["subject", "size"]},
                                "questions": {"fits": {"type": "noul", "instructions": "Does it fit?"}},
                                "output": {"path": str(tmp_path / "out.parquet")}})
-    prepared = prepare_job(config, source=locate_job(config, for_output=False)).input
+    prepared = prepare_job(config, source=open_job(config, for_output=False)).input
     a, b = prepared.task_input.records
     assert a.error is None and b.error is None
     assert json.loads(a.request.state_text) == {"subject": "Shirt", "size": None}

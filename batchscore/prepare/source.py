@@ -71,10 +71,6 @@ class PreparedJob:
         return self.source.task
 
     @property
-    def task_name(self) -> str:
-        return self.source.task.name
-
-    @property
     def config(self) -> JobConfig:
         return self.source.config
 

@@ -38,7 +38,7 @@ from batchscore.plan import Plan
 from batchscore.prepare.source import JobSource, PreparedJob
 from batchscore.task import InputColumns, Task, task_for
 
-__all__ = ["JobSource", "PreparedJob", "open_job", "locate_job", "prepare_job", "plan_job", "output_files",
+__all__ = ["JobSource", "PreparedJob", "open_job", "prepare_job", "plan_job", "output_files",
            "use_job_storage", "scoring_config", "assembly_config", "check_output_path", "input_columns",
            "scoring_columns", "assembly_columns", "line_reader"]
 
@@ -84,11 +84,6 @@ def open_job(config: JobConfig, *, with_model: bool = True, for_output: bool = T
     }
     return JobSource(config, task, engine, files, input_format, get_format(config.output_format), output,
                      model_dir, identity, assembly_input)
-
-
-def locate_job(config: JobConfig, *, with_model: bool = True, for_output: bool = True) -> JobSource:
-    """`open_job` by its former name (kept one step for callers in progress)."""
-    return open_job(config, with_model=with_model, for_output=for_output)
 
 
 def output_files(config: JobConfig) -> OutputFiles | None:

@@ -18,7 +18,6 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from batchscore.errors import LabelError
 from batchscore.plan.metadata import MetaPlan, plan_rows
 from batchscore.prepare.read import prepare_input
 from batchscore.prepare.source import JobSource, PreparedJob, plan_options
@@ -89,7 +88,7 @@ def _labels_into(writer: StoreWriter, source: JobSource, progress) -> PreparedJo
     """tasks/labels.py's `prepare`, with the store as prepare_input's sink: the same rows, errors,
     options, content-free row and one-token label ids."""
     from batchscore.scores.quality import content_free_rows
-    from batchscore.tasks.labels import content_free_request, tokenizing
+    from batchscore.tasks.labels import content_free_request, refuse_speculative_per_row, tokenizing
 
     config = source.config
     if not config.labels and not config.input.choices_column:
@@ -105,10 +104,7 @@ def _labels_into(writer: StoreWriter, source: JobSource, progress) -> PreparedJo
     label_ids = writer.shared_single_token_ids() if options.labels is not None else None
     if label_ids is not None and content_free is not None:
         content_free.options = None
-    if label_ids is None and config.engine.speculative is not None and writer.num_rows:
-        raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
-                         "these labels are scored per row (a multi-token label, or one whose tokens depend on "
-                         "the prompt's end) — drop engine.speculative or use one-token labels")
+    refuse_speculative_per_row(config, label_ids, writer.num_rows)
     log.info("read %d rows (%d not scorable) into the token store", prepared.num_rows, len(prepared.errors))
     return PreparedJob(source, label_ids, prepared, content_free)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
-from batchscore.errors import EngineUnavailable, LabelError
+from batchscore.errors import EngineUnavailable
 from batchscore.prepare.source import JobSource, PreparedJob
 from batchscore.store.tokens import StoreWriter, TokenStore
 
@@ -186,10 +186,9 @@ def build_by_tasks(source: JobSource, folder, progress: Callable[[int], None] | 
     if shift != job.input.num_rows:
         raise RuntimeError(f"the segments hold {shift} rows, the input {job.input.num_rows}")
     label_ids = writer.shared_single_token_ids() if config.labels else None
-    if label_ids is None and config.engine.speculative is not None and writer.num_rows:
-        raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
-                         "these labels are scored per row (a multi-token label, or one whose tokens depend on "
-                         "the prompt's end) — drop engine.speculative or use one-token labels")
+    from batchscore.tasks.labels import refuse_speculative_per_row
+
+    refuse_speculative_per_row(config, label_ids, writer.num_rows)
     store = writer.close(shift, extra={"label_ids": label_ids, "content_free": False})
     shutil.rmtree(parts, ignore_errors=True)
     job.input.errors = store.errors

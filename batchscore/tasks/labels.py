@@ -136,10 +136,7 @@ def prepare(config: JobConfig, source: JobSource, tokenize: bool,
         if label_ids is not None:  # one-token labels everywhere: today's one-position path
             for request in every:
                 request.options = None
-        elif config.engine.speculative is not None and prepared.requests:
-            raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
-                             "these labels are scored per row (a multi-token label, or one whose tokens depend on "
-                             "the prompt's end) — drop engine.speculative or use one-token labels")
+        refuse_speculative_per_row(config, label_ids, len(prepared.requests))
     log.info("read %d rows (%d not scorable)", prepared.num_rows, len(prepared.errors))
     return PreparedJob(source, label_ids, prepared, content_free)
 
@@ -189,6 +186,16 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
                  usage=job_usage(job) if getattr(output_format_of(config), "response_lines", False) else None)
     fault_point("output")
     return errors, result
+
+
+def refuse_speculative_per_row(config: JobConfig, label_ids: list[int] | None, rows: int) -> None:
+    """Speculative prefill scores one-token labels shared by every row: with rows read and no such
+    labels (`label_ids` None), the job is refused (LabelError). The one rule every reading (in
+    this process, into the token store, as Ray segments) applies."""
+    if label_ids is None and config.engine.speculative is not None and rows:
+        raise LabelError("engine.speculative: speculative prefill scores one-token labels shared by every row; "
+                         "these labels are scored per row (a multi-token label, or one whose tokens depend on "
+                         "the prompt's end) — drop engine.speculative or use one-token labels")
 
 
 def row_columns(job: PreparedJob, scores, ok, start: int, firsts) -> dict:
