@@ -71,7 +71,12 @@ class Task:
     (None: it can). `top_token`: it writes `output.top_token`'s columns. The `default` task runs
     every job no other task claims. `input_columns(config)`: the `InputColumns` its requests are
     built from (None, or no such function: the scores may depend on any part of the input, which is
-    then fingerprinted whole).
+    then fingerprinted whole). `read_into(source, writer, progress)`: the `PreparedJob`, its rows
+    tokenized straight into a token store's writer (store/tokens.StoreWriter), no request list kept
+    (None: `prepare`, then its requests appended). `windowed`: its output can be written window by
+    window (run/assemble.py) when the job's columns need only each row's own results.
+    `segments`: its reading can be split into segments of the input read apart (Ray tasks,
+    store/segments.py).
     """
 
     name: str
@@ -91,6 +96,9 @@ class Task:
     incremental: bool = False  # output.mode incremental: its rows are carried from the previous night (output/carry.py)
     default: bool = False
     input_columns: Callable[[Any], InputColumns | None] | None = None
+    read_into: Callable[..., Any] | None = None
+    windowed: bool = False
+    segments: bool = False
 
 
 _TASKS: Registry[Task] = Registry(BUILT_IN, lambda task: task.prepare.__module__)

@@ -385,3 +385,32 @@ def test_one_version_string():
 
     declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["version"]
     assert __version__ == declared
+
+
+def task_name_comparisons(tree: ast.AST, names: set[str]) -> list[str]:
+    """The places a task's name (`<…>.task.name`, `task_name`) is compared with a task's name:
+    a stage asking which task it serves instead of asking the task (task.py's attributes)."""
+    def is_task_name(node) -> bool:
+        return ((isinstance(node, ast.Attribute) and node.attr == "name" and isinstance(node.value, ast.Attribute)
+                 and node.value.attr == "task") or (isinstance(node, ast.Attribute) and node.attr == "task_name")
+                or (isinstance(node, ast.Name) and node.id == "task_name"))
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(is_task_name(side) for side in [node.left, *node.comparators]):
+            found += [f"line {node.lineno}" for side in [node.left, *node.comparators]
+                      for v in (side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side])
+                      if isinstance(v, ast.Constant) and v.value in names]
+    return found
+
+
+def test_no_stage_compares_a_task_name():
+    """Outside tasks/ no module compares a task's name: the stages ask the task (`read_into`,
+    `windowed`, `segments`, …; task.py)."""
+    from batchscore.task import tasks
+
+    names = set(tasks())
+    assert task_name_comparisons(ast.parse('a = job.task.name == "labels"; b = source.task.name in ("questions",)'),
+                                 names) == ["line 1", "line 1"]
+    found = {m: hits for m, tree in _modules_outside("tasks").items() if (hits := task_name_comparisons(tree, names))}
+    assert not found, found

@@ -188,8 +188,16 @@ def test_a_resumed_run_reuses_the_store_and_never_tokenizes_again(tmp_path, monk
     config = load_job(REPO / "jobs" / "sample.yaml", output=str(tmp_path / "out" / "scores.parquet"))
     first_job, first = build.build_store(open_job(config), tmp_path / "tokens")
     stamp = (tmp_path / "tokens" / "tokens.i32").stat().st_mtime_ns
-    monkeypatch.setattr(build, "_labels_into", lambda *a: pytest.fail("tokenized again"))
-    job, store = build.build_store(open_job(config), tmp_path / "tokens")
+    import dataclasses
+
+    source = open_job(config)
+    real = source.task.prepare  # reading the ids and kept columns again is allowed; tokenizing is not
+
+    def prepare(config, source, tokenize, progress):
+        return pytest.fail("tokenized again") if tokenize else real(config, source, tokenize, progress)
+
+    source.task = dataclasses.replace(source.task, read_into=lambda *a: pytest.fail("tokenized again"), prepare=prepare)
+    job, store = build.build_store(source, tmp_path / "tokens")
     assert (tmp_path / "tokens" / "tokens.i32").stat().st_mtime_ns == stamp
     assert store.num_rows == first.num_rows and store.tokens_of(7).tolist() == first.tokens_of(7).tolist()
     assert job.label_ids == first_job.label_ids and job.input.errors == first_job.input.errors

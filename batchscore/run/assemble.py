@@ -29,7 +29,7 @@ NOT_SCORED = "not scored: no result from the engine"
 
 def assembles_in_windows(job) -> bool:
     """Whether `job`'s output can be written window by window (see the module docstring)."""
-    return job.task.name == "labels" and windowed_output(job.config) and job.content_free is None
+    return job.task.windowed and windowed_output(job.config) and job.content_free is None
 
 
 def windowed_format(config) -> bool:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 from batchscore.plan.metadata import MetaPlan, plan_rows
-from batchscore.prepare.read import prepare_input
 from batchscore.prepare.source import JobSource, PreparedJob, plan_options
 from batchscore.store.tokens import StoreWriter, TokenStore, store_folder  # noqa: F401 (run/ names it here)
 
@@ -41,12 +40,8 @@ def build_store(source: JobSource, folder, progress: Callable[[int], None] | Non
         if store is not None:
             return _reused(source, store, progress), store
     writer = StoreWriter(folder, source.identity)
-    if source.task.name == "labels" and config.input.synthetic is None:
-        job = _labels_into(writer, source, progress)
-    elif source.task.name == "questions":  # each batch's reads streamed too (tasks/questions/reads.py)
-        from batchscore.tasks.questions.task import prepare_into
-
-        job = prepare_into(source, writer, progress)
+    if source.task.read_into is not None and config.input.synthetic is None:  # the rows streamed into the store
+        job = source.task.read_into(source, writer, progress)
     else:
         job = source.task.prepare(config, source, True, progress)
         requests = job.input.requests
@@ -82,31 +77,6 @@ def _reused(source: JobSource, store: TokenStore, progress) -> PreparedJob:
     job.content_free = store.request(store.num_rows - 1) if store.manifest.get("content_free") else None
     log.info("reused the token store in %s: %d rows, not tokenized again", store.folder, store.num_rows)
     return job
-
-
-def _labels_into(writer: StoreWriter, source: JobSource, progress) -> PreparedJob:
-    """tasks/labels.py's `prepare`, with the store as prepare_input's sink: the same rows, errors,
-    options, content-free row and one-token label ids."""
-    from batchscore.scores.quality import content_free_rows
-    from batchscore.tasks.labels import content_free_request, refuse_speculative_per_row, tokenizing
-
-    config = source.config
-    if not config.labels and not config.input.choices_column:
-        return source.task.prepare(config, source, True, progress)  # the reader's own refusal
-    renderer, options, max_length, vocab_size = tokenizing(config, source)
-    prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
-                             progress=progress, options=options, sink=writer)
-    content_free = None
-    if content_free_rows(config):
-        content_free = content_free_request(renderer, options, prepared.num_rows)
-        writer.add_requests([content_free])
-    options.encoder.boundary.log_once(writer.num_rows)
-    label_ids = writer.shared_single_token_ids() if options.labels is not None else None
-    if label_ids is not None and content_free is not None:
-        content_free.options = None
-    refuse_speculative_per_row(config, label_ids, writer.num_rows)
-    log.info("read %d rows (%d not scorable) into the token store", prepared.num_rows, len(prepared.errors))
-    return PreparedJob(source, label_ids, prepared, content_free)
 
 
 def plan_store(source: JobSource, folder, progress: Callable[[int], None] | None = None

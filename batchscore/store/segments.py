@@ -43,7 +43,7 @@ def why_on_driver(source: JobSource) -> str | None:
     config = source.config
     if config.input.synthetic is not None:
         return "synthetic rows are generated, not read from files"
-    if source.task.name != "labels":
+    if not source.task.segments:
         return f"the {source.task.name} task reads its records whole"
     if not config.labels and not config.input.choices_column:
         return "the job has no labels (its reader refuses it)"

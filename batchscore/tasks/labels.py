@@ -188,6 +188,28 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
     return errors, result
 
 
+def read_into(source: JobSource, writer, progress=None) -> PreparedJob:
+    """`prepare` with a token store's writer (store/tokens.StoreWriter) as prepare_input's sink:
+    the same rows, errors, options, content-free row and one-token label ids, no request list."""
+    config = source.config
+    if not config.labels and not config.input.choices_column:
+        return source.task.prepare(config, source, True, progress)  # the reader's own refusal
+    renderer, options, max_length, vocab_size = tokenizing(config, source)
+    prepared = prepare_input(config, source.files, renderer, max_length=max_length, vocab_size=vocab_size,
+                             progress=progress, options=options, sink=writer)
+    content_free = None
+    if content_free_rows(config):
+        content_free = content_free_request(renderer, options, prepared.num_rows)
+        writer.add_requests([content_free])
+    options.encoder.boundary.log_once(writer.num_rows)
+    label_ids = writer.shared_single_token_ids() if options.labels is not None else None
+    if label_ids is not None and content_free is not None:
+        content_free.options = None
+    refuse_speculative_per_row(config, label_ids, writer.num_rows)
+    log.info("read %d rows (%d not scorable) into the token store", prepared.num_rows, len(prepared.errors))
+    return PreparedJob(source, label_ids, prepared, content_free)
+
+
 def refuse_speculative_per_row(config: JobConfig, label_ids: list[int] | None, rows: int) -> None:
     """Speculative prefill scores one-token labels shared by every row: with rows read and no such
     labels (`label_ids` None), the job is refused (LabelError). The one rule every reading (in
@@ -278,6 +300,9 @@ LABELS = register(Task(
     row_name=row_name,
     top_token=True,
     incremental=True,
+    read_into=read_into,
+    windowed=True,
+    segments=True,
     default=True,
     input_columns=input_columns,
 ))

@@ -107,6 +107,7 @@ QUESTIONS = register(Task(
     page=TaskPage(owns=_owns_output, render=_report, table=with_row_answers, owns_line=is_answered_line,
                   lines_table=lines_table, lines_left_out=lines_left_out),
     audit_by_sum=True,
+    read_into=prepare_into,
     rederive_problem="a decision or questions job's answers are re-derived only from its parts",
     input_columns=input_columns,
 ))
