@@ -88,5 +88,3 @@ def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx
     atomic_write(store.files.output, write)
     fault_point("output")
     return errors, QualityResult()
-
-
