@@ -28,10 +28,12 @@ from typing import Iterator, Protocol, Sequence
 import numpy as np
 
 from batchscore.errors import PlanInputError
-from batchscore.plan.groups import SharingRule
+from batchscore.plan.groups import SharingRule, Unit
 from batchscore.plan.options import OptionTokens, option_token_counts
+from batchscore.plan.order import srjf_order
 from batchscore.plan.planner import Plan, PlanOptions, PlanStats, _stats
 from batchscore.plan.sorted_rows import FlatTokens, sort_rows
+from batchscore.plan.tree import TokenTable
 from batchscore.plan.types import GroupMember, PrefixGroup, Request
 
 METADATA_POLICIES = ("r_group", "input", "srjf")  # every order.py policy
@@ -264,20 +266,10 @@ class _Srjf:
     flat: FlatTokens
     options: PlanOptions
 
-    def order(self, units: list[tuple[int, list[int], int]]) -> list[int]:
-        """order.srjf_order over units given as (prefix_len, rows in run order, processed tokens),
-        in groups.make_units' order (ties go to the earlier)."""
-        from batchscore.plan.cache_sim import PrefixCache, block_keys
-        from batchscore.plan.srjf import SrjfJob, srjf_schedule
-
-        block = self.options.block_size
-        jobs = []
-        for prefix_len, rows, processed in units:
-            prompts = [block_keys(np.asarray(self.flat.row(r)), block) for r in rows]
-            lookup, max_cached = ((prompts[0][: prefix_len // block], prefix_len) if prefix_len
-                                  else (prompts[0], int(self.flat.offsets[rows[0] + 1] - self.flat.offsets[rows[0]]) - 1))
-            jobs.append(SrjfJob(lookup, processed, max_cached, prompts))
-        return srjf_schedule(jobs, PrefixCache(self.options.cache_tokens, block), self.options.srjf_lambda)
+    def order(self, units: list[Unit]) -> list[int]:
+        """order.srjf_order over `units`, given in groups.make_units' order (ties go to the earlier)."""
+        table = TokenTable([self.flat.row(i) for i in range(len(self.flat))], self.flat.lengths, 0)
+        return srjf_order(units, table, self.options.srjf_lambda, self.options.cache_tokens, self.options.block_size)
 
 
 def _srjf_run_order(srjf: _Srjf, nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.ndarray,
@@ -304,7 +296,8 @@ def _srjf_run_order(srjf: _Srjf, nodes: _Nodes, first: np.ndarray, order: np.nda
     tree_units = np.lexsort((position_key, length_key, depth_key, lo_key))
     members = np.lexsort((np.arange(n), lengths, unit))  # rows by unit, shortest first
     bounds = np.concatenate(([0], np.cumsum(np.bincount(unit, minlength=units))))
-    listed = [(int(prefix[u]), members[bounds[u]:bounds[u + 1]].tolist(), int(processed[u])) for u in tree_units.tolist()]
+    listed = [Unit(int(prefix[u]), members[bounds[u]:bounds[u + 1]].tolist(), int(processed[u]), 0)
+              for u in tree_units.tolist()]  # first_row: not read by srjf
     return tree_units[np.asarray(srjf.order(listed), dtype=np.int64)]
 
 
