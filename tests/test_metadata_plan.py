@@ -59,25 +59,29 @@ metadata_options = st.builds(PlanOptions, min_prefix_tokens=st.integers(0, 5), b
 
 
 @SETTINGS
-@given(batches(), st.sampled_from([1, 2, 5, sorted_rows.SKIP_WINDOW]))
-def test_sort_and_lcp_equal_the_tree_builders(prompts, window):
-    """...whatever the window a tied run skips its shared tokens by (small ones: several rounds of
-    skipping, windows that end inside a row, past its end, and on a duplicate's end)."""
+@given(batches(), st.sampled_from([1, 2, 5, sorted_rows.SKIP_WINDOW]), st.sampled_from([0, sorted_rows.SMALL_BATCH]))
+def test_sort_and_lcp_equal_the_tree_builders(prompts, window, small_batch):
+    """...by the radix sort (SMALL_BATCH 0) whatever the first window a tied run compares its
+    shared tokens by (small ones: several doublings, windows that end inside a row, past its end,
+    and on a duplicate's end), and by the small batches' memcmp sort."""
     arrays = [np.asarray(p, dtype=np.int32) for p in prompts]
     table = TokenTable(arrays, np.asarray([len(a) for a in arrays]), max(int(a.max()) for a in arrays))
     order = lexicographic_order(table)
-    saved, sorted_rows.SKIP_WINDOW = sorted_rows.SKIP_WINDOW, window
+    saved = sorted_rows.SKIP_WINDOW, sorted_rows.SMALL_BATCH
+    sorted_rows.SKIP_WINDOW, sorted_rows.SMALL_BATCH = window, small_batch
     try:
         order2, lcp2 = sort_rows(FlatTokens.from_arrays(arrays), table.max_token)
     finally:
-        sorted_rows.SKIP_WINDOW = saved
+        sorted_rows.SKIP_WINDOW, sorted_rows.SMALL_BATCH = saved
     assert order2.tolist() == order
     assert lcp2.tolist() == neighbour_lcp(table, order)
 
 
-def test_long_shared_prefixes_sort_in_a_few_rounds():
+def test_long_shared_prefixes_sort_in_a_few_rounds(monkeypatch):
     """Groups of 3 rows sharing 1,000 random tokens (BatchLLM's long-prefix case), plus a duplicate
-    and rows that are prefixes of others: the order and common prefixes of a plain sort of the rows."""
+    and rows that are prefixes of others: the radix sort gives the order and common prefixes of a
+    plain sort of the rows."""
+    monkeypatch.setattr(sorted_rows, "SMALL_BATCH", 0)
     rng = np.random.default_rng(0)
     arrays = []
     for _ in range(20):
@@ -99,9 +103,13 @@ def test_long_shared_prefixes_sort_in_a_few_rounds():
 
 
 @SETTINGS
-@given(batches(), metadata_options)
-def test_metadata_plan_equals_build_plan(prompts, options):
-    assert_same_plan([Request(10 + 3 * i, p) for i, p in enumerate(prompts)], options)
+@given(batches(), metadata_options, st.sampled_from([0, sorted_rows.SMALL_BATCH]))
+def test_metadata_plan_equals_build_plan(prompts, options, small_batch):
+    saved, sorted_rows.SMALL_BATCH = sorted_rows.SMALL_BATCH, small_batch  # 0: the radix sort
+    try:
+        assert_same_plan([Request(10 + 3 * i, p) for i, p in enumerate(prompts)], options)
+    finally:
+        sorted_rows.SMALL_BATCH = saved
 
 
 def test_rows_with_options_keep_them_and_count_them():
@@ -116,7 +124,9 @@ def test_rows_with_options_keep_them_and_count_them():
 @pytest.mark.parametrize("name", ["table3_a", "table3_b", "microbench", "industry"])
 @pytest.mark.parametrize("options", [PlanOptions(block_size=16), PlanOptions(order="input", enlarge=False, block_size=32),
                                      PlanOptions(order="srjf", block_size=16, cache_tokens=20_000)])
-def test_metadata_plan_on_the_generated_workloads(name, options):
+@pytest.mark.parametrize("small_batch", [0, sorted_rows.SMALL_BATCH])  # 0: the radix sort
+def test_metadata_plan_on_the_generated_workloads(name, options, small_batch, monkeypatch):
+    monkeypatch.setattr(sorted_rows, "SMALL_BATCH", small_batch)
     params = {"industry": {"num_requests": 3000}}.get(name, {})
     prompts = WORKLOADS[name](**params)
     assert_same_plan([Request(i, p) for i, p in enumerate(prompts)], options)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchscore.plan.tree import TokenTable, lexicographic_order, neighbour_lcp
+
 
 @dataclass
 class FlatTokens:
@@ -45,7 +47,8 @@ class FlatTokens:
         return cls(tokens, offsets)
 
 
-SKIP_WINDOW = 256  # tokens compared per round when a tied run skips what its rows share
+SMALL_BATCH = 8192  # rows: at most this many sort as the tree planner sorts them (`_sort_small`)
+SKIP_WINDOW = 64  # the first window of tokens a tied run compares (it doubles while the run agrees)
 
 
 def _raw_window(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
@@ -84,28 +87,60 @@ def _key_words(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, depth:
 
 
 def _shared_run_tokens(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, runs: np.ndarray,
-                       depth: np.ndarray, chunk: int = 1 << 13) -> np.ndarray:
-    """[len(rows)]: how many tokens from `depth` on every row of each one's tied run shares (at most
-    SKIP_WINDOW). Rows of a run are contiguous; equal prefixes are transitive, so a run shares what
-    the least similar pair of neighbours shares."""
+                       depth: np.ndarray) -> np.ndarray:
+    """[len(rows)]: how many tokens from `depth` on every row of each one's tied run shares, however
+    many. Rows of a run are contiguous; equal prefixes are transitive, so a run shares what its
+    least similar pair of neighbours shares. The pairs are compared a window at a time, the window
+    doubling while a whole run still agrees (a 10,000-token shared prefix costs ~6 windows, and a
+    pair costs about the tokens it shares, twice at most)."""
     pair = np.flatnonzero(runs[1:] == runs[:-1]) + 1  # position k: rows k - 1 and k, one run
-    shared = np.empty(len(pair), dtype=np.int64)
-    columns = np.arange(SKIP_WINDOW)
-    for lo in range(0, len(pair), chunk):
-        k = pair[lo : lo + chunk]
-        a, b = rows[k - 1], rows[k]
-        a_start, b_start = offsets[a] + depth[k], offsets[b] + depth[k]
-        a_left, b_left = offsets[a + 1] - a_start, offsets[b + 1] - b_start  # tokens left from depth
-        limit = np.clip(np.minimum(a_left, b_left), 0, SKIP_WINDOW)
-        differ = _raw_window(tokens, a_start, SKIP_WINDOW) != _raw_window(tokens, b_start, SKIP_WINDOW)
-        differ &= columns < limit[:, None]
-        first = np.where(differ.any(axis=1), differ.argmax(axis=1), limit)
-        # no difference and the same length: the pair is equal to its end (duplicates), skip the window
-        shared[lo : lo + chunk] = np.where((first == limit) & (a_left == b_left), SKIP_WINDOW, first)
-    run_index = np.cumsum(np.concatenate(([True], runs[1:] != runs[:-1]))) - 1
-    least = np.full(int(run_index[-1]) + 1, SKIP_WINDOW, dtype=np.int64)
-    np.minimum.at(least, run_index[pair], shared)
+    a, b = rows[pair - 1], rows[pair]
+    a_start, b_start = offsets[a] + depth[pair], offsets[b] + depth[pair]
+    left = np.minimum(offsets[a + 1] - a_start, offsets[b + 1] - b_start)  # tokens both rows have left
+    run_of_pair = _run_index(runs)[pair]
+    shared = np.zeros(len(pair), dtype=np.int64)
+    open_pairs = np.arange(len(pair))  # pairs of runs whose rows all agree so far
+    width = SKIP_WINDOW
+    while len(open_pairs):
+        found = _first_difference(tokens, a_start[open_pairs] + shared[open_pairs],
+                                  b_start[open_pairs] + shared[open_pairs],
+                                  left[open_pairs] - shared[open_pairs], width)
+        shared[open_pairs] += found
+        agreeing = found == np.minimum(width, left[open_pairs] - shared[open_pairs] + found)
+        undecided = agreeing & (left[open_pairs] > shared[open_pairs])  # the window ended inside both rows
+        runs_open = np.ones(int(run_of_pair[-1]) + 1 if len(pair) else 0, dtype=bool)
+        runs_open[run_of_pair[open_pairs][~undecided]] = False  # a run is done once one of its pairs is
+        open_pairs = open_pairs[undecided & runs_open[run_of_pair[open_pairs]]]
+        width *= 2
+    run_index = _run_index(runs)
+    least = np.full(int(run_index[-1]) + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(least, run_of_pair, shared)
     return least[run_index]
+
+
+def _run_index(runs: np.ndarray) -> np.ndarray:
+    """[len(runs)]: 0, 1, 2, ... numbering the runs (`runs`: each position's run's first position)."""
+    return np.cumsum(np.concatenate(([True], runs[1:] != runs[:-1]))) - 1
+
+
+def _first_difference(tokens: np.ndarray, a_start: np.ndarray, b_start: np.ndarray, left: np.ndarray,
+                      width: int, chunk_tokens: int = 1 << 22) -> np.ndarray:
+    """[len(a_start)]: the first of the next min(width, left) positions where the rows starting
+    at a_start and b_start differ, or min(width, left) when they agree on all of them."""
+    found = np.empty(len(a_start), dtype=np.int64)
+    width = int(min(width, left.max())) if len(left) else 0
+    limit = np.clip(left, 0, width)
+    if width == 0:
+        found[:] = 0
+        return found
+    columns = np.arange(width)
+    chunk = max(1, chunk_tokens // width)
+    for lo in range(0, len(a_start), chunk):
+        part = slice(lo, lo + chunk)
+        differ = _raw_window(tokens, a_start[part], width) != _raw_window(tokens, b_start[part], width)
+        differ &= columns < limit[part, None]
+        found[part] = np.where(differ.any(axis=1), differ.argmax(axis=1), limit[part])
+    return found
 
 
 def _equal_leading(x: np.ndarray, per_word: int, bits: int) -> np.ndarray:
@@ -119,11 +154,22 @@ def _equal_leading(x: np.ndarray, per_word: int, bits: int) -> np.ndarray:
     return count
 
 
+def _sort_small(flat: FlatTokens, max_token: int) -> tuple[np.ndarray, np.ndarray]:
+    """sort_rows of a small batch: the tree planner's memcmp sort of each row's bytes and its
+    neighbour loop. Below a few thousand rows a Python step per row costs less than the radix
+    sort's numpy rounds (one per level of sharing, each a few dozen calls)."""
+    table = TokenTable([flat.row(i) for i in range(len(flat))], flat.lengths, max_token)
+    order = lexicographic_order(table)
+    return np.asarray(order, dtype=np.int32), np.asarray(neighbour_lcp(table, order), dtype=np.int32)
+
+
 def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(order, lcp): row indices in lexicographic token order, and lcp[k] the common prefix
     length of sorted rows k-1 and k (lcp[0] = 0), as int32 arrays (order int64 past 2**31
     rows). Reads the tokens; changes nothing."""
     n = len(flat)
+    if n <= SMALL_BATCH:
+        return _sort_small(flat, max_token)
     lengths = flat.lengths if lengths is None else lengths
     per_word, bits = (4, 16) if max_token < 0xFFFF else (2, 32)
     index = np.int32 if n < 2**31 else np.int64  # row indices: half the memory on all but huge inputs
