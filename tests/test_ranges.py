@@ -103,22 +103,26 @@ def test_the_run_paths_memory_does_not_grow_per_row(tmp_path):
     assert peaks[200_000] - peaks[20_000] < 180_000 * 400, peaks  # < 400 bytes a row more
 
 
-def test_plan_only_from_generated_sort_keys():
-    """`bench scale --plan-only`: a document's questions (one shared prefix key) form one group,
-    every row is in one, and the ranges hold every group once."""
+def test_plan_only_plans_generated_token_rows_with_plan_rows(tmp_path):
+    """`bench scale --plan-only`: generated token rows (memory-mapped) through plan_rows give the
+    plan build_plan gives those rows; a document's questions form one group; the command prints it."""
     from click.testing import CliRunner
 
-    from batchscore.bench.scale_bench import generated_sort_keys, plan_from_keys, scale
+    from batchscore.bench.scale_bench import generated_rows, scale, token_rows
 
-    keys = generated_sort_keys(10_000, group_size=5, seed=0)
-    documents = keys >> np.uint64(24)
-    assert len(np.unique(documents)) == 2_000 and np.all(np.unique(documents, return_counts=True)[1] == 5)
-    plan = plan_from_keys(keys, prefix_len=40, distinct_len=8, min_prefix=16, workers=3)
-    assert plan["groups"] == plan["shared_groups"] == 2_000 and sum(plan["ranges"]) == 2_000
-    assert plan["processed_tokens"] == 2_000 * (40 + 5 * 8)
-    result = CliRunner().invoke(scale, ["--rows", "1000", "--plan-only", "--workers", "2"])
+    source = generated_rows(tmp_path, 10_000, group_size=5, prefix_len=40, distinct_len=8, seed=0, chunk=3_000)
+    assert np.array_equal(np.asarray(source.flat.tokens).reshape(10_000, 48), token_rows(np.arange(10_000), 10_000, 5, 40, 8, 0))
+    meta = plan_rows(source, PlanOptions(min_prefix_tokens=16))
+    assert len(meta) == 2_000 and (meta.prefix_lens == 40).all() and (np.diff(meta.starts) == 5).all()
+    assert meta.stats.processed_tokens == 2_000 * (40 + 5 * 8)
+    expected = build_plan([Request(i, source.flat.row(i)) for i in range(10_000)], PlanOptions(min_prefix_tokens=16))
+    got = meta.to_plan(source)
+    assert [(g.prefix.tolist(), [m.row_id for m in g.members]) for g in got.groups] == \
+        [(g.prefix.tolist(), [m.row_id for m in g.members]) for g in expected.groups]
+    result = CliRunner().invoke(scale, ["--rows", "1000", "--plan-only", "--workers", "2", "--workdir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "plan only: 1,000 rows" in result.output and "200 groups" in result.output and "peak RssAnon" in result.output
+    assert "through plan_rows" in result.output
 
 
 def _store_of(tmp_path, documents, seed):

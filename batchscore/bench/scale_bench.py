@@ -13,7 +13,8 @@ Per stage (the runner announces them, run/stages.py; `open` is locating and fing
 job): seconds, rows/s, logical tokens/s and the peak anonymous resident memory (RssAnon of
 /proc/self/status, sampled every 10 ms: memory-mapped files do not count).
 
-`--plan-only` plans N rows from generated sort keys, no tokens materialized (`plan_only`).
+`--plan-only` plans N generated token rows (a memory-mapped flat file, `generated_rows`) with
+`plan_rows`, the planner every job runs, and cuts the plan into `--workers` ranges; no run.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import numpy as np
+
+from batchscore.plan.sorted_rows import FlatTokens
 
 DOCUMENT_WORDS = ("market", "energy", "council", "report", "league", "season", "policy", "growth", "film",
                   "music", "school", "health", "court", "budget", "storm", "river", "company", "price",
@@ -275,64 +279,70 @@ def stage_table(stages: dict, rows: dict, tokens: dict) -> list[str]:
 # ------------------------------------------------------------------ plan only
 
 
-def generated_sort_keys(rows: int, group_size: int, seed: int, chunk: int = 10_000_000) -> np.ndarray:
-    """[rows] uint64 sort keys of rows in documents of `group_size` questions, no tokens: the high
-    40 bits stand for the document's shared prefix (its first tokens), the low 24 for the row's
-    own first tokens. Rows of a document are apart in the input (a fixed shuffle)."""
-    keys = np.empty(rows, dtype=np.uint64)
-    documents = -(-rows // group_size)
-    scramble = np.uint64(0x9E3779B97F4A7C15)
+@dataclass
+class GeneratedRows:
+    """`PlanRows` (plan/metadata.py) over a generated flat token file: rows of equal length, the
+    tokens, offsets and row ids memory-mapped (they are not the plan's memory), no options."""
+
+    flat: FlatTokens
+    row_ids: np.ndarray
+    max_token: int = 49151  # token_rows' ids are below 49152
+
+    def options_at(self, position: int) -> None:
+        return None
+
+    def option_counts(self) -> tuple[int, int]:
+        return 0, 0
+
+
+def generated_rows(folder: Path, rows: int, group_size: int, prefix_len: int, distinct_len: int, seed: int,
+                   chunk: int = 20_000) -> GeneratedRows:
+    """`rows` rows of `token_rows` (bench scale's token input: documents of `group_size` questions,
+    `prefix_len` shared tokens then `distinct_len` of their own) written into int32 files in
+    `folder` and mapped back. Small chunks keep token_rows' uint64 temporaries in cache (20,000
+    rows: ~7x faster than 1,000,000)."""
+    width = prefix_len + distinct_len
+    tokens = np.lib.format.open_memmap(folder / "tokens.npy", mode="w+", dtype=np.int32, shape=(rows * width,))
     for start in range(0, rows, chunk):
-        ids = np.arange(start, min(start + chunk, rows), dtype=np.uint64)
-        doc = (ids * np.uint64(2654435761) + np.uint64(seed)) % np.uint64(documents)  # a fixed shuffle
-        mixed = (doc + np.uint64(1)) * scramble
-        own = (ids * np.uint64(0xBF58476D1CE4E5B9)) >> np.uint64(40)
-        keys[start:start + len(ids)] = (mixed & ~np.uint64((1 << 24) - 1)) | own
-        del ids, doc, mixed, own
-    return keys
+        ids = np.arange(start, min(start + chunk, rows))
+        tokens[start * width : (start + len(ids)) * width] = \
+            token_rows(ids, rows, group_size, prefix_len, distinct_len, seed).reshape(-1)
+    tokens.flush()
+    offsets = np.lib.format.open_memmap(folder / "offsets.npy", mode="w+", dtype=np.int64, shape=(rows + 1,))
+    row_ids = np.lib.format.open_memmap(folder / "row_ids.npy", mode="w+", dtype=np.int64, shape=(rows,))
+    for start in range(0, rows + 1, 1 << 20):
+        end = min(start + (1 << 20), rows + 1)
+        offsets[start:end] = np.arange(start, end, dtype=np.int64) * width
+        row_ids[start : min(end, rows)] = np.arange(start, min(end, rows))
+    del tokens, offsets, row_ids  # flushed; mapped again read-only
+    mapped = lambda name: np.load(folder / name, mmap_mode="r")  # noqa: E731
+    return GeneratedRows(FlatTokens(mapped("tokens.npy"), mapped("offsets.npy")), mapped("row_ids.npy"))
 
 
-def plan_from_keys(keys: np.ndarray, prefix_len: int, distinct_len: int, min_prefix: int, workers: int) -> dict:
-    """The plan as metadata from sort keys: the sorted order, the neighbours' common-prefix lengths,
-    groups (runs sharing at least `min_prefix` tokens), their r_group order (fewest processed
-    tokens first, then first row) and W cost-balanced ranges cut at group boundaries. A few
-    integers per row; `keys` is consumed (sorted in place).
+def plan_only_bench(rows: int, group_size: int, prefix_len: int, distinct_len: int, workers: int,
+                    workdir: str | None = None) -> None:
+    """Plan `rows` generated rows with `plan_rows` (the planner of every job) and cut the plan into
+    `workers` cost-balanced ranges; seconds and peak RssAnon per stage."""
+    from batchscore.plan import PlanOptions
+    from batchscore.plan.metadata import plan_rows
+    from batchscore.run.ranges import cut_ranges
 
-    The generated workload has one level of sharing (a document's questions), so groups are the
-    runs of equal prefix keys; plan/metadata.plan_rows builds the same groups from a store's
-    tokens (with the enlargement DP for deeper trees)."""
-    order = np.argsort(keys).astype(np.int32 if len(keys) < 2**31 else np.int64)
-    keys.sort()
-    same_prefix = (keys[1:] >> np.uint64(24)) == (keys[:-1] >> np.uint64(24))  # neighbour k-1, k
-    keys.resize(0, refcheck=False)  # the keys' memory back before the groups
-    shares = prefix_len >= max(min_prefix, 1)
-    starts = np.flatnonzero(np.concatenate(([True], ~same_prefix if shares else np.ones(len(same_prefix), bool))))
-    del same_prefix
-    sizes = np.diff(np.append(starts, len(order))).astype(np.int64)
-    shared = sizes > 1
-    processed = np.where(shared, prefix_len + sizes * distinct_len, sizes * (prefix_len + distinct_len))
-    group_order = np.lexsort((order[starts], processed))  # r_group: cost, then first row
-    cost = np.cumsum(processed[group_order])
-    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, workers) / workers)
-    logical = len(order) * (prefix_len + distinct_len)
-    return {"rows": len(order), "groups": len(starts), "shared_groups": int(shared.sum()),
-            "processed_tokens": int(cost[-1]), "saving_ratio": 1 - int(cost[-1]) / logical,
-            "ranges": np.diff(np.concatenate(([0], cuts, [len(starts)]))).tolist()}
-
-
-def plan_only_bench(rows: int, group_size: int, prefix_len: int, distinct_len: int, workers: int) -> None:
     meter = StageMeter()
-    meter.enter("keys")
-    keys = [generated_sort_keys(rows, group_size, seed=0)]
-    meter.enter("plan")
-    plan = plan_from_keys(keys.pop(), prefix_len, distinct_len, min_prefix=16, workers=workers)
-    stages = meter.close()
-    click.echo(f"plan only: {rows:,} rows (generated sort keys, no tokens), {plan['groups']:,} groups "
-               f"({plan['shared_groups']:,} shared), saving ratio {plan['saving_ratio']:.3f}, "
-               f"{workers} ranges of {min(plan['ranges']):,}..{max(plan['ranges']):,} groups")
-    for line in stage_table(stages, {s: rows for s in stages}, {}):
+    with tempfile.TemporaryDirectory(prefix="batchscore-plan-only-", dir=workdir) as tmp:
+        meter.enter("tokens")
+        source = generated_rows(Path(tmp), rows, group_size, prefix_len, distinct_len, seed=0)
+        meter.enter("plan")
+        plan = plan_rows(source, PlanOptions(min_prefix_tokens=16))
+        meter.enter("ranges")
+        ranges = [end - start for start, end in cut_ranges(plan, workers)]
+        stages = meter.close()
+    shared = int((plan.prefix_lens > 0).sum())
+    click.echo(f"plan only: {rows:,} rows of {prefix_len + distinct_len} tokens (generated, memory-mapped) "
+               f"through plan_rows, {len(plan):,} groups ({shared:,} shared), saving ratio "
+               f"{plan.stats.saving_ratio:.3f}, {workers} ranges of {min(ranges):,}..{max(ranges):,} groups")
+    for line in stage_table(stages, {s: rows for s in stages}, {s: rows * (prefix_len + distinct_len) for s in stages}):
         click.echo(line)
-    click.echo(f"total {sum(s['seconds'] for s in stages.values()):.1f} s, "
+    click.echo(f"total {sum(s['seconds'] for s in stages.values()):.1f} s (plan_seconds {plan.stats.plan_seconds:.1f}), "
                f"peak RssAnon {max(s['peak_anon'] for s in stages.values()) / 2**30:.2f} GiB")
 
 
@@ -350,7 +360,8 @@ def plan_only_bench(rows: int, group_size: int, prefix_len: int, distinct_len: i
 @click.option("--kill/--no-kill", default=True, show_default=True,
               help="SIGKILL the first run after about half its parts, then resume.")
 @click.option("--part-rows", type=click.IntRange(min=1), default=20_000, show_default=True)
-@click.option("--plan-only", is_flag=True, help="Plan N rows from generated sort keys (no tokens, no run).")
+@click.option("--plan-only", is_flag=True,
+              help="Plan N generated token rows (memory-mapped, in --workdir) with plan_rows; no run.")
 @click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True, help="--plan-only: ranges cut.")
 @click.option("--incremental", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
               help="Then a second night (output.mode incremental) with this share of the rows edited: the rows "
@@ -378,7 +389,7 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, ki
         child_run(*child)
         return
     if plan_only:
-        plan_only_bench(rows, group_size, prefix, distinct, workers)
+        plan_only_bench(rows, group_size, prefix, distinct, workers, workdir)
         return
     if workdir is not None:
         try:  # a folder that is not there yet is made, as the output's folder of a run is
