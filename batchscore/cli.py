@@ -314,22 +314,16 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool, quiet: bool) -> None:
     """
     import tempfile
 
-    from batchscore.run.open import open_job, prepare_job
+    from batchscore.run.open import open_job
     from batchscore.run.read_progress import reading_bar
     from batchscore.store.build import plan_store
 
     config = _load(job, sets)
     source = open_job(config, for_output=False)
     with tempfile.TemporaryDirectory(prefix="batchscore-plan-") as folder:
-        if config.plan.order == "srjf":  # re-costed against a simulated cache per unit: the in-memory planner
-            with reading_bar(not (quiet or as_json)) as on_rows:
-                prepared = prepare_job(config, source=source, progress=on_rows)
-            plan = prepared.plan()
-            stats, groups = plan.stats.to_dict(), lambda: plan.groups
-        else:  # through the token store and the plan as metadata (rows never held as objects)
-            with reading_bar(not (quiet or as_json)) as on_rows:
-                meta, store, _ = plan_store(source, Path(folder) / "tokens", on_rows)
-            stats, groups = meta.stats.to_dict(), lambda: meta.to_plan(store).groups
+        with reading_bar(not (quiet or as_json)) as on_rows:  # through the token store, as `run` plans
+            meta, store, _ = plan_store(source, Path(folder) / "tokens", on_rows)
+        stats, groups = meta.stats.to_dict(), lambda: meta.to_plan(store).groups
         fault_point("plan")
         if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping
             from batchscore.engines.speculative.kept_tokens import plan_drop_stats

@@ -414,3 +414,22 @@ def test_no_stage_compares_a_task_name():
                                  names) == ["line 1", "line 1"]
     found = {m: hits for m, tree in _modules_outside("tasks").items() if (hits := task_name_comparisons(tree, names))}
     assert not found, found
+
+
+def calls_named(tree: ast.AST, names: set[str]) -> list[str]:
+    """The lines that call a function of one of `names` (`f(…)` or `module.f(…)`)."""
+    return [f"line {node.lineno}" for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and ((isinstance(node.func, ast.Name) and node.func.id in names)
+                 or (isinstance(node.func, ast.Attribute) and node.func.attr in names))]
+
+
+def test_one_planner_runs_jobs():
+    """Every job plans through the metadata planner (plan/metadata.plan_rows over the token store);
+    the tree planner (`build_plan`) is the oracle the tests hold it to and a benchmark's reference,
+    never called by a stage. No run chooses between two data paths any more."""
+    assert calls_named(ast.parse("p = build_plan(r)\nq = plan.build_plan(r, o)"), {"build_plan"}) == ["line 1", "line 2"]
+    outside = {name: path for name, path in _modules().items()
+               if not name.startswith(("batchscore.plan", "batchscore.bench"))}
+    found = {m: hits for m, path in outside.items() if (hits := calls_named(_tree(path), {"build_plan"}))}
+    assert not found, found
+    assert not [m for m, path in _modules().items() if "reads_from_store" in path.read_text()]

@@ -95,11 +95,11 @@ def test_a_chat_batch_is_answered_in_openais_shape(tmp_path, tokenizer, monkeypa
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     from batchscore.run import runner
 
-    from_store, real = [], runner.reads_from_store
-    monkeypatch.setattr(runner, "reads_from_store", lambda *a: from_store.append(real(*a)) or from_store[-1])
+    built, real = [], runner.build_store
+    monkeypatch.setattr(runner, "build_store", lambda *a, **k: built.append(1) or real(*a, **k))
     result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "-q"])
     assert result.exit_code == 0, result.output
-    assert from_store == [True]  # Batch API lines in and out: the token store's path, usage read from it
+    assert built == [1]  # Batch API lines in and out: the token store's path, usage read from it
     ok = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     failed = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert [x["custom_id"] for x in failed] == ["two-answers"]

@@ -97,9 +97,9 @@ def test_the_store_built_streaming_equals_the_whole_read(question_jobs, kind, ba
     assert mine.task_input.read_tokens == theirs.task_input.read_tokens
 
 
-def test_a_questions_table_job_scores_from_the_store_as_from_its_requests(tmp_path, monkeypatch):
+def test_a_questions_table_job_scores_from_the_store(tmp_path, monkeypatch):
     """The run path: a `questions:` job with a table output is planned and scored from the token
-    store (run/ranges.reads_from_store) and writes, bit for bit, the output of the request list."""
+    store (built once), a record's error kept by name beside the scored records."""
     import pyarrow.parquet as pq
 
     import batchscore.run.runner as runner
@@ -107,18 +107,12 @@ def test_a_questions_table_job_scores_from_the_store_as_from_its_requests(tmp_pa
 
     broken = {"ticket_id": "broken", "subject": "x", "body": "a lone \ud83d surrogate"}  # the record's error
     job_file = table_job(tmp_path, TICKETS + [broken], 4096)
-    built, outputs = [], {}
-    for path in ("store", "requests"):
-        with monkeypatch.context() as patch:
-            if path == "store":
-                patch.setattr(runner, "build_store", lambda *a, **k: built.append(1) or build_store(*a, **k))
-            else:
-                patch.setattr(runner, "reads_from_store", lambda *_: False)
-            job = load_job(str(job_file), {"output.max_error_rate": "0.5"}, output=str(tmp_path / f"{path}.parquet"))
-            summary = run_job(job, progress=False)
-        assert (summary.rows, summary.rows_error) == (3, 1)
-        outputs[path] = pq.read_table(tmp_path / f"{path}.parquet").replace_schema_metadata(None)
-    assert built == [1] and outputs["store"].num_rows == 3 \
-        and "tickets.jsonl:3: field 'body'" in outputs["store"].column("error")[2].as_py()
-    for name in outputs["store"].column_names:
-        assert outputs["store"].column(name).equals(outputs["requests"].column(name)), name
+    built = []
+    monkeypatch.setattr(runner, "build_store", lambda *a, **k: built.append(1) or build_store(*a, **k))
+    job = load_job(str(job_file), {"output.max_error_rate": "0.5"}, output=str(tmp_path / "store.parquet"))
+    summary = run_job(job, progress=False)
+    assert (summary.rows, summary.rows_error) == (3, 1)
+    output = pq.read_table(tmp_path / "store.parquet")
+    assert built == [1] and output.num_rows == 3 \
+        and "tickets.jsonl:3: field 'body'" in output.column("error")[2].as_py()
+    assert output.column("status").to_pylist()[:2] == ["ok", "ok"]

@@ -13,7 +13,7 @@ from batchscore.plan.metadata import plan_rows
 from batchscore.plan.planner import PlanOptions
 from batchscore.plan.types import Request
 from batchscore.run.ranges import StoreGroups, place_shares
-from batchscore.run.ray import Share, _chunks, share_tasks
+from batchscore.run.ray import Share, share_tasks
 from batchscore.store import StoreWriter
 
 
@@ -27,6 +27,20 @@ def _store(folder, document_tokens: int, documents: int = 40, questions: int = 5
     writer = StoreWriter(folder)
     writer.add_requests(requests)
     return writer.close(len(requests))
+
+
+def _chunks(groups, rows_per_task: int):
+    """Runs of whole groups with about `rows_per_task` rows each: what a task of the groups' tokens
+    carried (the oracle of share_tasks)."""
+    chunk, rows = [], 0
+    for group in groups:
+        chunk.append(group)
+        rows += len(group.members)
+        if rows >= rows_per_task:
+            yield chunk
+            chunk, rows = [], 0
+    if chunk:
+        yield chunk
 
 
 def _sent(groups: StoreGroups) -> int:

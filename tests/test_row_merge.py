@@ -162,12 +162,12 @@ def test_windowed_output_equals_the_whole_table_output(tmp_path, monkeypatch, su
 
 @pytest.mark.parametrize("variant", ["choices", pytest.param("contextual", marks=pytest.mark.slow),
                                      pytest.param("labels", marks=pytest.mark.slow)])
-def test_choices_top_token_and_calibrated_jobs_score_from_the_store_as_from_requests(tmp_path, monkeypatch, job_factory,
+def test_choices_top_token_and_calibrated_jobs_assemble_in_windows_as_whole(tmp_path, monkeypatch, job_factory,
                                                                                    small_input, variant):
     """Per-row choices, `output.top_token` and contextual calibration (its content-free row scored
-    beside the rows) run the token-store path (the first two assemble in windows, 3 rows a window
-    here); their output equals the request-list path's bit for bit on the real model (schema
-    metadata aside), a refused row's choices included."""
+    beside the rows) from the token store: assembled in windows (3 rows a window here) their output
+    equals the task's whole-table assembly bit for bit on the real model (schema metadata aside),
+    a refused row's choices included."""
     from batchscore.jobfile import load_job
     from batchscore.run import runner
     from batchscore.run.runner import run_job
@@ -189,23 +189,18 @@ def test_choices_top_token_and_calibrated_jobs_score_from_the_store_as_from_requ
         del raw["labels"]
         job.write_text(yaml.safe_dump(raw))
 
-    def run(name: str, from_store: bool) -> pa.Table:
+    def run(name: str) -> pa.Table:
         config = load_job(job)
         output = tmp_path / f"{name}.parquet"
         config.output.path = str(output)
         config.output.max_error_rate = 0.5
-        seen = []
-        real = runner.reads_from_store
-        monkeypatch.setattr(runner, "reads_from_store",
-                            lambda *a: seen.append(real(*a) and from_store) or seen[-1])
         run_job(config, progress=False)
-        assert seen[0] is from_store
         return pq.read_table(output)
 
     monkeypatch.setattr(row_merge, "WINDOW_ROWS", 3)
-    from_store = run("store", True)
-    monkeypatch.setattr(runner, "assembles_in_windows", lambda job: False)  # and the task's whole-table assembly
-    from_requests = run("requests", False)
+    from_store = run("windows")
+    monkeypatch.setattr(runner, "assembles_in_windows", lambda job: False)  # the task's whole-table assembly
+    from_requests = run("whole")
     assert from_store.num_rows == 12 and from_store.replace_schema_metadata().equals(from_requests.replace_schema_metadata())
     assert from_store.column("top_token").null_count == (1 if variant == "choices" else 0)
     assert from_store.column("argmax_is_label").null_count == (1 if variant == "choices" else 0)

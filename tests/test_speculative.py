@@ -305,7 +305,8 @@ def test_run_marks_rows_approximate_and_keep_one_is_exact(job_factory, small_inp
     import pyarrow.parquet as pq
 
     from batchscore.engines.speculative.kept_tokens import plan_drop_stats
-    from batchscore.run.open import plan_job
+    from batchscore.run.open import open_job
+    from batchscore.store.build import plan_store
     from tests.test_cli import invoke
 
     assert invoke("run", job_factory(small_input), "-q", "-o", tmp_path / "exact.parquet").exit_code == 0
@@ -332,7 +333,8 @@ def test_run_marks_rows_approximate_and_keep_one_is_exact(job_factory, small_inp
     from batchscore.prepare.prompts import label_token_ids
 
     config = load_job(job)
-    groups = plan_job(config).groups
+    meta, store, _ = plan_store(open_job(config, for_output=False), tmp_path / "tokens")
+    groups = meta.to_plan(store).groups
     stats = plan_drop_stats(groups, config.engine.speculative, model_dir, 2)
     options = SpecPrefillOptions.from_config(config.engine.speculative)
     engine = TorchEngine.from_pretrained(model_dir, token_budget=1024, speculative=options)

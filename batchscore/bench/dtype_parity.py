@@ -1,6 +1,6 @@
 """`batchscore bench dtype-parity`: which scorer drifts in a low-precision dtype? Label
 probabilities of one job's first rows (read, rendered and tokenized by `prepare_job`, planned by
-`PreparedJob.plan()`, exactly as `batchscore run` does) from:
+`build_plan` with the job's plan options, the groups `batchscore run` plans for those rows) from:
 
   hf-float32        a plain transformers forward of each prompt in float32 (the reference),
   hf-<dtype>        the same plain forward in --dtype,
@@ -75,6 +75,8 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool, compile_mode: s
     from batchscore.engines.factory import build_engine
     from batchscore.errors import BatchscoreError, EngineUnavailable
     from batchscore.jobfile import load_job
+    from batchscore.plan import build_plan
+    from batchscore.prepare.source import plan_options
     from batchscore.run.open import open_job, prepare_job
 
     try:
@@ -85,7 +87,7 @@ def dtype_parity(job: str, dtype: str, rows: int, no_vllm: bool, compile_mode: s
     prepared = replace(prepared, input=replace(prepared.input, requests=prepared.input.requests[:rows]))
     requests, labels, model_dir = prepared.input.requests, prepared.label_ids, prepared.model_dir
     row_ids = [r.row_id for r in requests]
-    groups = prepared.plan().groups
+    groups = build_plan(requests, plan_options(config, prepared.kind)).groups  # the first rows' own plan
     device = resolve_device(config.engine.device)
 
     results = {}

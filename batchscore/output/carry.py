@@ -58,16 +58,6 @@ def row_digest(tokens: np.ndarray, options=None) -> bytes:
     return digest.digest()
 
 
-def request_digests(requests, num_rows: int) -> np.ndarray:
-    """[num_rows] DIGEST of every input row's request (zero for rows without one: input errors)."""
-    out = np.zeros(num_rows, dtype=DIGEST)
-    view = out.view(np.uint8).reshape(num_rows, 16)
-    for request in requests:
-        if request.row_id < num_rows:
-            view[request.row_id] = np.frombuffer(row_digest(request.token_ids, request.options), dtype=np.uint8)
-    return out
-
-
 def store_digests(store, num_rows: int) -> np.ndarray:
     """[num_rows] DIGEST of every row of a token store (zero for rows it does not hold)."""
     out = np.zeros(num_rows, dtype=DIGEST)
@@ -202,5 +192,5 @@ def rows_digest(carried: Carried) -> str:
     return hashlib.sha256(np.ascontiguousarray(carried.rows, dtype="<i8").tobytes()).hexdigest()[:16]
 
 
-__all__ = ["Carried", "DIGEST", "NEXT_ROWS", "Previous", "match", "move_rows_file", "request_digests", "row_digest",
+__all__ = ["Carried", "DIGEST", "NEXT_ROWS", "Previous", "match", "move_rows_file", "row_digest",
            "rows_digest", "scoring_key", "store_digests", "write_rows_file"]

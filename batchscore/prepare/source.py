@@ -18,7 +18,7 @@ from batchscore.engines.factory import ResolvedEngine, kv_block_size
 from batchscore.engines.registry import EngineKind, get_kind
 from batchscore.formats.registry import WireFormat
 from batchscore.output.layout import OutputFiles
-from batchscore.plan import Plan, PlanOptions, build_plan
+from batchscore.plan import PlanOptions
 from batchscore.plan.types import Request
 from batchscore.prepare.rows import PreparedInput
 from batchscore.task import Task
@@ -58,13 +58,14 @@ class JobSource:
 
 @dataclass
 class PreparedJob:
-    """A job after reading (and tokenizing) its input: everything but the plan and the scores."""
+    """A job after reading (and tokenizing) its input: everything but the plan (plan/metadata.plan_rows
+    over its token store) and the scores."""
 
     source: JobSource
     label_ids: list[int] | None  # one-token labels shared by every row; None: each request's own options
     input: PreparedInput
     content_free: Request | None = None  # score.calibrate contextual: scored beside the rows, never an output row
-    tokens: Any = None  # the token store (store/tokens.TokenStore) the rows were read into; None: the request list
+    tokens: Any = None  # the token store (store/tokens.TokenStore) the rows were read into; None: not tokenized
 
     @property
     def task(self) -> Task:
@@ -85,16 +86,6 @@ class PreparedJob:
     @property
     def model_dir(self) -> Path | None:
         return self.source.model_dir
-
-    def plan(self, leave_out=None) -> Plan:
-        """The plan of the job's requests (and the content-free input); `leave_out`: row ids not to
-        plan (an incremental run's carried rows)."""
-        extra = [self.content_free] if self.content_free is not None else []
-        requests = self.input.requests
-        if leave_out is not None and len(leave_out):
-            skipped = set(int(r) for r in leave_out)
-            requests = [r for r in requests if r.row_id not in skipped]
-        return build_plan(requests + extra, plan_options(self.config, self.kind))
 
 
 def plan_options(config: JobConfig, engine_kind: str) -> PlanOptions:

@@ -155,11 +155,12 @@ class EngineWeights:
         return model
 
 
-def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0,
+def audit_output(job, store, manifests, group_of: dict[int, int] | None = None, processed_tokens: int = 0,
                  weights: EngineWeights | None = None) -> AuditResult:
     """Re-score a sample of the scored rows of `job` (a PreparedJob whose output was just assembled
     from `store`'s parts) through the plain float32 reference; returns what it found. The sample:
-    `output.audit_rows` seeded rows, or by default rows of `plan`'s groups within AUDIT_SHARE of
+    `output.audit_rows` seeded rows, or by default rows spread over their prefix groups (`group_of`:
+    row -> the plan's group, run/ranges.audit_sample) within AUDIT_SHARE of
     `processed_tokens` (see the module docstring). `weights`: the engine's model, reused for the plain
     forward in its dtype and dropped here; otherwise loads a fresh model (freed before returning).
     Changes nothing on disk."""
@@ -182,8 +183,7 @@ def audit_output(job, store, manifests, plan=None, processed_tokens: int = 0,
     else:
         by_row = {r.row_id: r for r in job.input.requests}
         costs = {int(row): reference_cost(by_row[int(row)], job.label_ids) for row in scored}
-        group_of = {m.row_id: g for g, group in enumerate(plan.groups) for m in group.members} if plan else {}
-        rows = budget_rows(scored, costs, group_of, AUDIT_SHARE * processed_tokens, config.output.audit_seed)
+        rows = budget_rows(scored, costs, group_of or {}, AUDIT_SHARE * processed_tokens, config.output.audit_seed)
     wanted = set(rows.tolist())
     requests = {r.row_id: r for r in job.input.requests if r.row_id in wanted}
     tokens = sum(reference_cost(requests[row], job.label_ids) for row in wanted)

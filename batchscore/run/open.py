@@ -34,11 +34,10 @@ from batchscore.models import resolve_model
 from batchscore.output.identity import IDENTITY_VERSION, input_identities, model_identity, software_versions
 from batchscore.output.layout import OutputFiles
 from batchscore.output.write_paths import check_job_write_paths
-from batchscore.plan import Plan
 from batchscore.prepare.source import JobSource, PreparedJob
 from batchscore.task import InputColumns, Task, task_for
 
-__all__ = ["JobSource", "PreparedJob", "open_job", "prepare_job", "plan_job", "output_files",
+__all__ = ["JobSource", "PreparedJob", "open_job", "prepare_job", "output_files",
            "use_job_storage", "scoring_config", "assembly_config", "check_output_path", "input_columns",
            "scoring_columns", "assembly_columns", "line_reader"]
 
@@ -111,11 +110,6 @@ def prepare_job(config: JobConfig, *, tokenize: bool = True, source: JobSource |
     InputError / ModelError / LabelError."""
     source = source or open_job(config, with_model=tokenize)
     return source.task.prepare(source.config, source, tokenize, progress)
-
-
-def plan_job(config: JobConfig) -> Plan:
-    """Plan `config`'s input exactly as `run` would (same reading, checks and plan options)."""
-    return prepare_job(config, source=open_job(config, for_output=False)).plan()
 
 
 def use_job_storage(config: JobConfig, output: OutputFiles | None = None) -> None:

@@ -262,31 +262,17 @@ def _replicated(meta: MetaPlan, slot_worker: np.ndarray) -> int:
                for g in cut.tolist())
 
 
-def reads_from_store(source, shard, files) -> bool:
-    """Whether the run scores from a token store and a metadata plan (workers read their rows)
-    rather than a list of requests: a labels or choices job (assembled window by window,
-    run/assemble.py, or whole from the parts' results when calibration, review or confidence
-    columns are fitted over every row or the format writes Batch API lines), or a questions job
-    (assembled whole by its task, from the reads' results and its records: no prompt read back;
-    Batch API lines' usage read from the store, output/token_usage.store_usage), run in this
-    process, on Ray actors or as static shards (`shard`: all of a set alike; into a local output
-    folder), planned by a policy the metadata plan has. An object-store output scored in one process
-    keeps its token store in a local folder (run/runner.token_folder) and its parts in the store."""
-    from batchscore.io.storage import is_url
-    from batchscore.plan.metadata import METADATA_POLICIES
-
-    config = source.config  # workers on other machines read the store from the parts folder: a local one
-    spread = shard is not None or config.executor.kind == "ray"
-    return config.plan.order in METADATA_POLICIES and not (spread and is_url(str(files.output)))
-
-
-def audit_sample(job, store: TokenStore, rows: int = 4096):
-    """`job` with `rows` positions' requests read back from the store (seeded by
-    `output.audit_seed`): what the exactness audit picks its rows from (the store path keeps no
-    request list)."""
+def audit_sample(job, store: TokenStore, plan: MetaPlan, rows: int = 4096):
+    """(`job` with `rows` positions' requests read back from the store (seeded by
+    `output.audit_seed`), {row id: its group in `plan`}): what the exactness audit picks its rows
+    from (the run keeps no request list), spread over the plan's groups."""
     from dataclasses import replace
 
     count = min(rows, store.num_rows)
     rng = np.random.default_rng(job.config.output.audit_seed)
-    positions = np.sort(rng.choice(store.num_rows, size=count, replace=False)) if count else []
-    return replace(job, input=replace(job.input, requests=store.requests(int(p) for p in positions)))
+    positions = np.sort(rng.choice(store.num_rows, size=count, replace=False)) if count else np.zeros(0, np.int64)
+    slots = np.flatnonzero(np.isin(plan.rows, positions))  # the plan holds every store position once
+    groups = np.searchsorted(plan.starts, slots, side="right") - 1
+    group_of = dict(zip(np.asarray(store.row_ids)[plan.rows[slots]].tolist(), groups.tolist()))
+    requests = store.requests(int(p) for p in positions)
+    return replace(job, input=replace(job.input, requests=requests)), group_of

@@ -1,12 +1,12 @@
 """Scale out on Ray: one engine per Ray actor, groups placed by the planner, results streamed back.
 
-Workers read their own rows: when the run scores from the token store (run/ranges.py), an actor
-is given its share of the plan (its rows' store positions and its groups' prefix lengths, a few
-integers a row) and the store's folder, opens the store memory-mapped and builds each group as it
-runs it; a task names a run of the share's groups by index. No token array leaves the driver, and
-the driver holds the plan and the parts writer only. On a cluster the store's folder (in the
-output's parts folder) must be on a file system every node mounts at the same path. Jobs the store
-does not serve (see `reads_from_store`) still send each task its groups.
+Workers read their own rows: an actor is given its share of the plan (run/ranges.py: its rows'
+store positions and its groups' prefix lengths, a few integers a row) and the token store's
+folder, opens the store memory-mapped and builds each group as it runs it; a task names a run of
+the share's groups by index. No token array leaves the driver, and the driver holds the plan and
+the parts writer only. On a cluster the store's folder (in the output's parts folder, or for an
+object-store output under $BATCHSCORE_HOME: run/runner.token_folder) must be on a file system
+every node mounts at the same path; an actor that cannot open it says so by name.
 
 The driver keeps the durable-parts writer, so resume works across workers. Ray's own fault
 tolerance re-runs a lost worker: actors restart (`max_restarts`) and their unfinished tasks are
@@ -52,16 +52,13 @@ class ScoringWorker:
     """A Ray actor holding one engine (created in the actor's own process)."""
 
     def __init__(self, resolved: ResolvedEngine, model_dir: str, engine: EngineConfig, threads: int,
-                 share: "Share | None" = None):
+                 share: "Share"):
         import torch
 
         torch.set_num_threads(max(1, threads))
         self.engine = create_engine(resolved, model_dir, engine)
         self.share = share
         self._groups: StoreGroups | None = None
-
-    def score(self, groups, label_ids, where=None) -> list[RawScores]:
-        return list(score_with_row_errors(self.engine, groups, label_ids, where))
 
     def score_share(self, first: int, end: int, skip: int) -> list[RawScores]:
         """Groups [first, end) of this actor's share, the first one's first `skip` members left
@@ -93,7 +90,16 @@ class Share:
         return cls(folder, plan, None if label_ids is None else list(label_ids), where)
 
     def groups(self) -> StoreGroups:
-        return StoreGroups.range(self.plan, TokenStore.open(self.folder), 0, len(self.plan))
+        try:
+            store = TokenStore.open(self.folder)
+        except FileNotFoundError:
+            import socket
+
+            raise EngineUnavailable(
+                f"a Ray worker on {socket.gethostname()} cannot read the token store at {self.folder}: on a "
+                "cluster it must be on a file system every node mounts at that path (the output's folder; for "
+                "an object-store output, $BATCHSCORE_HOME)") from None
+        return StoreGroups.range(self.plan, store, 0, len(self.plan))
 
 
 def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: ResolvedEngine, model_dir, sinks: Sequence[PartSink],
@@ -121,22 +127,14 @@ def score_on_ray(executor: ExecutorConfig, engine: EngineConfig, resolved: Resol
         for sink in sinks:
             if sink.done:
                 continue
-            if isinstance(sink.groups, StoreGroups):  # the actor reads its rows from the store
-                actor = actors[sink.worker] = actor_cls.remote(resolved, str(model_dir), engine,
-                                                               int(executor.cpus_per_worker),
-                                                               Share.of(sink.groups, label_ids, where))
-                todo[sink.worker] = _submitted(actor.score_share, share_tasks(sink.remaining_groups(), rows_per_task))
-            else:
-                actor = actors[sink.worker] = actor_cls.remote(resolved, str(model_dir), engine,
-                                                               int(executor.cpus_per_worker))
-                labels = None if label_ids is None else list(label_ids)
-                todo[sink.worker] = _submitted(actor.score, ((chunk, labels, where) for chunk in
-                                                             _chunks(sink.remaining_groups(), rows_per_task)))
+            actor = actors[sink.worker] = actor_cls.remote(resolved, str(model_dir), engine,
+                                                           int(executor.cpus_per_worker),
+                                                           Share.of(sink.groups, label_ids, where))
+            todo[sink.worker] = _submitted(actor.score_share, share_tasks(sink.remaining_groups(), rows_per_task))
             ready.append(actor.pid.remote())
             pending[sink.worker] = deque(itertools.islice(todo[sink.worker], IN_FLIGHT))
-        from_store = [s for s in sinks if isinstance(s.groups, StoreGroups)]
-        log.info("ray: %d workers%s", len(actors), f", reading their rows from {from_store[0].groups.store.folder}"
-                 if from_store else " (each task carries its groups' tokens)")
+        if actors:
+            log.info("ray: %d workers, reading their rows from %s", len(actors), sinks[0].groups.store.folder)
         ray.get(ready)  # the engines are loaded (their tasks already queued): scoring time starts here
         progress.start()
         by_worker = {s.worker: s for s in sinks}
@@ -169,8 +167,9 @@ def _submitted(method, tasks) -> Iterator:
 
 
 def share_tasks(groups: StoreGroups, rows_per_task: int) -> Iterator[tuple[int, int, int]]:
-    """`_chunks` of a share's remaining groups as (first group, end group, members of the first
-    to skip), indices into the share: what a task sends instead of the groups."""
+    """A share's remaining groups in runs of whole groups of about `rows_per_task` rows, as (first
+    group, end group, members of the first to skip), indices into the share: what a task sends
+    instead of the groups."""
     first, rows = 0, 0
     sizes = groups.sizes.tolist()
     for k, size in enumerate(sizes):
@@ -180,16 +179,3 @@ def share_tasks(groups: StoreGroups, rows_per_task: int) -> Iterator[tuple[int, 
             first, rows = k + 1, 0
     if first < len(sizes):
         yield int(groups.indices[first]), int(groups.indices[-1]) + 1, groups.skip if first == 0 else 0
-
-
-def _chunks(groups, rows_per_task: int):
-    """Runs of whole groups with about `rows_per_task` rows each."""
-    chunk, rows = [], 0
-    for group in groups:
-        chunk.append(group)
-        rows += len(group.members)
-        if rows >= rows_per_task:
-            yield chunk
-            chunk, rows = [], 0
-    if chunk:
-        yield chunk

@@ -33,7 +33,7 @@ from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError,
                                JobConfigError, OutputError, ResumeMismatch, ShardsUnfinished)
 from batchscore.run.assemble import assemble_in_windows, assembles_in_windows
-from batchscore.run.ranges import StoreGroups, audit_sample, place_shares, reads_from_store
+from batchscore.run.ranges import StoreGroups, audit_sample, place_shares
 from batchscore.plan.metadata import plan_rows
 from batchscore.prepare.source import plan_options
 from batchscore.store.build import build_store, store_folder
@@ -57,7 +57,6 @@ from batchscore.output import carry
 from batchscore.output.row_merge import row_windows
 from batchscore.store.tokens import StoreWriter, TokenStore, identity_digest
 from batchscore.scores.quality import QualityResult, content_free_rows, split_content_free
-from batchscore.plan.placement import place_groups
 from batchscore.output.cost import night_cost
 from batchscore.run.read_progress import reading_bar
 from batchscore.run.open import (JobSource, PreparedJob, assembly_config, open_job, output_files, prepare_job,
@@ -159,7 +158,10 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
                 carry.move_rows_file(store.folder / carry.NEXT_ROWS, files.rows)
                 _finish(source, store)
         # a shard whose share is scored needs no lock file either (the set's last shard writes the output)
-        lock.release(remove=summary.complete or (shard is not None and _share_done(store, writer)))
+        share_done = shard is not None and not summary.complete and _share_done(store, writer)
+        if share_done and files.remote:  # this machine's copy of the set's store: nothing here reads it again
+            remove_tree(token_folder(source, store))
+        lock.release(remove=summary.complete or share_done)
     return _checked(summary, config) if summary.complete else summary
 
 
@@ -247,7 +249,6 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     source.task.check_calibration_source(config)
     use_ray = config.executor.kind == "ray" and shard is None
     num_workers = shard.count if shard else config.executor.num_workers if use_ray else 1
-    from_store = reads_from_store(source, shard, store.files)
     stage("read")
     if shard is not None and not fresh:  # before the set's store is reused or published
         _check_shard_set(store, shard, source.identity)
@@ -256,39 +257,28 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         raise JobConfigError(["output.mode incremental: not with --shard (a shard set is planned as one); "
                               "run the job whole (executor.kind: ray scales it out), or output.mode: full"],
                              config.source)
-    if from_store:  # the rows tokenized once into a memory-mapped store; the plan a few integers per row
-        with reading_bar(progress) as on_rows:
-            job, tokens = (_built_store(source, store, reuse=not fresh, progress=on_rows) if shard is None
-                           else set_store(source, store.folder, shard.name, on_rows))
-        job.tokens = tokens  # every row's (the incremental run plans the scored rows' sub-store below)
-        if incremental:
-            digests = carry.store_digests(tokens, job.input.num_rows)
-            carried, previous = _carried(source, store.files, digests)
-            tokens = _scored_store(tokens, carried, source.identity)
-        stage("plan")
-        plan = plan_rows(tokens, plan_options(config, source.kind))
-        if num_workers == 1:
-            worker_groups = [StoreGroups.range(plan, tokens, 0, len(plan))]
-            split_extra_tokens = 0
-        else:  # Ray actors, static shards: each gets its share of the plan (place_groups' placement), reads its rows
-            shares, split_extra_tokens = place_shares(plan, tokens, num_workers)
-            worker_groups = [StoreGroups.range(share, tokens, 0, len(share)) for share in shares]
-    else:
-        with reading_bar(progress) as on_rows:
-            job = prepare_job(config, source=source, progress=on_rows)
-        if incremental:
-            digests = carry.request_digests(job.input.requests, job.input.num_rows)
-            carried, previous = _carried(source, store.files, digests)
-        stage("plan")
-        plan = job.plan(leave_out=carried.rows if incremental else None)
-        placement = place_groups(plan.groups, num_workers)
-        worker_groups = [w.groups for w in placement.workers]
-        split_extra_tokens = placement.split_extra_tokens
+    # the rows tokenized once into a memory-mapped store; the plan a few integers per row
+    with reading_bar(progress) as on_rows:
+        job, tokens = (_built_store(source, store, reuse=not fresh, progress=on_rows) if shard is None
+                       else set_store(source, token_folder(source, store), shard.name, on_rows))
+    job.tokens = tokens  # every row's (the incremental run plans the scored rows' sub-store below)
+    if incremental:
+        digests = carry.store_digests(tokens, job.input.num_rows)
+        carried, previous = _carried(source, store.files, digests)
+        tokens = _scored_store(tokens, carried, source.identity)
+    stage("plan")
+    plan = plan_rows(tokens, plan_options(config, source.kind))
+    if num_workers == 1:
+        worker_groups = [StoreGroups.range(plan, tokens, 0, len(plan))]
+        split_extra_tokens = 0
+    else:  # Ray actors, static shards: each gets its share of the plan (place_groups' placement), reads its rows
+        shares, split_extra_tokens = place_shares(plan, tokens, num_workers)
+        worker_groups = [StoreGroups.range(share, tokens, 0, len(share)) for share in shares]
     log.info("plan: %d groups, saving ratio %.3f", plan.stats.num_groups, plan.stats.saving_ratio)
 
     my_workers = [shard.index] if shard else list(range(num_workers))
     fault_point("start")
-    job_hash = _job_hash(source, num_workers, from_store)
+    job_hash = _job_hash(source, num_workers)
     if incremental:  # the rows carried decide the plan: another set of them is another partial run
         job_hash = hashlib.sha256((job_hash + carry.rows_digest(carried)).encode()).hexdigest()[:16]
     manifest = store.start(Manifest(
@@ -350,11 +340,10 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         fault_point("rows")
     write_seconds = time.perf_counter() - write_started
     stage("audit")
-    if from_store:  # the audit picks its rows among a seeded sample read back from the store
-        audit = (audit_output(audit_sample(job, tokens), store, manifests, None, processed, weights)
-                 if complete else Audit())
-    else:
-        audit = audit_output(job, store, manifests, plan, processed, weights) if complete else Audit()
+    audit = Audit()
+    if complete:  # the audit picks its rows among a seeded sample read back from the store
+        sample, group_of = audit_sample(job, tokens, plan)
+        audit = audit_output(sample, store, manifests, group_of, processed, weights)
     summary = RunSummary(
         output_path=str(store.files.output),
         rows=job.input.num_records,
@@ -405,7 +394,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
         if not store.folder.exists() and file_size(files.path) is not None:
             return None  # another merge finished while this one started
         manifests = store.sibling_manifests(names)
-        expected = _job_hash(source, count, reads_from_store(source, Shard(0, count), files))
+        expected = _job_hash(source, count)
         unfinished = _unfinished_shards(manifests, expected)
         if unfinished:
             said = "; ".join(f"{i}/{count} {why}" for i, why in unfinished.items())
@@ -415,7 +404,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
                 list(unfinished))
         lock.check()
         if config.output.top_token:  # the rows' options' first tokens, from the set's store
-            job.tokens = TokenStore.reusable(store_folder(store.folder), source.identity)
+            job.tokens = TokenStore.reusable(token_folder(source, store), source.identity)
         errors, quality = assemble_output(job, store, manifests)
         summary = RunSummary(output_path=str(files.output), rows=job.input.num_records,
                              rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
@@ -483,11 +472,10 @@ def _check_shard_set(store: PartStore, shard: Shard, identity: dict) -> None:
                 f"{changed}. Restore what changed, or rerun every shard of the set with --fresh")
 
 
-def _job_hash(source: JobSource, num_workers: int, from_store: bool = False) -> str:
-    """What a parts folder belongs to: the output's identity and how the groups were placed
-    (a placement, or ranges of the metadata plan: positions mean other rows)."""
-    placed = {"groups": "store ranges"} if from_store else {}
-    return identity_hash({**source.identity, "num_workers": num_workers, **placed})
+def _job_hash(source: JobSource, num_workers: int) -> str:
+    """What a parts folder belongs to: the output's identity and how the groups were placed (the
+    metadata plan's shares over `num_workers`: its parts' positions mean those rows)."""
+    return identity_hash({**source.identity, "num_workers": num_workers, "groups": "store ranges"})
 
 
 def _refuse_planted_links(parts_folder: Path, writer: str) -> None:
@@ -507,7 +495,9 @@ def token_folder(source: JobSource, store: PartStore) -> Path:
     """Where a run keeps its token store: in its parts folder, or, for an output in an object
     store (a memory map needs a local file; the parts stay in the store, so a resume anywhere
     finds them), in a local folder named by the job's identity under $BATCHSCORE_HOME, which a
-    resume on this machine reuses and any other machine builds again."""
+    resume on this machine reuses, any other machine builds again, and the shards of a set on
+    one machine share. Ray actors open it at the same path (on a cluster: a $BATCHSCORE_HOME
+    every node mounts, as a local output's parts folder must be)."""
     if not store.files.remote:
         return store_folder(store.folder)
     return batchscore_home() / "token-stores" / identity_digest(source.identity)
@@ -582,9 +572,8 @@ def _rows_of_all(worker_groups) -> int:
     return sum(_rows_of(groups) for groups in worker_groups)
 
 
-def _rows_of(groups) -> int:
-    sizes = getattr(groups, "sizes", None)
-    return int(np.sum(sizes)) if sizes is not None else sum(len(g.members) for g in groups)
+def _rows_of(groups: StoreGroups) -> int:
+    return int(np.sum(groups.sizes))
 
 
 def _flops_sample(worker_groups: list, most: int = 2000) -> list:
@@ -592,7 +581,7 @@ def _flops_sample(worker_groups: list, most: int = 2000) -> list:
     per worker: the FLOPs per row of a sample decide the compile as well as of every group."""
     sample = []
     for groups in worker_groups:
-        if isinstance(groups, StoreGroups) and len(groups) > most:
+        if len(groups) > most:
             sample.extend(groups[int(i)] for i in np.linspace(0, len(groups) - 1, most))
         else:
             sample.extend(groups)

@@ -12,7 +12,10 @@ then plans from the store (a few integers a row), takes its share with the place
 computes alike (run/ranges.place_shares) and scores it, reading its rows memory-mapped.
 
 On several machines the parts folder must be on a file system they all mount (as the parts
-already had to be, for the shard that completes the set to assemble the output).
+already had to be, for the shard that completes the set to assemble the output) — or in an object
+store: then each machine keeps the set's store in a local folder named by the job's identity
+(run/runner.token_folder; a memory map needs a local file), shards on one machine share it by
+the same publish-by-rename, and the parts go to the object store as before.
 """
 
 from __future__ import annotations
@@ -22,27 +25,28 @@ import os
 from pathlib import Path
 
 from batchscore.io.storage import remove_tree
-from batchscore.store.build import build_store, store_folder
+from batchscore.store.build import build_store
 from batchscore.store.tokens import TokenStore
 
 log = logging.getLogger("batchscore")
 
 
-def set_store(source, parts_folder, writer: str, progress=None):
-    """(PreparedJob, TokenStore): the shard set's store in `parts_folder`, reused when complete
-    and of this content, else built in a folder of this writer's and published (`progress(n)`:
-    rows read). A refused input leaves no folder of this shard's behind."""
-    folder = store_folder(parts_folder)
+def set_store(source, folder, writer: str, progress=None):
+    """(PreparedJob, TokenStore): the shard set's store in `folder` (the parts folder's `tokens`,
+    or a local folder of the job's identity), reused when complete and of this content, else built
+    in a folder of this writer's beside it and published (`progress(n)`: rows read). A refused input
+    leaves no folder of this shard's behind."""
+    folder = Path(folder)
     if TokenStore.reusable(folder, source.identity) is not None:
         return build_store(source, folder, progress)  # reused: no tokenizing
     private = folder.with_name(f"{folder.name}.{writer}")
-    existed = Path(parts_folder).exists()
+    existed = folder.parent.exists()
     try:
         job, _ = build_store(source, private, progress)  # a resumed shard may reuse its own unpublished copy
     except BaseException:
         remove_tree(private)
         if not existed:
-            _remove_if_empty(parts_folder)
+            _remove_if_empty(folder.parent)
         raise
     return job, _publish(private, folder, source.identity, writer)
 

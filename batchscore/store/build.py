@@ -9,7 +9,7 @@ objects its output is assembled from, stay in memory). Synthetic rows are read w
 then written to the store: the same tokens, not yet the bounded memory.
 
 `plan_store(source, folder)` is `batchscore plan`'s path: the store, then the metadata plan
-(plan/metadata.py), whose statistics and groups equal `PreparedJob.plan()`'s.
+(plan/metadata.py), whose statistics and groups equal `build_plan`'s over the same requests.
 """
 
 from __future__ import annotations
@@ -82,6 +82,6 @@ def _reused(source: JobSource, store: TokenStore, progress) -> PreparedJob:
 def plan_store(source: JobSource, folder, progress: Callable[[int], None] | None = None
                ) -> tuple[MetaPlan, TokenStore, PreparedJob]:
     """Plan `source`'s job through a token store built in `folder`: (the metadata plan, the store,
-    the PreparedJob). The plan's statistics and groups equal `PreparedJob.plan()`'s."""
+    the PreparedJob). The plan's statistics and groups equal `build_plan`'s over the job's requests."""
     job, store = build_store(source, folder, progress)
     return plan_rows(store, plan_options(source.config, source.kind)), store, job

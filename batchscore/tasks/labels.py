@@ -238,8 +238,9 @@ def row_columns(job: PreparedJob, scores, ok, start: int, firsts) -> dict:
 
 def first_tokens_reader(job: PreparedJob) -> Callable[[int, int], list[set[int] | None]]:
     """rows [start, end) -> each row's options' first token ids (None: a row not tokenized):
-    `output.top_token`'s `argmax_is_label`, read from the job's token store (no request per row)
-    or, on the request list, from its requests."""
+    `output.top_token`'s `argmax_is_label`, read from the job's token store (no request per row);
+    without one (a shard set's merge that finds no store of the set: it reads no prompts), from the
+    job's requests, which are then none (each row None)."""
     tokens = job.tokens
     if tokens is None:
         every = _request_first_tokens(job)
