@@ -48,6 +48,7 @@ class FlatTokens:
 
 
 SMALL_BATCH = 8192  # rows: at most this many sort as the tree planner sorts them (`_sort_small`)
+SKIP_CHUNK = 1 << 22  # tied positions whose shared tokens are measured at once (bounds the memory)
 SKIP_WINDOW = 64  # the first window of tokens a tied run compares (it doubles while the run agrees)
 
 
@@ -88,6 +89,22 @@ def _key_words(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, depth:
 
 def _shared_run_tokens(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, runs: np.ndarray,
                        depth: np.ndarray) -> np.ndarray:
+    """_runs_share over about SKIP_CHUNK positions at a time, cut at run starts (runs are
+    independent): its per-pair arrays stay ~300 MiB however many rows are tied."""
+    starts = np.flatnonzero(np.concatenate(([True], runs[1:] != runs[:-1])))
+    after = np.searchsorted(starts, np.arange(SKIP_CHUNK, len(runs), SKIP_CHUNK))  # first run start at or past
+    cuts = np.unique(np.append(starts[after[after < len(starts)]], len(runs)))
+    shared = np.empty(len(runs), dtype=np.int64)
+    lo = 0
+    for hi in cuts.tolist():
+        part = slice(lo, hi)
+        shared[part] = _runs_share(tokens, offsets, rows[part], runs[part], depth[part])
+        lo = hi
+    return shared
+
+
+def _runs_share(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, runs: np.ndarray,
+                depth: np.ndarray) -> np.ndarray:
     """[len(rows)]: how many tokens from `depth` on every row of each one's tied run shares, however
     many. Rows of a run are contiguous; equal prefixes are transitive, so a run shares what its
     least similar pair of neighbours shares. The pairs are compared a window at a time, the window
