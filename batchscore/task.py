@@ -68,7 +68,9 @@ class Task:
     `audit_by_sum`: its answers normalize raw scores by their sum. `row_name(prepared_input,
     row)`: how the output names a row. `page`: its own report page (None: the report's labels
     page). `rederive_problem`: why an output's post-processing cannot be re-derived without scoring
-    (None: it can). `top_token`: it writes `output.top_token`'s columns. The `default` task runs
+    (None: it can). `rederive(job, files)`: the output written again from what the finished one
+    kept, with the job's post-processing (None: run/rederive.py's, from a labels table's raw
+    columns); returns (row errors, QualityResult), or None when the finished output cannot serve. `top_token`: it writes `output.top_token`'s columns. The `default` task runs
     every job no other task claims. `input_columns(config)`: the `InputColumns` its requests are
     built from (None, or no such function: the scores may depend on any part of the input, which is
     then fingerprinted whole). `read_into(source, writer, progress)`: the `PreparedJob`, its rows
@@ -92,6 +94,7 @@ class Task:
     page: TaskPage | None = None
     audit_by_sum: bool = False
     rederive_problem: str | None = None
+    rederive: Callable[..., Any] | None = None
     top_token: bool = False
     incremental: bool = False  # output.mode incremental: its rows are carried from the previous night (output/carry.py)
     default: bool = False

@@ -332,3 +332,33 @@ def test_calibrate_from_reuses_the_fitted_values(batch_run, tmp_path):
     assert np.abs(reused - softmax(raw - raw.mean(axis=0))).max() > 1e-2  # not the three records' own mean
     summary = json.loads((tmp_path / "_out.parquet.complete.json").read_text())["summary"]
     assert summary["calibration"]["questions"]["team"]["source"].startswith("calibrate.from")
+
+
+def test_a_new_calibration_of_a_finished_questions_output_scores_nothing(batch_run, tmp_path):
+    """Only the post-processing changed (batch → temperature calibration): the rerun reads the
+    records again without tokenizing, takes each read's raw scores from the `_<output>.reads` the
+    first run kept, and writes the output anew (`rederived`, nothing processed); its raw answer
+    columns are the first run's bits, its calibrated ones the temperature fit's."""
+    import shutil
+
+    folder = batch_run  # in place (the job's identity names its input): its files put back after
+    saved = tmp_path / "saved"
+    shutil.copytree(folder, saved)
+    assert (folder / "_out.parquet.reads").exists()
+    path = folder / "job.yaml"
+    metrics = folder / "metrics.json"
+    result = CliRunner().invoke(main, ["run", str(path), "-q", "--set", "score.calibrate=temperature",
+                                       "--metrics", str(metrics)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(metrics.read_text())
+    assert summary["rederived"] is True and summary["processed_tokens"] == 0 and summary["rows_ok"] == 12
+    first, again = pq.read_table(saved / "out.parquet"), pq.read_table(folder / "out.parquet")
+    for q in questions():
+        raw = [f"{q.key}.p.{o}" for o in q.options] if q.type != "noul" else [f"{q.key}.p_yes"]
+        for name in raw:
+            assert again.column(name).equals(first.column(name)), name
+    calibrated = json.loads((folder / "_out.parquet.complete.json").read_text())["summary"]["calibration"]
+    assert calibrated["method"] == "temperature" and calibrated["questions"]["team"]["fit_rows"] == 6
+    assert again.column("team.p_cal.billing").to_pylist() != first.column("team.p_cal.billing").to_pylist()
+    for name in ("out.parquet", "_out.parquet.complete.json", "_out.parquet.reads"):
+        shutil.copy2(saved / name, folder / name)

@@ -104,13 +104,20 @@ class OutputFiles:
         night carries (output/carry.py)."""
         return sibling(self.output, ".rows")
 
+    @property
+    def reads(self):
+        """A questions output's kept raw read scores, which re-derive its post-processing
+        (tasks/questions/kept_reads.py)."""
+        return sibling(self.output, ".reads")
+
     def all_siblings(self, writer: str = RUN_WRITER) -> list:
         """Every path beside the output that a run of `writer` owns: its lock, the parts folder,
-        the completion marker, the error file (openai_batch), the report and the rows file."""
+        the completion marker, the error file (openai_batch), the report, the rows file and the
+        kept read scores."""
         paths = [self.lock(writer), self.parts, self.marker]
         if self.errors is not None:
             paths.append(as_path(self.errors))
-        return paths + [self.report, self.rows]
+        return paths + [self.report, self.rows, self.reads]
 
 
 # ---------------------------------------------------------------------------- columns

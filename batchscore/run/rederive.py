@@ -11,9 +11,10 @@ read again from the input (no tokenizing), the raw columns (`p_<label>` or `p_ch
 chosen label is taken again from the raw probabilities, and `scores/quality.py` adds the rest.
 Nothing is scored and no model is loaded.
 
-`rederive_problem` names what this cannot do (the run then scores again): a decision or
-questions job, an output that is not Parquet, contextual calibration (its content-free input is
-scored beside the rows), an output whose rows are not the input's.
+A questions output re-derives the same way from the read scores it keeps beside it (the task's
+`rederive`: tasks/questions/kept_reads.py). `rederive_problem` names what this cannot do (the run
+then scores again): an output that is not Parquet, contextual calibration (its content-free input
+is scored beside the rows), an output whose rows are not the input's.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def rederive_output(job: PreparedJob, files) -> tuple[dict[int, str], QualityRes
     """Write `job`'s output again from the raw columns of the finished output at `files`, with the
     job's post-processing; returns (the row errors, what calibration and review did), or None
     (with the reason logged) when the finished output does not hold this job's rows."""
+    if job.task.rederive is not None:  # a task that keeps its raw results its own way
+        return job.task.rederive(job, files)
     config, prepared = job.config, job.input
     id_name = config.input.id_column or layout.DEFAULT_ID
     with files.path.open("rb") as handle:

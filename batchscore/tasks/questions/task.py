@@ -17,7 +17,9 @@ from batchscore.output.token_usage import job_usage
 from batchscore.task import Task, TaskPage, register
 from batchscore.tasks.questions import checks
 from batchscore.tasks.questions.columns import question_keys
+from batchscore.output.identity import identity_hash
 from batchscore.tasks.questions.files import run_metadata, write_decision_output
+from batchscore.tasks.questions.kept_reads import read_reads, write_reads
 from batchscore.tasks.questions.quality import check_calibration_source
 from batchscore.tasks.questions.reads import input_columns, is_decision_input, prepare_decisions
 from batchscore.tasks.questions.report_table import is_answered_line, lines_left_out, lines_table, with_row_answers
@@ -58,11 +60,25 @@ def prepare_into(source, sink, progress=None) -> PreparedJob:
 def _assemble(job, scores, errors: dict[int, str], content_free, files, approx_keep):
     """Reads gathered back into records: one response body or table row per record."""
     fault_point("assemble")
-    lines = getattr(output_format_of(job.config), "response_lines", False)
+    output_format = output_format_of(job.config)
+    lines = getattr(output_format, "response_lines", False)
     failed, quality = write_decision_output(job.config, job.input.task_input, scores, errors, files,
                                             str(job.config.model), job_usage(job) if lines else None, provenance(job))
+    if getattr(output_format, "keeps_raw_columns", False):  # a table re-derives: its reads' raw scores beside it
+        write_reads(files.reads, identity_hash(job.source.identity), scores, errors)
     fault_point("output")
     return failed, quality
+
+
+def _rederive(job, files):
+    """The output written again from the read scores kept beside it, with this job's
+    post-processing (None: no reads of this job kept there)."""
+    kept = read_reads(files.reads, identity_hash(job.source.identity), job.input.num_rows)
+    if kept is None:
+        return None
+    scores, errors = kept
+    return write_decision_output(job.config, job.input.task_input, scores, errors, files, str(job.config.model),
+                                 None, provenance(job))
 
 
 def _summary(prepared) -> dict:
@@ -108,6 +124,6 @@ QUESTIONS = register(Task(
                   lines_table=lines_table, lines_left_out=lines_left_out),
     audit_by_sum=True,
     read_into=prepare_into,
-    rederive_problem="a decision or questions job's answers are re-derived only from its parts",
+    rederive=_rederive,
     input_columns=input_columns,
 ))
