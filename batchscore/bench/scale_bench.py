@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,21 +103,60 @@ class StageMeter:
 
 
 def write_token_input(path: Path, rows: int, group_size: int, prefix_len: int, distinct_len: int, seed: int,
-                      chunk: int = 500_000, changed_every: int = 0) -> None:
+                      chunk: int = 500_000, changed_every: int = 0, choices: bool = False) -> None:
     """Pre-tokenized prompts: groups of `group_size` rows sharing a prefix, shuffled; written in
     chunks (a 10M-row input never sits in memory whole). Row i's tokens: `token_rows(...)`
-    (`changed_every`: every such row's own tokens changed, the next night's input)."""
+    (`changed_every`: every such row's own tokens changed, the next night's input); `choices`: a
+    `choices` column of each row's own two one-token options (`row_choices`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema([("id", pa.int64()), ("tokens", pa.list_(pa.int32()))])
+    fields = [("id", pa.int64()), ("tokens", pa.list_(pa.int32()))]
+    schema = pa.schema(fields + ([("choices", pa.list_(pa.list_(pa.int32())))] if choices else []))
     with pq.ParquetWriter(path, schema) as writer:
         for start in range(0, rows, chunk):
             ids = np.arange(start, min(start + chunk, rows))
             tokens = token_rows(ids, rows, group_size, prefix_len, distinct_len, seed, changed_every)
-            flat = pa.ListArray.from_arrays(pa.array(np.arange(0, tokens.size + 1, tokens.shape[1], dtype=np.int32)),
-                                            pa.array(tokens.reshape(-1)))
-            writer.write_table(pa.table({"id": pa.array(ids), "tokens": flat}, schema=schema), row_group_size=chunk)
+            columns = {"id": pa.array(ids), "tokens": _lists(tokens)}
+            if choices:
+                options = _lists(row_choices(ids).reshape(-1, 1))  # [2N] one-token options
+                columns["choices"] = pa.ListArray.from_arrays(pa.array(np.arange(0, 2 * len(ids) + 1, 2, dtype=np.int32)),
+                                                              options)
+            writer.write_table(pa.table(columns, schema=schema), row_group_size=chunk)
+
+
+def _lists(values: np.ndarray):
+    """[N, K] int32 as an Arrow list<int32> of N rows of K values."""
+    import pyarrow as pa
+
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, values.size + 1, values.shape[1], dtype=np.int32)),
+                                    pa.array(values.reshape(-1).astype(np.int32)))
+
+
+def row_choices(ids: np.ndarray) -> np.ndarray:
+    """[N, 2] each row's two option tokens: one of 997 × 991 pairs (rows share option sets, as the
+    questions of an evaluation do, and neighbours differ)."""
+    return np.stack((40_000 + ids % 997, 41_000 + ids % 991), axis=1).astype(np.int32)
+
+
+def write_batch_input(path: Path, rows: int, group_size: int, words: int, seed: int, chunk: int = 100_000) -> None:
+    """OpenAI Batch API lines (chat/completions): a document as the system message, asked
+    `group_size` questions (lines of one document apart in the file), each line `row-<i>`."""
+    vocabulary = np.array(DOCUMENT_WORDS)
+    with open(path, "w") as handle:
+        for start in range(0, rows, chunk):
+            ids = np.arange(start, min(start + chunk, rows))
+            position = shuffled(ids, rows)
+            docs = position // group_size
+            picks = _mix(np.uint64(seed) * np.uint64(1 << 40) + docs[:, None].astype(np.uint64) * np.uint64(words)
+                         + np.arange(words, dtype=np.uint64)) % np.uint64(len(vocabulary))
+            texts = [" ".join(row) for row in vocabulary[picks.astype(np.int64)].tolist()]
+            handle.writelines(json.dumps({
+                "custom_id": f"row-{i}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "smollm2-135m-instruct", "messages": [
+                    {"role": "system", "content": f"Article: {text}"},
+                    {"role": "user", "content": f"{QUESTIONS[q % len(QUESTIONS)]} Answer Yes or No."}]},
+            }) + "\n" for i, text, q in zip(ids.tolist(), texts, (position % group_size).tolist()))
 
 
 def token_rows(ids: np.ndarray, rows: int, group_size: int, prefix_len: int, distinct_len: int,
@@ -169,22 +209,32 @@ def write_text_input(path: Path, rows: int, group_size: int, words: int, seed: i
             writer.write_table(pa.table({"id": pa.array(ids), "document": text, "question": questions}, schema=schema))
 
 
-def job_dict(source: Path, output: Path, text: bool, part_rows: int, incremental: bool = False,
-             calibrate: bool = False) -> dict:
+VARIANTS = ("labels", "choices", "openai_batch")  # what a row asks: two labels, its own choices, a Batch line
+
+
+def job_dict(source: Path, output, text: bool, part_rows: int, incremental: bool = False,
+             calibrate: bool = False, variant: str = "labels") -> dict:
     """The benchmark's job: two labels, parts by rows only, no exactness audit (the stand-in's
     scores are not the model's), no compile decision (no model runs); `calibrate`: batch
-    calibration and margin confidence, fitted over every row's scores."""
+    calibration and margin confidence, fitted over every row's scores; `variant` "choices": each
+    row's own two options (its `choices` column) instead of labels, "openai_batch": Batch API lines
+    in and out."""
     job = {"labels": ["Yes", "No"], "model": "smollm2-135m-instruct",
            "engine": {"kind": "torch", "compile": False},
            "output": {"path": str(output), "part_seconds": 1e9, "part_rows": part_rows, "audit_rows": 0,
                       "mode": "incremental" if incremental else "full"}}
     if calibrate:
         job["score"] = {"calibrate": "batch", "confidence": "margin"}
-    if text:
+    if variant == "openai_batch":
+        job["input"] = {"path": str(source), "format": "openai_batch"}
+    elif text:
         job["input"] = {"path": str(source), "id_column": "id"}
         job["prompt"] = {"template": "Article: {document}\n\nQuestion: {question} Answer Yes or No.\nAnswer:"}
     else:
         job["input"] = {"path": str(source), "token_ids_column": "tokens", "id_column": "id"}
+    if variant == "choices":
+        del job["labels"]
+        job["input"]["choices_column"] = "choices"
     return job
 
 
@@ -239,29 +289,55 @@ def run_child(job: Path, stats: Path, fault: str | None) -> int:
 # ------------------------------------------------------------------ checks and the table
 
 
-def check_output(output: Path, source: Path, rows: int, text: bool, args: dict, changed_every: int = 0) -> str:
-    """Every input row once, in input order, scored, with the stand-in's score for its tokens
-    (token inputs: the first row group's rows recomputed from their tokens). Raises AssertionError."""
+def read_output(output, variant: str):
+    """(ids, first option's probability, statuses, calibrated columns or None) of a finished output:
+    Parquet (local or in an object store) or Batch API lines (`row-<i>` custom ids)."""
     import pyarrow.parquet as pq
 
+    from batchscore.io.storage import as_path
+
+    if variant == "openai_batch":
+        ids, p, status = [], [], []
+        with open(output) as lines:
+            for line in lines:
+                record = json.loads(line)
+                ids.append(int(record["custom_id"].removeprefix("row-")))
+                body = record["response"]["body"]
+                p.append(body["scores"]["Yes"])
+                status.append("ok" if record["response"]["status_code"] == 200 else "error")
+        return np.array(ids), np.array(p), status, None
+    with as_path(output).open("rb") as handle:
+        names = pq.read_schema(handle).names
+        handle.seek(0)
+        first = "p_choices" if variant == "choices" else "p_Yes"
+        calibrated = [c for c in ("p_cal_Yes", "confidence") if c in names]
+        table = pq.read_table(handle, columns=["id", first, "status"] + calibrated)
+    column = table.column(first)
+    p = (np.array([values[0] for values in column.to_pylist()]) if variant == "choices"
+         else column.to_numpy())
+    return (table.column("id").to_numpy(), p, table.column("status").to_pylist(),
+            {c: table.column(c) for c in calibrated} or None)
+
+
+def check_output(output, source: Path, rows: int, text: bool, args: dict, changed_every: int = 0,
+                 variant: str = "labels") -> str:
+    """Every input row once, in input order, scored, with the stand-in's score for its tokens
+    (token inputs: the first 20,000 rows recomputed from their tokens). Raises AssertionError."""
     from batchscore.bench.standin import expected_p_first
 
-    calibrated = "p_cal_Yes" in pq.read_schema(output).names
-    table = pq.read_table(output, columns=["id", "p_Yes", "status"] + (["p_cal_Yes", "confidence"] if calibrated else []))
-    ids = table.column("id").to_numpy()
+    ids, p, status, calibrated = read_output(output, variant)
     assert len(ids) == rows, f"the output holds {len(ids)} rows for {rows} input rows"
     if calibrated:
-        assert table.column("p_cal_Yes").null_count == table.column("confidence").null_count == 0, \
+        assert all(column.null_count == 0 for column in calibrated.values()), \
             "a scored row without its calibrated probability or confidence"
     assert np.array_equal(ids, np.arange(rows)), "the output's ids are not every input row once, in input order"
-    assert table.column("status").to_pylist().count("ok") == rows, "rows not scored"
-    if text:
+    assert status.count("ok") == rows, "rows not scored"
+    if text or variant == "openai_batch":
         return f"{rows:,} rows, each once, in input order, all scored"
     checked = min(rows, 20_000)
     tokens = token_rows(np.arange(checked), rows, **args, changed_every=changed_every)
-    p = table.column("p_Yes").to_numpy()[:checked]
     expected = np.array([expected_p_first(t) for t in tokens])
-    assert np.allclose(p, expected, rtol=0, atol=1e-12), "a row's score is not its own tokens' score"
+    assert np.allclose(p[:checked], expected, rtol=0, atol=1e-12), "a row's score is not its own tokens' score"
     return (f"{rows:,} rows, each once, in input order, all scored; the first {checked:,} rows' scores match "
             "their tokens")
 
@@ -331,8 +407,8 @@ def plan_only_bench(rows: int, group_size: int, prefix_len: int, distinct_len: i
     with tempfile.TemporaryDirectory(prefix="batchscore-plan-only-", dir=workdir) as tmp:
         meter.enter("tokens")
         source = generated_rows(Path(tmp), rows, group_size, prefix_len, distinct_len, seed=0)
-        meter.enter("plan")
-        plan = plan_rows(source, PlanOptions(min_prefix_tokens=16))
+        meter.enter("checks")  # plan_rows' own stages follow: sort, intervals, enlarge, groups
+        plan = plan_rows(source, PlanOptions(min_prefix_tokens=16), on_stage=meter.enter)
         meter.enter("ranges")
         ranges = [end - start for start, end in cut_ranges(plan, workers)]
         stages = meter.close()
@@ -370,10 +446,16 @@ def plan_only_bench(rows: int, group_size: int, prefix_len: int, distinct_len: i
               help="Where the input and output go (default: a temporary folder, removed after).")
 @click.option("--calibrate", is_flag=True,
               help="The job calibrates (score.calibrate: batch, margin confidence): fitted over every row's scores.")
+@click.option("--choices", is_flag=True, help="Each row's own two options (input.choices_column) instead of labels.")
+@click.option("--format", "wire", type=click.Choice(["parquet", "openai_batch"]), default="parquet", show_default=True,
+              help="openai_batch: OpenAI Batch API lines in and out (chat prompts tokenized by the built-in model).")
+@click.option("--output", "output_url", default=None, metavar="s3://BUCKET/KEY",
+              help="Write the output to an object store: the project's local S3 test server (moto) is started "
+                   "for the run, on this machine.")
 @click.option("--child", nargs=2, hidden=True, default=None)
 def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, kill: bool, part_rows: int,
           plan_only: bool, workers: int, incremental: float | None, workdir: str | None, calibrate: bool,
-          child: tuple[str, str] | None) -> None:
+          choices: bool, wire: str, output_url: str | None, child: tuple[str, str] | None) -> None:
     """N rows through `batchscore run` with a stand-in engine, killed once and resumed; seconds,
     rows/s, tokens/s and peak RssAnon per stage.
 
@@ -384,6 +466,10 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, ki
         batchscore bench scale --rows 100000000 --plan-only
 
         batchscore bench scale --rows 1000000 --incremental 0.1
+        batchscore bench scale --rows 1000000 --calibrate
+        batchscore bench scale --rows 1000000 --choices
+        batchscore bench scale --rows 1000000 --output s3://bench/scores.parquet
+        batchscore bench scale --rows 1000000 --format openai_batch
     """
     if child:
         child_run(*child)
@@ -397,40 +483,95 @@ def scale(rows: int, group_size: int, prefix: int, distinct: int, text: bool, ki
         except OSError as exc:
             raise click.BadParameter(f"{workdir}: cannot be made a folder ({exc.strerror or exc})",
                                      param_hint="--workdir") from None
-    with tempfile.TemporaryDirectory(prefix="batchscore-scale-", dir=workdir) as tmp:
-        _scale(Path(tmp), rows, group_size, prefix, distinct, text, kill, part_rows, incremental, calibrate)
+    variant = "choices" if choices else "openai_batch" if wire == "openai_batch" else "labels"
+    if choices and wire == "openai_batch":
+        raise click.BadParameter("a Batch line asks its labels: leave out --choices", param_hint="--choices")
+    if output_url is not None and not output_url.startswith("s3://"):
+        raise click.BadParameter("an s3:// URL (the local S3 test server is started for it)", param_hint="--output")
+    if output_url is not None and (incremental is not None or variant == "openai_batch"):
+        raise click.BadParameter("--output s3://… with a Parquet output, one night", param_hint="--output")
+    with tempfile.TemporaryDirectory(prefix="batchscore-scale-", dir=workdir) as tmp, local_s3(output_url):
+        _scale(Path(tmp), rows, group_size, prefix, distinct, text, kill, part_rows, incremental, calibrate,
+               variant, output_url)
+
+
+LEASE_SECONDS = 5  # an object-store output's lease in the children: the resume waits this long after the kill
+
+
+@contextmanager
+def local_s3(url: str | None):
+    """With an s3:// `url`: moto's S3 server on localhost, in this (the measuring) process, its
+    bucket made and its address in the environment the children inherit; else nothing."""
+    if url is None:
+        yield
+        return
+    try:
+        import s3fs
+        from moto import server as moto_server
+    except ImportError:
+        raise click.ClickException("--output s3://… needs moto and s3fs: pip install 'batchscore[dev]'") from None
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_DEFAULT_REGION": "us-east-1", "BATCHSCORE_LEASE_SECONDS": str(LEASE_SECONDS)}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(url[len("s3://"):].split("/")[0])
+        click.echo(f"object store: moto's S3 server at {env['AWS_ENDPOINT_URL']}, output {url}")
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        server.stop()
 
 
 def _scale(tmp: Path, rows: int, group_size: int, prefix: int, distinct: int, text: bool, kill: bool,
-           part_rows: int, incremental: float | None = None, calibrate: bool = False) -> None:
-    if incremental is not None and text:
-        raise click.BadParameter("--incremental edits token rows: leave out --text", param_hint="--incremental")
-    source, output, job = tmp / "input.parquet", tmp / "scores.parquet", tmp / "job.json"
+           part_rows: int, incremental: float | None = None, calibrate: bool = False, variant: str = "labels",
+           output_url: str | None = None) -> None:
+    from batchscore.io.storage import as_path
+    from batchscore.output.layout import OutputFiles
+
+    if incremental is not None and (text or variant != "labels"):
+        raise click.BadParameter("--incremental edits token rows of a labels job: leave out --text, --choices "
+                                 "and --format", param_hint="--incremental")
+    batch = variant == "openai_batch"
+    source, job = tmp / ("input.jsonl" if batch else "input.parquet"), tmp / "job.json"
+    output = output_url or tmp / ("scores.jsonl" if batch else "scores.parquet")
     args = {"group_size": group_size, "prefix_len": prefix, "distinct_len": distinct, "seed": 0}
     started = time.perf_counter()
-    if text:
+    if batch:
+        write_batch_input(source, rows, group_size, prefix, seed=0)
+    elif text:
         write_text_input(source, rows, group_size, prefix, seed=0)
     else:
-        write_token_input(source, rows, **args)
-    kind = "text" if text else "token ids"
+        write_token_input(source, rows, **args, choices=variant == "choices")
+    kind = "Batch API lines" if batch else "text" if text else "token ids" + (", own choices" if variant == "choices" else "")
     click.echo(f"input: {rows:,} rows ({kind}) written in {time.perf_counter() - started:.1f} s")
-    job.write_text(json.dumps(job_dict(source, output, text, part_rows, incremental is not None, calibrate)))
+    job.write_text(json.dumps(job_dict(source, output, text or batch, part_rows, incremental is not None, calibrate,
+                                       variant)))
     parts = -(-rows // part_rows)
     runs = []
     if kill and parts >= 2:
         code = run_child(job, tmp / "killed.json", fault=f"part:{max(1, parts // 2)}")
         if code != -9:
             raise click.ClickException(f"the first run was to be killed (SIGKILL) but exited with {code}")
-        manifest = json.loads((tmp / "_scores.parquet.parts" / "run.manifest.json").read_text())
+        manifest = json.loads(as_path(OutputFiles(str(output)).parts / "run.manifest.json").read_text())
         runs.append(("killed", json.loads((tmp / "killed.json").read_text()),
                      sum(p["end"] - p["start"] for p in manifest["parts"])))
+        if output_url:
+            time.sleep(LEASE_SECONDS + 0.5)  # the killed run's lease ends: a resume may take it over
     code = run_child(job, tmp / "resumed.json", fault=None)
     if code != 0:
         raise click.ClickException(f"the run exited with {code}")
     final = json.loads((tmp / "resumed.json").read_text())
     summary = final["summary"]
     runs.append(("resumed" if runs else "run", final, summary["rows_ok"] - summary["resumed_rows"]))
-    checked = check_output(output, source, rows, text, args)
+    checked = check_output(output, source, rows, text, args, variant=variant)
     tokens_per_row = summary["logical_tokens"] / rows
     click.echo(f"rows: {rows:,}  logical tokens: {summary['logical_tokens']:,}  saving ratio: "
                f"{summary['saving_ratio']:.3f}  resumed rows: {summary['resumed_rows']:,}")

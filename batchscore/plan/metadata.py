@@ -111,9 +111,12 @@ class MetaPlan:
         return Plan(list(self.groups(source)), self.stats)
 
 
-def plan_rows(source: PlanRows, options: PlanOptions = PlanOptions()) -> MetaPlan:
+def plan_rows(source: PlanRows, options: PlanOptions = PlanOptions(), on_stage=None) -> MetaPlan:
     """Plan every row of `source` (store positions 0..N-1) as `build_plan` would plan them.
-    Raises PlanInputError for an empty row and ValueError for an unknown order."""
+    `on_stage(name)`, when given, is called as each step starts ("sort", "intervals", "enlarge",
+    "groups"; bench scale --plan-only times them). Raises PlanInputError for an empty row and
+    ValueError for an unknown order."""
+    stage = on_stage if on_stage is not None else (lambda name: None)
     if options.order not in METADATA_POLICIES:
         raise ValueError(f"the metadata plan orders by {METADATA_POLICIES}, not {options.order!r}")
     flat = source.flat
@@ -128,11 +131,14 @@ def plan_rows(source: PlanRows, options: PlanOptions = PlanOptions()) -> MetaPla
     logical = int(lengths.sum())
     started, cpu_started = time.perf_counter(), time.process_time()
 
+    stage("sort")
     order, lcp = sort_rows(flat, source.max_token, lengths)
+    stage("intervals")
     nodes = _lcp_intervals(lcp)
     saved_multilevel = int(lcp.sum(dtype=np.int64))  # logical - stored tokens: each sorted row stores len - lcp
     del lcp
     plain_leaves = nodes.hi - nodes.lo
+    stage("enlarge")
     shape_parent, shape_leaves = (_enlarge(nodes, options.block_size) if options.enlarge
                                   else (nodes.parent.copy(), plain_leaves.copy()))
     rule = SharingRule(options.min_prefix_tokens, options.block_size)
@@ -142,6 +148,7 @@ def plan_rows(source: PlanRows, options: PlanOptions = PlanOptions()) -> MetaPla
     plain_first = plain_first[plain_first > 0]
     keep_input_order = options.order == "input"
     srjf = _Srjf(flat, options) if options.order == "srjf" else None
+    stage("groups")
     rows, starts, prefix_lens, group_tokens = _groups(nodes, first, order, lengths, rule, keep_input_order, srjf)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
 
@@ -309,13 +316,14 @@ def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.nda
     shortest-remaining-job-first (`srjf`, srjf.py); consecutive flattened rows merge into one plain
     group; members run shortest first, then by position (`input`: by position)."""
     n = len(order)
-    owner = np.full(n, -1, dtype=np.int64)
+    index = np.int32 if n < 2**31 else np.int64  # per-row arrays: half the memory below 2**31 rows
+    owner = np.full(n, -1, dtype=index)
     for i in np.argsort(nodes.depth[first], kind="stable").tolist():  # outermost first: innermost wins
         node = first[i]
         owner[nodes.lo[node] : nodes.hi[node]] = i
     counts = np.bincount(owner[owner >= 0], minlength=len(first))
     shared = _shared_lens(nodes.depth[first], counts, rule)
-    row_owner = np.empty(n, dtype=np.int64)
+    row_owner = np.empty(n, dtype=index)
     row_owner[order] = owner
     in_shared = (row_owner >= 0) & (np.concatenate((shared, [0]))[row_owner] > 0)  # -1: no node
 
@@ -324,7 +332,7 @@ def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.nda
     unit_of_node = np.full(len(first), -1, dtype=np.int64)
     unit_of_node[shared_nodes] = np.arange(len(shared_nodes))
     flat_rows = np.flatnonzero(~in_shared)
-    unit = np.empty(n, dtype=np.int64)
+    unit = np.empty(n, dtype=index)
     unit[in_shared] = unit_of_node[row_owner[in_shared]]
     unit[flat_rows] = len(shared_nodes) + np.arange(len(flat_rows))
     units = len(shared_nodes) + len(flat_rows)
@@ -334,7 +342,7 @@ def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.nda
     prefix[: len(shared_nodes)] = shared[shared_nodes]
     processed = token_sum - (members - 1) * prefix
     first_row = np.full(units, n, dtype=np.int64)
-    np.minimum.at(first_row, unit, np.arange(n, dtype=np.int64))
+    np.minimum.at(first_row, unit, np.arange(n, dtype=index))
     if srjf is not None:
         run_order = _srjf_run_order(srjf, nodes, first, order, lengths, unit, row_owner, prefix, processed,
                                     shared_nodes, flat_rows)
@@ -347,10 +355,10 @@ def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.nda
     opens[0] = True
     opens[1:] |= is_shared[:-1]
     group_of_slot = np.cumsum(opens) - 1
-    group_of_unit = np.empty(units, dtype=np.int64)
+    group_of_unit = np.empty(units, dtype=index)
     group_of_unit[run_order] = group_of_slot
     row_group = group_of_unit[unit]
-    positions = np.arange(n, dtype=np.int64)
+    positions = np.arange(n, dtype=index)
     rows = np.lexsort((positions, row_group)) if keep_input_order else np.lexsort((positions, lengths, row_group))
     groups = int(group_of_slot[-1]) + 1
     sizes = np.bincount(row_group, minlength=groups)
@@ -359,4 +367,4 @@ def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.nda
     prefix_lens[group_of_slot[is_shared]] = prefix[run_order][is_shared]
     group_sum = np.bincount(row_group, weights=lengths, minlength=groups).astype(np.int64)
     group_tokens = group_sum - np.maximum(sizes - 1, 0) * prefix_lens
-    return rows.astype(np.int64), starts, prefix_lens, group_tokens
+    return rows.astype(np.int64, copy=False), starts, prefix_lens, group_tokens

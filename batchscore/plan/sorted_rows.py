@@ -4,8 +4,10 @@ token array (the token store's, memory-mapped) without a Python object per row o
 An MSD radix sort in numpy: rows are sorted on a key of their next few tokens packed into one
 uint64 (4 tokens of 16 bits when every id fits, else 2 of 32), then only the runs of rows whose
 keys tie are sorted again on the following tokens, read from the store, until no tie is left.
-A run still tied first skips the tokens all its rows share (compared `SKIP_WINDOW` at a time): a
-1,000-token shared prefix costs a few rounds, not 250 of 4 tokens each.
+A run still tied first skips every token all its rows share, compared in windows that double
+from `SKIP_WINDOW` (clipped to what the rows have left): a round per level of sharing, whatever
+the shared prefix's length. A batch of at most `SMALL_BATCH` rows sorts by the tree planner's
+memcmp sort instead (fewer fixed costs than the rounds' numpy calls).
 A token is packed as id + 1 and a position past a row's end as 0, so a row that is a prefix of
 another sorts first and integer order is token order: the order equals `tree.lexicographic_order`
 (stable: duplicates keep input order). The common-prefix length of two neighbours falls out of
@@ -195,7 +197,8 @@ def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = Non
     positions = order.copy()  # sorted positions still tied with a neighbour
     runs = None  # the first position of each one's tied run (all one run at first)
     tokens, offsets = (a.view(np.ndarray) if isinstance(a, np.memmap) else a for a in (flat.tokens, flat.offsets))
-    depth = np.zeros(n, dtype=np.int64)  # per tied position: the token its next key word starts at
+    depth = np.zeros(n, dtype=np.int32 if int(lengths.max(initial=0)) < 2**31 - 2 * per_word else np.int64)
+    # depth: per tied position, the token its next key word starts at
     while len(positions) > 1:
         rows = order[positions]
         key = _key_words(tokens, offsets, rows, depth, per_word, bits)
@@ -209,7 +212,7 @@ def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = Non
             same_run = runs[1:] == runs[:-1]
             out_of_order = same_run & (key[1:] < key[:-1])
             if out_of_order.any():
-                run_index = np.cumsum(~np.concatenate(([False], same_run))) - 1
+                run_index = np.cumsum(~np.concatenate(([False], same_run)), dtype=index) - 1
                 needs = np.zeros(int(run_index[-1]) + 1, dtype=bool)
                 needs[run_index[1:][out_of_order]] = True
                 chosen = np.flatnonzero(needs[run_index])
@@ -224,12 +227,14 @@ def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = Non
         lcp[positions[1:][differ]] = depth[1:][differ] + _equal_leading(key[1:][differ] ^ key[:-1][differ],
                                                                         per_word, bits)
         # a chain of equal keys stays tied while any of its rows goes on (all ended: duplicates)
-        chain = np.cumsum(~np.concatenate(([False], equal))) - 1
-        going_on = np.bincount(chain, weights=~ended) > 0
-        same = equal & ~going_on[chain[1:]]
+        chain_starts = np.flatnonzero(~np.concatenate(([False], equal)))
+        going_on = np.logical_or.reduceat(~ended, chain_starts)
+        going_on = np.repeat(going_on, np.diff(np.append(chain_starts, len(equal) + 1)))[1:]  # per pair k-1, k
+        del chain_starts
+        same = equal & ~going_on
         duplicates = np.flatnonzero(same)
         lcp[positions[1:][duplicates]] = lengths[rows[1:][duplicates]]
-        tied = equal & going_on[chain[1:]]
+        tied = equal & going_on
         keep = np.zeros(len(positions), dtype=bool)
         keep[1:] |= tied
         keep[:-1] |= tied
