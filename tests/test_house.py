@@ -99,7 +99,8 @@ def write_csv(table, path, **_):
     pacsv.write_csv(table, path)
 
 
-CSV = register(WireFormat("csv", suffixes=(".csv",), read=read_csv, write=write_csv))
+CSV = register(WireFormat("csv", suffixes=(".csv",), read=read_csv, write=write_csv, keeps_raw_columns=True,
+                          read_output=pacsv.read_csv, window_writer=pacsv.CSVWriter))
 '''
 
 
@@ -113,10 +114,14 @@ def _import_toy(tmp_path, monkeypatch, name: str, source: str):
 
 
 def test_a_toy_csv_wire_format_is_one_module(tmp_path, monkeypatch, small_input, job_factory):
-    """Registered from its own module, a CSV format is read by suffix (`input.format: auto`), written
-    for an `auto` output named .csv, and fingerprinted for the run like any other format."""
+    """Registered from its own module (the one file a format touches), a CSV format is read by suffix
+    (`input.format: auto`), written for an `auto` output named .csv (whole, or window by window),
+    fingerprinted for the run like any other format, read back to re-derive a new calibration
+    without scoring, and read by `batchscore report`."""
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
+
+    from batchscore.output import row_merge
 
     from batchscore.formats.registry import unregister
     from batchscore.jobfile import load_job
@@ -135,6 +140,27 @@ def test_a_toy_csv_wire_format_is_one_module(tmp_path, monkeypatch, small_input,
         total = [a + b for a, b in zip(table.column("p_Yes").to_pylist(), table.column("p_No").to_pylist())]
         assert all(abs(t - 1) < 1e-6 for t in total)
         assert run_job(config, progress=False).skipped  # the CSV input's fingerprint holds: nothing to do
+        # written window by window (6 rows a window: 2 windows), re-derived from its own raw columns, reported
+        monkeypatch.setattr(row_merge, "WINDOW_ROWS", 6)
+        windows, real = [], row_merge.row_windows
+        config.output.path = str(tmp_path / "windows.csv")
+        with monkeypatch.context() as patch:
+            patch.setattr(row_merge, "row_windows", lambda *a, **k: (windows.append(w.rows) or w for w in real(*a, **k)))
+            assert run_job(config, progress=False).complete
+        assert windows == [6, 6] and pacsv.read_csv(tmp_path / "windows.csv").equals(table)
+        calibrated = load_job(job_factory(source, output={"path": str(tmp_path / "windows.csv")},
+                                          score={"calibrate": "batch"}))
+        again = run_job(calibrated, progress=False)
+        assert again.rederived and again.processed_tokens == 0  # nothing scored: the raw columns read back
+        rederived = pacsv.read_csv(tmp_path / "windows.csv")
+        assert rederived.column("p_Yes").equals(table.column("p_Yes")) and "p_cal_Yes" in rederived.column_names
+        from click.testing import CliRunner
+
+        from batchscore.cli import main
+
+        report = CliRunner().invoke(main, ["report", str(tmp_path / "windows.csv")])
+        assert report.exit_code == 0, report.output
+        assert (tmp_path / "_windows.csv.report.html").read_text().lower().startswith("<!doctype html")
     finally:
         unregister("csv")
         sys.modules.pop("toy_csv_format", None)

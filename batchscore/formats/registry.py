@@ -35,8 +35,11 @@ class WireFormat:
     `request_id`: the field each request line carries its id in (the job's row id unless
     `input.id_column` names another; None: rows have no id of their own). `response_lines`: its
     output answers each request with one response line (no raw, calibration or extra columns).
-    `keeps_raw_columns`: an output in it is read back whole with its raw score columns, so its
-    post-processing can be re-derived without scoring (run/rederive.py). `window_writer(path,
+    `keeps_raw_columns`: an output in it holds the raw score columns, each value as it was
+    computed, so with `read_output` its post-processing can be re-derived without scoring
+    (run/rederive.py). `read_output(path)`: a finished output of it read back whole as an Arrow
+    table (re-derive, `output.table`'s commit, `batchscore report`); None: it is not read back.
+    `window_writer(path,
     schema)`: a writer of the output window by window (`write_table(table)`, `close()`; the schema
     carries the run's metadata), so a labels job's output is assembled without holding every row
     (run/assemble.py); None: the output is written whole. `job_problems(config)`: what it refuses
@@ -53,6 +56,7 @@ class WireFormat:
     request_id: str | None = None
     response_lines: bool = False
     keeps_raw_columns: bool = False
+    read_output: Callable[..., object] | None = None
     window_writer: Callable[..., object] | None = None
     job_problems: Callable[..., list[str]] | None = None
     output_suffixes: tuple[str, ...] | None = None  # what `output.format: auto` writes in it (None: `suffixes`)
@@ -104,6 +108,13 @@ def output_names() -> tuple[str, ...]:
 def suffix_formats() -> dict[str, str]:
     """{suffix: format name} for `input.format: auto` and folder inputs."""
     return {suffix: name for name, f in formats().items() for suffix in f.suffixes}
+
+
+def format_of_path(path) -> WireFormat | None:
+    """The format `auto` gives a file by its suffix (an output's or an input's), or None."""
+    suffix = Path(str(path)).suffix.lower()
+    found = [f for f in formats().values() if suffix in f.auto_output_suffixes or suffix in f.suffixes]
+    return found[0] if found else None
 
 
 def named_input_format(config) -> WireFormat | None:

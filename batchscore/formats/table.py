@@ -19,6 +19,14 @@ def write_parquet(table, path, **_) -> None:
     write_parquet_atomic(table, path)
 
 
+def read_parquet(path) -> pa.Table:
+    """A finished Parquet output read back whole (local or in an object store)."""
+    from batchscore.io.storage import as_path
+
+    with as_path(path).open("rb") as handle:
+        return pq.read_table(handle)
+
+
 def read_jsonl(path, batch_rows: int, columns, json_columns):
     # a column kept as its line's own JSON (questions, token ids) is read strictly: no key twice
     return jsonl_batches(path, batch_rows, columns=columns, json_columns=json_columns, unique_keys=bool(json_columns))
@@ -52,6 +60,6 @@ class JsonlWindowWriter:
 
 
 PARQUET = register(WireFormat("parquet", suffixes=(".parquet", ".pq"), dataset=True, write=write_parquet,
-                              keeps_raw_columns=True, window_writer=pq.ParquetWriter))
+                              keeps_raw_columns=True, read_output=read_parquet, window_writer=pq.ParquetWriter))
 JSONL = register(WireFormat("jsonl", suffixes=(".jsonl", ".ndjson", ".json"), read=read_jsonl, write=write_jsonl,
                             output_suffixes=(".jsonl", ".ndjson"), window_writer=JsonlWindowWriter))

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import logging
 
-import pyarrow.parquet as pq
-
 from batchscore.errors import OutputError
 from batchscore.faults import fault_point
-from batchscore.io.storage import as_path
 
 log = logging.getLogger("batchscore")
 
@@ -30,9 +27,10 @@ RECENT_COMMITS = 50  # a run resumed the same night finds its commit among these
 
 
 def publish(table_config, output, id_name: str, run: str, lineage: dict[str, str],
-            storage_options: dict | None = None) -> int:
-    """Commit the finished `output` (a Parquet file) to the Delta table `table_config` names; returns
-    the table version that holds it (the existing one when this run was published already)."""
+            storage_options: dict | None = None, read_output=None) -> int:
+    """Commit the finished `output` (read back by its format's `read_output`) to the Delta table
+    `table_config` names; returns the table version that holds it (the existing one when this run
+    was published already)."""
     try:
         from deltalake import CommitProperties, DeltaTable, write_deltalake
         from deltalake.exceptions import TableNotFoundError
@@ -50,8 +48,10 @@ def publish(table_config, output, id_name: str, run: str, lineage: dict[str, str
                 log.info("output.table: %s already holds this run (version %s): nothing committed", path,
                          commit.get("version"))
                 return int(commit["version"])
-    with as_path(output).open("rb") as handle:
-        rows = pq.read_table(handle)
+    if read_output is None:
+        raise OutputError(f"output.table: {output} is in a format that is not read back into a table; write "
+                          "the output as Parquet")
+    rows = read_output(output)
     rows = rows.replace_schema_metadata(None)  # the Parquet file's lineage goes to the commit instead
     missing = [c for c in table_config.partition_by if c not in rows.column_names]
     if missing:

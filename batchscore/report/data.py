@@ -118,6 +118,14 @@ def _read_table(path: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from batchscore.formats.registry import format_of_path
+
+    wire = format_of_path(path)  # a format that reads its outputs back (Parquet, a registered CSV format)
+    if wire is not None and wire.read_output is not None:
+        try:
+            return _in_page_layout(wire.read_output(path))
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise ReportError(f"{path}: not a readable {wire.name} file ({exc})") from None
     with path.open("rb") as handle:
         parquet = handle.read(4) == b"PAR1"
     try:

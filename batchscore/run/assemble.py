@@ -74,9 +74,9 @@ def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx
                                      approx_keep=approx_keep)
                 if writer is None:
                     fault_point("assemble")
-                    writer = output_format_of(config).window_writer(  # the run, in the schema
-                        tmp, with_metadata(table, provenance(job)).schema)
-                writer.write_table(table.cast(writer.schema))
+                    schema = with_metadata(table, provenance(job)).schema  # the run, in the schema
+                    writer = output_format_of(config).window_writer(tmp, schema)
+                writer.write_table(table.cast(schema))  # a window's all-null column typed as the first's
                 written += table.num_rows
                 errors.update({row + window.start: message for row, message in local.items()})
         finally:

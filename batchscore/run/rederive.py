@@ -23,7 +23,6 @@ import logging
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchscore.output import layout
 from batchscore.formats import write_output
@@ -40,7 +39,10 @@ def rederive_problem(config, source) -> str | None:
     problem = source.task.rederive_problem  # the job's task may keep no raw columns
     if problem is not None:
         return problem
-    if source.output_format is None or not source.output_format.keeps_raw_columns:
+    wire = source.output_format
+    if wire is None or wire.response_lines:
+        return f"a {config.output_format} output answers each request in a line of its own"
+    if source.task.rederive is None and (not wire.keeps_raw_columns or wire.read_output is None):
         return f"a {config.output_format} output is not read back with its raw columns to re-derive from"
     if content_free_rows(config):
         return "contextual calibration scores a content-free input beside the rows"
@@ -55,8 +57,7 @@ def rederive_output(job: PreparedJob, files) -> tuple[dict[int, str], QualityRes
         return job.task.rederive(job, files)
     config, prepared = job.config, job.input
     id_name = config.input.id_column or layout.DEFAULT_ID
-    with files.path.open("rb") as handle:
-        finished = pq.read_table(handle)
+    finished = job.source.output_format.read_output(files.output)
     labels = list(config.labels) if config.labels else None
     raw = layout.score_column_names(labels or [], labels is None, config.output.logprobs)
     raw = [name for name in raw if name not in (layout.LABEL, layout.CHOICE, layout.CHOICE_INDEX)]

@@ -542,7 +542,7 @@ def _publish(source: JobSource, output_hash: str) -> int | None:
     lineage = {"batchscore.version": __version__, "batchscore.model": str(config.model),
                "batchscore.output": str(source.output.output), "batchscore.job": str(config.source or "")}
     return publish(config.output.table, source.output.output, config.input.id_column or DEFAULT_ID, run, lineage,
-                   config.output.storage_options)
+                   config.output.storage_options, source.output_format.read_output)
 
 
 def _carried(source: JobSource, files, digests: np.ndarray) -> tuple:

@@ -64,7 +64,7 @@ def _assemble(job, scores, errors: dict[int, str], content_free, files, approx_k
     lines = getattr(output_format, "response_lines", False)
     failed, quality = write_decision_output(job.config, job.input.task_input, scores, errors, files,
                                             str(job.config.model), job_usage(job) if lines else None, provenance(job))
-    if getattr(output_format, "keeps_raw_columns", False):  # a table re-derives: its reads' raw scores beside it
+    if not lines:  # a table re-derives: its reads' raw scores beside it
         write_reads(files.reads, identity_hash(job.source.identity), scores, errors)
     fault_point("output")
     return failed, quality
