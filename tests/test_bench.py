@@ -460,6 +460,20 @@ def test_bench_scale_calibrate_runs_the_calibrated_job_killed_and_resumed(tmp_pa
     assert "check: 2,000 rows, each once, in input order, all scored" in result.output
 
 
+@pytest.mark.slow  # two child runs each: make test-all
+@pytest.mark.parametrize("variant", [["--choices"], ["--format", "openai_batch"], ["--output", "s3://bench/scores.parquet"]])
+def test_bench_scale_variants_run_killed_and_resumed(tmp_path, variant):
+    """`bench scale` with each row's own choices, with OpenAI Batch lines in and out, and into an
+    object store (moto's local S3 server): the real run path, killed once and resumed, every row once."""
+    result = CliRunner().invoke(main_cli(), ["bench", "scale", "--rows", "1000", "--part-rows", "200", *variant,
+                                             "--workdir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "killed run" in result.output and "resumed run" in result.output
+    assert "check: 1,000 rows, each once, in input order, all scored" in result.output
+    if variant != ["--format", "openai_batch"]:  # token rows: each row's score is its own tokens'
+        assert "the first 1,000 rows' scores match their tokens" in result.output
+
+
 @pytest.mark.slow  # three child runs: make test-all
 def test_bench_scale_incremental_scores_exactly_the_edited_rows(tmp_path):
     """`bench scale --incremental 0.1`: the second night scores every 10th row (edited) and carries
