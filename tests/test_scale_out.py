@@ -174,3 +174,39 @@ def test_ray_two_workers_match_one_worker_even_when_a_worker_dies(job_factory, g
     assert proc.returncode == 0, out
     assert killed, "the run ended before a worker could be killed"
     assert_same_scores(output, reference)
+
+
+@pytest.mark.slow  # two shard processes at once (two model loads)
+def test_shards_started_together_tokenize_the_set_once(job_factory, grouped_input, tmp_path):
+    """Two shards started at the same moment: one claims the store's build and tokenizes, the other
+    waits for the published store and reuses it; together they write the one-process run's rows."""
+    job = job_factory(grouped_input)
+    output = tmp_path / "out.parquet"
+    procs = [subprocess.Popen([sys.executable, "-m", "batchscore.cli", "-v", "run", str(job), "-q", "-o", str(output),
+                               "--shard", f"{i}/2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    built = [log.count("built the token store") for log in logs]
+    assert sorted(built) == [0, 1], logs  # tokenized once, by one of them
+    assert any("reused the token store" in log for log in logs)
+    table = pq.read_table(output).to_pandas()
+    assert len(table) == 12 and (table["status"] == "ok").all()
+    assert not OutputFiles(output).parts.exists()
+
+
+def test_a_stale_build_claim_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch):
+    """A build claim refreshed within CLAIM_STALE_SECONDS belongs to a shard still tokenizing: it is
+    not taken; one older than that belongs to a shard that died: the next shard takes it over."""
+    from batchscore.run import shards
+
+    claim = tmp_path / "tokens.building"
+    assert shards._claim(claim, "shard-0-of-2") and not shards._claim(claim, "shard-1-of-2")
+    assert shards._holder(claim).startswith("shard-0-of-2 pid ")
+    old = time.time() - shards.CLAIM_STALE_SECONDS - 5
+    os.utime(claim, (old, old))
+    assert shards._claim(claim, "shard-1-of-2") and shards._holder(claim).startswith("shard-1-of-2 ")
+    shards._release(claim, "shard-0-of-2")  # not its claim any more: left alone
+    assert claim.exists()
+    shards._release(claim, "shard-1-of-2")
+    assert not claim.exists()

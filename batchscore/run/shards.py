@@ -4,10 +4,12 @@ A static shard (`--shard I/N`) is an independent process, maybe on another machi
 coordinator: to find its share it needs the whole job's plan, so it needs every row's tokens.
 The token store lets the set do that work once: the set's store lives in the parts folder beside
 the shards' parts (`_<output>.parts/tokens`, as a one-process run's does). A shard that finds a
-complete store of the same content there reuses it (no tokenizing); otherwise it tokenizes into a
-folder of its own and publishes it by renaming it into place, and a shard that loses that race
-drops its copy and reads the winner's. Shards started together therefore each tokenize (as
-before the store), shards started later (or a `run` of one of them resumed) do not. Each shard
+complete store of the same content there reuses it (no tokenizing); otherwise it claims the build
+(`tokens.building`, created exclusively and refreshed every few seconds while it tokenizes into a
+folder of its own), publishes the store by renaming it into place and drops the claim. A shard
+that finds the build claimed waits for the store instead of tokenizing the same rows again; a
+claim not refreshed for CLAIM_STALE_SECONDS belongs to a builder that died, and the next shard
+takes it over. Shards started together therefore tokenize the set's rows once. Each shard
 then plans from the store (a few integers a row), takes its share with the placement every shard
 computes alike (run/ranges.place_shares) and scores it, reading its rows memory-mapped.
 
@@ -22,6 +24,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 
 from batchscore.io.storage import remove_tree
@@ -31,16 +36,42 @@ from batchscore.store.tokens import TokenStore
 log = logging.getLogger("batchscore")
 
 
+CLAIM_STALE_SECONDS = 60.0  # a build claim not refreshed for this long: its shard died, another builds
+CLAIM_REFRESH_SECONDS = 5.0
+WAIT_POLL_SECONDS = 0.5
+
+
 def set_store(source, folder, writer: str, progress=None):
     """(PreparedJob, TokenStore): the shard set's store in `folder` (the parts folder's `tokens`,
-    or a local folder of the job's identity), reused when complete and of this content, else built
-    in a folder of this writer's beside it and published (`progress(n)`: rows read). A refused input
-    leaves no folder of this shard's behind."""
+    or a local folder of the job's identity), reused when complete and of this content; else, when
+    another shard is building it, waited for; else built in a folder of this writer's beside it
+    and published (`progress(n)`: rows read). A refused input leaves no folder of this shard's behind."""
     folder = Path(folder)
-    if TokenStore.reusable(folder, source.identity) is not None:
-        return build_store(source, folder, progress)  # reused: no tokenizing
+    claim = folder.with_name(f"{folder.name}.building")
+    waited = False
+    while True:
+        if TokenStore.reusable(folder, source.identity) is not None:
+            return build_store(source, folder, progress)  # reused: no tokenizing
+        if _claim(claim, writer):
+            break
+        if not waited:
+            log.info("%s: another shard (%s) is tokenizing the set's rows; waiting for its store", writer,
+                     _holder(claim))
+            waited = True
+        _wait_while_claimed(claim, folder)
+    try:
+        return _build(source, folder, writer, progress, claim)
+    finally:
+        _release(claim, writer)
+
+
+def _build(source, folder: Path, writer: str, progress, claim: Path):
+    """Tokenize into this writer's own folder (refreshing `claim` meanwhile) and publish it."""
     private = folder.with_name(f"{folder.name}.{writer}")
     existed = folder.parent.exists()
+    stop = threading.Event()
+    refresher = threading.Thread(target=_refresh, args=(claim, stop), daemon=True)
+    refresher.start()
     try:
         job, _ = build_store(source, private, progress)  # a resumed shard may reuse its own unpublished copy
     except BaseException:
@@ -48,7 +79,71 @@ def set_store(source, folder, writer: str, progress=None):
         if not existed:
             _remove_if_empty(folder.parent)
         raise
+    finally:
+        stop.set()
+        refresher.join()
     return job, _publish(private, folder, source.identity, writer)
+
+
+def _claim(claim: Path, writer: str) -> bool:
+    """Whether this writer now holds the build claim: created exclusively, or taken over from a
+    builder that stopped refreshing it."""
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        age = time.time() - claim.stat().st_mtime
+    except FileNotFoundError:
+        age = None
+    if age is not None and age > CLAIM_STALE_SECONDS:
+        log.warning("%s: the build claim of %s was last refreshed %.0f s ago; taking it over", writer,
+                    _holder(claim), age)
+        _remove_if_there(claim)
+    try:
+        with open(claim, "x") as handle:
+            handle.write(f"{writer} pid {os.getpid()} on {socket.gethostname()}\n")
+        return True
+    except FileExistsError:
+        return False
+
+
+def _wait_while_claimed(claim: Path, folder: Path) -> None:
+    """Sleep until the claim is gone (its store published, or its builder failed) or stale."""
+    while True:
+        try:
+            if time.time() - claim.stat().st_mtime > CLAIM_STALE_SECONDS:
+                return
+        except FileNotFoundError:
+            return
+        if (folder / "manifest.json").exists():  # published: the claim goes next
+            return
+        time.sleep(WAIT_POLL_SECONDS)
+
+
+def _refresh(claim: Path, stop: threading.Event) -> None:
+    while not stop.wait(CLAIM_REFRESH_SECONDS):
+        try:
+            os.utime(claim)
+        except FileNotFoundError:
+            return
+
+
+def _release(claim: Path, writer: str) -> None:
+    """Drop this writer's claim (left alone when another shard took it over meanwhile)."""
+    if _holder(claim).split(" ")[0] == writer:
+        _remove_if_there(claim)
+
+
+def _holder(claim: Path) -> str:
+    try:
+        return claim.read_text().strip() or "a shard"
+    except OSError:
+        return "a shard"
+
+
+def _remove_if_there(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _publish(private: Path, folder: Path, identity: dict, writer: str) -> TokenStore:
