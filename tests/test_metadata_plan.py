@@ -138,3 +138,21 @@ def test_an_unknown_order_is_refused_and_an_empty_row_is_named():
     rows = RequestRows(FlatTokens(np.asarray([1, 2], np.int32), np.asarray([0, 2, 2])), np.asarray([4, 9]), 2, [None] * 2)
     with pytest.raises(Exception, match="row 9: empty"):
         plan_rows(rows, PlanOptions())
+
+
+@pytest.mark.parametrize("name", ["industry", "table3_a"])
+def test_owners_painted_by_depth_equal_the_slice_loop(name):
+    """metadata._owners: whole depths painted at once (a few positions at a time) give the owners
+    painting each first-level node's range by a slice, outermost first, gives."""
+    from batchscore.plan import metadata
+
+    prompts = WORKLOADS[name](**({"num_requests": 3000} if name == "industry" else {}))
+    order, lcp = sort_rows(FlatTokens.from_arrays(prompts), max(int(p.max()) for p in prompts))
+    nodes = metadata._lcp_intervals(lcp)
+    parent, leaves = metadata._enlarge(nodes, 1)
+    first = np.flatnonzero((parent == 0) & (leaves > 0))
+    first = first[first > 0]
+    lo, hi, depth = nodes.lo[first], nodes.hi[first], nodes.depth[first]
+    by_slices = metadata._owners(len(order), lo, hi, depth, np.int64, few=len(first) + 1)
+    assert (by_slices >= 0).any()
+    assert np.array_equal(metadata._owners(len(order), lo, hi, depth, np.int32, few=0, budget=7), by_slices)

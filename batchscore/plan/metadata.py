@@ -317,10 +317,7 @@ def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.nda
     group; members run shortest first, then by position (`input`: by position)."""
     n = len(order)
     index = np.int32 if n < 2**31 else np.int64  # per-row arrays: half the memory below 2**31 rows
-    owner = np.full(n, -1, dtype=index)
-    for i in np.argsort(nodes.depth[first], kind="stable").tolist():  # outermost first: innermost wins
-        node = first[i]
-        owner[nodes.lo[node] : nodes.hi[node]] = i
+    owner = _owners(n, nodes.lo[first], nodes.hi[first], nodes.depth[first], index)
     counts = np.bincount(owner[owner >= 0], minlength=len(first))
     shared = _shared_lens(nodes.depth[first], counts, rule)
     row_owner = np.empty(n, dtype=index)
@@ -358,9 +355,8 @@ def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.nda
     group_of_unit = np.empty(units, dtype=index)
     group_of_unit[run_order] = group_of_slot
     row_group = group_of_unit[unit]
-    positions = np.arange(n, dtype=index)
-    rows = np.lexsort((positions, row_group)) if keep_input_order else np.lexsort((positions, lengths, row_group))
     groups = int(group_of_slot[-1]) + 1
+    rows = _members_in_run_order(row_group, groups, None if keep_input_order else lengths)
     sizes = np.bincount(row_group, minlength=groups)
     starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     prefix_lens = np.zeros(groups, dtype=np.int64)
@@ -368,3 +364,38 @@ def _groups(nodes: _Nodes, first: np.ndarray, order: np.ndarray, lengths: np.nda
     group_sum = np.bincount(row_group, weights=lengths, minlength=groups).astype(np.int64)
     group_tokens = group_sum - np.maximum(sizes - 1, 0) * prefix_lens
     return rows.astype(np.int64, copy=False), starts, prefix_lens, group_tokens
+
+
+def _owners(n: int, lo: np.ndarray, hi: np.ndarray, depth: np.ndarray, index, few: int = 32,
+            budget: int = 1 << 24) -> np.ndarray:
+    """[n]: for each sorted position, the first-level node (its index in lo/hi/depth) whose range
+    holds it, the deepest when ranges nest (a forked node nests in its old ancestor), -1 for none.
+    Ranges are painted outermost first; ranges of one depth never nest, so a depth with many
+    ranges is painted in one numpy step (at most `budget` positions at a time), a few by slices."""
+    owner = np.full(n, -1, dtype=index)
+    by_depth = np.argsort(depth, kind="stable")
+    cuts = np.flatnonzero(np.diff(depth[by_depth])) + 1
+    sizes = hi - lo
+    for batch in np.split(by_depth, cuts):
+        if len(batch) < few:
+            for i in batch.tolist():
+                owner[lo[i] : hi[i]] = i
+            continue
+        ends = np.cumsum(sizes[batch])
+        for part in np.split(batch, np.unique(np.searchsorted(ends, np.arange(budget, ends[-1], budget)))):
+            part_sizes = sizes[part]
+            first_slot = np.cumsum(part_sizes) - part_sizes
+            covered = np.repeat(lo[part] - first_slot, part_sizes) + np.arange(int(part_sizes.sum()))
+            owner[covered] = np.repeat(part.astype(index), part_sizes)
+    return owner
+
+
+def _members_in_run_order(row_group: np.ndarray, groups: int, lengths: np.ndarray | None) -> np.ndarray:
+    """Store positions by (group, length, position) (`lengths` None: by (group, position)): one
+    stable sort of a combined key, not lexsort's pass per key (a third of the time at 100M rows)."""
+    if lengths is None:
+        return np.argsort(row_group, kind="stable")
+    longest = int(lengths.max()) + 1
+    if groups * longest >= 2**63:
+        return np.lexsort((np.arange(len(row_group)), lengths, row_group))
+    return np.argsort(row_group.astype(np.int64) * longest + lengths, kind="stable")
