@@ -20,6 +20,8 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Mapping
+from typing import Iterator
 
 import pyarrow as pa
 
@@ -171,13 +173,36 @@ def _text_or_none(value):
     return value if isinstance(value, str) else None
 
 
+LINES_CHUNK = 65_536  # rows turned into lines at a time: the whole table's Python values never held at once
+
+
 def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: str,
-                       created: int | None = None, usage: dict[int, tuple[int, int]] | None = None,
+                       created: int | None = None, usage: Mapping[int, tuple[int, int]] | None = None,
                        row_errors: dict | None = None) -> tuple[list[str], list[str]]:
     """(output lines, error lines) of the OpenAI Batch API for the results table. `usage`: row ->
     (prompt tokens, cached tokens) (output/token_usage.py), for each answer's `usage`; `row_errors`:
     row -> its RowError (the table's row i is row i), whose kind picks a failed line's status."""
+    ok, failed = [], []
+    for chunk_ok, chunk_failed in _line_chunks(table, id_name, labels, model, created, usage, row_errors):
+        ok += chunk_ok
+        failed += chunk_failed
+    return ok, failed
+
+
+def _line_chunks(table: pa.Table, id_name: str, labels: list[str], model: str, created: int | None,
+                 usage: Mapping[int, tuple[int, int]] | None, row_errors: dict | None,
+                 chunk: int = LINES_CHUNK, answers: bool = True) -> Iterator[tuple[list[str], list[str]]]:
+    """`openai_batch_lines`, LINES_CHUNK rows at a time: (output lines, error lines) per chunk
+    (`answers` False: the error lines only, the answers' bodies not built)."""
     created = int(time.time()) if created is None else created
+    usage = usage if usage is not None else {}
+    for start in range(0, table.num_rows, chunk):
+        yield _chunk_lines(table.slice(start, chunk), start, id_name, labels, model, created, usage, row_errors or {},
+                           answers)
+
+
+def _chunk_lines(table: pa.Table, start: int, id_name: str, labels: list[str], model: str, created: int,
+                 usage: Mapping, row_errors: dict, answers: bool = True) -> tuple[list[str], list[str]]:
     column = {name: table.column(name).to_pylist() for name in
               [id_name, layout.LABEL, layout.LABEL_MASS, layout.STATUS, layout.ERROR,
                *map(layout.label_column, labels)]}
@@ -188,21 +213,24 @@ def openai_batch_lines(table: pa.Table, id_name: str, labels: list[str], model: 
     approx = table.column(layout.APPROX_KEEP).to_pylist() if layout.APPROX_KEEP in table.column_names else None
     ok, failed = [], []
     for i in range(table.num_rows):
+        row = start + i
         custom_id = column[id_name][i]
         custom_id = None if custom_id is None else str(custom_id)
-        key = line_key(i, custom_id)
+        key = line_key(row, custom_id)
         if column[layout.STATUS][i] == layout.STATUS_OK:
+            if not answers:
+                continue
             probs = {label: column[layout.label_column(label)][i] for label in labels}
             body = completion_body(key, created, model, column[layout.LABEL][i], probs,
                                    column[layout.LABEL_MASS][i], completions=str(urls[i] or "").endswith("/v1/completions"),
-                                   usage=(usage or {}).get(i), reply=json.loads(replies[i]) if replies[i] else None)
+                                   usage=usage.get(row), reply=json.loads(replies[i]) if replies[i] else None)
             if calibrated:
                 body[CALIBRATED_SCORES] = {label: values[i] for label, values in calibrated.items()}
             if approx is not None:
                 body[layout.APPROX_KEEP] = approx[i]  # speculative prefill: the scores are approximate
             ok.append(response_line(key, custom_id, body))
         else:
-            failed.append(error_line(key, custom_id, (row_errors or {}).get(i)
+            failed.append(error_line(key, custom_id, row_errors.get(row)
                                      or RowError(NOT_SCORED, column[layout.ERROR][i] or "not scored")))
     return ok, failed
 
@@ -305,9 +333,11 @@ def write_batch(table: pa.Table, path, *, id_name: str, labels: list[str], model
                 usage=None, row_errors=None, **_) -> None:
     """The output file and the error file (`error_path`), the error file first; each answer's
     `usage` as given (row -> (prompt tokens, cached tokens); none without it)."""
-    ok, failed = openai_batch_lines(table, id_name, labels, model, usage=usage, row_errors=row_errors)
-    write_lines(error_path, failed)
-    write_lines(path, ok)
+    created = int(time.time())  # one `created` for both files, written a chunk of rows at a time
+    write_lines(error_path, (line for _, failed in _line_chunks(table, id_name, labels, model, created, usage,
+                                                                 row_errors, answers=False) for line in failed))
+    write_lines(path, (line for ok, _ in _line_chunks(table, id_name, labels, model, created, usage, row_errors)
+                       for line in ok))
 
 
 def job_problems(config) -> list[str]:

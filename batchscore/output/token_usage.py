@@ -11,7 +11,8 @@ lines') counts each shared prefix once as computed and every other use as cached
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Mapping
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -39,7 +40,29 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def store_usage(tokens, num_rows: int) -> dict[int, tuple[int, int]]:
+class StoreUsage(Mapping):
+    """row_id -> (prompt tokens, cached tokens), held as two arrays indexed by row (16 bytes a row,
+    not a dict entry and a tuple per row); a row without a prompt (an input error) is absent."""
+
+    def __init__(self, rows: np.ndarray, prompt: np.ndarray, cached: np.ndarray, num_rows: int) -> None:
+        self._prompt = np.full(num_rows, -1, dtype=np.int64)
+        self._cached = np.zeros(num_rows, dtype=np.int64)
+        self._prompt[rows] = prompt
+        self._cached[rows] = cached
+
+    def __getitem__(self, row: int) -> tuple[int, int]:
+        if not 0 <= row < len(self._prompt) or self._prompt[row] < 0:
+            raise KeyError(row)
+        return int(self._prompt[row]), int(self._cached[row])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self._prompt >= 0).tolist())
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._prompt >= 0))
+
+
+def store_usage(tokens, num_rows: int) -> StoreUsage:
     """`prompt_usage` of a token store's rows (store/tokens.TokenStore) without a request per row:
     the rows sorted once (plan/sorted_rows: the same token order, ties in input order), each one's
     cached part its common prefix with the row before it. Positions past `num_rows` (the
@@ -52,7 +75,7 @@ def store_usage(tokens, num_rows: int) -> dict[int, tuple[int, int]]:
     order, lcp = sort_rows(flat, tokens.max_token)
     lengths = flat.lengths[order]
     cached = np.minimum(lcp, np.maximum(lengths - 1, 0))
-    return dict(zip(row_ids[order].tolist(), zip(lengths.tolist(), cached.tolist())))
+    return StoreUsage(row_ids[order], lengths, cached, num_rows)
 
 
 def job_usage(job) -> dict[int, tuple[int, int]]:
