@@ -111,7 +111,8 @@ def test_plan_only_plans_generated_token_rows_with_plan_rows(tmp_path):
     from batchscore.bench.scale_bench import generated_rows, scale, token_rows
 
     source = generated_rows(tmp_path, 10_000, group_size=5, prefix_len=40, distinct_len=8, seed=0, chunk=3_000)
-    assert np.array_equal(np.asarray(source.flat.tokens).reshape(10_000, 48), token_rows(np.arange(10_000), 10_000, 5, 40, 8, 0))
+    expected_tokens = token_rows(np.arange(10_000), 10_000, 5, 40, 8, 0)
+    assert np.array_equal(np.asarray(source.flat.tokens).reshape(10_000, 48), expected_tokens)
     meta = plan_rows(source, PlanOptions(min_prefix_tokens=16))
     assert len(meta) == 2_000 and (meta.prefix_lens == 40).all() and (np.diff(meta.starts) == 5).all()
     assert meta.stats.processed_tokens == 2_000 * (40 + 5 * 8)

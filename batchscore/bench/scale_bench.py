@@ -418,7 +418,8 @@ def plan_only_bench(rows: int, group_size: int, prefix_len: int, distinct_len: i
                f"{plan.stats.saving_ratio:.3f}, {workers} ranges of {min(ranges):,}..{max(ranges):,} groups")
     for line in stage_table(stages, {s: rows for s in stages}, {s: rows * (prefix_len + distinct_len) for s in stages}):
         click.echo(line)
-    click.echo(f"total {sum(s['seconds'] for s in stages.values()):.1f} s (plan_seconds {plan.stats.plan_seconds:.1f}), "
+    total = sum(s["seconds"] for s in stages.values())
+    click.echo(f"total {total:.1f} s (plan_seconds {plan.stats.plan_seconds:.1f}), "
                f"peak RssAnon {max(s['peak_anon'] for s in stages.values()) / 2**30:.2f} GiB")
 
 
