@@ -97,9 +97,12 @@ def test_onednn_linear_equals_the_linear_layer_and_keeps_its_weights():
     assert layer.weight.data_ptr() == weight
 
 
-def test_linears_switch_only_when_onednn_is_measured_faster(monkeypatch):
-    """The choice follows the timing: MKL kept unless oneDNN is MIN_GAIN faster."""
-    def decide(mkl_seconds, onednn_seconds):
+def test_linears_switch_only_when_onednn_is_measured_faster(monkeypatch, tmp_path):
+    """The choice follows the timing: MKL kept unless oneDNN is MIN_GAIN faster; it is measured
+    once per machine and recorded, so a later process (here: the cache cleared) runs the recorded
+    kernel without timing, whatever the timing would say now."""
+    def decide(mkl_seconds, onednn_seconds, home):
+        monkeypatch.setenv("BATCHSCORE_HOME", str(home))
         times = iter([mkl_seconds, onednn_seconds])
         monkeypatch.setattr(cpu_linear, "_best_seconds", lambda call: next(times))
         cpu_linear._faster_gemm.cache_clear()
@@ -109,10 +112,26 @@ def test_linears_switch_only_when_onednn_is_measured_faster(monkeypatch):
         return kernel, all(type(m) is cpu_linear.OneDNNLinear for m in linears)
 
     try:
-        assert decide(2.0, 1.0) == ("onednn", True)
-        assert decide(0.9, 1.0) == ("mkl", False)
+        assert decide(2.0, 1.0, tmp_path / "a") == ("onednn", True)
+        assert decide(0.9, 1.0, tmp_path / "b") == ("mkl", False)
+        (recorded,) = (tmp_path / "b" / "kernels").glob("linear-*.txt")
+        assert recorded.read_text().startswith("mkl\n")
+        assert decide(2.0, 1.0, tmp_path / "b") == ("mkl", False)  # recorded: not timed again
+        recorded.unlink()  # deleted: measured again
+        assert decide(2.0, 1.0, tmp_path / "b") == ("onednn", True)
     finally:
         cpu_linear._faster_gemm.cache_clear()
+
+
+def test_the_first_recorded_kernel_choice_wins(monkeypatch, tmp_path):
+    """Two processes measuring at once may disagree; the first to record its choice wins, and the
+    other runs that one too (the same bits in every shard and worker of a machine)."""
+    monkeypatch.setenv("BATCHSCORE_HOME", str(tmp_path))
+    key = cpu_linear._choice_key((1536, 576), "float32", 2)
+    assert cpu_linear._record_choice(key, "onednn") == "onednn"
+    assert cpu_linear._record_choice(key, "mkl") == "onednn"
+    assert cpu_linear._recorded_choice(key) == "onednn"
+    assert cpu_linear._recorded_choice(key.replace("2 threads", "1 threads")) is None  # another key
 
 
 def test_the_audit_gets_plain_linears_on_the_weights_the_engine_ran(monkeypatch):

@@ -56,6 +56,23 @@ def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str]:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_model_and_flags(path: str = "/proc/cpuinfo") -> str:
+    """This CPU's model name and a digest of its flags: what a kernel choice measured here holds for."""
+    import hashlib
+
+    name = "unknown CPU"
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = hashlib.sha256(" ".join(sorted(_cpuinfo_flags(path))).encode()).hexdigest()[:12]
+    return f"{name} (flags {flags})"
+
+
+@functools.lru_cache(maxsize=1)
 def cpu_bf16() -> CpuBf16:
     """This CPU's native bfloat16 support. torch's own checks when it has them (they also see
     whether the OS lets this process use AMX tiles), else the flags of /proc/cpuinfo; and in both

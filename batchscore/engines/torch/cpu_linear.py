@@ -14,18 +14,25 @@ follow (micro 1000/100, 128 requests, alternating in one process: float32 within
 ~6% slower packed), and the packed copy is anonymous memory where a checkpoint's weights are
 memory-mapped (docs/performance.md).
 
-Which one runs is measured, not assumed: at engine start one linear of the model's own largest
-shape is timed through MKL and oneDNN in the model's dtype (about 0.2 s; once per process,
-shape, dtype and thread count), and the layers switch to oneDNN only when it is at least
-`MIN_GAIN` faster (1.0: not slower; in bfloat16 `F.linear` is oneDNN already: the same bits).
+Which one runs is measured, not assumed: one linear of the model's own largest shape is timed
+through MKL and oneDNN in the model's dtype (about 0.2 s), and the layers switch to oneDNN only
+when it is at least `MIN_GAIN` faster (1.0: not slower; in bfloat16 `F.linear` is oneDNN
+already: the same bits). The choice is measured once per machine and recorded
+(`$BATCHSCORE_HOME/kernels/linear-<key>.txt`, the key naming the CPU, its flags, torch, the ISA
+holds, dtype, shape and threads; the first process to record wins): the two kernels round
+differently, so a choice timed anew in each process would let a busy moment change a row's low
+bits between two runs, two shards or two Ray workers of one job. Delete the file to measure again.
 Not in batch-invariant mode: its row-invariance check covers MKL's kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -100,13 +107,19 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 @functools.lru_cache(maxsize=16)
 def _faster_gemm(shape: tuple[int, int], dtype: str, threads: int) -> str:
     """"onednn" when oneDNN runs a [TIMED_ROWS, in] x [in, out] linear at least MIN_GAIN faster
-    than `F.linear` (best of a few calls each), else "mkl"."""
+    than `F.linear` (best of a few calls each), else "mkl": this machine's recorded choice for the
+    key, or measured now and recorded."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = shape
     weight = torch.randn(out_features, in_features, generator=generator).to(getattr(torch, dtype))
     x = torch.randn(TIMED_ROWS, in_features, generator=generator).to(weight.dtype)
     try:
         check_forced("onednn-linears")
+        key = _choice_key(shape, dtype, threads)
+        recorded = _recorded_choice(key)
+        if recorded is not None:
+            log.info("linear layers: %s (recorded for this machine in %s)", recorded, _choice_path(key))
+            return recorded
         with torch.inference_mode():
             mkl = _best_seconds(lambda: torch.nn.functional.linear(x, weight))
             onednn = _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
@@ -116,7 +129,54 @@ def _faster_gemm(shape: tuple[int, int], dtype: str, threads: int) -> str:
     kernel = "onednn" if mkl >= MIN_GAIN * onednn else "mkl"
     log.info("linear layers: %s (%s [%d, %d] x [%d, %d], %d threads: MKL %.2f ms, oneDNN %.2f ms)", kernel,
              dtype, TIMED_ROWS, in_features, in_features, out_features, threads, mkl * 1e3, onednn * 1e3)
-    return kernel
+    return _record_choice(key, kernel)
+
+
+KERNELS = ("mkl", "onednn")
+
+
+def _choice_key(shape: tuple[int, int], dtype: str, threads: int) -> str:
+    """What a recorded choice holds for: this CPU (model name and flags), torch, the ISA holds
+    (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), the dtype, the shape and the thread count."""
+    from batchscore.engines.cpu_features import cpu_model_and_flags
+
+    holds = ",".join(f"{name}={os.environ.get(name, '')}" for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"))
+    return f"{cpu_model_and_flags()}|torch {torch.__version__}|{holds}|{dtype}|{shape[0]}x{shape[1]}|{threads} threads"
+
+
+def _choice_path(key: str) -> Path:
+    from batchscore.models import batchscore_home
+
+    return batchscore_home() / "kernels" / f"linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt"
+
+
+def _recorded_choice(key: str) -> str | None:
+    try:
+        kernel, recorded_key = _choice_path(key).read_text().split("\n", 2)[:2]
+    except (OSError, ValueError):
+        return None
+    return kernel if kernel in KERNELS and recorded_key == key else None
+
+
+def _record_choice(key: str, kernel: str) -> str:
+    """Record `kernel` for `key` unless another process did first; returns the recorded choice
+    (the first one's: every process of the machine then runs the same kernel). Not recorded where
+    the folder cannot be written: the measured choice is used."""
+    path = _choice_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(f"{kernel}\n{key}\n")
+        try:
+            os.link(tmp, path)  # fails when the file exists: the first record stays
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        log.info("linear layers: the choice is not recorded (%s)", exc)
+        return kernel
+    return _recorded_choice(key) or kernel
 
 
 def _best_seconds(call, repeats: int = 3) -> float:
