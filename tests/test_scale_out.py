@@ -210,3 +210,17 @@ def test_a_stale_build_claim_is_taken_over_and_a_live_one_is_not(tmp_path, monke
     assert claim.exists()
     shards._release(claim, "shard-1-of-2")
     assert not claim.exists()
+
+
+def test_a_shard_refused_for_its_input_leaves_the_output_folder_as_it_was(job_factory, grouped_input, tmp_path):
+    """A shard whose input is refused (a prompt field no column holds: exit 3) leaves no parts
+    folder, build claim or lock file behind."""
+    from batchscore.errors import EXIT_INPUT
+
+    job = job_factory(grouped_input, prompt={"template": "Query: {no_such_column}"})
+    output = tmp_path / "out" / "scores.parquet"
+    output.parent.mkdir()
+    result = invoke("run", job, "-q", "-o", output, "--shard", "0/2")
+    assert result.exit_code == EXIT_INPUT, result.output
+    assert "no_such_column" in result.output
+    assert list(output.parent.iterdir()) == []

@@ -49,9 +49,11 @@ class StoreUsage(Mapping):
         self._cached = np.zeros(num_rows, dtype=np.int64)
         self._prompt[rows] = prompt
         self._cached[rows] = cached
+        self._count = int(np.count_nonzero(self._prompt >= 0))  # asked per record: counted once
 
-    def __getitem__(self, row: int) -> tuple[int, int]:
-        if not 0 <= row < len(self._prompt) or self._prompt[row] < 0:
+    def __getitem__(self, row) -> tuple[int, int]:
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < len(self._prompt) \
+                or self._prompt[row] < 0:
             raise KeyError(row)
         return int(self._prompt[row]), int(self._cached[row])
 
@@ -59,7 +61,7 @@ class StoreUsage(Mapping):
         return iter(np.flatnonzero(self._prompt >= 0).tolist())
 
     def __len__(self) -> int:
-        return int(np.count_nonzero(self._prompt >= 0))
+        return self._count
 
 
 def store_usage(tokens, num_rows: int) -> StoreUsage:

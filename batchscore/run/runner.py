@@ -494,13 +494,14 @@ def _refuse_planted_links(parts_folder: Path, writer: str) -> None:
 def token_folder(source: JobSource, store: PartStore) -> Path:
     """Where a run keeps its token store: in its parts folder, or, for an output in an object
     store (a memory map needs a local file; the parts stay in the store, so a resume anywhere
-    finds them), in a local folder named by the job's identity under $BATCHSCORE_HOME, which a
+    finds them), in a local folder named by the job's identity and output under $BATCHSCORE_HOME, which a
     resume on this machine reuses, any other machine builds again, and the shards of a set on
     one machine share. Ray actors open it at the same path (on a cluster: a $BATCHSCORE_HOME
     every node mounts, as a local output's parts folder must be)."""
     if not store.files.remote:
         return store_folder(store.folder)
-    return batchscore_home() / "token-stores" / identity_digest(source.identity)
+    # the output named too: two jobs of one content into two outputs never share (or remove) one folder
+    return batchscore_home() / "token-stores" / identity_digest({**source.identity, "output": str(store.files.output)})
 
 
 def _finish(source: JobSource, store: PartStore) -> None:

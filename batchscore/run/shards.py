@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from batchscore.io.storage import remove_tree
-from batchscore.store.build import build_store
+from batchscore.store.build import build_store, reused_store
 from batchscore.store.tokens import TokenStore
 
 log = logging.getLogger("batchscore")
@@ -48,27 +48,30 @@ def set_store(source, folder, writer: str, progress=None):
     and published (`progress(n)`: rows read). A refused input leaves no folder of this shard's behind."""
     folder = Path(folder)
     claim = folder.with_name(f"{folder.name}.building")
+    existed = folder.parent.exists()  # before the claim makes it: a refused input leaves none behind
     waited = False
     while True:
-        if TokenStore.reusable(folder, source.identity) is not None:
-            return build_store(source, folder, progress)  # reused: no tokenizing
+        store = TokenStore.reusable(folder, source.identity)
+        if store is not None:
+            return reused_store(source, store, progress), store  # no tokenizing, the store verified once
         if _claim(claim, writer):
             break
         if not waited:
             log.info("%s: another shard (%s) is tokenizing the set's rows; waiting for its store", writer,
                      _holder(claim))
             waited = True
-        _wait_while_claimed(claim, folder)
+        _wait_while_claimed(claim)
     try:
-        return _build(source, folder, writer, progress, claim)
+        return _build(source, folder, writer, progress, claim, existed)
     finally:
         _release(claim, writer)
+        if not existed:
+            _remove_if_empty(folder.parent)
 
 
-def _build(source, folder: Path, writer: str, progress, claim: Path):
+def _build(source, folder: Path, writer: str, progress, claim: Path, existed: bool):
     """Tokenize into this writer's own folder (refreshing `claim` meanwhile) and publish it."""
     private = folder.with_name(f"{folder.name}.{writer}")
-    existed = folder.parent.exists()
     stop = threading.Event()
     refresher = threading.Thread(target=_refresh, args=(claim, stop), daemon=True)
     refresher.start()
@@ -76,8 +79,6 @@ def _build(source, folder: Path, writer: str, progress, claim: Path):
         job, _ = build_store(source, private, progress)  # a resumed shard may reuse its own unpublished copy
     except BaseException:
         remove_tree(private)
-        if not existed:
-            _remove_if_empty(folder.parent)
         raise
     finally:
         stop.set()
@@ -105,15 +106,13 @@ def _claim(claim: Path, writer: str) -> bool:
         return False
 
 
-def _wait_while_claimed(claim: Path, folder: Path) -> None:
-    """Sleep until the claim is gone (its store published, or its builder failed) or stale."""
+def _wait_while_claimed(claim: Path) -> None:
+    """Sleep until the claim is gone (its builder published the store, or failed) or stale."""
     while True:
         try:
             if time.time() - claim.stat().st_mtime > CLAIM_STALE_SECONDS:
                 return
         except FileNotFoundError:
-            return
-        if (folder / "manifest.json").exists():  # published: the claim goes next
             return
         time.sleep(WAIT_POLL_SECONDS)
 

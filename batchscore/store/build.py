@@ -38,7 +38,7 @@ def build_store(source: JobSource, folder, progress: Callable[[int], None] | Non
     if reuse and source.identity:
         store = TokenStore.reusable(folder, source.identity)
         if store is not None:
-            return _reused(source, store, progress), store
+            return reused_store(source, store, progress), store
     writer = StoreWriter(folder, source.identity)
     if source.task.read_into is not None and config.input.synthetic is None:  # the rows streamed into the store
         job = source.task.read_into(source, writer, progress)
@@ -68,7 +68,7 @@ def _release_read_buffers() -> None:
     release_free_memory()
 
 
-def _reused(source: JobSource, store: TokenStore, progress) -> PreparedJob:
+def reused_store(source: JobSource, store: TokenStore, progress=None) -> PreparedJob:
     """The PreparedJob of a job whose store is reused: its ids and kept columns read again
     (cheap: no rendering, no tokenizing), its errors, label ids and content-free row from the store."""
     job = source.task.prepare(source.config, source, False, progress)

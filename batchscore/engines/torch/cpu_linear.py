@@ -170,11 +170,13 @@ def _record_choice(key: str, kernel: str) -> str:
         try:
             os.link(tmp, path)  # fails when the file exists: the first record stays
         except FileExistsError:
-            pass
+            if _recorded_choice(key) is None:  # unreadable or of another key: replaced, not kept forever
+                os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
     except OSError as exc:
-        log.info("linear layers: the choice is not recorded (%s)", exc)
+        log.warning("linear layers: the kernel choice could not be recorded in %s (%s): each process measures "
+                    "its own, and rows' low bits may differ between processes", path.parent, exc)
         return kernel
     return _recorded_choice(key) or kernel
 

@@ -82,7 +82,7 @@ def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: R
     tops = scores.top_logp.to_pylist() if scores.top_logp is not None else None
     if getattr(output_format_of(config), "response_lines", False):  # one Batch API line per record
         return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels),
-                            usage or {}), QualityResult()  # usage: read -> its prompt's (tokens, cached tokens)
+                            usage if usage is not None else {}), QualityResult()  # usage: read -> its prompt's (tokens, cached tokens)
     return _write_table(config, decisions, logp, tops, errors, files, provenance or {})
 
 
@@ -112,7 +112,7 @@ def _record_body(record: Record, logp: list, tops: list | None, errors: dict[int
                  reply: dict | None = None) -> tuple[dict | None, str | None]:
     """(the response body, None) or (None, why the record failed). `usage`: read -> its prompt's
     (tokens, cached tokens); `reply`: what a chat/completions line asks its answer to show."""
-    usage = usage or {}
+    usage = usage if usage is not None else {}
     if record.error is not None:
         return None, record.error
     if record.request is None:  # a chat/completions line: one read over the job's labels
