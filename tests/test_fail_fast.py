@@ -34,10 +34,9 @@ def job_with_a_long_row(tmp_path, long_row: int = 17):
     return tokens
 
 
-@pytest.mark.parametrize("from_store", [True, False])
-def test_a_run_scores_its_longest_prompt_first_then_every_row_in_plan_order(tmp_path, monkeypatch, from_store):
-    """Through the run path (from the token store, and from a list of requests): the stand-in
-    engine's first call is the longest prompt alone; then the plan, every row once."""
+def test_a_run_scores_its_longest_prompt_first_then_every_row_in_plan_order(tmp_path, monkeypatch):
+    """Through the run path (from the token store): the stand-in engine's first call is the longest
+    prompt alone; then the plan, every row once."""
     from batchscore.bench.standin import HashScores
     from batchscore.jobfile import config_from_dict
     from batchscore.run.runner import run_job
@@ -48,10 +47,7 @@ def test_a_run_scores_its_longest_prompt_first_then_every_row_in_plan_order(tmp_
 
     monkeypatch.setattr(local, "FAIL_FAST_MIN_PASSES", 1)  # this small job is ~2 longest prompts of work
     built = []
-    if from_store:
-        monkeypatch.setattr(runner, "build_store", lambda *a: built.append(1) or build_store(*a))
-    else:
-        monkeypatch.setattr(runner, "reads_from_store", lambda *_: False)
+    monkeypatch.setattr(runner, "build_store", lambda *a: built.append(1) or build_store(*a))
     job_with_a_long_row(tmp_path)
     config = config_from_dict({"input": {"path": str(tmp_path / "in.parquet"), "token_ids_column": "tokens"},
                                "labels": ["Yes", "No"], "model": "smollm2-135m-instruct",
@@ -68,7 +64,7 @@ def test_a_run_scores_its_longest_prompt_first_then_every_row_in_plan_order(tmp_
     summary = run_job(config, progress=False, engine_factory=lambda *_: Recording())
     assert calls[0] == [[17]]  # the largest pass, alone, first
     assert sorted(r for group in calls[1] for r in group) == list(range(30))  # then the plan: every row once
-    assert summary.rows_ok == 30 and built == ([1] if from_store else [])
+    assert summary.rows_ok == 30 and built == [1]
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("row_id").to_pylist() == list(range(30))
 

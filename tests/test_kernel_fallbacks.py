@@ -28,14 +28,17 @@ from tests.test_torch_engine import FLOAT32_TOLERANCE, LABELS, make_groups, refe
 
 @pytest.fixture(autouse=True)
 def fresh_fallbacks():
-    """Each test starts with no path fallen back (the log line is once per process)."""
-    fallback._FELL_BACK.clear()
-    cpu_features.cpu_bf16.cache_clear()
-    cpu_features.onednn_bfloat16.cache_clear()
+    """Each test starts with no path fallen back (the log line is once per process) and no linear
+    kernel chosen yet in this process (an earlier in-process run of another test file chose one)."""
+    from batchscore.engines.torch import cpu_linear
+
+    for clear in (fallback._FELL_BACK.clear, cpu_features.cpu_bf16.cache_clear,
+                  cpu_features.onednn_bfloat16.cache_clear, cpu_linear._faster_gemm.cache_clear):
+        clear()
     yield
-    fallback._FELL_BACK.clear()
-    cpu_features.cpu_bf16.cache_clear()
-    cpu_features.onednn_bfloat16.cache_clear()
+    for clear in (fallback._FELL_BACK.clear, cpu_features.cpu_bf16.cache_clear,
+                  cpu_features.onednn_bfloat16.cache_clear, cpu_linear._faster_gemm.cache_clear):
+        clear()
 
 
 def warnings_of(caplog) -> list[str]:

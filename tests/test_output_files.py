@@ -22,7 +22,7 @@ def test_every_file_beside_an_output_is_named_once(tmp_path):
     files = OutputFiles(str(tmp_path / "out.parquet"))
     assert [p.name for p in files.all_siblings()] == [
         "_out.parquet.lock", "_out.parquet.parts", "_out.parquet.complete.json", "_out.parquet.report.html",
-        "_out.parquet.rows"]
+        "_out.parquet.rows", "_out.parquet.reads"]
     assert files.lock("shard-0-of-3").name == "_out.parquet.shard-0-of-3.lock" and files.path == tmp_path / "out.parquet"
     batch = output_files(config_from_dict({"input": {"path": "in.jsonl", "format": "openai_batch"},
                                                   "labels": ["Yes", "No"], "output": {"path": "/x/batch.jsonl"}}))

@@ -518,6 +518,7 @@ def local_s3(url: str | None):
            "AWS_DEFAULT_REGION": "us-east-1", "BATCHSCORE_LEASE_SECONDS": str(LEASE_SECONDS)}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()  # a client made before (another endpoint) is not reused
     try:
         s3fs.S3FileSystem(skip_instance_cache=True).mkdir(url[len("s3://"):].split("/")[0])
         click.echo(f"object store: moto's S3 server at {env['AWS_ENDPOINT_URL']}, output {url}")
@@ -528,6 +529,7 @@ def local_s3(url: str | None):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
 
 
