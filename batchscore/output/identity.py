@@ -283,4 +283,4 @@ def describe_changes(before: dict, now: dict) -> list[str]:
                 changes.append(f"the resolved engine.{key} ({old_engine.get(key)} → {new_engine.get(key)})")
     elif old_engine != new_engine:
         changes.append(f"the engine ({old_engine} → {new_engine})")
-    return changes or ["the number of workers or shards"]
+    return changes or ["the number of workers or shards, or how rows are placed on them (parts of an older batchscore)"]
