@@ -220,8 +220,15 @@ def test_sample_job_rows_are_bit_identical_across_runs(tmp_path):
     from batchscore.bench.invariance import CONTEXTS, measure
     from tests.conftest import REPO
 
-    results = measure(str(REPO / "jobs" / "sample.yaml"), dtype="float32", batch_invariant=True, rows=40,
-                      job_rows=None, workdir=tmp_path, device="cpu", budget=700)
+    from batchscore.errors import JobConfigError
+
+    try:
+        results = measure(str(REPO / "jobs" / "sample.yaml"), dtype="float32", batch_invariant=True, rows=40,
+                          job_rows=None, workdir=tmp_path, device="cpu", budget=700)
+    except JobConfigError as exc:  # the mode refuses by name where this CPU's kernels are not row-invariant
+        if "not bit-identical" not in str(exc):
+            raise
+        pytest.skip(f"engine.batch_invariant refused here: {exc}")
     assert [r.context for r in results] == list(CONTEXTS)
     for result in results:
         assert (result.identical, result.max_dp, result.flips) == (40, 0.0, 0), result

@@ -59,7 +59,14 @@ def test_with_batch_invariance_an_incremental_night_is_a_full_runs_output_bit_fo
     first, second = _nights(tmp_path, small_input)
     output = tmp_path / "out" / "scores.parquet"
     invariant = {"engine": {"kind": "torch", "dtype": "float32", "token_budget": 1024, "batch_invariant": True}}
-    _run(tmp_path, first, output, **invariant)
+    from batchscore.errors import JobConfigError
+
+    try:
+        _run(tmp_path, first, output, **invariant)
+    except JobConfigError as exc:  # the mode refuses by name where this CPU's kernels are not row-invariant
+        if "not bit-identical" not in str(exc):
+            raise
+        pytest.skip(f"engine.batch_invariant refused here: {exc}")
     night2, out2 = _run(tmp_path, second, output, **invariant)
     assert (night2.carry.carried, night2.carry.scored) == (10, 3)
     _, fresh = _run(tmp_path, second, tmp_path / "fresh" / "scores.parquet", output={"mode": "full"}, **invariant)
