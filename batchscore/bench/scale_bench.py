@@ -142,21 +142,16 @@ def row_choices(ids: np.ndarray) -> np.ndarray:
 def write_batch_input(path: Path, rows: int, group_size: int, words: int, seed: int, chunk: int = 100_000) -> None:
     """OpenAI Batch API lines (chat/completions): a document as the system message, asked
     `group_size` questions (lines of one document apart in the file), each line `row-<i>`."""
-    vocabulary = np.array(DOCUMENT_WORDS)
     with open(path, "w") as handle:
         for start in range(0, rows, chunk):
             ids = np.arange(start, min(start + chunk, rows))
-            position = shuffled(ids, rows)
-            docs = position // group_size
-            picks = _mix(np.uint64(seed) * np.uint64(1 << 40) + docs[:, None].astype(np.uint64) * np.uint64(words)
-                         + np.arange(words, dtype=np.uint64)) % np.uint64(len(vocabulary))
-            texts = [" ".join(row) for row in vocabulary[picks.astype(np.int64)].tolist()]
+            texts, asked = document_texts(ids, rows, group_size, words, seed)
             handle.writelines(json.dumps({
                 "custom_id": f"row-{i}", "method": "POST", "url": "/v1/chat/completions",
                 "body": {"model": "smollm2-135m-instruct", "messages": [
                     {"role": "system", "content": f"Article: {text}"},
                     {"role": "user", "content": f"{QUESTIONS[q % len(QUESTIONS)]} Answer Yes or No."}]},
-            }) + "\n" for i, text, q in zip(ids.tolist(), texts, (position % group_size).tolist()))
+            }) + "\n" for i, text, q in zip(ids.tolist(), texts, asked.tolist()))
 
 
 def token_rows(ids: np.ndarray, rows: int, group_size: int, prefix_len: int, distinct_len: int,
@@ -189,23 +184,31 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def document_texts(ids: np.ndarray, rows: int, group_size: int, words: int, seed: int,
+                   vocabulary=DOCUMENT_WORDS) -> tuple[list[str], np.ndarray]:
+    """(each row's document text, its question index within its document) for input rows `ids`:
+    documents of `words` words drawn from `vocabulary`, `group_size` rows each, rows of one
+    document apart in the input (`shuffled`)."""
+    vocabulary = np.array(vocabulary)
+    position = shuffled(ids, rows)
+    docs = position // group_size
+    picks = _mix(np.uint64(seed) * np.uint64(1 << 40) + docs[:, None].astype(np.uint64) * np.uint64(words)
+                 + np.arange(words, dtype=np.uint64)) % np.uint64(len(vocabulary))
+    return [" ".join(row) for row in vocabulary[picks.astype(np.int64)].tolist()], position % group_size
+
+
 def write_text_input(path: Path, rows: int, group_size: int, words: int, seed: int, chunk: int = 200_000) -> None:
     """Text prompts: documents of `words` words, each asked `group_size` questions (rows of one
     document apart in the file, as rows of a real table usually are)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    vocabulary = np.array(DOCUMENT_WORDS)
     schema = pa.schema([("id", pa.int64()), ("document", pa.string()), ("question", pa.string())])
     with pq.ParquetWriter(path, schema) as writer:
         for start in range(0, rows, chunk):
             ids = np.arange(start, min(start + chunk, rows))
-            position = shuffled(ids, rows)
-            docs = position // group_size
-            picks = _mix(np.uint64(seed) * np.uint64(1 << 40) + docs[:, None].astype(np.uint64) * np.uint64(words)
-                         + np.arange(words, dtype=np.uint64)) % np.uint64(len(vocabulary))
-            text = [" ".join(row) for row in vocabulary[picks.astype(np.int64)].tolist()]
-            questions = [QUESTIONS[q % len(QUESTIONS)] for q in (position % group_size).tolist()]
+            text, asked = document_texts(ids, rows, group_size, words, seed)
+            questions = [QUESTIONS[q % len(QUESTIONS)] for q in asked.tolist()]
             writer.write_table(pa.table({"id": pa.array(ids), "document": text, "question": questions}, schema=schema))
 
 

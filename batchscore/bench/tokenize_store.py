@@ -28,7 +28,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from batchscore.bench.scale_bench import _mix, shuffled, write_token_input  # one row generator for both benches
+from batchscore.bench.scale_bench import document_texts, write_token_input  # one row generator for both benches
 
 WORDS = ("market", "energy", "council", "report", "league", "season", "policy", "growth", "film", "music", "school",
          "health", "court", "budget", "storm", "river", "company", "price", "shares", "record", "minister",
@@ -41,17 +41,12 @@ TEMPLATE = "Article: {document}\n\nQuestion: {question} Answer Yes or No.\nAnswe
 def write_text_jsonl(path: Path, rows: int, group_size: int = 5, words: int = 55, seed: int = 0,
                      chunk: int = 100_000) -> None:
     """Documents of `words` words, each asked `group_size` questions, one JSON line per question."""
-    vocabulary = np.array(WORDS)
     with open(path, "w", encoding="utf-8") as out:
         for start in range(0, rows, chunk):
             ids = np.arange(start, min(start + chunk, rows))
-            position = shuffled(ids, rows)
-            docs = position // group_size
-            picks = _mix(np.uint64(seed) * np.uint64(1 << 40) + docs[:, None].astype(np.uint64) * np.uint64(words)
-                         + np.arange(words, dtype=np.uint64)) % np.uint64(len(vocabulary))
-            lines = (json.dumps({"id": int(i), "document": " ".join(doc), "question": QUESTIONS[q % len(QUESTIONS)]})
-                     for i, doc, q in zip(ids.tolist(), vocabulary[picks.astype(np.int64)].tolist(),
-                                          (position % group_size).tolist()))
+            texts, asked = document_texts(ids, rows, group_size, words, seed, WORDS)
+            lines = (json.dumps({"id": int(i), "document": doc, "question": QUESTIONS[q % len(QUESTIONS)]})
+                     for i, doc, q in zip(ids.tolist(), texts, asked.tolist()))
             out.write("\n".join(lines) + "\n")
 
 
