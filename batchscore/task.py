@@ -75,8 +75,10 @@ class Task:
     built from (None, or no such function: the scores may depend on any part of the input, which is
     then fingerprinted whole). `read_into(source, writer, progress)`: the `PreparedJob`, its rows
     tokenized straight into a token store's writer (store/tokens.StoreWriter), no request list kept
-    (None: `prepare`, then its requests appended). `windowed`: its output can be written window by
-    window (run/assemble.py) when the job's columns need only each row's own results.
+    (None: `prepare`, then its requests appended). `window_columns(job)`: its output can be written
+    window by window (run/assemble.py) when the job's columns need only each row's own results:
+    returns `columns(scores, ok, start, end)`, the task's columns for rows [start, end) from their
+    scores (`ok`: which of them scored) — None: the task assembles its whole table at once.
     `segments`: its reading can be split into segments of the input read apart (Ray tasks,
     store/segments.py).
     """
@@ -100,7 +102,7 @@ class Task:
     default: bool = False
     input_columns: Callable[[Any], InputColumns | None] | None = None
     read_into: Callable[..., Any] | None = None
-    windowed: bool = False
+    window_columns: Callable[[Any], Callable[..., dict]] | None = None
     segments: bool = False
 
 

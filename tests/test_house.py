@@ -113,6 +113,26 @@ def _import_toy(tmp_path, monkeypatch, name: str, source: str):
     return importlib.import_module(name)
 
 
+def _count_windows(monkeypatch, rows: int) -> list[int]:
+    """Windows of `rows` rows in the windowed assembly; returns the rows of each window written."""
+    from batchscore.output import row_merge
+
+    windows, real = [], row_merge.row_windows
+    monkeypatch.setattr(row_merge, "WINDOW_ROWS", rows)
+    monkeypatch.setattr(row_merge, "row_windows", lambda *a, **k: (windows.append(w.rows) or w for w in real(*a, **k)))
+    return windows
+
+
+def _report(output) -> str:
+    from click.testing import CliRunner
+
+    from batchscore.cli import main
+
+    report = CliRunner().invoke(main, ["report", str(output)])
+    assert report.exit_code == 0, report.output
+    return OutputFiles(output).report.read_text()
+
+
 def test_a_toy_csv_wire_format_is_one_module(tmp_path, monkeypatch, small_input, job_factory):
     """Registered from its own module (the one file a format touches), a CSV format is read by suffix
     (`input.format: auto`), written for an `auto` output named .csv (whole, or window by window),
@@ -120,8 +140,6 @@ def test_a_toy_csv_wire_format_is_one_module(tmp_path, monkeypatch, small_input,
     without scoring, and read by `batchscore report`."""
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
-
-    from batchscore.output import row_merge
 
     from batchscore.formats.registry import unregister
     from batchscore.jobfile import load_job
@@ -141,12 +159,9 @@ def test_a_toy_csv_wire_format_is_one_module(tmp_path, monkeypatch, small_input,
         assert all(abs(t - 1) < 1e-6 for t in total)
         assert run_job(config, progress=False).skipped  # the CSV input's fingerprint holds: nothing to do
         # written window by window (6 rows a window: 2 windows), re-derived from its own raw columns, reported
-        monkeypatch.setattr(row_merge, "WINDOW_ROWS", 6)
-        windows, real = [], row_merge.row_windows
+        windows = _count_windows(monkeypatch, 6)
         config.output.path = str(tmp_path / "windows.csv")
-        with monkeypatch.context() as patch:
-            patch.setattr(row_merge, "row_windows", lambda *a, **k: (windows.append(w.rows) or w for w in real(*a, **k)))
-            assert run_job(config, progress=False).complete
+        assert run_job(config, progress=False).complete
         assert windows == [6, 6] and pacsv.read_csv(tmp_path / "windows.csv").equals(table)
         calibrated = load_job(job_factory(source, output={"path": str(tmp_path / "windows.csv")},
                                           score={"calibrate": "batch"}))
@@ -154,29 +169,61 @@ def test_a_toy_csv_wire_format_is_one_module(tmp_path, monkeypatch, small_input,
         assert again.rederived and again.processed_tokens == 0  # nothing scored: the raw columns read back
         rederived = pacsv.read_csv(tmp_path / "windows.csv")
         assert rederived.column("p_Yes").equals(table.column("p_Yes")) and "p_cal_Yes" in rederived.column_names
-        from click.testing import CliRunner
-
-        from batchscore.cli import main
-
-        report = CliRunner().invoke(main, ["report", str(tmp_path / "windows.csv")])
-        assert report.exit_code == 0, report.output
-        assert (tmp_path / "_windows.csv.report.html").read_text().lower().startswith("<!doctype html")
+        assert _report(tmp_path / "windows.csv").lower().startswith("<!doctype html")
     finally:
         unregister("csv")
         sys.modules.pop("toy_csv_format", None)
 
 
+def test_a_toy_engine_kind_runs_a_windowed_job_that_re_derives_and_reports(tmp_path, monkeypatch, small_input,
+                                                                          job_factory):
+    """The toy engine kind of tests/test_engine_registry.py (one module and its registration) runs
+    a job written in 2 windows; a new calibration re-derives its output without scoring;
+    `batchscore report` reads it."""
+    import pyarrow.parquet as pq
+
+    from batchscore.engines.registry import unregister
+    from batchscore.jobfile import load_job
+    from batchscore.run.runner import run_job
+
+    from .test_engine_registry import TOY_MODULE
+
+    output = tmp_path / "uniform.parquet"
+    windows = _count_windows(monkeypatch, 6)
+    try:
+        _import_toy(tmp_path, monkeypatch, "toy_uniform_engine_house", TOY_MODULE)
+        summary = run_job(load_job(job_factory(small_input, engine={"kind": "uniform"},
+                                               output={"path": str(output)})), progress=False)
+        assert summary.complete and summary.rows == 12 and summary.execution.resolved["kind"] == "uniform"
+        assert windows == [6, 6]
+        table = pq.read_table(output)
+        assert table.column("p_Yes").to_pylist() == [0.5] * 12
+        again = run_job(load_job(job_factory(small_input, engine={"kind": "uniform"}, output={"path": str(output)},
+                                             score={"calibrate": "batch"})), progress=False)
+        assert again.rederived and again.processed_tokens == 0
+        assert pq.read_table(output).column("p_Yes").equals(table.column("p_Yes"))
+        assert _report(output).lower().startswith("<!doctype html")
+    finally:
+        unregister("uniform")
+        sys.modules.pop("toy_uniform_engine_house", None)
+
+
 TOY_PAIRWISE = '''
-"""A toy task: which of two responses is better, P(A), one column per input row."""
+"""A toy task: which of two responses is better, P(A), one column per input row; written window
+by window, re-derived from its own output (a change of kept columns scores nothing), reported on a
+page of its own."""
+import html
+
+import numpy as np
 import pyarrow as pa
 
 from batchscore.formats import write_output
-from batchscore.output.layout import DEFAULT_ID
+from batchscore.output.layout import DEFAULT_ID, ERROR, STATUS, STATUS_OK
 from batchscore.output.table import ok_rows, scores_table
 from batchscore.scores.normalize import score_columns
 from batchscore.scores.quality import QualityResult
-from batchscore.task import Task, register
-from batchscore.tasks.labels import prepare
+from batchscore.task import Task, TaskPage, register
+from batchscore.tasks.labels import prepare, read_into
 
 FIELDS = ("{prompt}", "{response_a}", "{response_b}")
 
@@ -189,22 +236,52 @@ def job_problems(config):
     return [] if list(config.labels) == ["A", "B"] else ["labels: a pairwise job scores the labels [A, B]"]
 
 
-def assemble(job, scores, errors, content_free, files, approx_keep):
+def window_columns(job):
+    def columns(scores, ok, start, end):
+        return {"p_a": score_columns(labels=["A", "B"], choices=None, scores=scores, ok=ok)["p_A"]}
+    return columns
+
+
+def _write(job, files, columns, errors):
     config, prepared = job.config, job.input
-    ok = ok_rows(prepared.num_rows, errors)
-    columns = score_columns(labels=["A", "B"], choices=None, scores=scores, ok=ok)
     id_name = config.input.id_column or DEFAULT_ID
-    table = scores_table(prepared.ids, id_name, prepared.kept, {"p_a": columns["p_A"]}, errors)
+    table = scores_table(prepared.ids, id_name, prepared.kept, columns, errors)
     write_output(table, files.output, config.output_format, id_name=id_name, labels=["A", "B"],
                  model=str(config.model), error_path=files.errors, row_errors=errors)
     return errors, QualityResult()  # no calibration or review
+
+
+def assemble(job, scores, errors, content_free, files, approx_keep):
+    ok = ok_rows(job.input.num_rows, errors)
+    return _write(job, files, window_columns(job)(scores, ok, 0, job.input.num_rows), errors)
+
+
+def rederive(job, files):
+    finished = job.source.output_format.read_output(files.output)
+    if finished.num_rows != job.input.num_rows or "p_a" not in finished.column_names:
+        return None  # not this job\'s rows: scored again
+    status, messages = finished.column(STATUS).to_pylist(), finished.column(ERROR).to_pylist()
+    errors = {row: messages[row] for row, value in enumerate(status) if value != STATUS_OK}
+    return _write(job, files, {"p_a": finished.column("p_a").combine_chunks()}, errors)
+
+
+def render(path, table, summary, note, *, previous=None, truth=None):
+    p = np.asarray(table.column("p_a").to_numpy(zero_copy_only=False), dtype=float)
+    counts = np.histogram(p[~np.isnan(p)], bins=10, range=(0, 1))[0]
+    rows = "".join(f"<tr><td>{i / 10:.1f}</td><td>{c}</td></tr>" for i, c in enumerate(counts))
+    return (f"<!doctype html><html><body><h1>P(A) of {html.escape(str(path))}</h1>"
+            f"<p>{len(p)} pairs, A preferred in {int((p > 0.5).sum())}; {html.escape(note)}</p>"
+            f"<table>{rows}</table></body></html>")
 
 
 PAIRWISE = register(Task(
     name="pairwise", claims=claims, job_problems=job_problems,
     output_columns=lambda config: ({"p_a"}, []),
     quality_problems=lambda config, asked: [f"{asked[0]}: not for pairwise jobs"] if asked else [],
-    check_calibration_source=lambda config: None, prepare=prepare, assemble=assemble,
+    check_calibration_source=lambda config: None, prepare=prepare, read_into=read_into, assemble=assemble,
+    window_columns=window_columns, rederive=rederive,
+    page=TaskPage(owns=lambda columns: "p_a" in columns, render=render, table=lambda table: table,
+                  owns_line=lambda line: False, lines_table=lambda lines, failed: None, lines_left_out=lambda count: ""),
     summary=lambda prepared: {}, row_name=lambda prepared, row: f"pair {row}",
 ))
 '''
@@ -212,7 +289,9 @@ PAIRWISE = register(Task(
 
 def test_a_toy_pairwise_task_is_one_module(tmp_path, monkeypatch, job_factory):
     """A pairwise task (prompt, response_a, response_b -> P(A)) registered from its own module runs a
-    whole job: the job file's checks are its own, and its output holds its one column."""
+    whole job through the token store, written in 2 windows: the job file's checks are its own, its
+    output holds its one column, a change of kept columns re-derives the output without scoring, and
+    `batchscore report` draws the task's own page."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -222,22 +301,36 @@ def test_a_toy_pairwise_task_is_one_module(tmp_path, monkeypatch, job_factory):
     from batchscore.task import unregister
 
     pairs = tmp_path / "pairs.parquet"
-    pq.write_table(pa.table({"id": ["p1", "p2", "p3"], "prompt": ["2+2?", "Capital of France?", "Color of grass?"],
-                             "response_a": ["4", "Paris", "Green"], "response_b": ["5", "Lyon", "Blue"]}), pairs)
+    pq.write_table(pa.table({"id": ["p1", "p2", "p3", "p4"],
+                             "prompt": ["2+2?", "Capital of France?", "Color of grass?", "Largest planet?"],
+                             "response_a": ["4", "Paris", "Green", "Jupiter"],
+                             "response_b": ["5", "Lyon", "Blue", "Mars"]}), pairs)
     prompt = {"chat": True, "template": "Question: {prompt}\nA: {response_a}\nB: {response_b}\nWhich answer is right, "
                                         "A or B?"}
+    output = tmp_path / "pairs.out.parquet"
     try:
         _import_toy(tmp_path, monkeypatch, "toy_pairwise_task", TOY_PAIRWISE)
         with pytest.raises(JobConfigError, match="a pairwise job scores the labels"):
             load_job(job_factory(pairs, input={"path": str(pairs), "id_column": "id"}, prompt=prompt))
-        config = load_job(job_factory(pairs, input={"path": str(pairs), "id_column": "id"}, prompt=prompt,
-                                      labels=["A", "B"], output={"path": str(tmp_path / "pairs.out.parquet"),
-                                                                 "keep_columns": []}))
-        summary = run_job(config, progress=False)
-        assert summary.complete and summary.rows == 3 and summary.rows_error == 0
-        table = pq.read_table(tmp_path / "pairs.out.parquet")
+
+        def job(keep):
+            return load_job(job_factory(pairs, input={"path": str(pairs), "id_column": "id"}, prompt=prompt,
+                                        labels=["A", "B"], output={"path": str(output), "keep_columns": keep}))
+
+        windows = _count_windows(monkeypatch, 2)
+        summary = run_job(job([]), progress=False)
+        assert summary.complete and summary.rows == 4 and summary.rows_error == 0 and summary.processed_tokens > 0
+        assert windows == [2, 2]  # written window by window, through the task's own columns
+        table = pq.read_table(output)
         assert table.column_names == ["id", "p_a", "status", "error"]
         assert all(0 < p < 1 for p in table.column("p_a").to_pylist())
+        again = run_job(job(["prompt"]), progress=False)  # assembly changed, scores not: nothing scored
+        assert again.rederived and again.processed_tokens == 0
+        rederived = pq.read_table(output)
+        assert rederived.column_names == ["id", "prompt", "p_a", "status", "error"]
+        assert rederived.column("p_a").equals(table.column("p_a"))
+        page = _report(output)
+        assert page.startswith("<!doctype html>") and "P(A) of" in page and "4 pairs" in page
     finally:
         unregister("pairwise")
         sys.modules.pop("toy_pairwise_task", None)

@@ -406,7 +406,7 @@ def task_name_comparisons(tree: ast.AST, names: set[str]) -> list[str]:
 
 def test_no_stage_compares_a_task_name():
     """Outside tasks/ no module compares a task's name: the stages ask the task (`read_into`,
-    `windowed`, `segments`, …; task.py)."""
+    `window_columns`, `segments`, …; task.py)."""
     from batchscore.task import tasks
 
     names = set(tasks())

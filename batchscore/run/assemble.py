@@ -1,12 +1,12 @@
-"""A labels job's output assembled window by window (output/row_merge.py): the parts merged into
+"""A job's output assembled window by window (output/row_merge.py): the parts merged into
 row order, each window normalized and written as it comes, so the output of a 10M-row job never
 sits in memory whole.
 
-Taken by jobs whose output needs nothing beyond each row's own results: fixed labels or per-row
-choices, an output format that writes windows (Parquet, JSON Lines: `WireFormat.window_writer`),
-no calibration, review or confidence columns (they are fitted over every row). `output.top_token`
-reads each row's options' first tokens from the run's token store. Other jobs assemble the whole
-table at once (their task's `assemble`). Both write the same rows, columns and values.
+Taken by jobs whose output needs nothing beyond each row's own results: a task that names its
+columns per window (`Task.window_columns`: the labels task's fixed labels or per-row choices), an
+output format that writes windows (Parquet, JSON Lines: `WireFormat.window_writer`), no
+calibration, review or confidence columns (they are fitted over every row). Other jobs assemble
+the whole table at once (their task's `assemble`). Both write the same rows, columns and values.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from batchscore.output import row_merge
 from batchscore.output.table import ok_rows, provenance, scores_table, with_metadata
 from batchscore.scores import quality
 from batchscore.scores.quality import QualityResult
-from batchscore.tasks.labels import first_tokens_reader, row_columns
 
 NOT_SCORED = "not scored: no result from the engine"
 
 
 def assembles_in_windows(job) -> bool:
     """Whether `job`'s output can be written window by window (see the module docstring)."""
-    return job.task.windowed and windowed_output(job.config) and job.content_free is None
+    return job.task.window_columns is not None and windowed_output(job.config) and job.content_free is None
 
 
 def windowed_format(config) -> bool:
@@ -54,7 +53,7 @@ def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx
     id_name = config.input.id_column or DEFAULT_ID
     errors: dict[int, str] = {}
     written = 0
-    first_tokens = first_tokens_reader(job) if config.output.top_token else None
+    task_columns = job.task.window_columns(job)
 
     def write(tmp: str) -> None:
         nonlocal written
@@ -67,8 +66,7 @@ def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx
                 for row in unscored[~np.isin(unscored, np.fromiter(local, dtype=np.int64, count=len(local)))]:
                     local[int(row)] = NOT_SCORED
                 ok = ok_rows(window.rows, local)
-                columns = row_columns(job, window.scores, ok, window.start,
-                                      first_tokens(window.start, window.end) if first_tokens else None)
+                columns = task_columns(window.scores, ok, window.start, window.end)
                 table = scores_table(prepared.ids.slice(window.start, window.rows), id_name,
                                      prepared.kept.slice(window.start, window.rows), columns, local,
                                      approx_keep=approx_keep)

@@ -236,6 +236,13 @@ def row_columns(job: PreparedJob, scores, ok, start: int, firsts) -> dict:
     return columns
 
 
+def window_columns(job: PreparedJob) -> Callable[..., dict]:
+    """The windowed assembly's columns of rows [start, end) (run/assemble.py): `row_columns`, the
+    options' first tokens read from the token store when `output.top_token` asks for them."""
+    firsts = first_tokens_reader(job) if job.config.output.top_token else None
+    return lambda scores, ok, start, end: row_columns(job, scores, ok, start, firsts(start, end) if firsts else None)
+
+
 def first_tokens_reader(job: PreparedJob) -> Callable[[int, int], list[set[int] | None]]:
     """rows [start, end) -> each row's options' first token ids (None: a row not tokenized):
     `output.top_token`'s `argmax_is_label`, read from the job's token store (no request per row);
@@ -302,7 +309,7 @@ LABELS = register(Task(
     top_token=True,
     incremental=True,
     read_into=read_into,
-    windowed=True,
+    window_columns=window_columns,
     segments=True,
     default=True,
     input_columns=input_columns,
