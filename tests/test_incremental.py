@@ -134,3 +134,47 @@ def test_a_night_killed_after_its_rows_file_resumes_carrying_the_same_rows(tmp_p
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert (metrics["rows_carried"], metrics["rows_scored"], metrics["resumed_rows"]) == (10, 3, 3)
     assert OutputFiles(output).rows.read_bytes() != before and not OutputFiles(output).parts.exists()
+
+
+def _two_thousand_rows() -> dict:
+    """2,000 distinct rows of the sample data: each of its 200 product-query pairs under ten
+    shopper contexts (the queries differ, the product pages are shared as in a real catalogue)."""
+    from pathlib import Path
+
+    sample = pq.read_table(Path(__file__).resolve().parent.parent / "sample_data" / "relevance.parquet").to_pydict()
+    contexts = ["", " for a gift", " on a budget", " for travel", " for my office", " for a child",
+                " in winter", " that lasts", " for a beginner", " for every day"]
+    rows = {k: [] for k in sample}
+    for n, context in enumerate(contexts):
+        for i in range(len(sample["pair_id"])):
+            for k in sample:
+                rows[k].append(sample[k][i])
+            rows["pair_id"][-1] = f"{sample['pair_id'][i]}-c{n}"
+            rows["query"][-1] = sample["query"][i] + context
+    return rows
+
+
+@pytest.mark.slow  # 2,000 + 300 rows of the real model: make test-all
+def test_a_night_of_2000_rows_with_200_changed_and_100_new_scores_300_and_carries_the_first_nights_bits(tmp_path):
+    first = _two_thousand_rows()
+    assert len(first["pair_id"]) == len(set(first["pair_id"])) == 2000
+    second = {k: list(v) for k, v in first.items()}
+    changed = list(range(7, 2000, 10))  # 200 rows spread over the input, their queries edited
+    for i in changed:
+        second["query"][i] += " with free returns"
+    for n in range(100):  # 100 new rows, new ids and new queries
+        for k in second:
+            second[k].append(first[k][n * 19])
+        second["pair_id"][-1], second["query"][-1] = f"new-{n}", first["query"][n * 19] + " in a new size"
+    output = tmp_path / "out" / "scores.parquet"
+    settings = {"engine": {"kind": "torch", "token_budget": 4096}}
+    night1, out1 = _run(tmp_path, first, output, **settings)
+    assert (night1.carry.scored, night1.rows) == (2000, 2000)
+    night2, out2 = _run(tmp_path, second, output, **settings)
+    assert (night2.carry.scored, night2.carry.carried, night2.carry.dropped) == (300, 1800, 200)
+    assert len(out2) == 2100 and (out2["status"] == "ok").all() and list(out2.index) == second["pair_id"]
+    carried = [first["pair_id"][i] for i in range(2000) if i not in set(changed)]
+    for column in ("p_Yes", "p_No"):  # every carried row: the first night's bits
+        assert (out2.loc[carried, column].values == out1.loc[carried, column].values).all()
+    rescored = [first["pair_id"][i] for i in changed]
+    assert (out2.loc[rescored, "p_Yes"].values != out1.loc[rescored, "p_Yes"].values).mean() > 0.9  # really scored again
