@@ -224,7 +224,7 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
             report_path = files.ok(summary)
         fault_point("done")
         try:
-            _say_done(summary, report_path, job, shard, parsed_shard, sets, output)
+            _say_done(summary, report_path, job, shard, parsed_shard, sets, output, table=config.output.table)
         except OSError:  # stdout closed or full: the run's output and metrics are written; its exit is theirs
             sys.stdout = open(os.devnull, "w")  # so the interpreter's own flush at exit stays quiet
     finally:
@@ -244,7 +244,8 @@ def _shard(spec: str):
     return Shard(task.index, task.count)
 
 
-def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, sets=(), output=None) -> None:
+def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, sets=(), output=None,
+              table=None) -> None:
     from batchscore.output.cost import cost_line
 
     if summary.skipped:
@@ -274,10 +275,17 @@ def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, s
         + (f"\nincremental: {summary.carry.carried:,} rows carried from the previous night, {summary.carry.scored:,} "
            f"scored, {summary.carry.dropped:,} of its rows dropped" if summary.carry.carried is not None else "")
         + (f"\n{line}" if (line := cost_line(summary.cost)) else "")
-        + (f"\ntable: version {summary.table_version} of the Delta table holds it" if summary.table_version is not None
+        + (f"\ntable: {_table_place(summary.table_version, table)} holds it" if summary.table_version is not None
            else "")
         + (f"\nreport: {report_path}" if report_path else "")
     )
+
+
+def _table_place(version: int, table) -> str:
+    """Where output.table holds the output: a Delta table's version, an Iceberg table's snapshot."""
+    if table is not None and table.format == "iceberg":
+        return f"snapshot {version} of the Iceberg table {table.identifier}"
+    return f"version {version} of the Delta table"
 
 
 def _kernels(kernels: dict | None) -> str:

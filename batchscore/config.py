@@ -232,12 +232,15 @@ class OutOfScopeConfig:
 
 @dataclass
 class TableConfig:
-    """`output.table`: the finished output published to a Delta Lake table (output/table_publish.py)."""
+    """`output.table`: the finished output published to a Delta Lake or Iceberg table
+    (output/table_publish.py, output/iceberg_table.py)."""
 
-    path: str = key("", identity=NEITHER)  # the Delta table (a folder; s3://, gs://, az:// with output.storage_options); made on the first night
-    format: str = key("delta", identity=NEITHER)  # delta
+    path: str = key("", identity=NEITHER)  # delta: the table (a folder; s3://, gs://, az:// with output.storage_options); made on the first night
+    format: str = key("delta", identity=NEITHER)  # delta | iceberg
+    catalog: dict[str, Any] = key(factory=dict, identity=NEITHER)  # iceberg: {name, ...properties} as pyiceberg's load_catalog(name, **properties) takes them, e.g. {name: local, type: sql, uri: "sqlite:///…/catalog.db", warehouse: "file:///…/warehouse"}
+    identifier: str | None = key(None, identity=NEITHER)  # iceberg: namespace.table in the catalog; made on the first night
     mode: str = key("merge", identity=NEITHER)  # merge (rows upserted by the id column) | append | overwrite
-    partition_by: list[str] = key(factory=list, identity=NEITHER)  # output columns the table is partitioned by (hive-style folders)
+    partition_by: list[str] = key(factory=list, identity=NEITHER)  # output columns the table is partitioned by (delta: hive-style folders; iceberg: identity partitions, set when the table is made)
 
 
 @dataclass
@@ -253,7 +256,7 @@ class OutputConfig:
     top_token: bool = key(False, identity=SCORING)  # add argmax_is_label, top_token and top_p: the most probable token at the read (torch engine)
     mode: str = key("full", identity=NEITHER)  # full | incremental: rows whose content the previous night scored (same model and scoring keys) are carried with its scores, the rest scored
     previous: str | None = key(None, identity=NEITHER)  # incremental: the previous night's output (default: output.path itself); its _<output>.rows file is read
-    table: TableConfig | None = key(None, identity=NEITHER)  # publish the finished output to a Delta Lake table, exactly once: {path, mode: merge | append | overwrite, partition_by}
+    table: TableConfig | None = key(None, identity=NEITHER)  # publish the finished output to a Delta Lake table ({path, …}) or an Iceberg table ({format: iceberg, catalog, identifier, …}), exactly once: mode merge | append | overwrite, partition_by
     greedy: bool = key(False, identity=SCORING)  # add greedy_choices: per option, whether each of its tokens is the argmax at its place (lm-eval's is_greedy; choices jobs, torch engine)
     audit_rows: int | None = key(None, identity=NEITHER)  # the exactness audit: rows re-scored by a plain float32 forward after the run (0: off; null: within 5% of the scoring's tokens, 1 to 32 rows)
     audit_seed: int = key(0, identity=NEITHER)  # seeds which scored rows the audit picks

@@ -25,10 +25,12 @@ from batchscore.engines.speculative.kept_tokens import options_problems
 from batchscore.errors import JobConfigError, PromptTemplateError
 from batchscore.formats.registry import (input_names as input_format_names, job_format_problems, named_input_format,
                                          output_format_of, output_names as output_format_names, requests_in_lines)
+from batchscore.io.iceberg_catalog import catalog_relative_to
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
 from batchscore.scores.calibration import METHODS as CALIBRATION_METHODS
 from batchscore.output.layout import COLUMN_SEPARATORS, DEFAULT_ID, label_column
+from batchscore.output.table_publish import table_problems
 from batchscore.scores.review import CONFIDENCE_METHODS
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
 from batchscore.prepare.options import NORMALIZE
@@ -54,7 +56,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "output.format": output_format_names(),
     "output.column_separator": COLUMN_SEPARATORS,
     "output.mode": ("full", "incremental"),
-    "output.table.format": ("delta",),
+    "output.table.format": ("delta", "iceberg"),
     "output.table.mode": ("merge", "append", "overwrite"),
     "executor.kind": ("local", "ray"),
     "executor.tokenize": ("auto", "tasks", "driver"),
@@ -307,8 +309,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     problems.extend(_not_allowed(config, "output.mode"))
     if config.output.table is not None:
         problems.extend(_not_allowed(config, "output.table.format") + _not_allowed(config, "output.table.mode"))
-        if not config.output.table.path:
-            problems.append("output.table.path: the Delta table to publish the output to (a folder or a URL)")
+        problems.extend(table_problems(config.output.table))
         if not getattr(output_format_of(config), "dataset", False):  # read back as one Arrow table to commit
             problems.append(f"output.table: publishes a Parquet output; output.format is {config.output_format}")
     if config.output.mode == "incremental" and (not task.incremental or requests_in_lines(config)
@@ -464,4 +465,5 @@ def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
     config.output.previous = relative(config.output.previous)
     if config.output.table is not None:
         config.output.table.path = relative(config.output.table.path)
+        config.output.table.catalog = catalog_relative_to(config.output.table.catalog, base)
     config.calibrate.from_ = relative(config.calibrate.from_)

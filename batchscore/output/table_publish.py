@@ -1,5 +1,6 @@
 """`output.table`: the night's finished output published to a Delta Lake table (the `deltalake`
-package), exactly once.
+package), exactly once; `format: iceberg` publishes to an Iceberg table instead, the same way
+(output/iceberg_table.py).
 
 The run writes its output as always (a Parquet file, resumable, with its completion marker); once
 it is complete, before the marker, its rows are committed to the table: merged by the id column
@@ -26,11 +27,38 @@ RUN_KEY = "batchscore.run"
 RECENT_COMMITS = 50  # a run resumed the same night finds its commit among these
 
 
+def table_problems(table_config) -> list[str]:
+    """What the job file's `output.table` lacks or mixes up: a Delta table is a path, an Iceberg
+    table a catalog and an identifier."""
+    from batchscore.io.iceberg_catalog import identifier_problems
+
+    if table_config.format != "iceberg":
+        problems = [] if table_config.path else [
+            "output.table.path: the Delta table to publish the output to (a folder or a URL)"]
+        if table_config.catalog or table_config.identifier:
+            problems.append("output.table.catalog / identifier: name an Iceberg table; set output.table.format: "
+                            "iceberg (a Delta table is output.table.path)")
+        return problems
+    problems = identifier_problems(table_config.identifier, "output.table.identifier")
+    if not table_config.catalog:
+        problems.append("output.table.catalog: the Iceberg catalog the table is in, as pyiceberg's load_catalog "
+                        "takes it, e.g. {name: local, type: sql, uri: 'sqlite:///…/catalog.db', warehouse: "
+                        "'file:///…/warehouse'}")
+    if table_config.path:
+        problems.append("output.table.path: an Iceberg table is named by output.table.catalog and identifier, "
+                        "not a path")
+    return problems
+
+
 def publish(table_config, output, id_name: str, run: str, lineage: dict[str, str],
             storage_options: dict | None = None, read_output=None) -> int:
-    """Commit the finished `output` (read back by its format's `read_output`) to the Delta table
-    `table_config` names; returns the table version that holds it (the existing one when this run
-    was published already)."""
+    """Commit the finished `output` (read back by its format's `read_output`) to the table
+    `table_config` names; returns the Delta table version (the Iceberg snapshot id) that holds it
+    (the existing one when this run was published already)."""
+    if table_config.format == "iceberg":
+        from batchscore.output.iceberg_table import publish_iceberg
+
+        return publish_iceberg(table_config, output, id_name, run, lineage, read_output)
     try:
         from deltalake import CommitProperties, DeltaTable, write_deltalake
         from deltalake.exceptions import TableNotFoundError
