@@ -99,3 +99,19 @@ def test_unbounded_cache_replays_plan_within_its_token_count(prompts, block_size
     # simulated vLLM cache recomputes a fully cached prompt's last token.
     empty = sum(1 for g in plan.groups for m in g.members if len(m.suffix) == 0)
     assert sim.processed_tokens <= plan.stats.processed_tokens + empty
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 60), max_size=12), max_size=20), st.one_of(st.none(), st.integers(0, 12)),
+       st.one_of(st.none(), st.integers(1, 61)))
+def test_prompt_problems_names_the_rows_prompt_problem_names(rows, max_length, vocab_size):
+    """The vectorized check (one mask per batch) refuses exactly the prompts the per-prompt one
+    refuses, with the same message."""
+    from batchscore.plan.validate import prompt_problem, prompt_problems, row_maxima
+
+    lengths = np.asarray([len(r) for r in rows], dtype=np.int64)
+    flat = np.asarray([t for r in rows for t in r], dtype=np.int64)
+    found = prompt_problems(lengths, row_maxima(flat, lengths), max_length, vocab_size=vocab_size)
+    expected = {i: prompt_problem(len(r), max_length, largest_token=max(r) if r else None, vocab_size=vocab_size)
+                for i, r in enumerate(rows)}
+    assert found == {i: p for i, p in expected.items() if p is not None}

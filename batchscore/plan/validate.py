@@ -57,6 +57,35 @@ def prompt_problem(num_tokens: int, max_length: int | None, *, largest_token: in
     return None
 
 
+def row_maxima(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[R] the largest token id of each of the rows `tokens` holds back to back (`lengths`), -1
+    for an empty row: what `prompt_problems` checks against the vocabulary."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    maxima = np.full(len(lengths), -1, dtype=np.int64)
+    filled = lengths > 0
+    if filled.any():
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        maxima[filled] = np.maximum.reduceat(np.asarray(tokens), starts[filled])
+    return maxima
+
+
+def prompt_problems(lengths: np.ndarray, maxima: np.ndarray | None, max_length: int | None, *,
+                    vocab_size: int | None = None, limit_name: str = "the model's context") -> dict[int, RowError]:
+    """`prompt_problem` of many prompts at once (`lengths`, and `maxima` from `row_maxima`):
+    {index: the RowError} of those that cannot be scored. One numpy mask finds them; only they
+    are named one by one, so a batch of good rows costs no call per row."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    bad = lengths == 0
+    if max_length is not None:
+        bad |= lengths > max_length
+    if vocab_size is not None and maxima is not None:
+        bad |= np.asarray(maxima) >= vocab_size
+    named = {int(i): prompt_problem(int(lengths[i]), max_length,
+                                    largest_token=int(maxima[i]) if maxima is not None and lengths[i] else None,
+                                    vocab_size=vocab_size, limit_name=limit_name) for i in np.flatnonzero(bad)}
+    return {i: problem for i, problem in named.items() if problem is not None}
+
+
 def token_ids_problem(tokens) -> tuple[np.ndarray | None, str | None]:
     """(`tokens` as an int32 array, None), or (None, why they are not a list of token ids).
 

@@ -25,7 +25,7 @@ from batchscore.formats import iter_batches
 from batchscore.formats.openai_batch import ANSWER_COLUMNS
 from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.io.readers import InputBatch, input_base
-from batchscore.plan import prompt_problem
+from batchscore.plan.validate import prompt_problems, row_maxima
 from batchscore.plan.types import Request
 from batchscore.plan.validate import token_ids_problem
 from batchscore.prepare.options import RowOptionSource, max_length_name
@@ -150,10 +150,10 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
             rows_tokens, prompts, cuts = _rendered_rows(batch, renderer, errors, row_id, max_length,
                                                         max_length_name(config.engine.max_length, max_length))
         arrays = _PromptTokens(rows_tokens)
-        for offset in arrays.problems(max_length, vocab_size):
-            problem = prompt_problem(len(rows_tokens[offset]), max_length, largest_token=arrays.largest(offset),
-                                     vocab_size=vocab_size, limit_name=max_length_name(config.engine.max_length,
-                                                                                       max_length))
+        for index, problem in prompt_problems(arrays.lengths, arrays.maxima, max_length, vocab_size=vocab_size,
+                                              limit_name=max_length_name(config.engine.max_length,
+                                                                         max_length)).items():
+            offset = arrays.rows[index]
             errors[row_id + offset] = problem.at(batch.where(offset))  # typed: too long, or bad ids
             rows_tokens[offset] = None
         row_options = _row_options(options, batch, rows_tokens, prompts, renderer, choices_column, errors, row_id,
@@ -193,24 +193,8 @@ class _PromptTokens:
         else:
             self.tokens = np.concatenate([np.asarray(rows_tokens[o], dtype=np.int64).reshape(-1) for o in self.rows]
                                          or [np.zeros(0, np.int64)])
-        filled = self.lengths > 0
-        self._largest = np.full(len(self.rows), -1, dtype=np.int64)
-        if filled.any():
-            self._largest[filled] = np.maximum.reduceat(self.tokens, self.starts[:-1][filled])
+        self.maxima = row_maxima(self.tokens, self.lengths)  # prompt_problems checks them against the vocabulary
         self._at = {offset: index for index, offset in enumerate(self.rows)}
-
-    def problems(self, max_length: int | None, vocab_size: int | None) -> list[int]:
-        """The rows `prompt_problem` may refuse: empty, longer than `max_length`, an id past the vocabulary."""
-        bad = self.lengths == 0
-        if max_length is not None:
-            bad |= self.lengths > max_length
-        if vocab_size is not None:
-            bad |= self._largest >= vocab_size
-        return [self.rows[i] for i in np.flatnonzero(bad)]
-
-    def largest(self, offset: int) -> int | None:
-        index = self._at[offset]
-        return int(self._largest[index]) if self.lengths[index] else None
 
     def select(self, keep: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(the flat tokens, the lengths) of the rows `keep` (offsets in the batch, in order)."""

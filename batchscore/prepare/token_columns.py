@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from batchscore.io.readers import InputBatch
 from batchscore.plan.options import OptionTokens
-from batchscore.plan.validate import prompt_problem
+from batchscore.plan.validate import prompt_problems, row_maxima
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -60,19 +60,10 @@ def flat_token_batch(batch: InputBatch, column: str, first_row_id: int, max_leng
     row_ids = first_row_id + np.arange(n, dtype=np.int64)
     ok = np.ones(n, dtype=bool)
     errors: dict[int, str] = {}
-    maxima = np.full(n, -1, dtype=np.int64)
-    nonempty = lengths > 0
-    if nonempty.any():
-        maxima[nonempty] = np.maximum.reduceat(tokens, offsets[:-1][nonempty]) if len(tokens) else -1
-    suspect = (lengths == 0) | (lengths > max_length if max_length is not None else False) \
-        | (maxima >= vocab_size if vocab_size is not None else False)
-    for offset in np.flatnonzero(suspect).tolist():
-        problem = prompt_problem(int(lengths[offset]), max_length,
-                                 largest_token=int(maxima[offset]) if lengths[offset] else None,
-                                 vocab_size=vocab_size, limit_name=limit_name)
-        if problem:
-            errors[int(row_ids[offset])] = problem.at(batch.where(offset))  # typed
-            ok[offset] = False
+    for offset, problem in prompt_problems(lengths, row_maxima(tokens, lengths), max_length, vocab_size=vocab_size,
+                                           limit_name=limit_name).items():
+        errors[int(row_ids[offset])] = problem.at(batch.where(offset))  # typed
+        ok[offset] = False
     options: list[OptionTokens] = []
     option_sets = np.full(n, -1, dtype=np.int32)
     if option_source is not None and ok.any():

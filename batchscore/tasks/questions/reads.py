@@ -31,7 +31,7 @@ from batchscore.formats.registry import output_format_of, requests_in_lines
 from batchscore.io.readers import input_base, unique_object
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
-from batchscore.plan.validate import prompt_problem
+from batchscore.plan.validate import prompt_problems, row_maxima
 from batchscore.row_errors import with_kinds
 from batchscore.task import InputColumns
 from batchscore.tasks.questions.requests import (API_OPENAI, API_SYSTEMONE, DecisionRequest, check_question,
@@ -172,12 +172,13 @@ def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource,
     Requests, in read order."""
     prompts = [p for _, p, _, _ in pending]
     tokens, cuts = renderer.encode_cuts(prompts)  # cuts: labels tokenized after the prompt's tail alone
-    for i, (read, _, _, where) in enumerate(pending):
-        problem = prompt_problem(len(tokens[i]), max_length, largest_token=int(np.max(tokens[i])) if len(tokens[i])
-                                 else None, vocab_size=vocab_size, limit_name=options.limit_name)
-        if problem:
-            errors[read] = problem.at(where)  # typed: too long, or bad ids
-            tokens[i] = None
+    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens] or [np.zeros(0, np.int64)])
+    for i, problem in prompt_problems(lengths, row_maxima(flat, lengths), max_length, vocab_size=vocab_size,
+                                      limit_name=options.limit_name).items():
+        read, _, _, where = pending[i]
+        errors[read] = problem.at(where)  # typed: too long, or bad ids
+        tokens[i] = None
     pieces = [renderer.last_piece(p) if renderer.in_pieces(p) else None for p in prompts]
     requests: list[Request] = []
     results = options.batch(tokens, [p.text for p in prompts], [labels for _, _, labels, _ in pending],
