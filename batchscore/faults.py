@@ -7,7 +7,9 @@ OOM killer at that instant. Unset (always, outside the tests), a fault point cos
 lookup. Points: start, engine, result (each scored row), part (a part file is written, its
 manifest entry not yet), atomic (a temporary file is written, not yet renamed), assemble (before
 the output is written), output (after the output, before its completion marker), audit (the
-exactness audit's reference model is loaded), marker (after the marker, before the parts are removed),
+exactness audit's reference model is loaded), completion (a static shard's completion manifest is
+written, the set not yet checked), marker (after the marker, before the parts are removed; `batchscore
+merge` too),
 done (`batchscore run`: the metrics are written, the summary not yet printed), plan (`batchscore
 plan`: planned, its temporary token store not yet removed), rows (an incremental run's rows file
 written into the parts folder, the output's marker not yet), table (before an output.table commit),

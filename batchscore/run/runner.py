@@ -39,6 +39,7 @@ from batchscore.prepare.source import plan_options
 from batchscore.store.build import build_store, store_folder
 from batchscore.store.segments import ray_store
 from batchscore.run.audit import EngineWeights, audit_output, raise_if_inexact
+from batchscore.run.completion import forget_completion, unfinished_shards, write_completion
 from batchscore.run.local import score_locally
 from batchscore.run.shards import set_store
 from batchscore.run.run_files import RunFiles
@@ -286,6 +287,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         num_groups=plan.stats.num_groups, num_rows=job.input.num_rows,
         worker_rows={str(w): _rows_of(worker_groups[w]) for w in my_workers},
     ), fresh=fresh, input_errors=job.input.errors, carried=carried.part(previous) if incremental and previous is not None else None)
+    if shard is not None:  # its share is recorded finished again only once it is
+        forget_completion(store)
     resumed = sum(manifest.rows_done(w) for w in my_workers)
     if resumed:
         log.info("resuming: %d rows already scored", resumed)
@@ -326,8 +329,15 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     score_seconds = time.perf_counter() - score_started
 
     writers = [Shard(i, shard.count).name for i in range(shard.count)] if shard else [RUN_WRITER]
+    if shard is not None and manifest.complete:  # the record the set's completion is read from
+        write_completion(store, manifest, shard.index, shard.count, tokens.manifest["digest"])
+        fault_point("completion")
     manifests = store.sibling_manifests(writers)
-    complete = all(m is not None and m.complete and m.job_hash == manifest.job_hash for m in manifests)
+    if shard is None:
+        complete = manifests[0] is not None and manifests[0].complete
+    else:
+        complete = not unfinished_shards(store, shard.count, manifest.job_hash, lambda i: writers[i],
+                                         every_file=False)
     if complete:
         store.guard()  # the output is written only by the holder of the lock
     processed = plan.stats.processed_tokens + split_extra_tokens
@@ -393,15 +403,18 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
         store = PartStore(files, Shard(0, count).name, guard=lock.check)
         if not store.folder.exists() and file_size(files.path) is not None:
             return None  # another merge finished while this one started
-        manifests = store.sibling_manifests(names)
+        if completed_summary(files, identity_hash(source.identity)) is not None:
+            store.finish()  # a merge stopped after the output and its marker: the output is complete
+            return None
         expected = _job_hash(source, count)
-        unfinished = _unfinished_shards(manifests, expected)
+        unfinished = unfinished_shards(store, count, expected, lambda i: names[i])
         if unfinished:
             said = "; ".join(f"{i}/{count} {why}" for i, why in unfinished.items())
             raise ShardsUnfinished(
                 f"cannot merge yet: {len(unfinished)} of {count} shards to run in {store.folder}: {said}. Run "
                 f"them (--shard I/{count}, or a job array's retry of those indexes), then merge again",
                 list(unfinished))
+        manifests = store.sibling_manifests(names)
         lock.check()
         if config.output.top_token:  # the rows' options' first tokens, from the set's store
             job.tokens = TokenStore.reusable(token_folder(source, store), source.identity)
@@ -416,25 +429,10 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
         lock.check()
         summary.table_version = _publish(source, identity_hash(source.identity))
         write_completion_marker(files, identity_hash(source.identity), summary.to_dict(stored=True))
+        fault_point("marker")
         store.finish()
     _check_error_rate(summary, config)
     return summary
-
-
-def _unfinished_shards(manifests: list, expected_hash: str) -> dict[int, str]:
-    """The shards a merge still waits for, by index: why each one (never started, its rows so far,
-    or parts of other content that only its rerun with --fresh replaces)."""
-    unfinished = {}
-    for index, manifest in enumerate(manifests):
-        if manifest is None:
-            unfinished[index] = "not started"
-        elif manifest.job_hash != expected_hash:
-            unfinished[index] = "holds parts of other content (rerun it with --fresh)"
-        elif not manifest.complete:
-            done = sum(manifest.rows_done(int(w)) for w in manifest.worker_rows)
-            total = sum(manifest.worker_rows.values())
-            unfinished[index] = f"unfinished ({done:,} of {total:,} rows)"
-    return unfinished
 
 
 def _decide_compile(resolved: ResolvedEngine, engine: EngineConfig, job: PreparedJob, worker_groups: list,

@@ -1,0 +1,157 @@
+"""Job arrays into an object store: shards started only by their scheduler's environment, each with
+a local store of its own (no shared file system), their parts and completion manifests in the
+bucket; `batchscore merge` names the shard to retry (exit 75) and, once it has run, assembles the
+output a single unsharded run writes.
+
+The S3 server is moto's, on localhost (tests/test_object_store.py's `s3` fixture). Each shard is a
+process of its own with its own $BATCHSCORE_HOME (its token store there: a machine of its own); the
+converted model and the linear-kernel record are shared through links, as a machine image would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchscore.cli import main
+from batchscore.errors import EXIT_CONFIG, EXIT_LOCKED
+from batchscore.models import batchscore_home
+from tests.conftest import write_sample_subset
+from tests.test_object_store import BUCKET, LEASE, s3  # noqa: F401  (the moto server fixture)
+from tests.test_scale_out import assert_same_scores
+
+ROWS = 12  # 6 products x 2 queries: 6 prefix groups over 4 shards
+
+
+@pytest.fixture
+def job(job_factory, tmp_path, model_dir):
+    source = write_sample_subset(tmp_path / "input.parquet", queries=2, products=6)
+    return job_factory(source, engine={"token_budget": 256}, output={"path": "unused.parquet", "part_rows": 1,
+                                                                       "keep_columns": ["product_id"], "audit_rows": 0})
+
+
+def _machine(tmp_path, name: str) -> dict:
+    """A $BATCHSCORE_HOME of its own (its own token store), the converted model and kernel record linked in."""
+    home = tmp_path / name
+    home.mkdir(exist_ok=True)
+    for shared in ("models", "kernels"):
+        if (batchscore_home() / shared).exists() and not (home / shared).exists():
+            (home / shared).symlink_to(batchscore_home() / shared)
+    return {"BATCHSCORE_HOME": str(home)}
+
+
+def _shard(job, output: str, env: dict, spec: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    """`batchscore -v run job -o output --shard <spec>` in a process whose environment is a job array's task."""
+    scheduler = {name: value for name, value in os.environ.items()
+                 if not name.startswith(("SLURM_", "JOB_COMPLETION", "BATCHSCORE_FAULT"))}
+    environ = {**scheduler, **env, "BATCHSCORE_LEASE_SECONDS": str(LEASE), "OMP_NUM_THREADS": "1"}
+    if fault:
+        environ["BATCHSCORE_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "batchscore.cli", "-v", "run", str(job), "-q", "-o", output, "--shard", spec],
+                          env=environ, capture_output=True, text=True, timeout=600)
+
+
+def _merge(job, output: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "BATCHSCORE_LEASE_SECONDS": str(LEASE)}
+    if fault:
+        environ["BATCHSCORE_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "batchscore.cli", "merge", str(job), "--shards", "4", "-o", output],
+                          env=environ, capture_output=True, text=True, timeout=600)
+
+
+def _records(fs, parts: str) -> dict[int, dict]:
+    fs.invalidate_cache()
+    records = [json.loads(fs.cat(path)) for path in fs.glob(f"{parts}/shard-*.complete.json")]
+    return {record["shard"]: record for record in records}
+
+
+@pytest.mark.slow  # six shard processes of the real model and two merges, on 2 cores: ~2 min
+def test_slurm_array_on_s3_one_shard_killed_retried_then_merged_equals_the_unsharded_run(s3, job, tmp_path):
+    fs, _ = s3
+    reference = tmp_path / "reference.parquet"
+    assert CliRunner().invoke(main, ["run", str(job), "-q", "-o", str(reference)]).exit_code == 0
+    output = f"s3://{BUCKET}/slurm/scores.parquet"
+    parts = f"{BUCKET}/slurm/_scores.parquet.parts"
+    slurm = {"SLURM_ARRAY_TASK_COUNT": "4", "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
+    # one after another (2 cores), each as a job array's task: its index and count from Slurm alone
+    runs = {i: _shard(job, output, {**slurm, **_machine(tmp_path, f"node{i}"), "SLURM_ARRAY_TASK_ID": str(i)},
+                      "auto", fault="part:1" if i == 2 else None) for i in range(4)}
+    for i, run in runs.items():
+        assert f"shard {i}/4 from the Slurm array (SLURM_ARRAY_TASK_ID={i}" in run.stderr
+        assert "built the token store" in run.stderr  # each machine tokenized the set's rows itself
+        assert run.returncode == (-9 if i == 2 else 0), run.stderr[-2000:]
+    assert not fs.exists(output[len("s3://"):])
+
+    # the finished shards' completion manifests, in the bucket: each shard's rows are its own
+    records = _records(fs, parts)
+    assert sorted(records) == [0, 1, 3]
+    assert len({r["tokens"] for r in records.values()}) == 1  # every machine planned from the same tokens
+    assert len({r["job_hash"] for r in records.values()}) == 1 and {r["count"] for r in records.values()} == {4}
+    rows = []
+    for record in records.values():
+        for entry in record["files"]:
+            assert fs.info(f"{parts}/{entry['file']}")["size"] == entry["size"]
+            if entry["file"].endswith(".part") and "-part-" in entry["file"]:
+                with fs.open(f"{parts}/{entry['file']}", "rb") as handle:
+                    rows += pq.read_table(handle).column("row_id").to_pylist()
+        assert record["rows"] > 0
+    assert len(rows) == len(set(rows)) == sum(r["rows"] for r in records.values()) < ROWS
+
+    waiting = _merge(job, output)
+    assert waiting.returncode == EXIT_LOCKED == 75, waiting.stderr
+    assert waiting.stdout.splitlines()[0] == "2"  # as `sbatch --array=` takes it
+    assert "1 of 4 shards to run" in waiting.stderr and "2/4 unfinished (0 of" in waiting.stderr
+
+    # a task of another count for the same output is refused by name, touching nothing
+    other = _shard(job, output, {**slurm, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": "1",
+                         **_machine(tmp_path, "node1")}, "auto")
+    assert other.returncode == EXIT_CONFIG, other.stderr
+    assert "holds shards of a 4-way split; run --shard I/4" in other.stderr
+
+    time.sleep(LEASE + 0.5)  # the killed shard's lease runs out
+    # the retry, on another machine; stopped after its completion manifest: the merge assembles
+    retry = _shard(job, output, {**slurm, **_machine(tmp_path, "node5"), "SLURM_ARRAY_TASK_ID": "2"}, "auto",
+                   fault="completion")
+    assert retry.returncode == -9, retry.stderr[-2000:]
+    assert sorted(_records(fs, parts)) == [0, 1, 2, 3]
+    time.sleep(LEASE + 0.5)
+    killed = _merge(job, output, fault="marker")  # the output and its marker written, the parts not yet removed
+    assert killed.returncode == -9 and fs.exists(output[len("s3://"):]), killed.stderr
+    written = fs.info(output[len("s3://"):])["LastModified"]
+    time.sleep(LEASE + 0.5)
+    resumed = _merge(job, output)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "nothing to merge" in resumed.stdout  # assembled exactly once: the resumed merge only cleaned up
+    fs.invalidate_cache()
+    assert fs.info(output[len("s3://"):])["LastModified"] == written
+    # the parts folder gone; left beside the output: its marker and the lease of the retry stopped mid-run
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{BUCKET}/slurm")) == \
+        ["_scores.parquet.complete.json", "_scores.parquet.shard-2-of-4.lock", "scores.parquet"]
+    local = tmp_path / "merged.parquet"
+    fs.get(output[len("s3://"):], str(local))
+    assert_same_scores(local, reference)
+
+
+@pytest.mark.slow  # three shard runs of the real model
+def test_kubernetes_indexed_job_on_s3_names_the_shard_to_retry(s3, job, tmp_path):
+    """Kubernetes gives only the index (JOB_COMPLETION_INDEX): the count comes from --shard auto/4. Shard 2's
+    pod never ran: the merge names it; a pod of another count is refused."""
+    fs, _ = s3
+    output = f"s3://{BUCKET}/k8s/scores.parquet"
+    for i in (0, 1, 3):
+        run = _shard(job, output, {**_machine(tmp_path, f"pod{i}"), "JOB_COMPLETION_INDEX": str(i)}, "auto/4")
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert f"shard {i}/4 from the Kubernetes Indexed Job (JOB_COMPLETION_INDEX={i})" in run.stderr
+    waiting = _merge(job, output)
+    assert waiting.returncode == 75 and waiting.stdout.splitlines()[0] == "2", waiting.stderr
+    assert "2/4 not started" in waiting.stderr
+    other = _shard(job, output, {**_machine(tmp_path, "pod1"), "JOB_COMPLETION_INDEX": "1"}, "auto/3")
+    assert other.returncode == EXIT_CONFIG and "4-way split" in other.stderr, other.stderr
+    assert sorted(_records(fs, f"{BUCKET}/k8s/_scores.parquet.parts")) == [0, 1, 3]
