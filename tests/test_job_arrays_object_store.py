@@ -155,3 +155,46 @@ def test_kubernetes_indexed_job_on_s3_names_the_shard_to_retry(s3, job, tmp_path
     other = _shard(job, output, {**_machine(tmp_path, "pod1"), "JOB_COMPLETION_INDEX": "1"}, "auto/3")
     assert other.returncode == EXIT_CONFIG and "4-way split" in other.stderr, other.stderr
     assert sorted(_records(fs, f"{BUCKET}/k8s/_scores.parquet.parts")) == [0, 1, 3]
+
+
+def test_a_share_counts_finished_only_with_its_record_its_files_and_the_sets_tokens(tmp_path):
+    """The completion manifests the merge reads (run/completion.py), on real parts: a share without a record,
+    with a file changed since, or planned from other tokens is named, each with why."""
+    import numpy as np
+
+    from batchscore.output.layout import OutputFiles
+    from batchscore.output.parts import Manifest, PartStore
+    from batchscore.run.completion import forget_completion, read_completion, unfinished_shards, write_completion
+
+    files = OutputFiles(tmp_path / "out.parquet")
+    name = lambda i: f"shard-{i}-of-3"  # noqa: E731
+    stores = {}
+    for i in range(3):
+        store = stores[i] = PartStore(files, name(i))
+        manifest = store.start(Manifest(job_hash="job", identity={}, num_groups=3, num_rows=6,
+                                        worker_rows={str(i): 2}), fresh=False)
+        store.write_part(manifest, np.array([2 * i, 2 * i + 1]), [np.array([-0.1, -2.5])] * 2, [None, None], {},
+                         0, 2, worker=i)
+        if i < 2:
+            record = write_completion(store, manifest, i, 3, "tokens-a")
+            assert (record["shard"], record["count"], record["rows"], record["job_hash"]) == (i, 3, 2, "job")
+            assert [f["file"] for f in record["files"]] == [manifest.parts[0].file, manifest.input_errors_file]
+    assert unfinished_shards(stores[0], 3, "job", name) == {
+        2: "scored all 2 rows but recorded no completion (rerun it: it only records it)"}
+    write_completion(stores[2], stores[2].load_manifest(), 2, 3, "tokens-a")
+    assert unfinished_shards(stores[0], 3, "job", name) == {}
+    assert unfinished_shards(stores[0], 3, "another job", name)[1] == "holds parts of other content (rerun it with --fresh)"
+    assert all(len(f["sha256"]) == 64 for f in read_completion(stores[1], name(1))["files"])
+
+    write_completion(stores[2], stores[2].load_manifest(), 2, 3, "tokens-b")  # its machine tokenized otherwise
+    assert list(unfinished_shards(stores[0], 3, "job", name)) == [2]
+    assert "planned from other tokens" in unfinished_shards(stores[0], 3, "job", name)[2]
+    write_completion(stores[2], stores[2].load_manifest(), 2, 3, "tokens-a")
+
+    part = files.parts / stores[1].load_manifest().parts[0].file
+    part.write_bytes(part.read_bytes()[:-10])  # truncated since it was recorded
+    assert unfinished_shards(stores[0], 3, "job", name) == {
+        1: f"its recorded file {part.name} is missing or changed (rerun it: it scores those rows again)"}
+    forget_completion(stores[0])  # a shard starting its share again
+    assert unfinished_shards(stores[0], 3, "job", name, every_file=False)[0].startswith("scored all 2 rows")
+    assert 1 not in unfinished_shards(stores[0], 3, "job", name, every_file=False)  # files listed once all are in

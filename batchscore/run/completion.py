@@ -20,6 +20,7 @@ completes the set and `batchscore merge` both ask it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import time
@@ -27,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from batchscore.io.atomic import atomic_write
-from batchscore.io.storage import file_size, remove_file
+from batchscore.io.storage import as_path, file_size, remove_file
 from batchscore.output.parts import Manifest, PartStore
 
 COMPLETION_SUFFIX = ".complete.json"
@@ -41,9 +42,9 @@ def completion_path(store: PartStore, writer: str):
 def write_completion(store: PartStore, manifest: Manifest, index: int, count: int, tokens_digest: str) -> dict:
     """Record `store`'s writer (shard `index` of `count`) as finished: its share of `manifest` is scored."""
     files = [{"file": p.file, "size": p.size, "sha256": p.sha256} for p in manifest.parts]
-    for extra in (manifest.input_errors_file, manifest.carried_file):
+    for extra in (manifest.input_errors_file, manifest.carried_file):  # small: read back once for their digest
         if extra:
-            files.append({"file": extra, "size": file_size(store.folder / extra), "sha256": None})
+            files.append({"file": extra, "size": file_size(store.folder / extra), "sha256": _sha256(store.folder / extra)})
     record = {"shard": index, "count": count, "rows": sum(manifest.worker_rows.values()),
               "input_rows": manifest.num_rows, "job_hash": manifest.job_hash, "tokens": tokens_digest,
               "files": files, "host": socket.gethostname(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -116,3 +117,8 @@ def _file_problem(store: PartStore, record: dict) -> str | None:
             name = entry.get("file") if isinstance(entry, dict) else entry
             return f"its recorded file {name} is missing or changed"
     return None
+
+
+def _sha256(path) -> str:
+    with as_path(path).open("rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
