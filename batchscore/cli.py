@@ -220,7 +220,7 @@ def run(job: str, sets: tuple[str, ...], output: str | None, metrics: str | None
             files.check()  # not over the job file, before it is even read
             config = _load(job, sets, output, allow_code=allow_code)
             files.check(config)  # not over an input, the output or the output's own files
-            summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard)
+            summary = run_job(config, progress=not quiet, fresh=fresh, shard=parsed_shard, live_metrics=files.live_writer())
             report_path = files.ok(summary)
         fault_point("done")
         try:
@@ -266,10 +266,11 @@ def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, s
                    f"(or run: batchscore merge {shlex.quote(job)} --shards {parsed_shard.count}{same})")
         return
     click.echo(
-        f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors\n"
+        f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors{share}\n"
         f"tokens: {summary.logical_tokens:,} logical, {summary.processed_tokens:,} processed "
         f"(saving {summary.saving_ratio:.1%})\n"
         f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}"
+    share = "" if summary.shard_index is None else f" in shard {summary.shard_index}/{summary.shard_count}'s share"
         f"{_kernels(summary.execution.kernels)}\n"
         f"{_time_split(summary)}"
         + (f"\nincremental: {summary.carry.carried:,} rows carried from the previous night, {summary.carry.scored:,} "

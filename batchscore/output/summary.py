@@ -41,6 +41,17 @@ class Execution:
 
 
 @dataclass
+class Progress:
+    """How far the run got: the whole share once it is done, less when it was interrupted (exit
+    130). `rows_done`: the run's rows with a result in hand (scored, resumed, carried, or refused
+    before scoring); the tokens: what this attempt computed (an earlier attempt's rows not included)."""
+
+    rows_done: int = 0
+    logical_tokens_done: int = 0
+    processed_tokens_done: int = 0
+
+
+@dataclass
 class Questions:
     """Questions jobs: the rows are records, each read once per question."""
 
@@ -90,13 +101,15 @@ class Cost:
 
     KEY: ClassVar[dict[str, str]] = {"machine_seconds": "machine_seconds", "price_per_hour": "price_per_hour",
                                      "total": "cost", "per_million_rows": "cost_per_million_rows",
-                                     "sharing_saved": "cost_saved_by_sharing"}
+                                     "sharing_saved": "cost_saved_by_sharing",
+                                     "carrying_saved": "cost_saved_by_carrying"}
 
     machine_seconds: dict = field(default_factory=dict)  # stage -> seconds × the machines it held
     price_per_hour: float | None = None  # of one machine (report.price_per_hour), in the job's currency
     total: float | None = None  # the run's machine-seconds at that price
     per_million_rows: float | None = None
     sharing_saved: float | None = None  # the scoring the shared prefixes were not computed for, at that price
+    carrying_saved: float | None = None  # incremental: the carried rows' scoring at tonight's token speed, at that price
 
 
 @dataclass
@@ -105,15 +118,17 @@ class Carry:
     night with its scores, rows scored tonight, and the previous night's rows tonight's input no
     longer holds (dropped). None: not an incremental run."""
 
-    KEY: ClassVar[dict[str, str]] = {"carried": "rows_carried", "scored": "rows_scored", "dropped": "rows_dropped"}
+    KEY: ClassVar[dict[str, str]] = {"carried": "rows_carried", "scored": "rows_scored", "dropped": "rows_dropped",
+                                     "tokens": "logical_tokens_carried"}
 
     carried: int | None = None
     scored: int | None = None
     dropped: int | None = None
+    tokens: int | None = None  # the carried rows' logical tokens (not computed tonight)
 
 
 PARTS = {"timing": Timing, "execution": Execution, "questions": Questions, "quality": Quality, "audit": Audit,
-         "cost": Cost, "carry": Carry}
+         "cost": Cost, "carry": Carry, "progress": Progress}
 
 # The flat keys in the order the JSON has always had.
 KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "processed_tokens", "saving_ratio",
@@ -123,7 +138,8 @@ KEYS = ("output_path", "rows", "rows_ok", "rows_error", "logical_tokens", "proce
         "audit_differing", "audit_skipped", "audit_tokens", "prepare_seconds", "write_seconds", "assembly_hash",
         "rederived", "audit_mean_dp", "audit_plain_max_dp", "audit_plain_mean_dp", "engine_load_seconds", "kernels",
         "machine_seconds", "price_per_hour", "cost", "cost_per_million_rows", "cost_saved_by_sharing",
-        "rows_carried", "rows_scored", "rows_dropped", "table_version")
+        "rows_carried", "rows_scored", "rows_dropped", "table_version", "shard_index", "shard_count", "rows_done",
+        "logical_tokens_done", "processed_tokens_done", "logical_tokens_carried", "cost_saved_by_carrying")
 
 
 def _key(part: type, name: str) -> str:
@@ -150,6 +166,9 @@ class RunSummary:
     assembly_hash: str | None = None  # the post-processing keys' hash (run/open.assembly_config)
     rederived: bool = False  # True: only the post-processing changed; re-derived from the raw scores, nothing scored
     table_version: int | None = None  # output.table: the Delta table version that holds this output
+    # --shard I/N: the figures above are the shard's own share (None: the whole job, or a merge of the set)
+    shard_index: int | None = None
+    shard_count: int | None = None
     timing: Timing = field(default_factory=Timing)
     execution: Execution = field(default_factory=Execution)
     questions: Questions = field(default_factory=Questions)
@@ -157,6 +176,7 @@ class RunSummary:
     audit: Audit = field(default_factory=Audit)
     cost: Cost = field(default_factory=Cost)
     carry: Carry = field(default_factory=Carry)
+    progress: Progress = field(default_factory=Progress)
 
     @property
     def rows_per_second(self) -> float:

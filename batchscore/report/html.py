@@ -184,6 +184,11 @@ def _throughput_section(current: ScoredOutput, run: RunSummary | None, metrics_n
         per_million = "" if run.cost.per_million_rows is None else f", {run.cost.per_million_rows:,.4g} per million rows"
         rows.append(("cost", f"{run.cost.total:,.4g} at {run.cost.price_per_hour:g} an hour{per_million}; "
                              f"prefix sharing saved {run.cost.sharing_saved:,.4g}"))
+    if run.carry.carried is not None:  # an incremental night: what the rows carried from the previous one saved
+        saved = ("" if run.cost.carrying_saved is None else
+                 f"; scoring them tonight would have cost {run.cost.carrying_saved:,.4g} (at tonight's token speed)")
+        rows.append(("carried rows", f"{run.carry.carried:,} rows carried, {run.carry.scored:,} scored, "
+                                     f"{run.carry.dropped:,} dropped{saved}"))
     parts = [f'<p class="note">From {_e(metrics_note)}.</p>']
     parts += [f'<p class="warn">{_e(w)}</p>' for w in t.warnings]
     parts.append(_table(["", ""], rows, header=False))

@@ -149,6 +149,18 @@ class RunFiles:
 
             write_prometheus(data, self.metrics_prom, job=Path(self.job).stem if self.job else "batchscore")
 
+    def live_writer(self) -> Callable[[dict], None] | None:
+        """Where the run's in-progress figures go while it scores (run/live_figures.py): the
+        Prometheus file, refreshed; None without one (the JSON is written once, at the end)."""
+        from batchscore.output.write_paths import PROM_MARK
+
+        if self.refused or not self.metrics_prom or not self._may_write(self.metrics_prom, PROM_MARK):
+            return None
+        from batchscore.output.prometheus import write_prometheus
+
+        job = Path(self.job).stem if self.job else "batchscore"
+        return lambda data: write_prometheus(data, self.metrics_prom, job=job)
+
     def _may_write(self, path: str, mark: bytes) -> bool:
         """A path checked against the job's files, or (the job file could not be read, so its
         input and output are unknown) one that is new or holds an earlier run's metrics."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Callable
 
 from batchscore.config import EngineConfig, JobConfig
@@ -31,7 +31,8 @@ from batchscore.engines.registry import get_kind
 from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
 from batchscore.engines.shape import forward_flops, read_model_config
 from batchscore.errors import (EXIT_CONFIG, EXIT_INPUT, BatchscoreError, ErrorRateExceeded, InputError,
-                               JobConfigError, OutputError, ResumeMismatch, ShardsUnfinished)
+                               JobConfigError, OutputError, OutputLocked, ResumeMismatch, RunInterrupted,
+                               ShardsUnfinished)
 from batchscore.run.assemble import assemble_in_windows, assembles_in_windows
 from batchscore.run.ranges import StoreGroups, audit_sample, place_shares
 from batchscore.plan.metadata import plan_rows
@@ -43,6 +44,8 @@ from batchscore.run.completion import forget_completion, unfinished_shards, writ
 from batchscore.run.local import score_locally
 from batchscore.run.shards import set_store
 from batchscore.run.run_files import RunFiles
+from batchscore.run.live_figures import LiveFigures, records_left
+from batchscore.run.share_figures import logical_tokens_at, processed_tokens_of, share_rows
 from batchscore.run.sinks import PartSink, RowProgress
 from batchscore.run.stages import stage
 from batchscore.faults import fault_point
@@ -94,25 +97,27 @@ class Shard:
 
 def run_job(config: JobConfig, *, progress: bool = True, fresh: bool = False,
             shard: Shard | None = None, engine_factory: EngineFactory = create_engine,
-            metrics: str | None = None, metrics_prom: str | None = None, report: bool | str = False) -> RunSummary:
+            metrics: str | None = None, metrics_prom: str | None = None, report: bool | str = False,
+            live_metrics: Callable[[dict], None] | None = None) -> RunSummary:
     """Score every input row of `config` (or one static shard's share) and write the output.
 
     `metrics` (a JSON summary), `metrics_prom` (a Prometheus textfile) and `report` (True:
     `_<output>.report.html`, or a path) are written however the run ends, as `batchscore run`
-    writes them (run/run_files.py); SIGTERM at any moment raises RunInterrupted.
+    writes them (run/run_files.py); SIGTERM at any moment raises RunInterrupted. While it scores,
+    the figures so far go to `live_metrics(data)` (default: `metrics_prom`, refreshed; run/live_figures.py).
     """
     use_usable_inductor_cache()  # the Python API's callers too: before the engine imports torch's compiler
     files = RunFiles(metrics, metrics_prom, report, job=config.source)
     with files.on_every_exit():
         if files.any:
             files.check(config)
-        summary = _run_job(config, progress, fresh, shard, engine_factory)
+        summary = _run_job(config, progress, fresh, shard, engine_factory, live_metrics or files.live_writer())
         files.ok(summary)
     return summary
 
 
 def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None,
-             engine_factory: EngineFactory) -> RunSummary:
+             engine_factory: EngineFactory, live_metrics: Callable[[dict], None] | None = None) -> RunSummary:
     """Score every input row of `config` (or one static shard's share) and write the output.
 
     Holds the output's lock for the whole run (OutputLocked if another run has it). A rerun of
@@ -120,7 +125,8 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
     and returns the recorded summary. Otherwise: may convert and cache the model; writes part
     files to `_<output>.parts/`, then the final output atomically, a completion marker, and
     removes the parts. Resumes a matching partial run unless `fresh`. With `shard`, scores only
-    that shard's groups; the shard that completes the set writes the output. `engine_factory`
+    that shard's groups, and returns its share's figures; the shard that completes the set writes
+    the output (its completion marker records the set's figures). `engine_factory`
     builds the engine of a local run (Ray workers always use `create_engine`). Raises a
     BatchscoreError for job-level problems, RunInterrupted on SIGTERM/SIGINT (after saving the
     rows scored so far), and ErrorRateExceeded (after writing) when too many rows failed.
@@ -129,7 +135,8 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
     source = open_job(config)  # task, formats, engine and output files decided once; the storage options registered
     files = source.output
     writer = shard.name if shard else RUN_WRITER
-    with OutputLock(files, writer) as lock, _output_errors(files.output), _lock_left_clean(lock, files):
+    with OutputLock(files, writer) as lock, _output_errors(files.output), _lock_left_clean(lock, files), \
+            ExitStack() as assembly:
         store = PartStore(files, writer, guard=lock.check)
         _refuse_planted_links(store.folder, writer)  # before the first write through any of them
         output_hash = identity_hash(source.identity)
@@ -149,12 +156,14 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
             _publish(source, output_hash)  # a table named since, or a commit a crash left undone
             _finish(source, store)  # parts left by a run killed after its marker
             summary = replace(RunSummary.from_dict(done), seconds=time.perf_counter() - started, skipped=True)
+            whole = summary
         else:
-            summary = _run(source, store, progress, fresh, shard, engine_factory, started)
+            summary, whole = _run(source, store, progress, fresh, shard, engine_factory, started, live_metrics,
+                                  assembly)
             if summary.complete:
                 lock.check()
-                summary.table_version = _publish(source, output_hash)
-                write_completion_marker(files, output_hash, summary.to_dict(stored=True))
+                summary.table_version = whole.table_version = _publish(source, output_hash)
+                write_completion_marker(files, output_hash, whole.to_dict(stored=True))
                 fault_point("marker")
                 carry.move_rows_file(store.folder / carry.NEXT_ROWS, files.rows)
                 _finish(source, store)
@@ -163,7 +172,7 @@ def _run_job(config: JobConfig, progress: bool, fresh: bool, shard: Shard | None
         if share_done and files.remote:  # this machine's copy of the set's store: nothing here reads it again
             remove_tree(token_folder(source, store))
         lock.release(remove=summary.complete or share_done)
-    return _checked(summary, config) if summary.complete else summary
+    return _checked(summary, config, whole) if summary.complete else summary
 
 
 @contextmanager
@@ -174,6 +183,23 @@ def _merge_lock_removed(lock):
         yield
     finally:
         lock.release(remove=True)
+
+
+def _hold_assembly(assembly: ExitStack | None, files: OutputFiles, writer: str, output_hash: str) -> bool:
+    """Whether this shard, which completed the set, writes the output: it takes the merge's lock,
+    held until its run ends (and removed then), so a merge and a shard, or two shards finishing
+    together, never assemble one output at once. Held by another, or the output written meanwhile:
+    that one writes it."""
+    if assembly is None:
+        return True
+    lock = OutputLock(files, MERGE_WRITER)
+    try:
+        lock.acquire()
+    except OutputLocked as held:
+        log.info("%s: the set is complete, but %s; leaving the output to it", writer, held)
+        return False
+    assembly.callback(lock.release, remove=True)
+    return completed_summary(files, output_hash) is None
 
 
 def _share_done(store: PartStore, writer: str) -> bool:
@@ -196,10 +222,11 @@ def _lock_left_clean(lock, files: OutputFiles):
         raise
 
 
-def _checked(summary: RunSummary, config: JobConfig) -> RunSummary:
-    """`summary` of a written output, after raising what its audit and error rate call for."""
+def _checked(summary: RunSummary, config: JobConfig, whole: RunSummary | None = None) -> RunSummary:
+    """`summary` of a written output, after raising what its audit and error rate call for (`whole`:
+    the output's figures, when `summary` is a shard's share: the output's error rate is the set's)."""
     raise_if_inexact(summary)  # wrong scores first: they concern every row, not just the failed ones
-    _check_error_rate(summary, config)
+    _check_error_rate(whole or summary, config, recorded=summary)
     return summary
 
 
@@ -242,9 +269,13 @@ def _rederive(source: JobSource, store: PartStore, done: dict, started: float) -
 
 
 def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard: Shard | None,
-         engine_factory: EngineFactory, started: float) -> RunSummary:
+         engine_factory: EngineFactory, started: float,
+         live_metrics: Callable[[dict], None] | None = None,
+         assembly: ExitStack | None = None) -> tuple[RunSummary, RunSummary]:
     """Plan, score into `store` (this writer's parts, guarded by the output's lock) and, when
-    every writer has finished, assemble the output."""
+    every writer has finished, assemble the output. Returns (this run's summary, the output's):
+    the same one but for a shard, whose own summary counts its share. An interruption (SIGTERM,
+    SIGINT) carries the figures so far as the exception's `summary`."""
     config = source.config
     # calibrate.from: refused before any scoring
     source.task.check_calibration_source(config)
@@ -267,9 +298,12 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         digests = carry.store_digests(tokens, job.input.num_rows)
         carried, previous = _carried(source, store.files, digests)
         tokens = _scored_store(tokens, carried, source.identity)
+        carried_tokens = logical_tokens_at(job.tokens, np.flatnonzero(np.isin(np.asarray(job.tokens.row_ids),
+                                                                             carried.rows)))
     stage("plan")
     plan = plan_rows(tokens, plan_options(config, source.kind))
     if num_workers == 1:
+        shares = [plan]
         worker_groups = [StoreGroups.range(plan, tokens, 0, len(plan))]
         split_extra_tokens = 0
     else:  # Ray actors, static shards: each gets its share of the plan (place_groups' placement), reads its rows
@@ -300,6 +334,27 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     rows_left = sum(s.total - s.position for s in sinks)
     resolved = _decide_compile(source.engine, config.engine, job, worker_groups, rows_left)
     bar = RowProgress.for_sinks(sinks, progress, job.input.record_of)  # counts records, as the summary does
+    processed = plan.stats.processed_tokens + split_extra_tokens
+    # a shard's own figures: its share of the rows (records), their tokens and errors (run/share_figures.py)
+    counted, index = (shares, shard.index) if shard else ([plan], 0)
+    logical_tokens, processed_tokens = ((logical_tokens_at(tokens, shares[shard.index].rows),
+                                         processed_tokens_of(shares[shard.index], tokens)) if shard
+                                        else (plan.stats.logical_tokens, processed))
+
+    def own_rows():
+        return share_rows(counted, index, tokens, store, manifest, job.input.errors, job.input.record_of,
+                          job.input.num_records)
+
+    rows = own_rows().rows if shard else job.input.num_records
+    live, resumed = _live_figures(job, tokens, shares, sinks, my_workers, rows, resumed, live_metrics, started, {
+        "output_path": str(store.files.output), "engine": job.kind, "model": str(config.model),
+        "logical_tokens": logical_tokens, "processed_tokens": processed_tokens,
+        "shard_index": shard.index if shard else None, "shard_count": shard.count if shard else None,
+        "rows_carried": len(carried.rows) if incremental else None})
+    bar.live = live
+    for sink in sinks:
+        sink.on_part = live.part_written
+    live.start()
     batch_tokens: list[int] = []
     engine_load_seconds = 0.0
     weights = EngineWeights()  # a local torch engine's model, reused by the audit's plain forward (run/audit.py)
@@ -324,6 +379,25 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
                         weights = EngineWeights.of(engine)
                 finally:
                     engine.close()
+    except (RunInterrupted, KeyboardInterrupt) as stopped:  # what it did so far still goes to the metrics
+        done = own_rows()
+        summary = RunSummary(
+            output_path=str(store.files.output), rows=rows, rows_ok=max(live.progress.rows_done - done.rows_error, 0),
+            rows_error=done.rows_error, logical_tokens=logical_tokens, processed_tokens=processed_tokens,
+            saving_ratio=1 - processed_tokens / max(logical_tokens, 1), seconds=time.perf_counter() - started,
+            engine=job.kind, model=str(config.model), complete=False, resumed_rows=resumed,
+            shard_index=shard.index if shard else None, shard_count=shard.count if shard else None,
+            timing=Timing(plan_seconds=plan.stats.plan_seconds, score_seconds=time.perf_counter() - score_started,
+                          prepare_seconds=score_started - started, engine_load_seconds=engine_load_seconds),
+            execution=Execution(resolved.to_dict(), num_workers), questions=Questions(**job.task.summary(job.input)),
+            progress=live.progress,
+            carry=Carry(len(carried.rows), _rows_of_all(worker_groups), carried.dropped, carried_tokens)
+            if incremental else Carry())
+        if shard and summary.questions.reads is not None:
+            summary.questions.reads = done.reads
+        summary.cost = night_cost(summary, config.report.price_per_hour, num_workers if use_ray else 0)
+        stopped.summary = summary
+        raise
     finally:
         bar.close()
     score_seconds = time.perf_counter() - score_started
@@ -338,9 +412,10 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     else:
         complete = not unfinished_shards(store, shard.count, manifest.job_hash, lambda i: writers[i],
                                          every_file=False)
+    if complete and shard is not None:  # one writer assembles: under the merge's lock
+        complete = _hold_assembly(assembly, store.files, shard.name, identity_hash(source.identity))
     if complete:
         store.guard()  # the output is written only by the holder of the lock
-    processed = plan.stats.processed_tokens + split_extra_tokens
     stage("assemble")
     write_started = time.perf_counter()
     errors, quality = assemble_output(job, store, manifests) if complete else (dict(job.input.errors), QualityResult())
@@ -354,7 +429,7 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
     if complete:  # the audit picks its rows among a seeded sample read back from the store
         sample, group_of = audit_sample(job, tokens, plan)
         audit = audit_output(sample, store, manifests, group_of, processed, weights)
-    summary = RunSummary(
+    whole = RunSummary(
         output_path=str(store.files.output),
         rows=job.input.num_records,
         rows_ok=job.input.num_records - len(errors),
@@ -375,11 +450,43 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
         questions=Questions(**job.task.summary(job.input)),
         quality=quality,
         audit=audit,
+        progress=live.progress,
     )
-    summary.cost = night_cost(summary, config.report.price_per_hour, num_workers if use_ray and not shard else 0)
     if incremental:
-        summary.carry = Carry(carried=len(carried.rows), scored=_rows_of_all(worker_groups), dropped=carried.dropped)
-    return summary
+        whole.carry = Carry(carried=len(carried.rows), scored=_rows_of_all(worker_groups), dropped=carried.dropped,
+                            tokens=carried_tokens)
+    whole.cost = night_cost(whole, config.report.price_per_hour, num_workers if use_ray and not shard else 0)
+    if shard is None:
+        return whole, whole
+    own = own_rows()
+    summary = replace(whole, rows=own.rows, rows_ok=own.rows - own.rows_error, rows_error=own.rows_error,
+                      logical_tokens=logical_tokens, processed_tokens=processed_tokens,
+                      saving_ratio=1 - processed_tokens / max(logical_tokens, 1), shard_index=shard.index,
+                      shard_count=shard.count,
+                      questions=replace(whole.questions, reads=own.reads if whole.questions.reads is not None else None))
+    summary.cost = night_cost(summary, config.report.price_per_hour)
+    whole.progress = replace(whole.progress, rows_done=whole.rows)  # the set's rows are all in the output
+    return summary, whole
+
+
+def _live_figures(job: PreparedJob, tokens: TokenStore, shares: list, sinks: list[PartSink], workers: list[int],
+                  rows: int, resumed: int, write, started: float, base: dict) -> tuple[LiveFigures, int]:
+    """(the run's LiveFigures over the rows `sinks` still score, the rows resumed from an earlier
+    attempt): records for a questions job, each done with its last read (`resumed`: the reads)."""
+    record_of = job.input.record_of
+    base = {key: value for key, value in base.items() if value is not None}
+    if record_of is None:
+        return LiveFigures(rows, sum(s.total - s.position for s in sinks), write=write, base=base,
+                           started=started), resumed
+    row_ids = np.asarray(tokens.row_ids)
+    record_of = np.asarray(record_of)
+    left = records_left(np.concatenate([row_ids[shares[w].rows[s.position:]] for w, s in zip(workers, sinks)]),
+                        record_of, job.input.num_records)
+    planned = records_left(np.concatenate([row_ids[shares[w].rows] for w in workers]), record_of,
+                           job.input.num_records)
+    resumed_records = int(np.count_nonzero(planned)) - int(np.count_nonzero(left))
+    return LiveFigures(rows, int(np.count_nonzero(left)), write=write, base=base, reads_left=left,
+                       record_of=record_of, started=started), resumed_records
 
 
 def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
@@ -633,10 +740,12 @@ def _approx_keep(config: JobConfig) -> float | None:
     return config.engine.speculative.keep if config.engine.speculative is not None else None
 
 
-def _check_error_rate(summary: RunSummary, config: JobConfig) -> None:
+def _check_error_rate(summary: RunSummary, config: JobConfig, recorded: RunSummary | None = None) -> None:
+    """Raise ErrorRateExceeded when too many of `summary`'s rows failed; `recorded`: the summary
+    the exception carries into the metrics (a shard's own, when `summary` is the set's)."""
     error_rate = summary.rows_error / max(summary.rows, 1)
     if error_rate > config.output.max_error_rate:
         raise ErrorRateExceeded(
             f"{summary.rows_error} of {summary.rows} rows failed ({error_rate:.1%}), more than "
             f"output.max_error_rate={config.output.max_error_rate:.1%}; the output was written to "
-            f"{summary.output_path} with the errors in its 'error' column", summary)
+            f"{summary.output_path} with the errors in its 'error' column", recorded or summary)

@@ -41,6 +41,7 @@ class PartSink:
         self.part_start = first_row  # first position of the part being buffered
         self.position = first_row  # next position to arrive
         self.last_flush = time.monotonic()
+        self.on_part = None  # called after each part is written (run/live_figures.py refreshes the metrics)
         self._reset()
 
     def _reset(self) -> None:
@@ -114,6 +115,8 @@ class PartSink:
                               top_logp=self.top_logp, top_token=self.top_token, greedy=self.greedy)
         self.part_start, self.last_flush = self.position, time.monotonic()
         self._reset()
+        if self.on_part is not None:
+            self.on_part()
 
 
 class RowProgress:
@@ -141,6 +144,7 @@ class RowProgress:
                             mininterval=0.5)
         self.tokens = 0
         self.started = time.perf_counter()
+        self.live = None  # run/live_figures.LiveFigures: the run's figures, counted with or without a bar
 
     @classmethod
     def for_sinks(cls, sinks: Sequence[PartSink], enabled: bool, record_of: np.ndarray | None = None) -> "RowProgress":
@@ -160,6 +164,8 @@ class RowProgress:
             self.bar.reset(total=self.bar.total)  # n 0 and the clock from now: the rate and ETA are scoring's
 
     def row_done(self, row_id: int | None = None) -> None:
+        if self.live is not None:
+            self.live.row_done(row_id)
         if self.bar is None:
             return
         if self.records is None:
@@ -172,6 +178,8 @@ class RowProgress:
                 self.bar.update(1)
 
     def group_done(self, group: PrefixGroup) -> None:
+        if self.live is not None:
+            self.live.group_done(group)
         if self.bar is not None:
             self.tokens += group.logical_tokens
             rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)

@@ -364,19 +364,22 @@ class TokenStore:
         index = np.asarray(self.option_set)
         return np.where(index >= 0, np.r_[per_set, 0][index], 0).astype(np.int64)
 
-    def option_counts(self) -> tuple[int, int]:
+    def option_counts(self, positions: np.ndarray | None = None) -> tuple[int, int]:
         """(tokens plain forwards add for the rows' options, option positions computed), as
-        plan/options.option_token_counts counts them, without an object per row."""
+        plan/options.option_token_counts counts them, without an object per row; `positions`:
+        of those positions only (a shard's share, an incremental night's carried rows)."""
         sets = len(self._token_starts) - 1
         if sets == 0 or self.num_rows == 0 or self.label_ids is not None:
             return 0, 0
         token_counts = np.diff(self._token_starts)
         option_counts = np.diff(self._offset_starts) - 1
         extra_rows = token_counts - option_counts  # n - 1 per option of n tokens
-        index = np.asarray(self.option_set)
+        index, lengths = np.asarray(self.option_set), self.lengths
+        if positions is not None:
+            index, lengths = index[positions], lengths[positions]
         has = index >= 0
         chosen = index[has]
-        lengths = self.lengths[has]
+        lengths = lengths[has]
         plain_extra = np.where(extra_rows[chosen] == 0, 0, (option_counts[chosen] - 1) * lengths + extra_rows[chosen])
         return int(plain_extra.sum()), int(extra_rows[chosen].sum())
 
