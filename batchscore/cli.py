@@ -380,8 +380,8 @@ def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> N
 
 
 @main.command()
-@click.argument("output", type=click.Path(dir_okay=False))
-@click.option("--previous", type=click.Path(dir_okay=False),
+@click.argument("output", type=click.Path())  # a file, or a partitioned output's folder (output.partition_by)
+@click.option("--previous", type=click.Path(),
               help="An earlier output of the same job: adds label flips, PSI per label and the rows that changed most.")
 @click.option("--metrics", type=click.Path(dir_okay=False),
               help="The run's --metrics JSON (default: one next to OUTPUT that names it).")

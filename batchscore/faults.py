@@ -13,7 +13,8 @@ merge` too),
 done (`batchscore run`: the metrics are written, the summary not yet printed), plan (`batchscore
 plan`: planned, its temporary token store not yet removed), rows (an incremental run's rows file
 written into the parts folder, the output's marker not yet), table (before an output.table commit),
-published (after it, before the output's marker).
+published (after it, before the output's marker), dataset (a partitioned output's files written in
+their temporary folder, not yet renamed into place).
 """
 
 from __future__ import annotations

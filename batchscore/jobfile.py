@@ -29,7 +29,9 @@ from batchscore.io.iceberg_catalog import catalog_relative_to
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
 from batchscore.scores.calibration import METHODS as CALIBRATION_METHODS
+from batchscore.output.column_names import COLUMN_NAMES, slug_problems
 from batchscore.output.layout import COLUMN_SEPARATORS, DEFAULT_ID, label_column
+from batchscore.output.partitioned import partition_problems
 from batchscore.output.table_publish import table_problems
 from batchscore.scores.review import CONFIDENCE_METHODS
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
@@ -55,6 +57,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "plan.order": ORDER_POLICIES,
     "output.format": output_format_names(),
     "output.column_separator": COLUMN_SEPARATORS,
+    "output.column_names": COLUMN_NAMES,
     "output.mode": ("full", "incremental"),
     "output.table.format": ("delta", "iceberg"),
     "output.table.mode": ("merge", "append", "overwrite"),
@@ -306,6 +309,11 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("plan.block_size: must be ≥ 1")
     problems.extend(_not_allowed(config, "output.format"))
     problems.extend(_not_allowed(config, "output.column_separator"))
+    problems.extend(_not_allowed(config, "output.column_names"))
+    if config.output.column_names == "slug":
+        problems.extend(slug_problems(config.labels) if config.labels else [
+            "output.column_names slug: names the columns of fixed labels (p_<label>); this job has none"])
+    problems.extend(partition_problems(config, task.name))
     problems.extend(_not_allowed(config, "output.mode"))
     if config.output.table is not None:
         problems.extend(_not_allowed(config, "output.table.format") + _not_allowed(config, "output.table.mode"))

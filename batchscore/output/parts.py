@@ -39,6 +39,7 @@ from batchscore.errors import ResumeMismatch
 from batchscore.faults import fault_point
 from batchscore.io.atomic import atomic_write, refuse_link
 from batchscore.io.storage import file_size, list_files, remove_file, remove_tree
+from batchscore.output import partitioned
 from batchscore.output.identity import describe_changes
 from batchscore.output.layout import RUN_WRITER, OutputFiles
 from batchscore.output.raw_scores import RowScores
@@ -104,8 +105,8 @@ class Manifest:
 def write_completion_marker(files: OutputFiles, output_hash: str, summary: dict) -> None:
     """Record that the output is the complete output of the job `output_hash` identifies; the
     output is named by its content (sha256), so another file of the same size never passes."""
-    size = file_size(files.path)
-    text = json.dumps({"output_hash": output_hash, "output_size": size, "output_sha256": _digest(files.path),
+    size = _output_size(files.path)
+    text = json.dumps({"output_hash": output_hash, "output_size": size, "output_sha256": _output_digest(files.path),
                        "summary": summary}, indent=2)
     atomic_write(files.marker, lambda tmp: Path(tmp).write_text(text))
 
@@ -148,12 +149,22 @@ def marker_problem(files: OutputFiles) -> str:
 def _read_marker(files: OutputFiles) -> dict | None:
     try:
         marker = json.loads(files.marker.read_text())
-        if (file_size(files.path) == marker["output_size"] and isinstance(marker["summary"], dict)
-                and _digest(files.path) == marker["output_sha256"]):  # the size first: it costs no read
+        if (_output_size(files.path) == marker["output_size"] and isinstance(marker["summary"], dict)
+                and _output_digest(files.path) == marker["output_sha256"]):  # the size first: it costs no read
             return marker
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
+
+
+def _output_size(path) -> int | None:
+    """The output's bytes: its file's, or a partitioned output's files' (output/partitioned.py)."""
+    return partitioned.output_size(path) if partitioned.is_partitioned(path) else file_size(path)
+
+
+def _output_digest(path) -> str:
+    """The output's content digest: its file's sha256, or over a partitioned output's files."""
+    return partitioned.output_digest(path) if partitioned.is_partitioned(path) else _digest(path)
 
 
 def _digest(path) -> str:

@@ -6,6 +6,7 @@ same folder, then renamed), so a reader never sees a partial output.
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,13 +53,27 @@ def scores_table(ids: pa.Array, id_name: str, kept: pa.Table, scores: dict[str, 
 def provenance(job) -> dict[str, str]:
     """What an output's Parquet schema records about the run of `job` (a PreparedJob) that wrote it,
     so a warehouse load keeps it beside the data: the model, the job's identity hash (the
-    completion marker's `output_hash`), the batchscore version and the UTC time of writing."""
+    completion marker's `output_hash`), the batchscore version and the UTC time of writing; and how
+    the writer lays it out: its partition columns (output.partition_by, PARTITION_KEY) and its
+    label columns' slugs (output.column_names, output/column_names.py)."""
     from batchscore.version import __version__
+    from batchscore.output import column_names
     from batchscore.output.identity import identity_hash
 
+    layout_keys = {PARTITION_KEY: json.dumps(job.config.output.partition_by)} if job.config.output.partition_by else {}
     return {"batchscore.model": str(job.config.model), "batchscore.job_hash": identity_hash(job.source.identity),
             "batchscore.version": __version__,
-            "batchscore.run_time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "batchscore.run_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **layout_keys, **column_names.metadata(job.config)}
+
+
+PARTITION_KEY = "batchscore.partition_by"  # the output's partition columns (JSON list): output/partitioned.py
+
+
+def partition_columns(schema: pa.Schema) -> list[str]:
+    """The partition columns an output's schema names (PARTITION_KEY; [] for one file)."""
+    raw = (schema.metadata or {}).get(PARTITION_KEY.encode())
+    return json.loads(raw) if raw else []
 
 
 def with_metadata(table: pa.Table, metadata: dict[str, str]) -> pa.Table:

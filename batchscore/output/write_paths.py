@@ -89,6 +89,8 @@ class Protected:
         output = _key(self.output.output)
         if target == output:
             return f"is the output ({self.output.output}); writing it would replace the scores"
+        if _inside(target, output):  # a partitioned output (output.partition_by) is a folder, replaced whole
+            return f"is inside the output folder {self.output.output}, which each write of the output replaces"
         parts = _key(self.output.parts)
         if target == parts or _inside(target, parts):
             return f"is inside the output's parts folder {self.output.parts}, which the run deletes when it ends"

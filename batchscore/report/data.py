@@ -11,7 +11,7 @@ import numpy as np
 
 from batchscore.errors import ReportError
 from batchscore.io.storage import as_path, file_size
-from batchscore.output import layout
+from batchscore.output import column_names, layout, partitioned
 from batchscore.output.layout import RESULT_COLUMNS, OutputFiles
 from batchscore.task import pages
 
@@ -47,7 +47,7 @@ def load_output(path: str | os.PathLike, id_column: str | None = None, table=Non
     is not a batchscore output. `table`: the file's table when the caller has read it already."""
     path = as_path(path)
     if table is None:
-        if file_size(path) is None:
+        if file_size(path) is None and not partitioned.is_partitioned(path):
             raise ReportError(f"output not found: {path}")
         table = _read_table(path)
     names = table.column_names
@@ -109,7 +109,7 @@ def read_output_table(path: str | os.PathLike):
     """The output's table (Parquet, JSON Lines or an OpenAI Batch output with its error file).
     Raises ReportError for a missing or unreadable file."""
     path = as_path(path)
-    if file_size(path) is None:
+    if file_size(path) is None and not partitioned.is_partitioned(path):
         raise ReportError(f"output not found: {path}")
     return _read_table(path)
 
@@ -118,9 +118,10 @@ def _read_table(path: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchscore.formats.registry import format_of_path
+    from batchscore.formats.registry import format_of_path, get_format
 
-    wire = format_of_path(path)  # a format that reads its outputs back (Parquet, a registered CSV format)
+    # a format that reads its outputs back (Parquet, a registered CSV format); a folder: partitioned Parquet
+    wire = get_format("parquet") if partitioned.is_partitioned(path) else format_of_path(path)
     if wire is not None and wire.read_output is not None:
         try:
             return _in_page_layout(wire.read_output(path))
@@ -179,7 +180,9 @@ def _openai_batch_table(path: Path, rows: list[dict]):
 
 def _in_page_layout(table):
     """The output's table in the layout its task's page reads (task.py; e.g. a questions job's
-    per-row answers spread into question columns); a labels output as it is."""
+    per-row answers spread into question columns); a labels output as it is, its label columns
+    named by their labels (output.column_names: slug writes them by their slugs)."""
+    table = column_names.as_read(table)
     for page in pages():
         table = page.table(table)
     return table

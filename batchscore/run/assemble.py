@@ -18,7 +18,7 @@ from batchscore.formats.registry import output_format_of
 from batchscore.io.atomic import atomic_write
 from batchscore.output.layout import DEFAULT_ID
 from batchscore.output.parts import Manifest, PartStore
-from batchscore.output import row_merge
+from batchscore.output import partitioned, row_merge
 from batchscore.output.table import ok_rows, provenance, scores_table, with_metadata
 from batchscore.scores import quality
 from batchscore.scores.quality import QualityResult
@@ -83,6 +83,7 @@ def assemble_in_windows(job, store: PartStore, manifests: list[Manifest], approx
         if written != prepared.num_rows:  # the invariant: every input row exactly once
             raise RuntimeError(f"the output would hold {written} rows for {prepared.num_rows} input rows")
 
-    atomic_write(store.files.output, write)
+    # one file, or a hive-partitioned folder written under a temporary name (output/partitioned.py)
+    (partitioned.write_folder if config.output.partition_by else atomic_write)(store.files.output, write)
     fault_point("output")
     return errors, QualityResult()

@@ -31,6 +31,7 @@ from batchscore.formats.registry import WireFormat, output_format_of
 from batchscore.io.readers import InputBatch
 from batchscore.io.storage import as_path, is_url, use_storage_options
 from batchscore.models import resolve_model
+from batchscore.output import partitioned
 from batchscore.output.identity import IDENTITY_VERSION, input_identities, model_identity, software_versions
 from batchscore.output.layout import OutputFiles
 from batchscore.output.write_paths import check_job_write_paths
@@ -54,7 +55,7 @@ def open_job(config: JobConfig, *, with_model: bool = True, for_output: bool = T
     if for_output:
         if output is None:
             raise InputError("output.path is not set (set it in the job file or pass --output)")
-        check_output_path(config.output.path)
+        check_output_path(config.output.path, folder=bool(config.output.partition_by))
     files = [] if config.input.synthetic else discover_files(config.input.path, config.input.format,
                                                              config.input.filter)
     if for_output:
@@ -159,16 +160,23 @@ def _identity_keys(config: JobConfig, section, part: str, output: OutputFiles | 
     return data
 
 
-def check_output_path(output_path: str) -> None:
-    """Refuse an output path that cannot be written, before any work: a folder, a file in a
-    read-only folder. Raises OutputError. An object-store output is checked by its first write
-    (the lock's lease)."""
+def check_output_path(output_path: str, folder: bool = False) -> None:
+    """Refuse an output path that cannot be written, before any work: a folder (`folder`: a
+    partitioned output's, one holding anything but its partitions), a file in a read-only folder.
+    Raises OutputError. An object-store output is checked by its first write (the lock's lease)."""
     if is_url(output_path):
         as_path(output_path)  # its store's package is installed
         return
     out = Path(output_path).expanduser()
-    if out.is_dir():
+    if out.is_dir() and not folder:
+        if partitioned.foreign_entry(out) is None and partitioned.data_files(out):
+            raise OutputError(f"output.path {output_path} is a partitioned output's folder; set output.partition_by "
+                              "to write it again, or give another path")
         raise OutputError(f"output.path {output_path} is a folder; give a file path, e.g. {out / 'scores.parquet'}")
+    other = partitioned.foreign_entry(out) if out.is_dir() else None
+    if other is not None:  # the output folder is replaced whole: never over something else
+        raise OutputError(f"output.path {output_path} is a folder holding {other}, which is not a partition of an "
+                          "output (output.partition_by replaces the folder whole); give a new or empty folder")
     folder = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
     if folder is not None and not folder.is_dir():
         raise OutputError(f"output.path {output_path}: {folder} is a file, not a folder")

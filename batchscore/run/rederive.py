@@ -24,7 +24,7 @@ import logging
 import numpy as np
 import pyarrow as pa
 
-from batchscore.output import layout
+from batchscore.output import column_names, layout, partitioned
 from batchscore.formats import write_output
 from batchscore.scores.quality import QualityResult, add_quality_columns, content_free_rows
 from batchscore.prepare.options import choices_for_output
@@ -57,7 +57,10 @@ def rederive_output(job: PreparedJob, files) -> tuple[dict[int, str], QualityRes
         return job.task.rederive(job, files)
     config, prepared = job.config, job.input
     id_name = config.input.id_column or layout.DEFAULT_ID
-    finished = job.source.output_format.read_output(files.output)
+    finished = column_names.as_read(job.source.output_format.read_output(files.output))  # p_<label> again
+    if partitioned.is_partitioned(files.output):  # read in partition order: back into the input's
+        ordered = partitioned.in_row_order(finished, id_name, prepared.ids)
+        finished = finished if ordered is None else ordered
     labels = list(config.labels) if config.labels else None
     raw = layout.score_column_names(labels or [], labels is None, config.output.logprobs)
     raw = [name for name in raw if name not in (layout.LABEL, layout.CHOICE, layout.CHOICE_INDEX)]
