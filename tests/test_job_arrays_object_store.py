@@ -198,3 +198,26 @@ def test_a_share_counts_finished_only_with_its_record_its_files_and_the_sets_tok
     forget_completion(stores[0])  # a shard starting its share again
     assert unfinished_shards(stores[0], 3, "job", name, every_file=False)[0].startswith("scored all 2 rows")
     assert 1 not in unfinished_shards(stores[0], 3, "job", name, every_file=False)  # files listed once all are in
+
+
+@pytest.mark.slow  # two shard runs and a merge (~30 s under load)
+def test_the_shard_completing_the_set_leaves_the_output_to_a_merge_under_way(job, tmp_path):
+    """One writer assembles: the shard that completes the set takes the merge's lock first, and while a
+    merge holds it, leaves the output to that merge (never two assemblies of one output at once)."""
+    from batchscore.output.layout import MERGE_WRITER, OutputFiles
+    from batchscore.output.lock import OutputLock
+
+    output = tmp_path / "out.parquet"
+    run = lambda *extra: CliRunner().invoke(main, ["run", str(job), "-q", "-o", str(output), *extra])  # noqa: E731
+    assert run("--shard", "0/2").exit_code == 0
+    merge = OutputLock(OutputFiles(output), MERGE_WRITER)
+    merge.acquire()  # a merge under way
+    try:
+        last = run("--shard", "1/2")
+        assert last.exit_code == 0 and "shard 1/2 done" in last.output, last.output
+        assert not output.exists()
+    finally:
+        merge.release(remove=True)
+    merged = CliRunner().invoke(main, ["merge", str(job), "--shards", "2", "-o", str(output)])
+    assert merged.exit_code == 0 and f"wrote {output}: {ROWS} rows ok" in merged.output, merged.output
+    assert sorted(p.name for p in tmp_path.glob("*out.parquet*")) == ["_out.parquet.complete.json", "out.parquet"]
