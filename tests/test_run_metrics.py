@@ -15,9 +15,10 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from batchscore import run_job
-from batchscore.errors import EXIT_INTERRUPTED
+from batchscore.errors import EXIT_INTERRUPTED, RunInterrupted
 from batchscore.jobfile import load_job
 from batchscore.output.cost import cost_line
 from batchscore.output.layout import OutputFiles
@@ -70,12 +71,41 @@ def test_a_questions_job_counts_records_and_reports_its_reads_apart(tmp_path):
     assert gauges["batchscore_rows_per_second"][1] == 4 / summary.seconds  # records per second
 
 
+def _slow_job(tmp_path):
+    """24 rows in small forward batches, a part a row: the run gives its figures many times."""
+    source = write_sample_subset(tmp_path / "input.parquet", queries=8, product_ids=("P001", "P002", "P004"))
+    return write_job(tmp_path, source, engine={"kind": "torch", "dtype": "float32", "token_budget": 256},
+                     output={"part_rows": 1})
+
+
+def test_the_figures_so_far_go_out_while_scoring_and_an_interrupted_run_keeps_them(tmp_path):
+    """In process: the live figures grow part by part; a SIGINT midway ends the run (exit 130)
+    with its rows done and tokens in the metrics."""
+    seen, sent = [], []
+
+    def live(data):
+        seen.append(data)
+        if data["processed_tokens_done"] > 0 and data["rows_done"] < data["rows"] and not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGINT))  # once: the scoring loop stops after the result in hand
+
+    metrics = tmp_path / "m.json"
+    with pytest.raises(RunInterrupted) as stopped:
+        run_job(load_job(_slow_job(tmp_path)), progress=False, metrics=str(metrics), live_metrics=live)
+    assert stopped.value.exit_code == EXIT_INTERRUPTED
+    assert len(seen) >= 2 and {d["status"] for d in seen} == {"running"} and seen[0]["rows_done"] == 0
+    assert [d["rows_done"] for d in seen] == sorted(d["rows_done"] for d in seen)  # never backwards
+    assert seen[-1]["seconds"] > seen[0]["seconds"] > 0 and seen[-1]["rows"] == 24
+    recorded = json.loads(metrics.read_text())
+    assert recorded["status"] == "failed" and recorded["exit_code"] == EXIT_INTERRUPTED
+    assert seen[-1]["rows_done"] <= recorded["rows_done"] < 24 and recorded["processed_tokens_done"] > 0
+    assert recorded["complete"] is False and recorded["rows_ok"] == recorded["rows_done"]  # no row failed
+
+
+@pytest.mark.slow  # a `batchscore run` process started, watched and interrupted: make test-all
 def test_the_prometheus_file_follows_the_run_and_a_sigint_still_records_what_was_done(tmp_path):
     """A part a row and small forward batches: the file shows `in_progress 1` and rows done while
     the run scores; SIGINT then stops it (exit 130) with its rows done in the metrics."""
-    source = write_sample_subset(tmp_path / "input.parquet", queries=8, product_ids=("P001", "P002", "P004"))
-    job = write_job(tmp_path, source, engine={"kind": "torch", "dtype": "float32", "token_budget": 256},
-                    output={"part_rows": 1})
+    job = _slow_job(tmp_path)
     prom, metrics = tmp_path / "m.prom", tmp_path / "m.json"
     proc = subprocess.Popen([sys.executable, "-m", "batchscore.cli", "run", str(job), "-q", "--metrics", str(metrics),
                              "--metrics-prom", str(prom)], env=dict(os.environ, PYTHONPATH=str(REPO)),
@@ -132,3 +162,33 @@ def test_an_incremental_night_prices_what_its_carried_rows_saved(tmp_path, small
     assert "10 rows carried" in table and f"{cost.carrying_saved:,.4g}" in table
     first_night = json.loads((tmp_path / "m0.json").read_text())
     assert first_night["rows_carried"] == 0 and first_night["cost_saved_by_carrying"] == 0
+
+
+def test_the_shares_tokens_add_up_to_the_plans_with_options_and_cut_groups(tmp_path):
+    """run/share_figures.py on a store of rows with multi-token options: one share (the whole plan)
+    has the plan's logical and processed tokens; three shares' logical tokens add up to the plan's,
+    their processed tokens to the plan's plus the prefixes computed again where a group was cut."""
+    import numpy as np
+
+    from batchscore.plan import PlanOptions, Request
+    from batchscore.plan.metadata import plan_rows
+    from batchscore.plan.options import OptionTokens
+    from batchscore.run.ranges import place_shares
+    from batchscore.run.share_figures import logical_tokens_at, processed_tokens_of
+    from batchscore.store import StoreWriter
+
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(0, 90, 300)  # one long shared prefix: a group larger than a fair share is cut
+    options = OptionTokens.from_lists([[5], [6, 7, 8]])
+    requests = [Request(i, np.r_[prefix, rng.integers(0, 90, int(rng.integers(1, 20)))],
+                        options if i % 2 else OptionTokens.from_lists([[1], [2]])) for i in range(40)]
+    writer = StoreWriter(tmp_path / "store", {"input": "a"})
+    writer.add_requests(requests)
+    store = writer.close(num_input_rows=40)
+    plan = plan_rows(store, PlanOptions(min_prefix_tokens=1))
+    assert logical_tokens_at(store, plan.rows) == plan.stats.logical_tokens
+    assert processed_tokens_of(plan, store) == plan.stats.processed_tokens
+    shares, replicated = place_shares(plan, store, 3)
+    assert replicated > 0  # the group was cut: its prefix computed in more than one share
+    assert sum(logical_tokens_at(store, s.rows) for s in shares) == plan.stats.logical_tokens
+    assert sum(processed_tokens_of(s, store) for s in shares) == plan.stats.processed_tokens + replicated
