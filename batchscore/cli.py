@@ -49,6 +49,10 @@ def _exit_without_teardown(code) -> None:
     import atexit
     import threading
 
+    # what the interpreter runs before it joins the threads: a concurrent.futures pool's (pyiceberg's
+    # reads and commits) tells its idle workers to stop, else joining them waits forever
+    for hook in reversed(getattr(threading, "_threading_atexits", [])):
+        hook()
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
@@ -247,6 +251,7 @@ def _shard(spec: str):
 def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, sets=(), output=None,
               table=None) -> None:
     from batchscore.output.cost import cost_line
+    from batchscore.output.table_publish import table_place
 
     if summary.skipped:
         click.echo(f"{summary.output_path} is already the complete output of this job (same configuration, "
@@ -265,28 +270,21 @@ def _say_done(summary, report_path, job: str, shard: str | None, parsed_shard, s
         click.echo(f"shard {shard} done; the output is written when every shard has finished "
                    f"(or run: batchscore merge {shlex.quote(job)} --shards {parsed_shard.count}{same})")
         return
+    share = "" if summary.shard_index is None else f" in shard {summary.shard_index}/{summary.shard_count}'s share"
     click.echo(
         f"wrote {summary.output_path}: {summary.rows_ok} rows ok, {summary.rows_error} errors{share}\n"
         f"tokens: {summary.logical_tokens:,} logical, {summary.processed_tokens:,} processed "
         f"(saving {summary.saving_ratio:.1%})\n"
         f"time: {summary.seconds:.1f} s ({summary.rows_per_second:.1f} rows/s), engine {summary.engine}"
-    share = "" if summary.shard_index is None else f" in shard {summary.shard_index}/{summary.shard_count}'s share"
         f"{_kernels(summary.execution.kernels)}\n"
         f"{_time_split(summary)}"
         + (f"\nincremental: {summary.carry.carried:,} rows carried from the previous night, {summary.carry.scored:,} "
            f"scored, {summary.carry.dropped:,} of its rows dropped" if summary.carry.carried is not None else "")
         + (f"\n{line}" if (line := cost_line(summary.cost)) else "")
-        + (f"\ntable: {_table_place(summary.table_version, table)} holds it" if summary.table_version is not None
-           else "")
+        + (f"\ntable: {table_place(table, summary.table_version)} holds it"
+           if summary.table_version is not None and table is not None else "")
         + (f"\nreport: {report_path}" if report_path else "")
     )
-
-
-def _table_place(version: int, table) -> str:
-    """Where output.table holds the output: a Delta table's version, an Iceberg table's snapshot."""
-    if table is not None and table.format == "iceberg":
-        return f"snapshot {version} of the Iceberg table {table.identifier}"
-    return f"version {version} of the Delta table"
 
 
 def _kernels(kernels: dict | None) -> str:

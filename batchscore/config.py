@@ -142,7 +142,7 @@ class SyntheticInput:
 @dataclass
 class InputConfig:
     path: str | None = key(None, identity=SCORING)  # a file, a folder or a glob of .parquet / .jsonl files; local, file://, s3://, gs://, az://
-    format: str = key("auto", identity=SCORING)  # auto (by suffix) | parquet | jsonl | openai_batch (OpenAI Batch API requests)
+    format: str = key("auto", identity=SCORING)  # auto (by suffix) | parquet | jsonl | openai_batch (OpenAI Batch API requests) | delta (a Delta Lake table's folder) | iceberg (a table of input.catalog)
     id_column: str | None = key(None, identity=SCORING)  # a unique row id carried to the output; default: the row number
     token_ids_column: str | None = key(None, identity=SCORING)  # pre-tokenized prompts: no template or tokenizer needed
     choices_column: str | None = key(None, identity=SCORING)  # a list<string> column: each row scored over its own options
@@ -151,6 +151,9 @@ class InputConfig:
     synthetic: SyntheticInput | None = key(None, identity=SCORING)  # benchmarks: generated token ids instead of files
     filter: dict[str, Any] = key(factory=dict, identity=SCORING)  # hive partition column -> value or [values]
     storage_options: dict[str, Any] = key(factory=dict, identity=NEITHER)  # fsspec options of an object-store path
+    catalog: dict[str, Any] = key(factory=dict, identity=NEITHER)  # iceberg: the catalog, as output.table.catalog (the table's location and snapshot are the input's identity)
+    identifier: str | None = key(None, identity=SCORING)  # iceberg: namespace.table in input.catalog
+    version: int | None = key(None, identity=SCORING)  # delta: the table version read; iceberg: the snapshot id; null: the current one (pinned when the job opens)
 
 
 @dataclass

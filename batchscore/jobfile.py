@@ -31,8 +31,8 @@ from batchscore.models import BUILTIN_MODELS
 from batchscore.scores.calibration import METHODS as CALIBRATION_METHODS
 from batchscore.output.column_names import COLUMN_NAMES, slug_problems
 from batchscore.output.layout import COLUMN_SEPARATORS, DEFAULT_ID, label_column
+from batchscore.output.table_publish import TABLE_FORMATS, table_problems
 from batchscore.output.partitioned import partition_problems
-from batchscore.output.table_publish import table_problems
 from batchscore.scores.review import CONFIDENCE_METHODS
 from batchscore.plan.order import POLICIES as ORDER_POLICIES
 from batchscore.prepare.options import NORMALIZE
@@ -59,7 +59,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "output.column_separator": COLUMN_SEPARATORS,
     "output.column_names": COLUMN_NAMES,
     "output.mode": ("full", "incremental"),
-    "output.table.format": ("delta", "iceberg"),
+    "output.table.format": TABLE_FORMATS,
     "output.table.mode": ("merge", "append", "overwrite"),
     "executor.kind": ("local", "ray"),
     "executor.tokenize": ("auto", "tasks", "driver"),
@@ -254,9 +254,13 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     """Cross-field checks that need the whole config."""
     problems = []
     inp = config.input
-    if inp.path is None and inp.synthetic is None:
-        problems.append("input.path: required (a .parquet/.jsonl file, a folder or a glob)")
+    if inp.path is None and inp.synthetic is None and inp.identifier is None:
+        problems.append("input.path: required (a .parquet/.jsonl file, a folder, a glob or a Delta table's folder; "
+                        "an Iceberg table: input.catalog and input.identifier)")
     problems.extend(_not_allowed(config, "input.format"))
+    named = named_input_format(config)
+    if (inp.catalog or inp.identifier or inp.version is not None) and getattr(named, "open_input", None) is None:
+        problems.append("input.catalog / identifier / version: read a table; set input.format: delta or iceberg")
     if inp.batch_rows < 1:
         problems.append("input.batch_rows: must be ≥ 1")
     for key, want in inp.filter.items():
@@ -468,6 +472,7 @@ def _resolve_relative_paths(config: JobConfig, base: Path) -> None:
         return os.path.normpath(base / path)
 
     config.input.path = relative(config.input.path)
+    config.input.catalog = catalog_relative_to(config.input.catalog, base)
     config.output.path = relative(config.output.path)
     config.output.error_path = relative(config.output.error_path)
     config.output.previous = relative(config.output.previous)

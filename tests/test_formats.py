@@ -18,7 +18,7 @@ def test_the_allowed_formats_come_from_the_registry():
     import batchscore.formats.openai_batch  # noqa: F401 - imported before the others: the order holds
     from batchscore.jobfile import ALLOWED
 
-    assert ALLOWED["input.format"] == input_names() == ("auto", "parquet", "jsonl", "openai_batch")
+    assert ALLOWED["input.format"] == input_names() == ("auto", "parquet", "jsonl", "openai_batch", "delta", "iceberg")
     assert ALLOWED["output.format"] == output_names() == ("auto", "parquet", "jsonl", "openai_batch")
     assert suffix_formats()[".ndjson"] == "jsonl" and suffix_formats()[".pq"] == "parquet"
 

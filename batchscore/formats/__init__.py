@@ -23,6 +23,15 @@ def discover_files(path: str, fmt: str = "auto", filter: dict | None = None) -> 
     return readers.discover_files(path, suffix_formats(), fmt, filter)
 
 
+def input_files(inp) -> list[tuple[Path, str]]:
+    """The input's files (`inp`: the job's InputConfig): a table format's one table, else the files
+    found below input.path (`discover_files`)."""
+    wire = get_format(inp.format) if inp.format != "auto" else None
+    if wire is not None and wire.open_input is not None:
+        return wire.open_input(inp)
+    return discover_files(inp.path, inp.format, inp.filter)
+
+
 def _file_reader(fmt: str):
     wire = get_format(fmt)
     return None if wire.dataset else wire.read
@@ -50,5 +59,6 @@ def write_output(table: pa.Table, path: str | os.PathLike, fmt: str, *, id_name:
                row_errors=row_errors)
 
 
-__all__ = ["InputBatch", "WireFormat", "discover_files", "formats", "get_format", "input_names", "iter_batches",
+__all__ = ["InputBatch", "WireFormat", "discover_files", "formats", "get_format", "input_files", "input_names",
+           "iter_batches",
            "output_names", "register", "suffix_formats", "unregister", "write_output"]

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from batchscore.registry import Registry
 
-BUILT_IN = ("batchscore.formats.table", "batchscore.formats.openai_batch")
+BUILT_IN = ("batchscore.formats.table", "batchscore.formats.openai_batch", "batchscore.formats.tables")
 
 # (file, batch_rows, columns, json_columns) -> the file's rows, batch by batch (io/readers.InputBatch)
 ReadFile = Callable[[Path, int, "list[str] | None", "tuple[str, ...]"], Iterator]
@@ -60,6 +60,9 @@ class WireFormat:
     window_writer: Callable[..., object] | None = None
     job_problems: Callable[..., list[str]] | None = None
     output_suffixes: tuple[str, ...] | None = None  # what `output.format: auto` writes in it (None: `suffixes`)
+    # a table input (Delta, Iceberg): the job's input config -> its one (table, format) "file", the
+    # table's version pinned; None: the input is files found below input.path (formats.input_files)
+    open_input: Callable[..., list] | None = None
 
     @property
     def auto_output_suffixes(self) -> tuple[str, ...]:

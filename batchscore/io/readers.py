@@ -113,7 +113,9 @@ def _discover_local(path: str, suffixes: Mapping[str, str]) -> list[Path]:
 
 def input_base(path: str) -> Path | None:
     """The folder hive partitions are found below: the input folder, or a glob's leading folders
-    without wildcards; None for a single file."""
+    without wildcards; None for a single file, or an input named by no path (an Iceberg table)."""
+    if path is None:
+        return None
     if is_url(path):
         root = as_path(path)
         if any(ch in path for ch in "*?["):
@@ -211,6 +213,8 @@ def _with_partitions(batch: InputBatch, values: dict, columns: list[str] | None)
     available = table.column_names
     if columns is not None:
         table = table.select([c for c in columns if c in available])
+    if batch.available is not None:  # a reader that read only `columns` (a table) names all it has
+        available = [*batch.available, *(name for name in values if name not in batch.available)]
     return InputBatch(batch.file, batch.first_line, table, batch.row_errors, available, batch.lines)
 
 

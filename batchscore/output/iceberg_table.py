@@ -19,11 +19,28 @@ import logging
 
 from batchscore.errors import OutputError
 from batchscore.faults import fault_point
-from batchscore.io.iceberg_catalog import load_iceberg_catalog, load_iceberg_table
+from batchscore.io.iceberg_catalog import identifier_problems, load_iceberg_catalog, load_iceberg_table
 
 log = logging.getLogger("batchscore")
 
 RUN_KEY = "batchscore.run"
+
+
+def table_problems(table_config) -> list[str]:
+    """What the job file's Iceberg `output.table` lacks: a catalog and an identifier (not a path)."""
+    problems = identifier_problems(table_config.identifier, "output.table.identifier")
+    if not table_config.catalog:
+        problems.append("output.table.catalog: the Iceberg catalog the table is in, as pyiceberg's load_catalog "
+                        "takes it, e.g. {name: local, type: sql, uri: 'sqlite:///…/catalog.db', warehouse: "
+                        "'file:///…/warehouse'}")
+    if table_config.path:
+        problems.append("output.table.path: an Iceberg table is named by output.table.catalog and identifier, "
+                        "not a path")
+    return problems
+
+
+def table_place(table_config, snapshot: int) -> str:
+    return f"snapshot {snapshot} of the Iceberg table {table_config.identifier}"
 
 
 def published_snapshot(table, run: str) -> int | None:
@@ -37,9 +54,11 @@ def published_snapshot(table, run: str) -> int | None:
     return None
 
 
-def publish_iceberg(table_config, output, id_name: str, run: str, lineage: dict[str, str], read_output) -> int:
+def publish_iceberg(table_config, output, id_name: str, run: str, lineage: dict[str, str],
+                    storage_options: dict | None = None, read_output=None) -> int:
     """Commit the finished `output` to the Iceberg table `table_config` names; returns the snapshot
-    id that holds it (the existing one when this run was published already)."""
+    id that holds it (the existing one when this run was published already). `storage_options` are
+    not used: the catalog's properties say how its files are reached."""
     name = table_config.identifier
     catalog = load_iceberg_catalog(table_config.catalog, "output.table.catalog", OutputError)
     existing = load_iceberg_table(catalog, name, "output.table.identifier", OutputError)

@@ -106,10 +106,18 @@ def file_digest(path: str | os.PathLike, fmt: str | None = None) -> str:
 
 
 def input_identity(files: list[tuple[Path, str]]) -> list[dict]:
-    """One entry per input file: its resolved path, size and content fingerprint."""
-    return [{"file": str(f) if is_remote(f) else str(Path(f).resolve()), "size": file_size(f),
+    """One entry per input file: its resolved path, size and content fingerprint; a table
+    (io/table_inputs.TablePath) by its location and version instead."""
+    return [_table_entry(f) if hasattr(f, "table") else
+            {"file": str(f) if is_remote(f) else str(Path(f).resolve()), "size": file_size(f),
              "digest": file_digest(f, fmt)}
             for f, fmt in files]
+
+
+def _table_entry(path) -> dict:
+    """A table input: the Delta version or Iceberg snapshot it is read at names its content (a
+    commit makes another), so its rows are not read for the identity."""
+    return {"file": str(path), **path.table.identity()}
 
 
 def input_identities(files: list[tuple[Path, str]], scoring: list[str] | None, assembly: list[str],
@@ -128,6 +136,9 @@ def input_identities(files: list[tuple[Path, str]], scoring: list[str] | None, a
     score_part, assembly_part = [], []
     named = list(dict.fromkeys(scoring + assembly))
     for path, fmt in files:
+        if hasattr(path, "table"):
+            score_part.append(_table_entry(path))
+            continue
         if fmt == "parquet" and not is_remote(path):
             digests = _parquet_columns(path, named)
         else:
@@ -221,6 +232,8 @@ def identity_hash(identity: dict) -> str:
 
 def _input_change(name: str, before: dict, now: dict) -> str:
     """One input file's change in words: the columns that changed where both name columns."""
+    if "table" in before and "table" in now:
+        return f"input table {name} changed (version {before.get('version')} → {now.get('version')})"
     if "columns" not in before or "columns" not in now:
         return f"input file {name} changed"
     if before.get("rows") != now.get("rows"):

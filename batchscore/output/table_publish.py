@@ -16,9 +16,12 @@ data files are Parquet that Spark, DuckDB and Trino read.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 from batchscore.errors import OutputError
 from batchscore.faults import fault_point
+from batchscore.output import iceberg_table
 
 log = logging.getLogger("batchscore")
 
@@ -28,26 +31,15 @@ RECENT_COMMITS = 50  # a run resumed the same night finds its commit among these
 
 
 def table_problems(table_config) -> list[str]:
-    """What the job file's `output.table` lacks or mixes up: a Delta table is a path, an Iceberg
-    table a catalog and an identifier."""
-    from batchscore.io.iceberg_catalog import identifier_problems
+    """What the job file's `output.table` lacks or mixes up (each table format's own rules; an
+    unknown format is refused by the job file's allowed values)."""
+    found = _FORMATS.get(table_config.format)
+    return found.problems(table_config) if found is not None else []
 
-    if table_config.format != "iceberg":
-        problems = [] if table_config.path else [
-            "output.table.path: the Delta table to publish the output to (a folder or a URL)"]
-        if table_config.catalog or table_config.identifier:
-            problems.append("output.table.catalog / identifier: name an Iceberg table; set output.table.format: "
-                            "iceberg (a Delta table is output.table.path)")
-        return problems
-    problems = identifier_problems(table_config.identifier, "output.table.identifier")
-    if not table_config.catalog:
-        problems.append("output.table.catalog: the Iceberg catalog the table is in, as pyiceberg's load_catalog "
-                        "takes it, e.g. {name: local, type: sql, uri: 'sqlite:///…/catalog.db', warehouse: "
-                        "'file:///…/warehouse'}")
-    if table_config.path:
-        problems.append("output.table.path: an Iceberg table is named by output.table.catalog and identifier, "
-                        "not a path")
-    return problems
+
+def table_place(table_config, version: int) -> str:
+    """Where the table holds a published output, in words: `version 3 of the Delta table`."""
+    return _FORMATS[table_config.format].place(table_config, version)
 
 
 def publish(table_config, output, id_name: str, run: str, lineage: dict[str, str],
@@ -55,10 +47,25 @@ def publish(table_config, output, id_name: str, run: str, lineage: dict[str, str
     """Commit the finished `output` (read back by its format's `read_output`) to the table
     `table_config` names; returns the Delta table version (the Iceberg snapshot id) that holds it
     (the existing one when this run was published already)."""
-    if table_config.format == "iceberg":
-        from batchscore.output.iceberg_table import publish_iceberg
+    return _FORMATS[table_config.format].publish(table_config, output, id_name, run, lineage, storage_options,
+                                                 read_output)
 
-        return publish_iceberg(table_config, output, id_name, run, lineage, read_output)
+
+def _delta_problems(table_config) -> list[str]:
+    problems = [] if table_config.path else ["output.table.path: the Delta table to publish the output to (a folder "
+                                             "or a URL)"]
+    if table_config.catalog or table_config.identifier:
+        problems.append("output.table.catalog / identifier: name an Iceberg table; set output.table.format: "
+                        "iceberg (a Delta table is output.table.path)")
+    return problems
+
+
+def _delta_place(table_config, version: int) -> str:
+    return f"version {version} of the Delta table"
+
+
+def _publish_delta(table_config, output, id_name: str, run: str, lineage: dict[str, str],
+                   storage_options: dict | None = None, read_output=None) -> int:
     try:
         from deltalake import CommitProperties, DeltaTable, write_deltalake
         from deltalake.exceptions import TableNotFoundError
@@ -105,3 +112,18 @@ def publish(table_config, output, id_name: str, run: str, lineage: dict[str, str
     log.info("output.table: %s %s into %s as version %d", table_config.mode if existing is not None else "wrote",
              output, path, version)
     return version
+
+
+@dataclass(frozen=True)
+class TableFormat:
+    """One `output.table.format`: its job-file rules, its publishing, how it names what holds an output."""
+
+    problems: Callable[..., list[str]]
+    publish: Callable[..., int]
+    place: Callable[..., str]
+
+
+_FORMATS = {"delta": TableFormat(_delta_problems, _publish_delta, _delta_place),
+            "iceberg": TableFormat(iceberg_table.table_problems, iceberg_table.publish_iceberg,
+                                   iceberg_table.table_place)}
+TABLE_FORMATS = tuple(_FORMATS)  # the values output.table.format takes

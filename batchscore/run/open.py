@@ -26,7 +26,7 @@ from batchscore.config import ASSEMBLY, IDENTITY, SCORING, SECTION, JobConfig
 from batchscore.engines.factory import resolve_engine
 from batchscore.engines.shape import read_model_config
 from batchscore.errors import InputError, OutputError
-from batchscore.formats import discover_files, get_format, iter_batches, suffix_formats
+from batchscore.formats import get_format, input_files, iter_batches, suffix_formats
 from batchscore.formats.registry import WireFormat, output_format_of
 from batchscore.io.readers import InputBatch
 from batchscore.io.storage import as_path, is_url, use_storage_options
@@ -56,8 +56,7 @@ def open_job(config: JobConfig, *, with_model: bool = True, for_output: bool = T
         if output is None:
             raise InputError("output.path is not set (set it in the job file or pass --output)")
         check_output_path(config.output.path, folder=bool(config.output.partition_by))
-    files = [] if config.input.synthetic else discover_files(config.input.path, config.input.format,
-                                                             config.input.filter)
+    files = [] if config.input.synthetic else input_files(config.input)
     if for_output:
         _check_output_outside_input(config, [f for f, _ in files])
         check_job_write_paths(config, [f for f, _ in files],  # the job file, output.error_path
