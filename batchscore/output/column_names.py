@@ -88,7 +88,8 @@ def _renamed(table: pa.Table, to_slug: bool) -> pa.Table:
     renames = _renames(table.column_names, labels, to_slug) if labels else {}
     if not renames:
         return table
-    return table.rename_columns([renames.get(name, name) for name in table.column_names])
+    renamed = table.rename_columns([renames.get(name, name) for name in table.column_names])
+    return renamed.replace_schema_metadata(table.schema.metadata)  # the metadata kept: the writer reads it
 
 
 def written_schema(schema: pa.Schema) -> pa.Schema:
