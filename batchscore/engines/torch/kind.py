@@ -82,6 +82,7 @@ def build(resolved, model_dir: str | Path, engine):
 
     from batchscore.engines.cpu_features import log_cpu_dtype_advice
     from batchscore.engines.torch.engine import TorchEngine
+    from batchscore.engines.torch.settings import TorchSettings
 
     if resolved.compile_reason:
         log.info("torch engine: %s", resolved.compile_reason)
@@ -95,11 +96,11 @@ def build(resolved, model_dir: str | Path, engine):
     log.info("torch engine on %s, %s%s", resolved.device, resolved.dtype,
              f", speculative prefill {speculative}" if speculative else "")
     log_cpu_dtype_advice(resolved.device, resolved.dtype, engine.dtype)
-    return TorchEngine.from_pretrained(model_dir, dtype=resolved.dtype, token_budget=engine.token_budget,
-                                       device=resolved.device, compile_layers=resolved.compile,
-                                       hybrid_chunk=engine.hybrid_chunk, memory_budget=engine.memory_budget,
-                                       speculative=speculative, batch_invariant=engine.batch_invariant,
-                                       cpu_kernels=engine.cpu_kernels)
+    settings = TorchSettings(token_budget=engine.token_budget, device=resolved.device, compile_layers=resolved.compile,
+                             hybrid_chunk=engine.hybrid_chunk, memory_budget=engine.memory_budget,
+                             speculative=speculative, batch_invariant=engine.batch_invariant,
+                             cpu_kernels=engine.cpu_kernels)
+    return TorchEngine.from_pretrained(model_dir, dtype=resolved.dtype, settings=settings)
 
 
 KIND = register(EngineKind(
