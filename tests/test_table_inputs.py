@@ -11,6 +11,7 @@ import pytest
 from batchscore import run_job
 from batchscore.errors import InputError, JobConfigError
 from batchscore.jobfile import config_from_dict, load_job
+from batchscore.output.identity import describe_changes
 from batchscore.run.open import open_job, prepare_job
 from tests.conftest import write_job
 
@@ -84,6 +85,8 @@ def test_the_input_identity_is_the_tables_version_pinned_when_the_job_opens(tmp_
     for name, before in first.items():
         now = open_job(_config(tmp_path, inputs[name]), with_model=False)
         assert now.identity["input"] != before.identity["input"]
+        old, new = before.identity["input"][0]["version"], now.identity["input"][0]["version"]
+        assert f"changed (version {old} → {new})" in describe_changes(before.identity, now.identity)[0]
         # a job opened before the commit still reads the version it opened (12 rows, not 24)
         config = _config(tmp_path, inputs[name])
         assert prepare_job(config, tokenize=False, source=before).input.num_rows == 12
