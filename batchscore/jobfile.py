@@ -23,8 +23,9 @@ from batchscore.engines.vllm.kind import vllm_args_problems
 from batchscore.engines.shape import DTYPE_BYTES
 from batchscore.engines.speculative.kept_tokens import options_problems
 from batchscore.errors import JobConfigError, PromptTemplateError
-from batchscore.formats.registry import (input_names as input_format_names, job_format_problems, named_input_format,
-                                         output_format_of, output_names as output_format_names, requests_in_lines)
+from batchscore.formats.registry import (answers_in_lines, input_names as input_format_names, job_format_problems,
+                                         named_input_format, output_format_of, output_names as output_format_names,
+                                         requests_in_lines)
 from batchscore.io.iceberg_catalog import catalog_relative_to
 from batchscore.io.storage import is_url
 from batchscore.models import BUILTIN_MODELS
@@ -343,11 +344,11 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.append("output.part_rows: must be ≥ 1")
     if config.output.part_seconds <= 0:
         problems.append("output.part_seconds: must be > 0")
-    if config.output.top_token and (not task.top_token or getattr(output_format_of(config), "response_lines", False)):
+    if config.output.top_token and (not task.top_token or answers_in_lines(config)):
         problems.append("output.top_token: for labels and choices jobs written as Parquet or JSON Lines (questions "
                         "jobs write <id>.argmax_is_label; an openai_batch response has no such column)")
     if config.output.greedy and (not inp.choices_column or not reads_greedy(config.engine.kind)
-                                 or getattr(output_format_of(config), "response_lines", False)):
+                                 or answers_in_lines(config)):
         problems.append("output.greedy: writes greedy_choices for input.choices_column jobs on the torch engine, "
                         "written as Parquet or JSON Lines (the other engines do not read each option token's argmax)")
     if config.output.audit_rows is not None and config.output.audit_rows < 0:

@@ -135,6 +135,11 @@ def requests_in_lines(config) -> bool:
     return wire is not None and not wire.named_columns
 
 
+def answers_in_lines(config) -> bool:
+    """The output answers each request in a line of its own (OpenAI Batch), not a table of rows."""
+    return bool(getattr(output_format_of(config), "response_lines", False))
+
+
 DEFAULT_OUTPUT = "parquet"  # output.format auto, for a path no format's suffix claims
 
 

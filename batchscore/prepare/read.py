@@ -23,7 +23,7 @@ from batchscore.engines.shape import context_length, read_model_config
 from batchscore.errors import BatchscoreError, InputError, RowRenderError
 from batchscore.formats import iter_batches
 from batchscore.formats.openai_batch import ANSWER_COLUMNS
-from batchscore.formats.registry import output_format_of, requests_in_lines
+from batchscore.formats.registry import answers_in_lines, requests_in_lines
 from batchscore.io.readers import InputBatch, input_base
 from batchscore.plan.validate import prompt_problems, row_maxima
 from batchscore.plan.types import Request
@@ -109,7 +109,7 @@ def prepare_input(config: JobConfig, files: list[tuple[Path, str]], renderer=Non
     id_column = config.input.id_column
     choices_column = config.input.choices_column
     keep_columns = list(config.output.keep_columns)
-    if requests_in_lines(config) and getattr(output_format_of(config), "response_lines", False):
+    if requests_in_lines(config) and answers_in_lines(config):
         keep_columns += [c for c in ANSWER_COLUMNS if c not in keep_columns]  # each answer shaped by its request
     token_column = config.input.token_ids_column if tokenize else None
     prompt_columns = [token_column] if token_column else renderer.columns if renderer and tokenize else []

@@ -12,7 +12,7 @@ from batchscore.config import JobConfig
 from batchscore.errors import LabelError
 from batchscore.faults import fault_point
 from batchscore.formats import write_output
-from batchscore.formats.registry import output_format_of, requests_in_lines
+from batchscore.formats.registry import answers_in_lines, requests_in_lines
 from batchscore.scores.job_checks import common_quality_problems
 from batchscore.output.layout import DEFAULT_ID, GREEDY_CHOICES, TOP_COLUMNS, calibrated_column, label_column, output_columns
 from batchscore.output.token_usage import job_usage
@@ -65,7 +65,7 @@ def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
         problems.append("calibrate.truth_columns: for questions jobs (one truth column per question id); use "
                         "calibrate.truth_column with labels or input.choices_column")
     table_only = [key for key in asked if key not in BATCH_ANSWER_KEYS]
-    if table_only and getattr(output_format_of(config), "response_lines", False):
+    if table_only and answers_in_lines(config):
         problems.append(f"{table_only[0]}: the review and truth columns are written to parquet or jsonl outputs, not "
                         "output.format openai_batch (a batch answer takes score.calibrate: batch, or a fitted method "
                         "with calibrate.from; fit it on labelled rows in a table job, docs/operations.md)")
@@ -183,7 +183,7 @@ def assemble(job: PreparedJob, scores, errors: dict[int, str], content_free, fil
     fault_point("assemble")
     write_output(table, files.output, config.output_format, id_name=id_name, labels=config.labels,
                  model=str(config.model), error_path=files.errors, row_errors=errors,
-                 usage=job_usage(job) if getattr(output_format_of(config), "response_lines", False) else None)
+                 usage=job_usage(job) if answers_in_lines(config) else None)
     fault_point("output")
     return errors, result
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from batchscore.config import JobConfig
 from batchscore.errors import DecisionRequestError
-from batchscore.formats.registry import output_format_of, requests_in_lines
+from batchscore.formats.registry import answers_in_lines, requests_in_lines
 from batchscore.output.layout import ERROR, STATUS
 from batchscore.scores.calibration import FITTED
 from batchscore.tasks.questions.answers import table_column_types
@@ -38,7 +38,7 @@ def job_problems(config: JobConfig) -> list[str]:
         problems.append("prompt.state_columns: a non-empty list of column names")
     if config.engine.speculative is not None:
         problems.append("engine.speculative: not available for questions (reads are scored exactly)")
-    if getattr(output_format_of(config), "response_lines", False):
+    if answers_in_lines(config):
         problems.append("output.format openai_batch: a questions job writes parquet or jsonl")
     if config.questions is not None:
         if not isinstance(config.questions, dict) or not config.questions:
@@ -102,7 +102,7 @@ def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
     if config.questions is None:
         return [f"{asked[0]}: calibration and review apply to the job's questions (questions:), not to per-row "
                 "questions (input.questions_column)"]
-    if getattr(output_format_of(config), "response_lines", False):
+    if answers_in_lines(config):
         return [f"{asked[0]}: the calibration and review columns are written to parquet or jsonl outputs, "
                 "not output.format openai_batch"]
     problems = []

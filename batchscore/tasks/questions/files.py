@@ -21,7 +21,7 @@ from batchscore.config import JobConfig
 from batchscore.formats.lines import write_lines
 from batchscore.formats import write_output
 from batchscore.formats.openai_batch import completion_body, error_line, line_key, response_line
-from batchscore.formats.registry import output_format_of
+from batchscore.formats.registry import answers_in_lines
 from batchscore.output import layout
 from batchscore.tasks.questions.quality import add_question_quality, column_types
 from batchscore.tasks.questions.answers import (CONFIDENCE_METHOD, QuestionAnswer, openai_body, read_answer,
@@ -80,7 +80,7 @@ def write_decision_output(config: JobConfig, decisions: DecisionInput, scores: R
     records about the run (output/table.provenance)."""
     logp = scores.logp.to_pylist()
     tops = scores.top_logp.to_pylist() if scores.top_logp is not None else None
-    if getattr(output_format_of(config), "response_lines", False):  # one Batch API line per record
+    if answers_in_lines(config):  # one Batch API line per record
         return _write_batch(decisions, logp, tops, errors, files, model, list(config.labels),
                             usage if usage is not None else {}), QualityResult()  # usage: read -> its prompt's (tokens, cached tokens)
     return _write_table(config, decisions, logp, tops, errors, files, provenance or {})

@@ -27,7 +27,7 @@ from batchscore.config import JobConfig
 from batchscore.errors import DecisionRequestError, DuplicateKeyError, InputError, PromptTemplateError, RowRenderError
 from batchscore.formats import iter_batches
 from batchscore.formats.openai_batch import ANSWER_COLUMNS, DECISION_URLS, REQUEST_ID
-from batchscore.formats.registry import output_format_of, requests_in_lines
+from batchscore.formats.registry import answers_in_lines, requests_in_lines
 from batchscore.io.readers import input_base, unique_object
 from batchscore.io.storage import as_path
 from batchscore.plan.types import Request
@@ -74,7 +74,7 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
     id_column = config.input.id_column
     keep = list(config.output.keep_columns)
     if batch_file:  # the url says each line's kind; a batch output shapes each answer by its request
-        answer_columns = ANSWER_COLUMNS if getattr(output_format_of(config), "response_lines", False) else ("url",)
+        answer_columns = ANSWER_COLUMNS if answers_in_lines(config) else ("url",)
         keep += [c for c in answer_columns if c not in keep]
     table = None if batch_file else _TableRecords(config, tokenizer)
     needed = list(dict.fromkeys(([id_column] if id_column else []) + keep + (

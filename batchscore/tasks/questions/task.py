@@ -11,7 +11,6 @@ from batchscore.faults import fault_point
 from batchscore.scores.job_checks import common_quality_problems
 from batchscore.prepare.read import load_tokenizer, prompt_limits
 from batchscore.prepare.source import PreparedJob
-from batchscore.formats.registry import output_format_of
 from batchscore.output.table import provenance
 from batchscore.output.token_usage import job_usage
 from batchscore.task import Task, TaskPage, register
@@ -60,8 +59,7 @@ def prepare_into(source, sink, progress=None) -> PreparedJob:
 def _assemble(job, scores, errors: dict[int, str], content_free, files, approx_keep):
     """Reads gathered back into records: one response body or table row per record."""
     fault_point("assemble")
-    output_format = output_format_of(job.config)
-    lines = getattr(output_format, "response_lines", False)
+    lines = job.source.output_format.response_lines
     failed, quality = write_decision_output(job.config, job.input.task_input, scores, errors, files,
                                             str(job.config.model), job_usage(job) if lines else None, provenance(job))
     if not lines:  # a table re-derives: its reads' raw scores beside it
