@@ -176,7 +176,7 @@ def main(verbose: bool) -> None:
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a job key, e.g. --set engine.dtype=bfloat16 (repeatable).")
-@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Override output.path.")
+@click.option("--output", "-o", type=click.Path(), help="Override output.path (a folder with output.partition_by).")
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Write a JSON run summary here.")
 @click.option("--metrics-prom", type=click.Path(dir_okay=False),
               help="Write the run summary for Prometheus (node-exporter textfile collector; name it *.prom).")
@@ -351,7 +351,7 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool, quiet: bool) -> None:
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--shards", type=click.IntRange(min=1), required=True, help="N, the number of static shards.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job key (repeatable).")
-@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Override output.path.")
+@click.option("--output", "-o", type=click.Path(), help="Override output.path (a folder with output.partition_by).")
 def merge(job: str, shards: int, sets: tuple[str, ...], output: str | None) -> None:
     """Combine the parts of N finished static shards into the output.
 

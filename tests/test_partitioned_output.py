@@ -101,6 +101,17 @@ def test_an_output_folder_holding_anything_else_is_refused(tmp_path):
         check_output_path(str(tmp_path / "done"))
 
 
+def test_a_file_inside_the_output_folder_is_refused_as_a_write_path(tmp_path):
+    from batchscore.errors import WritePathError
+    from batchscore.output.write_paths import check_report_path
+
+    out = tmp_path / "scores"
+    partitioned.write_table(_table(), out, PARTITION_BY)
+    with pytest.raises(WritePathError, match=r"is inside the output folder .*, which each write of the output replaces"):
+        check_report_path("--html", out / "report.html", out)
+    check_report_path("--html", tmp_path / "report.html", out)
+
+
 @pytest.mark.parametrize("setting, message", [
     ("output.partition_by=[p_Yes]", r"'p_Yes' is not an output column to partition by; give the id column, a kept"),
     ("output.partition_by=[label,label]", r"'label' is named 2 times"),
@@ -183,3 +194,11 @@ def test_no_row_while_it_runs_a_resume_completes_it_and_it_rederives_and_reports
     assert report.returncode == 0, report.stderr[-2000:]
     html = (folder / "_scores.report.html").read_text()
     assert "12" in html and "P(label)" in html
+
+    # partition_by set on the finished one-file output: re-derived into a folder, nothing scored
+    one = tmp_path / "one.parquet"
+    moved = subprocess.run(run + ["-o", str(one), "--set", "output.partition_by=[label]", "--metrics",
+                                  str(tmp_path / "m3.json")], capture_output=True, text=True)
+    assert moved.returncode == 0, moved.stderr[-2000:]
+    assert '"rederived": true' in (tmp_path / "m3.json").read_text() and one.is_dir()
+    assert _duckdb_rows(one) == reference

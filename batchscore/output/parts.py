@@ -105,7 +105,7 @@ class Manifest:
 def write_completion_marker(files: OutputFiles, output_hash: str, summary: dict) -> None:
     """Record that the output is the complete output of the job `output_hash` identifies; the
     output is named by its content (sha256), so another file of the same size never passes."""
-    size = _output_size(files.path)
+    size = output_size(files.path)
     text = json.dumps({"output_hash": output_hash, "output_size": size, "output_sha256": _output_digest(files.path),
                        "summary": summary}, indent=2)
     atomic_write(files.marker, lambda tmp: Path(tmp).write_text(text))
@@ -149,7 +149,7 @@ def marker_problem(files: OutputFiles) -> str:
 def _read_marker(files: OutputFiles) -> dict | None:
     try:
         marker = json.loads(files.marker.read_text())
-        if (_output_size(files.path) == marker["output_size"] and isinstance(marker["summary"], dict)
+        if (output_size(files.path) == marker["output_size"] and isinstance(marker["summary"], dict)
                 and _output_digest(files.path) == marker["output_sha256"]):  # the size first: it costs no read
             return marker
     except (OSError, ValueError, KeyError, TypeError):
@@ -157,7 +157,7 @@ def _read_marker(files: OutputFiles) -> dict | None:
     return None
 
 
-def _output_size(path) -> int | None:
+def output_size(path) -> int | None:
     """The output's bytes: its file's, or a partitioned output's files' (output/partitioned.py)."""
     return partitioned.output_size(path) if partitioned.is_partitioned(path) else file_size(path)
 

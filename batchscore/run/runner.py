@@ -53,9 +53,9 @@ from batchscore.output.identity import describe_changes, identity_hash
 from batchscore.output.layout import DEFAULT_ID, MERGE_WRITER, RUN_WRITER, OutputFiles
 from batchscore.output.lock import OutputLock
 from batchscore.io.atomic import refuse_link
-from batchscore.io.storage import file_size, is_url, remove_tree
+from batchscore.io.storage import is_url, remove_tree
 from batchscore.models import batchscore_home
-from batchscore.output.parts import Manifest, PartStore, completed_summary, write_completion_marker
+from batchscore.output.parts import Manifest, PartStore, completed_summary, output_size, write_completion_marker
 from batchscore.output.summary import Audit, Carry, Execution, Questions, RunSummary, Timing
 from batchscore.output import carry
 from batchscore.output.row_merge import row_windows
@@ -501,14 +501,14 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
     if files is None:
         raise InputError("output.path is not set (set it in the job file or pass --output)")
     use_job_storage(config, files)
-    if not files.parts.exists() and file_size(files.path) is not None:
+    if not files.parts.exists() and output_size(files.path) is not None:
         return None  # the shard that finished last already wrote the output
     source = open_job(config, output=files)
     job = prepare_job(config, tokenize=False, source=source)
     names = [Shard(i, count).name for i in range(count)]
     with OutputLock(files, MERGE_WRITER) as lock, _output_errors(files.output), _merge_lock_removed(lock):
         store = PartStore(files, Shard(0, count).name, guard=lock.check)
-        if not store.folder.exists() and file_size(files.path) is not None:
+        if not store.folder.exists() and output_size(files.path) is not None:
             return None  # another merge finished while this one started
         if completed_summary(files, identity_hash(source.identity)) is not None:
             store.finish()  # a merge stopped after the output and its marker: the output is complete
