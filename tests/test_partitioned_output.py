@@ -87,6 +87,17 @@ def test_a_write_replaces_the_earlier_output_whole_and_clears_a_killed_write(tmp
     assert ds.dataset(tmp_path, format="parquet", partitioning="hive").count_rows() == 2  # `_` names skipped
 
 
+def test_a_link_planted_at_the_output_is_replaced_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    partitioned.write_table(_table(), victim, PARTITION_BY)
+    before = partitioned.output_digest(victim)
+    (tmp_path / "out").symlink_to(victim, target_is_directory=True)
+    partitioned.write_table(_table(2), tmp_path / "out", PARTITION_BY)
+    assert not (tmp_path / "out").is_symlink() and partitioned.read_dataset(tmp_path / "out").num_rows == 2
+    assert partitioned.output_digest(victim) == before  # what the link pointed to: untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "victim"]  # the link itself removed
+
+
 def test_an_output_folder_holding_anything_else_is_refused(tmp_path):
     """The folder is replaced whole: one holding another file is never the output."""
     out = tmp_path / "scores"

@@ -89,7 +89,7 @@ def write_folder(path, write: Callable[[str], object]) -> Path:
     path = Path(os.fspath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f"_{path.name}{_WRITING}*"):  # a killed run's: the caller holds the lock
-        shutil.rmtree(stale, ignore_errors=True)
+        _remove(stale)
     tmp = Path(tempfile.mkdtemp(prefix=f"_{path.name}{_WRITING}", dir=path.parent))
     try:
         write(str(tmp))
@@ -100,18 +100,26 @@ def write_folder(path, write: Callable[[str], object]) -> Path:
         fault_point("dataset")
         if not path.exists() and not path.is_symlink():
             os.rename(tmp, path)
-        elif _exchange(tmp, path):  # the new output in place, the old one at tmp
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink()
+        elif _exchange(tmp, path):  # the new output in place, the old one (or a link planted there) at tmp
+            _remove(tmp)
         else:  # no atomic swap here: the output is absent for a moment, never mixed
             old = path.with_name(f"_{path.name}{_WRITING}old")
             os.rename(path, old)
             os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+            _remove(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync(path.parent)
     return path
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, a link (never what it points to) or a folder and everything below it."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
