@@ -8,6 +8,7 @@ Files, for `output.path = out/scores.parquet`:
     out/scores.errors.jsonl             # openai_batch only: the failed rows (output.error_path)
     out/_scores.parquet.report.html     # `run --report` / `batchscore report`
     out/_scores.parquet.rows            # output.mode incremental: what the next night carries
+    out/_scores.parquet.writing-XXXX/   # output.partition_by: the dataset while it is written (output/partitioned.py)
 
 Every file a run writes beside the output starts with `_` (`io/storage.sibling`): Arrow
 (`pyarrow.dataset`), DuckDB, Spark and Hive skip such names, so the folder reads as a dataset of
