@@ -27,9 +27,9 @@ IDENTIFIER = "nightly.relevance"
 
 
 def _catalog(tmp_path) -> dict:
-    (tmp_path / "warehouse").mkdir(exist_ok=True)
-    return {"name": "local", "type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
-            "warehouse": f"file://{tmp_path}/warehouse"}
+    """A local SQL catalog in folders the first publish makes."""
+    return {"name": "local", "type": "sql", "uri": f"sqlite:///{tmp_path}/iceberg/catalog.db",
+            "warehouse": f"file://{tmp_path}/iceberg/warehouse"}
 
 
 def _table(tmp_path):
@@ -80,7 +80,7 @@ def test_two_outputs_merge_by_id_each_snapshot_readable_and_a_run_commits_once(t
 
 def test_a_catalog_that_cannot_open_and_a_missing_column_are_named(tmp_path):
     output = _output(tmp_path, "n1", ["a"], [0.1], ["P1"])
-    gone = {"name": "local", "type": "sql", "uri": f"sqlite:///{tmp_path}/no/such/folder/catalog.db"}
+    gone = {"name": "local", "type": "sql", "uri": f"sqlite:///{tmp_path}"}  # a folder, not a SQLite file
     config = TableConfig(format="iceberg", catalog=gone, identifier=IDENTIFIER)
     with pytest.raises(OutputError, match="output.table.catalog: cannot open the Iceberg catalog 'local'"):
         publish(config, output, "pair_id", "run-1", {}, read_output=read_parquet)

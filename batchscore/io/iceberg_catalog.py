@@ -47,15 +47,25 @@ def catalog_relative_to(catalog: dict[str, Any], base: Path) -> dict[str, Any]:
     resolved = dict(catalog)
     warehouse = resolved.get("warehouse")
     if isinstance(warehouse, str) and warehouse and "://" not in warehouse and not os.path.isabs(warehouse):
-        resolved["warehouse"] = os.path.normpath(base / os.path.expanduser(warehouse))
+        resolved["warehouse"] = os.path.abspath(base / os.path.expanduser(warehouse))
     uri = resolved.get("uri")
     if isinstance(uri, str) and uri.startswith(_SQLITE) and not uri[len(_SQLITE):].startswith("/") \
             and uri[len(_SQLITE):] not in ("", ":memory:"):
-        resolved["uri"] = _SQLITE + os.path.normpath(base / uri[len(_SQLITE):])  # sqlite:////abs/catalog.db
+        resolved["uri"] = _SQLITE + os.path.abspath(base / uri[len(_SQLITE):])  # sqlite:////abs/catalog.db
     return resolved
 
 
 _SQLITE = "sqlite:///"  # SQLAlchemy's: a relative file after three slashes, an absolute one after four
+
+
+def make_local_folders(catalog: dict[str, Any]) -> None:
+    """The folders of a local SQL catalog (its SQLite file's, its warehouse) made, as an output's
+    folder is: the first night makes the catalog and its table where the job says."""
+    uri, warehouse = catalog.get("uri"), catalog.get("warehouse")
+    if isinstance(uri, str) and uri.startswith(_SQLITE) and uri[len(_SQLITE):] not in ("", ":memory:"):
+        Path(uri[len(_SQLITE):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(warehouse, str) and warehouse and ("://" not in warehouse or warehouse.startswith("file://")):
+        Path(warehouse.removeprefix("file://")).expanduser().mkdir(parents=True, exist_ok=True)
 
 
 def identifier_problems(identifier: str | None, key: str) -> list[str]:

@@ -19,7 +19,7 @@ import logging
 
 from batchscore.errors import OutputError
 from batchscore.faults import fault_point
-from batchscore.io.iceberg_catalog import identifier_problems, load_iceberg_catalog, load_iceberg_table
+from batchscore.io.iceberg_catalog import identifier_problems, load_iceberg_catalog, load_iceberg_table, make_local_folders
 
 log = logging.getLogger("batchscore")
 
@@ -60,6 +60,7 @@ def publish_iceberg(table_config, output, id_name: str, run: str, lineage: dict[
     id that holds it (the existing one when this run was published already). `storage_options` are
     not used: the catalog's properties say how its files are reached."""
     name = table_config.identifier
+    make_local_folders(table_config.catalog)
     catalog = load_iceberg_catalog(table_config.catalog, "output.table.catalog", OutputError)
     existing = load_iceberg_table(catalog, name, "output.table.identifier", OutputError)
     if existing is not None and (done := published_snapshot(existing, run)) is not None:
