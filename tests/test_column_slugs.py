@@ -41,6 +41,20 @@ def test_labels_of_one_slug_or_of_none_are_refused_at_load(tmp_path):
         load_job(job, parse_set_options(["output.column_names=snake"]))
 
 
+def test_a_json_lines_output_is_written_by_the_slugs_too(tmp_path):
+    import pyarrow as pa
+
+    from batchscore.formats.table import write_jsonl
+    from batchscore.output.table import with_metadata
+
+    table = with_metadata(pa.table({"row_id": [0], "p_Home & Garden": [0.25], "p_cal_Home & Garden": [0.5],
+                                    "label": ["Home & Garden"]}),
+                          {COLUMN_LABELS_KEY: json.dumps({"home_garden": "Home & Garden"})})
+    write_jsonl(table, tmp_path / "out.jsonl")
+    assert json.loads((tmp_path / "out.jsonl").read_text()) == {
+        "row_id": 0, "p_home_garden": 0.25, "p_cal_home_garden": 0.5, "label": "Home & Garden"}
+
+
 def _slug_job(tmp_path, **output):
     data = write_sample_subset(tmp_path / "in.parquet", queries=2, product_ids=("P001", "P002"))
     return write_job(tmp_path, data, prompt=PROMPT, labels=LABELS,
