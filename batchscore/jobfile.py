@@ -110,7 +110,6 @@ def config_from_dict(raw: dict[str, Any], source: str | None = None, allow_code:
     config = _build(JobConfig, raw, "", problems)
     config.source = source
     if not problems:
-        problems.extend(_question_key_problems(config))
         problems.extend(_semantic_problems(config))
         problems.extend(vllm_args_problems(config.engine.vllm_args, allow_code))  # the vllm kind's rules
     if problems:
@@ -405,40 +404,6 @@ def _output_column_problems(config: JobConfig, task: Task) -> list[str]:
             shown = ", ".join(shown[:12]) + (f", … ({len(shown)} in all)" if len(shown) > 12 else "")
             problems.append(f"{key}: {name!r} is also a column batchscore writes ({shown}); rename the input "
                             "column or drop it from the job")
-    return problems
-
-
-def _question_key_problems(config: JobConfig) -> list[str]:
-    """YAML reads `1:` and `true:` as a number and a boolean: question ids and option names are
-    text, so such keys are written as text here (`1` -> "1", `true` -> "true", as JSON writes
-    them; noul's `{true: ..., false: ...}` as docs/jobs.md shows it). Any other key (a float, a
-    date, null) is refused, to be quoted. Changes `config.questions` and the keys of
-    `calibrate.truth_columns` in place."""
-    problems: list[str] = []
-
-    def text_keys(mapping: dict, where: str) -> dict:
-        result: dict = {}
-        for key, value in mapping.items():
-            if isinstance(key, bool):
-                name = "true" if key else "false"
-            elif isinstance(key, (str, int)):
-                name = str(key)
-            else:
-                problems.append(f"{where}: the key {key!r} is a {type(key).__name__}, not text; quote it (e.g. "
-                                f"'{key}')")
-                name = str(key)
-            if name in result:
-                problems.append(f"{where}: the keys {name!r} and {key!r} are the same once written as text")
-            result[name] = value
-        return result
-
-    if isinstance(config.questions, dict):
-        config.questions = text_keys(config.questions, "questions")
-        for qid, spec in config.questions.items():
-            if isinstance(spec, dict) and isinstance(spec.get("criteria"), dict):
-                config.questions[qid] = {**spec, "criteria": text_keys(spec["criteria"], f"questions.{qid}.criteria")}
-    if isinstance(config.calibrate.truth_columns, dict):
-        config.calibrate.truth_columns = text_keys(config.calibrate.truth_columns, "calibrate.truth_columns")
     return problems
 
 

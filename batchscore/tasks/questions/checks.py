@@ -20,7 +20,7 @@ def job_problems(config: JobConfig) -> list[str]:
     """`questions:` jobs: the questions parse (System One map shape), the state has one source,
     and the keys that belong to label jobs are absent."""
 
-    problems = []
+    problems = text_key_problems(config)
     inp, prompt = config.input, config.prompt
     if config.labels:
         problems.append("labels and questions: a decisions job reads each question's own labels; remove labels")
@@ -140,4 +140,38 @@ def quality_problems(config: JobConfig, asked: list[str]) -> list[str]:
         if wide:
             problems.append(f"score.calibrate platt: two-option questions only (noul, or a choice of two); "
                             f"{', '.join(wide)} — use temperature or vector")
+    return problems
+
+
+def text_key_problems(config: JobConfig) -> list[str]:
+    """YAML reads `1:` and `true:` as a number and a boolean: question ids and option names are
+    text, so such keys are written as text here (`1` -> "1", `true` -> "true", as JSON writes
+    them; noul's `{true: ..., false: ...}` as docs/jobs.md shows it). Any other key (a float, a
+    date, null) is refused, to be quoted. Changes `config.questions` and the keys of
+    `calibrate.truth_columns` in place."""
+    problems: list[str] = []
+
+    def text_keys(mapping: dict, where: str) -> dict:
+        result: dict = {}
+        for key, value in mapping.items():
+            if isinstance(key, bool):
+                name = "true" if key else "false"
+            elif isinstance(key, (str, int)):
+                name = str(key)
+            else:
+                problems.append(f"{where}: the key {key!r} is a {type(key).__name__}, not text; quote it (e.g. "
+                                f"'{key}')")
+                name = str(key)
+            if name in result:
+                problems.append(f"{where}: the keys {name!r} and {key!r} are the same once written as text")
+            result[name] = value
+        return result
+
+    if isinstance(config.questions, dict):
+        config.questions = text_keys(config.questions, "questions")
+        for qid, spec in config.questions.items():
+            if isinstance(spec, dict) and isinstance(spec.get("criteria"), dict):
+                config.questions[qid] = {**spec, "criteria": text_keys(spec["criteria"], f"questions.{qid}.criteria")}
+    if isinstance(config.calibrate.truth_columns, dict):
+        config.calibrate.truth_columns = text_keys(config.calibrate.truth_columns, "calibrate.truth_columns")
     return problems
