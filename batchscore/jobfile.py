@@ -318,7 +318,7 @@ def _semantic_problems(config: JobConfig) -> list[str]:
         problems.extend(slug_problems(config.labels) if config.labels else [
             "output.column_names slug: names the columns of fixed labels (p_<label>); this job has none (a "
             "questions job's option columns keep their text: not built)"])
-    problems.extend(partition_problems(config, task.name))
+    problems.extend(partition_problems(config, output_format_of(config)))
     problems.extend(_not_allowed(config, "output.mode"))
     if config.output.table is not None:
         problems.extend(_not_allowed(config, "output.table.format") + _not_allowed(config, "output.table.mode"))

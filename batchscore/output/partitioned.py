@@ -241,21 +241,21 @@ def foreign_entry(path) -> str | None:
 
 # ---------------------------------------------------------------------------- the job file
 
-def partition_problems(config, task_name: str) -> list[str]:
-    """What `output.partition_by` refuses of a job (`task_name`: its task's name): a column the
+def partition_problems(config, wire) -> list[str]:
+    """What `output.partition_by` refuses of a job (`wire`: its output's WireFormat): a column the
     output does not write as one plain value a row (only the id, a kept column, `label`, `choice`
-    and `status` are), a column named twice, an output that is not a local Parquet one, a questions
-    job (not built)."""
+    and `status` are), a column named twice, an output that is not a local Parquet one, a job of
+    neither fixed labels nor per-row choices (questions jobs: not built)."""
     from batchscore.io.storage import is_remote
     from batchscore.output.layout import CHOICE, DEFAULT_ID, LABEL, STATUS
 
     by = config.output.partition_by
     if not by:
         return []
-    if task_name != "labels":
-        return [f"output.partition_by: partitions the output of a labels or choices job, not of a {task_name} job"]
+    if not (config.labels or config.input.choices_column) or config.questions is not None:
+        return ["output.partition_by: partitions the output of a labels or choices job (questions jobs: not built)"]
     problems = []
-    if config.output_format != "parquet":
+    if not getattr(wire, "dataset", False):  # a format read as one Arrow dataset: Parquet
         problems.append(f"output.partition_by: a partitioned output is Parquet; output.format is {config.output_format}")
     if config.output.path and is_remote(config.output.path):
         problems.append(f"output.partition_by: a partitioned output is a local folder, renamed into place when "
