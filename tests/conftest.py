@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tqdm  # noqa: F401 - before any test can set TQDM_* (see _progress_bars_as_they_were)
 
 import batchscore  # noqa: F401 - sets HF_HUB_OFFLINE before any test imports transformers
 from batchscore.engines.torch.inductor_cache import use_usable_inductor_cache
@@ -15,6 +17,28 @@ use_usable_inductor_cache()  # as `batchscore` does: a process held to AVX2 comp
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "sample_data" / "relevance.parquet"
+
+
+# tqdm reads TQDM_* once, when it is first imported (tqdm.utils.envwrap): imported above, before
+# any test can set them, its bars follow each call's own arguments
+_TQDM_DISABLE = os.environ.get("TQDM_DISABLE")
+
+
+@pytest.fixture(autouse=True)
+def _progress_bars_as_they_were():
+    """`batchscore run -q` turns tqdm's bars off for its whole process (TQDM_DISABLE, so the model
+    loader's bars go too); run in process (a test, a module fixture), it would reach the tests after
+    it: each test starts and ends with the variable as the session found it."""
+    _restore_tqdm_disable()
+    yield
+    _restore_tqdm_disable()
+
+
+def _restore_tqdm_disable() -> None:
+    if _TQDM_DISABLE is None:
+        os.environ.pop("TQDM_DISABLE", None)
+    else:
+        os.environ["TQDM_DISABLE"] = _TQDM_DISABLE
 
 
 @pytest.fixture(scope="session")
