@@ -312,24 +312,45 @@ def _time_split(summary) -> str:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job key (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar while the input is read (none with --json either).")
-def plan(job: str, sets: tuple[str, ...], as_json: bool, quiet: bool) -> None:
+@click.option("--estimate", is_flag=True, help="Also predict the run's time: score a short sample of the job's own "
+              "groups with the engine a run builds and price the plan at the speed measured (progress on stderr "
+              "unless --quiet, with --json too).")
+@click.option("--shard", metavar="I/N", help="With --estimate: the job runs as N static shards; each shard's share.")
+@click.option("--gpu-result", "gpu_results", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="With --estimate: a `batchscore bench gpu --json-out` file; its figure for the job's model "
+                   "is shown too, labelled as measured elsewhere (repeatable).")
+def plan(job: str, sets: tuple[str, ...], as_json: bool, quiet: bool, estimate: bool, shard: str | None,
+         gpu_results: tuple[str, ...]) -> None:
     """Plan a job without scoring: prefix groups, token counts and saving ratios.
 
     Example:
 
         batchscore plan jobs/table3_a.yaml --json
+
+        batchscore plan jobs/sample.yaml --estimate
     """
     import tempfile
+    import time
 
     from batchscore.run.open import open_job
     from batchscore.run.read_progress import reading_bar
     from batchscore.store.build import plan_store
 
+    if (shard or gpu_results) and not estimate:
+        _fail("--shard and --gpu-result go with --estimate", EXIT_CONFIG)
+    if quiet and estimate:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # before tqdm loads: the model loader's bars too, as `run -q`
+    try:
+        parsed_shard = _shard(shard) if shard else None
+    except ValueError as exc:
+        _fail(str(exc), EXIT_CONFIG)
+    started = time.perf_counter()
     config = _load(job, sets)
     source = open_job(config, for_output=False)
+    predicted = None
     with tempfile.TemporaryDirectory(prefix="batchscore-plan-") as folder:
         with reading_bar(not (quiet or as_json)) as on_rows:  # through the token store, as `run` plans
-            meta, store, _ = plan_store(source, Path(folder) / "tokens", on_rows)
+            meta, store, prepared = plan_store(source, Path(folder) / "tokens", on_rows)
         stats, groups = meta.stats.to_dict(), lambda: meta.to_plan(store).groups
         fault_point("plan")
         if config.engine.speculative is not None:  # main-model tokens (and FLOPs) with and without dropping
@@ -338,13 +359,24 @@ def plan(job: str, sets: tuple[str, ...], as_json: bool, quiet: bool) -> None:
 
             stats.update(plan_drop_stats(groups(), config.engine.speculative, resolve_model(config.model),
                                          len(config.labels)).to_dict())
+        if estimate:
+            from batchscore.run.estimate import estimate_run
+
+            predicted = estimate_run(config, meta, store, prepared, time.perf_counter() - started,
+                                     shard=parsed_shard, gpu_results=list(gpu_results), progress=not quiet,
+                                     say=None if quiet else lambda line: click.echo(line, err=True))
     if as_json:
-        click.echo(json.dumps(stats))
+        click.echo(json.dumps({**stats, "estimate": predicted.to_dict()} if predicted else stats))
         return
     width = max(len(k) for k in stats)
     for key, value in stats.items():
         shown = f"{value:.4f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else value
         click.echo(f"{key:<{width}}  {shown}")
+    if predicted is not None:
+        from batchscore.run.estimate import describe
+
+        for line in describe(predicted):
+            click.echo(line)
 
 
 @main.command()
