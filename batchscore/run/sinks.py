@@ -183,7 +183,7 @@ class RowProgress:
         if self.bar is not None:
             self.tokens += group.logical_tokens
             rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
-            self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+            self.bar.set_postfix_str(f"{rate:,.0f} logical tok/s", refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
