@@ -58,6 +58,7 @@ def test_two_outputs_merge_by_id_each_snapshot_readable_and_a_run_commits_once(t
     lineage = {"batchscore.model": "m", "batchscore.output": "o"}
     first = _output(tmp_path, "n1", ["a", "b", "c"], [0.1, 0.2, 0.3], ["P1", "P1", "P2"])
     second = _output(tmp_path, "n2", ["b", "d"], [0.9, 0.4], ["P1", "P2"])
+    pq.write_table(pq.read_table(second).append_column("p_cal_Yes", pa.array([0.8, 0.5])), second)  # a new column
     snapshot1 = publish(config, first, "pair_id", "run-1", lineage, read_output=read_parquet)
     snapshot2 = publish(config, second, "pair_id", "run-2", lineage, read_output=read_parquet)
     assert publish(config, second, "pair_id", "run-2", lineage, read_output=read_parquet) == snapshot2  # found
@@ -65,6 +66,8 @@ def test_two_outputs_merge_by_id_each_snapshot_readable_and_a_run_commits_once(t
     assert table.current_snapshot().snapshot_id == snapshot2 != snapshot1
     now = {r["pair_id"]: r["p_Yes"] for r in table.scan().to_arrow().to_pylist()}
     assert now == {"a": 0.1, "b": 0.9, "c": 0.3, "d": 0.4}
+    calibrated = {r["pair_id"]: r["p_cal_Yes"] for r in table.scan().to_arrow().to_pylist()}
+    assert calibrated == {"a": None, "b": 0.8, "c": None, "d": 0.5}  # added to the schema, null for older rows
     before = {r["pair_id"]: r["p_Yes"] for r in table.scan(snapshot_id=snapshot1).to_arrow().to_pylist()}
     assert before == {"a": 0.1, "b": 0.2, "c": 0.3}
     assert set(_runs(table)) == {"run-1", "run-2"} and _runs(table)[0] == "run-1"

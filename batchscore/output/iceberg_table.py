@@ -2,8 +2,8 @@
 table (the `pyiceberg` package) through the catalog the job names, exactly once.
 
 As with Delta (table_publish.py): once the output is complete, before its marker, its rows are
-merged by the id column (the table's rows of tonight's ids replaced, new ids inserted, in one
-overwrite), appended, or overwrite the table. The table is made on the first night, in the same
+merged by the id column (the table's rows of tonight's ids replaced, new ids inserted: the table
+rewritten by one overwrite), appended, or overwrite the table. The table is made on the first night, in the same
 commit as its rows (identity partitions on `partition_by`). The run's identity (`batchscore.run`) and lineage go
 into the summary of every snapshot the commit makes; a run that finds its identity in a snapshot
 of the table's current lineage (the current snapshot and its ancestors) commits nothing: it was
@@ -108,7 +108,8 @@ def _create_with_rows(catalog, name: str, rows, partition_by: list[str], propert
 
 def _commit(table, rows, mode: str, id_name: str, properties: dict[str, str]) -> None:
     """One transaction: new output columns added to the table's schema, then the rows merged by
-    `id_name` (an overwrite of the rows whose id the output holds), appended, or replacing every row."""
+    `id_name` (the table rewritten with tonight's rows in place of those of their ids), appended, or
+    replacing every row."""
     with table.transaction() as transaction:
         known = {f.name for f in table.schema().fields}
         if any(name not in known for name in rows.column_names):  # e.g. a calibration added tonight
@@ -122,9 +123,17 @@ def _commit(table, rows, mode: str, id_name: str, properties: dict[str, str]) ->
             if rows.column(id_name).null_count:
                 raise OutputError(f"output.table: the output's id column {id_name!r} has null ids; an Iceberg "
                                   "merge matches rows by id")
-            # the rows of tonight's ids replaced and new ids added, in one overwrite: the table pyiceberg's
-            # upsert leaves, 6x faster here (100,000 rows, half changed: 7.6 s against 47 s)
-            from pyiceberg.expressions import In
+            transaction.overwrite(_merged(table, rows, id_name), snapshot_properties=properties)
 
-            transaction.overwrite(rows, overwrite_filter=In(id_name, rows.column(id_name).to_pylist()),
-                                  snapshot_properties=properties)
+
+def _merged(table, rows, id_name: str):
+    """The table's rows whose id the output does not hold, then the output's rows: the table a
+    merge by id leaves, written whole by one overwrite. Arrow does the matching (one `is_in`), where
+    a delete filter of tonight's ids is bound literal by literal in Python (measured at 100,000 rows,
+    half changed: such a filter 7.6 s, pyiceberg's upsert 47 s; this way 1,000,000 rows 1.4 s)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    current = table.scan().to_arrow()
+    kept = current.filter(pc.invert(pc.is_in(current.column(id_name), value_set=rows.column(id_name))))
+    return pa.concat_tables([kept, rows], promote_options="permissive")
