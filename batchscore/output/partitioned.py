@@ -2,8 +2,8 @@
 by pyarrow's dataset writer, exactly once.
 
 The dataset is written under a temporary folder beside the output whose name starts with `_`
-(`_<output>.writing-…`), which pyarrow.dataset, DuckDB, Spark and Hive skip, then renamed into
-place in one step (an earlier output at that path is swapped out atomically where Linux can,
+(`_<output>.writing-…`), which pyarrow.dataset, Spark and Hive skip (DuckDB's `**` glob does not:
+glob the output folder itself), then renamed into place in one step (an earlier output at that path is swapped out atomically where Linux can,
 `renameat2`'s RENAME_EXCHANGE): a reader of the output folder sees no row while a run writes it,
 and every row once it is there. A run killed while writing leaves only its temporary folder, which
 the next write removes (it holds the output's lock, so no other writer is alive).
@@ -30,7 +30,9 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from batchscore.faults import fault_point
 from batchscore.output.table import PARTITION_KEY  # JSON list of the partition columns
+
 SCHEMA_KEY = "batchscore.schema"  # base64 of the whole output's Arrow schema (without its metadata)
 _WRITING = ".writing-"  # `_<output>.writing-XXXX`: a write under way (or one a killed run left)
 
@@ -95,8 +97,6 @@ def write_folder(path, write: Callable[[str], object]) -> Path:
         write(str(tmp))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; an output folder follows the umask
         _fsync_tree(tmp)
-        from batchscore.faults import fault_point
-
         fault_point("dataset")
         if not path.exists() and not path.is_symlink():
             os.rename(tmp, path)
