@@ -53,7 +53,7 @@ from batchscore.output.identity import describe_changes, identity_hash
 from batchscore.output.layout import DEFAULT_ID, MERGE_WRITER, RUN_WRITER, OutputFiles
 from batchscore.output.lock import OutputLock
 from batchscore.io.atomic import refuse_link
-from batchscore.io.storage import is_url, remove_tree
+from batchscore.io.storage import file_size, is_url, remove_tree
 from batchscore.models import batchscore_home
 from batchscore.output.parts import Manifest, PartStore, completed_summary, output_size, write_completion_marker
 from batchscore.output.summary import Audit, Carry, Execution, Questions, RunSummary, Timing
@@ -512,6 +512,7 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
             return None  # another merge finished while this one started
         if completed_summary(files, identity_hash(source.identity)) is not None:
             store.finish()  # a merge stopped after the output and its marker: the output is complete
+            _remove_dead_locks(files, names)
             return None
         expected = _job_hash(source, count)
         unfinished = unfinished_shards(store, count, expected, lambda i: names[i])
@@ -538,8 +539,23 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
         write_completion_marker(files, identity_hash(source.identity), summary.to_dict(stored=True))
         fault_point("marker")
         store.finish()
+        _remove_dead_locks(files, names)
     _check_error_rate(summary, config)
     return summary
+
+
+def _remove_dead_locks(files: OutputFiles, names: list[str]) -> None:
+    """The output is written: remove the lock files (leases) shards left when they died after
+    recording their share — nothing of theirs is left to resume. A live holder's lock stays."""
+    for name in names:
+        if file_size(files.lock(name)) is None:
+            continue
+        lock = OutputLock(files, name)
+        try:
+            lock.acquire()
+        except OutputLocked:
+            continue
+        lock.release(remove=True)
 
 
 def _decide_compile(resolved: ResolvedEngine, engine: EngineConfig, job: PreparedJob, worker_groups: list,
