@@ -46,13 +46,15 @@ class TableSource:
     def batches(self, path: Path, batch_rows: int, columns: list[str] | None) -> Iterator[InputBatch]:
         """The table's rows at its version, `batch_rows` at a time, with only `columns` (None: all)
         of those it has; every batch names all the table's columns (`available`)."""
-        reader, names = self.scan(columns)
         line = 1
         try:
+            reader, names = self.scan(columns)
             for batch in _rebatched(reader, batch_rows):
                 yield InputBatch(path, line, pa.Table.from_batches([batch]), [None] * batch.num_rows, names)
                 line += batch.num_rows
-        except (OSError, pa.ArrowException, ValueError) as exc:
+        except InputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the table library's own: a vacuumed file, a feature it cannot read
             raise InputError(f"input: cannot read {self.name} (version {self.version}) from row {line} on: "
                              f"{exc}") from None
 
