@@ -315,9 +315,9 @@ def _semantic_problems(config: JobConfig) -> list[str]:
     problems.extend(_not_allowed(config, "output.column_separator"))
     problems.extend(_not_allowed(config, "output.column_names"))
     if config.output.column_names == "slug":
-        problems.extend(slug_problems(config.labels) if config.labels else [
-            "output.column_names slug: names the columns of fixed labels (p_<label>); this job has none (a "
-            "questions job's option columns keep their text: not built)"])
+        problems.extend(slug_problems(config.labels) if config.labels else [] if config.questions is not None else [
+            "output.column_names slug: names the columns of fixed labels (p_<label>) or of a job's questions' "
+            "options (<id>.p.<option>); this job has neither"])
     problems.extend(partition_problems(config, output_format_of(config)))
     problems.extend(_not_allowed(config, "output.mode"))
     if config.output.table is not None:

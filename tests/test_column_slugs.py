@@ -102,3 +102,49 @@ def test_a_slug_output_rederives_partitioned_and_reports_by_label_text(tmp_path)
     result = CliRunner().invoke(main, ["report", str(out), "-o", str(tmp_path / "report.html")])
     assert result.exit_code == 0, result.output
     assert "Home &amp; Garden" in (tmp_path / "report.html").read_text()
+
+
+TEAM = {"type": "choice", "instructions": "Which team should handle this ticket?",
+        "criteria": {"Billing & Payments": "charges, refunds", "Shipping": "delivery, parcels",
+                     "Account Security": "passwords, fraud", "other": None}}
+
+
+def test_options_of_one_slug_in_a_question_are_refused_at_load(tmp_path):
+    from tests.test_decision_quality import write_job as write_questions_job
+
+    clash = {**TEAM, "criteria": {"Home & Garden": None, "home garden": None}}
+    job = write_questions_job(tmp_path, questions={"team": clash}, output={"column_separator": "__"})
+    load_job(job)
+    with pytest.raises(JobConfigError, match=r"output.column_names slug: 'team.p.Home & Garden' and "
+                                             r"'team.p.home garden' would both be written as the column "
+                                             r"'team__p__home_garden'"):
+        load_job(job, parse_set_options(["output.column_names=slug"]))
+
+
+@pytest.mark.slow  # a questions run and its report (~15 s under load): make test-all
+def test_a_questions_output_names_its_options_by_slugs_and_reports_them_by_text(tmp_path):
+    """`team__p__Billing & Payments` is written `team__p__billing_payments` (and its p_cal), read
+    unquoted by DuckDB; `team__choice` holds the option's text; the report names it by its text."""
+    from click.testing import CliRunner
+
+    from batchscore.cli import main
+    from batchscore.tasks.questions.columns import QUESTION_LABELS_KEY
+
+    from tests.test_decision_quality import write_job as write_questions_job
+
+    duckdb = pytest.importorskip("duckdb")
+    job = write_questions_job(tmp_path, questions={"team": TEAM}, score={"calibrate": "batch"},
+                              output={"column_separator": "__", "column_names": "slug"})
+    result = CliRunner().invoke(main, ["run", str(job), "-q", "--report"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out.parquet"
+    schema = pq.read_schema(out)
+    assert {"team__p__billing_payments", "team__p__shipping", "team__p__account_security", "team__p__other",
+            "team__p_cal__billing_payments"} <= set(schema.names)
+    assert not [name for name in schema.names if " " in name or "&" in name], schema.names
+    assert json.loads(schema.metadata[QUESTION_LABELS_KEY.encode()])["team"]["billing_payments"] == "Billing & Payments"
+    rows = duckdb.sql(f"select team__choice, team__p__billing_payments + team__p__shipping + team__p__account_security"
+                      f" + team__p__other from read_parquet('{out}')").fetchall()
+    assert len(rows) == 12 and all(choice in TEAM["criteria"] and abs(total - 1) < 1e-9 for choice, total in rows)
+    html = (tmp_path / "_out.parquet.report.html").read_text()
+    assert "Billing &amp; Payments" in html and "billing_payments" not in html

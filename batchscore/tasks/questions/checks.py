@@ -10,7 +10,7 @@ from batchscore.formats.registry import answers_in_lines, requests_in_lines
 from batchscore.output.layout import ERROR, STATUS
 from batchscore.scores.calibration import FITTED
 from batchscore.tasks.questions.answers import table_column_types
-from batchscore.tasks.questions.columns import joined
+from batchscore.tasks.questions.columns import joined, option_slugs, slugged
 from batchscore.tasks.questions.files import ANSWERS
 from batchscore.tasks.questions.quality import QUESTION_METHODS, column_types
 from batchscore.tasks.questions.requests import parse_systemone
@@ -75,12 +75,20 @@ def output_columns(config: JobConfig) -> tuple[set[str], list[str]]:
         problems.append(f"questions: {both[0]!r} is both a question's answer column and a calibration or review "
                         "column of another; rename a question id or an option")
     sep, keys = config.output.column_separator, [str(q.key) for q in questions]
+    slugs = option_slugs(questions) if config.output.column_names == "slug" else {}
+    blank = [(key, option) for key, by in slugs.items() for option, name in by.items() if not name]
+    if blank:
+        problems.append(f"output.column_names slug: the option {blank[0][1]!r} of question {blank[0][0]!r} has no "
+                        "letter a-z or digit to name its columns by; rename it, or keep output.column_names: text")
     sources: dict[str, list[str]] = {}  # each column as the output names it -> the names inside batchscore
     for name in [*columns, *judged]:
-        sources.setdefault(joined(name, keys, sep), []).append(name)
+        sources.setdefault(joined(slugged(name, slugs), keys, sep), []).append(name)
     named = set(sources)
     clash = next(((column, inner) for column, inner in sources.items() if len(inner) > 1), None)
-    if clash is not None:  # joined by the separator, two different columns would get one name
+    if clash is not None and joined(clash[1][0], keys, sep) != joined(clash[1][1], keys, sep):  # the slugs alone
+        problems.append(f"output.column_names slug: {clash[1][0]!r} and {clash[1][1]!r} would both be written as the "
+                        f"column {clash[0]!r}; make the options differ in letters or digits")
+    elif clash is not None:  # joined by the separator, two different columns would get one name
         problems.append(f"output.column_separator {sep!r}: {clash[1][0]!r} and {clash[1][1]!r} would both be written "
                         f"as the column {clash[0]!r}; rename a question id or an option, or keep the separator '.'")
     dots = sorted(name for name in named if "." in name)

@@ -96,3 +96,41 @@ def separator_of(names: list[str], metadata: dict | None) -> str:
     if recorded is not None:
         return recorded.decode()
     return next((sep for sep in COLUMN_SEPARATORS if question_keys(list(dotted(names, sep).values()))), ".")
+
+
+# ---------------------------------------------------------------------------- output.column_names: slug
+# A question's per-option columns (`<id>.p.<option>`, `<id>.p_cal.<option>`) named by each option's
+# slug instead (`category.p.home_garden` for `Home & Garden`: output/column_names.py); the schema
+# records each slug's option per question (QUESTION_LABELS_KEY), from which the report reads them back.
+
+QUESTION_LABELS_KEY = "batchscore.question_column_labels"  # JSON {question id: {slug: option}}
+
+
+def option_slugs(questions) -> dict[str, dict[str, str]]:
+    """{question id: {option: its slug}} of every question's options."""
+    from batchscore.output.column_names import slug
+
+    return {str(q.key): {str(o): slug(str(o)) for o in q.options} for q in questions}
+
+
+def slugged(name: str, slugs: dict[str, dict[str, str]]) -> str:
+    """Question column `name` (`<id>.<part>.<option>`, as inside batchscore) with its option named by
+    the option's slug (`slugs`: option_slugs); other names come back unchanged."""
+    key = max((k for k in slugs if name.startswith(k + ".")), key=len, default=None)
+    if key is None:
+        return name
+    rest = name[len(key) + 1:]
+    part = next((p for p in PER_OPTION if rest.startswith(p + ".")), None)
+    option = None if part is None else rest[len(part) + 1:]
+    return name if option not in slugs[key] else column(key, part, slugs[key][option])
+
+
+def by_option_text(names: list[str], metadata: dict | None) -> list[str]:
+    """An output's column names (as inside batchscore, `<id>.<part>.<option>`) with each slugged
+    option named by its text again, by the slugs its schema records (unchanged without them)."""
+    import json
+
+    raw = (metadata or {}).get(QUESTION_LABELS_KEY.encode())
+    if not raw:
+        return names
+    return [slugged(name, json.loads(raw)) for name in names]  # {slug: option} turns a slug back into its text

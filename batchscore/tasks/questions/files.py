@@ -31,7 +31,7 @@ from batchscore.scores.quality import QualityResult
 from batchscore.output.raw_scores import RowScores
 from batchscore.row_errors import FAILED, RowError, no_result
 from batchscore.output.table import with_metadata
-from batchscore.tasks.questions.columns import joined
+from batchscore.tasks.questions.columns import QUESTION_LABELS_KEY, joined, option_slugs, slugged
 from batchscore.tasks.questions.requests import API_SYSTEMONE, LAYOUT, WIDE_LAYOUT, parse_systemone
 from batchscore.tasks.questions.records import DecisionInput, Record
 
@@ -196,8 +196,13 @@ def _write_table(config: JobConfig, decisions: DecisionInput, logp: list, tops: 
     columns[layout.STATUS] = pa.array(status, type=pa.string())
     columns[layout.ERROR] = pa.array(error, type=pa.string())
     sep = config.output.column_separator  # `<id>.<part>` inside batchscore; joined by the job's separator here
-    table = pa.table({joined(name, [str(q.key) for q in fixed], sep): values for name, values in columns.items()})
+    slugs = option_slugs(fixed) if config.output.column_names == "slug" else {}  # options named by their slugs
+    keys = [str(q.key) for q in fixed]
+    table = pa.table({joined(slugged(name, slugs), keys, sep): values for name, values in columns.items()})
     metadata = {f"batchscore.{k}": v for k, v in run_metadata(decisions).items()}
+    if slugs:
+        metadata[QUESTION_LABELS_KEY] = json.dumps({k: {s: o for o, s in by.items()} for k, by in slugs.items()},
+                                                   ensure_ascii=False)
     table = with_metadata(table, {**metadata, **provenance, layout.SEPARATOR_KEY: sep})
     write_output(table, files.output, config.output_format, id_name=config.input.id_column or layout.DEFAULT_ID,
                  labels=list(config.labels), model=str(config.model), error_path=files.errors)

@@ -9,8 +9,8 @@ import json
 from batchscore.formats.openai_batch import REQUEST_ID, line_request_id
 from batchscore.output import layout
 from batchscore.tasks.questions.columns import (ARGMAX_IS_LABEL, CHOICE, CONFIDENCE, ERROR, EVERY_QUESTION, LABEL_MASS,
-                                                NOT_ASKED, P, P_YES, SCORE, STATUS, column, is_question_column,
-                                                dotted, key_of, question_keys, separator_of)
+                                                NOT_ASKED, P, P_YES, SCORE, STATUS, by_option_text, column,
+                                                is_question_column, dotted, key_of, question_keys, separator_of)
 from batchscore.tasks.questions.files import ANSWERS
 
 
@@ -111,9 +111,11 @@ def with_row_answers(table):
     `answers` column, and no fixed question columns) in the questions layout, and question columns
     joined by another `output.column_separator` named as inside batchscore (`<id>.<part>`); other
     tables as they are."""
-    sep = separator_of(table.column_names, table.schema.metadata)
+    metadata = table.schema.metadata
+    sep = separator_of(table.column_names, metadata)
     if sep != ".":
         table = table.rename_columns(list(dotted(table.column_names, sep).values()))
+    table = table.rename_columns(by_option_text(table.column_names, metadata))  # output.column_names: slug
     names = table.column_names
     if ANSWERS not in names or question_keys(names) or layout.STATUS not in names:
         return table
