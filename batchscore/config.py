@@ -268,7 +268,7 @@ class OutputConfig:
     review: ReviewConfig | None = key(None, identity=ASSEMBLY)  # a confidence threshold for an error budget: writes confidence and needs_review
     out_of_scope: OutOfScopeConfig | None = key(None, identity=ASSEMBLY)  # writes out_of_scope: true for rows whose label_mass is below the floor
     column_separator: str = key(".", identity=ASSEMBLY)  # joins a questions output's column names (<id>.<part>); "__" where a warehouse refuses dots. Identity: assembly (how columns are named, not what the scores are)
-    column_names: str = key("text", identity=ASSEMBLY)  # text: p_<label> as the label is written | slug: p_<lowercase a-z0-9_ of the label> (home_garden for "Home & Garden"), which a warehouse takes unquoted; the schema records each slug's label (batchscore.column_labels)
+    column_names: str = key("text", identity=ASSEMBLY)  # text: p_<label> (a question's <id>.p.<option>) as written | slug: by the lowercase a-z0-9_ of the label or option (p_home_garden for "Home & Garden"), which a warehouse takes unquoted; the schema records each slug's text (batchscore.column_labels, batchscore.question_column_labels)
     partition_by: list[str] = key(factory=list, identity=ASSEMBLY)  # Parquet: the output written as a hive-partitioned folder (<output>/<column>=<value>/part-….parquet) by these output columns: the id, a kept column, label, choice or status
 
 
