@@ -128,8 +128,8 @@ def test_estimate_refusals_name_the_problem(small_job, tmp_path):
 @pytest.mark.slow
 def test_estimate_predicts_a_real_run(tmp_path):
     """The estimate's total against the run's own time (its `time:` line, metrics `seconds`) of the
-    same 300-row job, run next to each other: within a factor of 1.6 either way (a busy shared
-    machine's swings; docs/operations.md has the 2,000-row figures)."""
+    same 300-row job, run next to each other: within a factor of 2 either way (a shared machine's
+    load moves the two apart; docs/operations.md has the 2,000-row pairs)."""
     from batchscore.bench.scale_bench import write_text_input
 
     write_text_input(tmp_path / "input.parquet", rows=300, group_size=10, words=60, seed=0)
@@ -150,4 +150,4 @@ def test_estimate_predicts_a_real_run(tmp_path):
                          capture_output=True, text=True, env=env, timeout=900)
     assert ran.returncode == 0, ran.stderr
     seconds = json.loads((tmp_path / "metrics.json").read_text())["seconds"]
-    assert 1 / 1.6 <= estimate["total_seconds"] / seconds <= 1.6, (estimate, seconds)
+    assert 1 / 2 <= estimate["total_seconds"] / seconds <= 2, (estimate, seconds)
