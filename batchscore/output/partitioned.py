@@ -2,8 +2,10 @@
 by pyarrow's dataset writer, exactly once.
 
 The dataset is written under a temporary folder beside the output whose name starts with `_`
-(`_<output>.writing-…`), which pyarrow.dataset, Spark and Hive skip (DuckDB's `**` glob does not:
-glob the output folder itself), then renamed into place in one step (an earlier output at that path is swapped out atomically where Linux can,
+(`_<output>.writing-…`), which pyarrow.dataset, Spark and Hive skip, its files named
+`….parquet.unfinished` while they are written (DuckDB's `**` glob descends into `_` folders: a
+`<parent>/**/*.parquet` reader sees them only in the milliseconds between their renames and the
+folder's), then renamed into place in one step (an earlier output at that path is swapped out atomically where Linux can,
 `renameat2`'s RENAME_EXCHANGE): a reader of the output folder sees no row while a run writes it,
 and every row once it is there. A run killed while writing leaves only its temporary folder, which
 the next write removes (it holds the output's lock, so no other writer is alive).
@@ -35,6 +37,7 @@ from batchscore.output.table import PARTITION_KEY  # JSON list of the partition 
 
 SCHEMA_KEY = "batchscore.schema"  # base64 of the whole output's Arrow schema (without its metadata)
 _WRITING = ".writing-"  # `_<output>.writing-XXXX`: a write under way (or one a killed run left)
+_UNFINISHED = ".unfinished"  # a data file's suffix until its folder is complete: no `*.parquet` glob matches it
 
 
 # ---------------------------------------------------------------------------- writing
@@ -70,7 +73,7 @@ class DatasetWindowWriter:
     def write_table(self, table: pa.Table) -> None:
         table = table.replace_schema_metadata(self.schema.metadata)
         ds.write_dataset(table, self.folder, format="parquet", partitioning=self.partitioning,
-                         basename_template=f"part-{self.windows:05d}-{{i}}.parquet", preserve_order=True,
+                         basename_template=f"part-{self.windows:05d}-{{i}}.parquet{_UNFINISHED}", preserve_order=True,
                          existing_data_behavior="overwrite_or_ignore", max_partitions=max(1024, table.num_rows))
         self.windows += 1
 
@@ -98,6 +101,7 @@ def write_folder(path, write: Callable[[str], object]) -> Path:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; an output folder follows the umask
         _fsync_tree(tmp)
         fault_point("dataset")
+        _finish_names(tmp)
         if not path.exists() and not path.is_symlink():
             os.rename(tmp, path)
         elif _exchange(tmp, path):  # the new output in place, the old one (or a link planted there) at tmp
@@ -112,6 +116,15 @@ def write_folder(path, write: Callable[[str], object]) -> Path:
         raise
     _fsync(path.parent)
     return path
+
+
+def _finish_names(folder: Path) -> None:
+    """`….parquet.unfinished` -> `….parquet` below `folder`: every file written and durable."""
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if name.endswith(_UNFINISHED):
+                os.rename(os.path.join(root, name), os.path.join(root, name[:-len(_UNFINISHED)]))
+        _fsync(Path(root))  # the new names as durable as the data
 
 
 def _remove(path: Path) -> None:
