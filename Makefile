@@ -40,8 +40,10 @@ test: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Everything: the slow tests and every fault-injection case, in one pytest run. CI runs this.
+# Spread over the cores as the quick tier is (a file stays on one worker, the longest files first):
+# most slow tests are single-threaded runs of a small job, so one process left a core idle.
 test-all: setup
-	BATCHSCORE_FAULTS=all $(VENV)/bin/pytest -q
+	BATCHSCORE_FAULTS=all OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The quick tier again with oneDNN and ATen held to AVX2: an AVX2-only CPU's kernels (no AVX-512, no
 # native bfloat16, as on AMD Zen 3 and many cloud machines) on whatever CPU runs it. CI runs it after
