@@ -12,9 +12,10 @@ section) and scores a sample of the plan's own groups through the executors' sco
   processed tokens and at least one pass's worth (`engine.token_budget`: its passes are as full
   as the run's), stopped at the first pass that ends after the time cap.
 
-The score time predicted is the plan's processed tokens over the processed tokens per second the
-sample's passes computed: a pass's time follows its processed tokens (docs/operations.md, "Sizing
-a night", says what was measured). The other stages are reported apart: tokenize (read, tokenize
+The score time predicted is the run's passes and processed tokens at the costs fitted to the
+sample's timed passes (`fit_pass_cost`: seconds = passes × a + tokens × b; a pass has a fixed cost
+besides its tokens, large on a busy machine; docs/operations.md, "Sizing a night", says what was
+measured). The other stages are reported apart: tokenize (read, tokenize
 and plan, measured by this command), start-up (the engine's load, and the warm-up's time beyond its
 tokens at the measured rate), the fail-fast probe (its tokens at that rate) and the exactness
 audit (its own rows, picked as it picks them, whose plain forwards are timed on a few of them: one
