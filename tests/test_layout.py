@@ -211,8 +211,10 @@ def test_make_test_is_the_quick_tier_and_test_all_runs_everything():
     assert quick and all('-m "not slow"' in c for c in quick), quick
     everything = [c for c in make_recipe("test-all") if "pytest" in c]
     assert everything and all(" -m " not in c for c in everything), everything  # slow tests included
-    assert any("BATCHSCORE_FAULTS=all" in c and ("test_faults.py" in c or c.endswith("pytest -q"))
-               for c in everything), everything  # the whole fault suite
+    # the whole fault suite, over every test file (pytest's options only, no file or -k selection)
+    assert any("BATCHSCORE_FAULTS=all" in c and ("test_faults.py" in c or all(
+        word.startswith("-") or word in ("loadfile", "$(TEST_WORKERS)") for word in c.split("pytest", 1)[1].split()))
+               for c in everything), everything
     commands = [line.strip() for line in (PACKAGE.parent / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith("#")]
     assert "make test-all" in commands, commands
