@@ -59,6 +59,9 @@ def s3(tmp_path_factory):
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
+    # s3fs keeps its clients by their options, not by the endpoint the environment names: a client of
+    # another module's server (gone now) would be handed to this module's in-process runs
+    s3fs.S3FileSystem.clear_instance_cache()
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.mkdir(BUCKET)
     try:
@@ -69,6 +72,7 @@ def s3(tmp_path_factory):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
 
 
