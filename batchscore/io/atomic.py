@@ -14,8 +14,8 @@ from typing import Callable
 from batchscore.faults import fault_point
 from batchscore.io.storage import as_path, is_remote
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)  # read once: the process's umask, restored at once
+UMASK = os.umask(0)
+os.umask(UMASK)  # read once: the process's umask, restored at once
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]):
@@ -33,7 +33,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]):
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; outputs follow the umask like any file
+        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes 0600; outputs follow the umask like any file
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         fault_point("atomic")
@@ -41,7 +41,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]):
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_folder(path.parent)
+    fsync_folder(path.parent)
     return path
 
 
@@ -70,7 +70,7 @@ def _upload(path, write: Callable[[str], object]):
     return path
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
     """Make a rename in `folder` durable (a no-op where folders cannot be opened, e.g. Windows)."""
     try:
         fd = os.open(folder, os.O_RDONLY)

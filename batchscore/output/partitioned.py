@@ -33,6 +33,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchscore.faults import fault_point
+from batchscore.io.atomic import UMASK, fsync_folder
 from batchscore.output.table import PARTITION_KEY  # JSON list of the partition columns
 
 SCHEMA_KEY = "batchscore.schema"  # base64 of the whole output's Arrow schema (without its metadata)
@@ -98,7 +99,7 @@ def write_folder(path, write: Callable[[str], object]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f"_{path.name}{_WRITING}", dir=path.parent))
     try:
         write(str(tmp))
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; an output folder follows the umask
+        os.chmod(tmp, 0o777 & ~UMASK)  # mkdtemp makes 0700; an output folder follows the umask
         _fsync_tree(tmp)
         fault_point("dataset")
         _finish_names(tmp)
@@ -114,7 +115,7 @@ def write_folder(path, write: Callable[[str], object]) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync(path.parent)
+    fsync_folder(path.parent)
     return path
 
 
@@ -124,7 +125,7 @@ def _finish_names(folder: Path) -> None:
         for name in names:
             if name.endswith(_UNFINISHED):
                 os.rename(os.path.join(root, name), os.path.join(root, name[:-len(_UNFINISHED)]))
-        _fsync(Path(root))  # the new names as durable as the data
+        fsync_folder(Path(root))  # the new names as durable as the data
 
 
 def _remove(path: Path) -> None:
@@ -153,26 +154,9 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync(Path(root))
+        fsync_folder(Path(root))
 
 
-def _fsync(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 # ---------------------------------------------------------------------------- reading
