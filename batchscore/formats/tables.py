@@ -5,7 +5,7 @@ an output format (`output.table` publishes to them)."""
 from __future__ import annotations
 
 from batchscore.formats.registry import WireFormat, register
-from batchscore.io.iceberg_catalog import identifier_problems
+from batchscore.io.iceberg_catalog import table_name_problems
 from batchscore.io.table_inputs import delta_input, iceberg_input
 
 
@@ -31,13 +31,7 @@ def _iceberg_problems(config) -> list[str]:
     inp = config.input
     if inp.format != "iceberg":
         return []
-    problems = identifier_problems(inp.identifier, "input.identifier")
-    if not inp.catalog:
-        problems.append("input.catalog: the Iceberg catalog the table is in, as pyiceberg's load_catalog takes it, "
-                        "e.g. {name: local, type: sql, uri: 'sqlite:///…/catalog.db', warehouse: "
-                        "'file:///…/warehouse'}")
-    if inp.path:
-        problems.append("input.path: an Iceberg table is named by input.catalog and input.identifier, not a path")
+    problems = table_name_problems("input", inp.catalog, inp.identifier, inp.path)
     if inp.filter:
         problems.append("input.filter: selects hive partition folders of files; not with input.format iceberg")
     return problems

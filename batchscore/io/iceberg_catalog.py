@@ -77,6 +77,20 @@ def identifier_problems(identifier: str | None, key: str) -> list[str]:
     return []
 
 
+def table_name_problems(section: str, catalog, identifier: str | None, path: str | None) -> list[str]:
+    """What a job's Iceberg table (`section`: "input" or "output.table") lacks to be named: a catalog
+    and an identifier, and no path, for the job file's checks."""
+    problems = identifier_problems(identifier, f"{section}.identifier")
+    if not catalog:
+        problems.append(f"{section}.catalog: the Iceberg catalog the table is in, as pyiceberg's load_catalog "
+                        "takes it, e.g. {name: local, type: sql, uri: 'sqlite:///…/catalog.db', warehouse: "
+                        "'file:///…/warehouse'}")
+    if path:
+        problems.append(f"{section}.path: an Iceberg table is named by {section}.catalog and {section}.identifier, "
+                        "not a path")
+    return problems
+
+
 _SECRET_WORDS = ("secret", "password", "token", "credential", "key")
 
 

@@ -19,7 +19,8 @@ import logging
 
 from batchscore.errors import OutputError
 from batchscore.faults import fault_point
-from batchscore.io.iceberg_catalog import identifier_problems, load_iceberg_catalog, load_iceberg_table, make_local_folders
+from batchscore.io.iceberg_catalog import (load_iceberg_catalog, load_iceberg_table, make_local_folders,
+                                          table_name_problems)
 
 log = logging.getLogger("batchscore")
 
@@ -28,15 +29,7 @@ RUN_KEY = "batchscore.run"
 
 def table_problems(table_config) -> list[str]:
     """What the job file's Iceberg `output.table` lacks: a catalog and an identifier (not a path)."""
-    problems = identifier_problems(table_config.identifier, "output.table.identifier")
-    if not table_config.catalog:
-        problems.append("output.table.catalog: the Iceberg catalog the table is in, as pyiceberg's load_catalog "
-                        "takes it, e.g. {name: local, type: sql, uri: 'sqlite:///…/catalog.db', warehouse: "
-                        "'file:///…/warehouse'}")
-    if table_config.path:
-        problems.append("output.table.path: an Iceberg table is named by output.table.catalog and identifier, "
-                        "not a path")
-    return problems
+    return table_name_problems("output.table", table_config.catalog, table_config.identifier, table_config.path)
 
 
 def table_place(table_config, snapshot: int) -> str:
