@@ -77,10 +77,64 @@ def test_sort_and_lcp_equal_the_tree_builders(prompts, window, small_batch):
     assert lcp2.tolist() == neighbour_lcp(table, order)
 
 
-def test_long_shared_prefixes_sort_in_a_few_rounds(monkeypatch):
+def with_heads(arrays, group_size: int) -> FlatTokens:
+    """The rows as the token store keeps a group's shared state: every `group_size` consecutive rows
+    one group, its first row whole, each later one's common prefix with it (any length) a head."""
+    own, starts, heads, at, first = [], [], [], 0, None
+    for i, row in enumerate(arrays):
+        shared = 0
+        if i % group_size and first is not None:
+            width = min(len(first[1]), len(row))
+            differ = np.flatnonzero(first[1][:width] != row[:width])
+            shared = int(differ[0]) if len(differ) else width
+        if i % group_size == 0:
+            first = (at, row)
+        starts.append(first[0] if shared else 0)
+        heads.append(shared)
+        own.append(row[shared:])
+        at += len(row) - shared
+    flat = FlatTokens.from_arrays(own)
+    return FlatTokens(flat.tokens, flat.offsets, np.asarray(starts, np.int64), np.asarray(heads, np.int32))
+
+
+@SETTINGS
+@given(batches(), st.sampled_from([1, 2, 5, sorted_rows.SKIP_WINDOW]), st.sampled_from([0, sorted_rows.SMALL_BATCH]),
+       st.integers(2, 4))
+def test_rows_with_heads_sort_as_the_rows_whole(prompts, window, small_batch, group_size):
+    """A store's rows that read their first tokens from a head (another row's span) sort, give the
+    common prefixes and plan exactly as the same rows stored whole: windows inside a head, across
+    its end and past it, by the radix sort and the small batches' sort."""
+    arrays = [np.asarray(p, dtype=np.int32) for p in prompts]
+    flat = with_heads(arrays, group_size)
+    assert [flat.row(i).tolist() for i in range(len(arrays))] == [a.tolist() for a in arrays]
+    assert flat.lengths.tolist() == [len(a) for a in arrays]
+    tokens, lengths = flat.gather(np.arange(len(arrays))[::-1])
+    assert tokens.tolist() == np.concatenate(arrays[::-1]).tolist() and lengths.tolist() == [len(a) for a in arrays[::-1]]
+    saved = sorted_rows.SKIP_WINDOW, sorted_rows.SMALL_BATCH, sorted_rows.SKIP_CHUNK
+    sorted_rows.SKIP_WINDOW, sorted_rows.SMALL_BATCH, sorted_rows.SKIP_CHUNK = window, small_batch, window + 2
+    try:
+        high = max(int(a.max()) for a in arrays)
+        whole = sort_rows(FlatTokens.from_arrays(arrays), high)
+        headed = sort_rows(flat, high)
+        requests = [Request(i, a) for i, a in enumerate(arrays)]
+        rows = RequestRows.from_requests(requests)
+        plain = plan_rows(rows)
+        rows.flat = flat
+        shared = plan_rows(rows)
+    finally:
+        sorted_rows.SKIP_WINDOW, sorted_rows.SMALL_BATCH, sorted_rows.SKIP_CHUNK = saved
+    assert headed[0].tolist() == whole[0].tolist() and headed[1].tolist() == whole[1].tolist()
+    assert shared.rows.tolist() == plain.rows.tolist() and shared.prefix_lens.tolist() == plain.prefix_lens.tolist()
+    assert [(g.prefix.tolist(), [m.suffix.tolist() for m in g.members]) for g in shared.groups(rows)] == \
+        [(g.prefix.tolist(), [m.suffix.tolist() for m in g.members]) for g in plain.groups(RequestRows.from_requests(requests))]
+
+
+@pytest.mark.parametrize("heads", [False, True])
+def test_long_shared_prefixes_sort_in_a_few_rounds(monkeypatch, heads):
     """Groups of 3 rows sharing 1,000 random tokens (BatchLLM's long-prefix case), plus a duplicate
     and rows that are prefixes of others: the radix sort gives the order and common prefixes of a
-    plain sort of the rows."""
+    plain sort of the rows; `heads`: each group stored as the token store keeps a record's reads
+    (its shared 1,000 tokens once), in group order."""
     monkeypatch.setattr(sorted_rows, "SMALL_BATCH", 0)
     rng = np.random.default_rng(0)
     arrays = []
@@ -89,8 +143,9 @@ def test_long_shared_prefixes_sort_in_a_few_rounds(monkeypatch):
         arrays += [np.concatenate([prefix, rng.integers(0, 49152, int(rng.integers(1, 300)), dtype=np.int32)])
                    for _ in range(3)]
     arrays += [arrays[0].copy(), arrays[1][:500].copy(), arrays[2][:1000].copy(), arrays[3][:1001].copy()]
-    arrays = [arrays[i] for i in rng.permutation(len(arrays))]
-    order, lcp = sort_rows(FlatTokens.from_arrays(arrays), 49151)
+    if not heads:
+        arrays = [arrays[i] for i in rng.permutation(len(arrays))]
+    order, lcp = sort_rows(with_heads(arrays, 3) if heads else FlatTokens.from_arrays(arrays), 49151)
     assert order.tolist() == sorted(range(len(arrays)), key=lambda i: arrays[i].astype(">u2").tobytes())
 
     def common(a, b):

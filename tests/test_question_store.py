@@ -63,8 +63,10 @@ def _whole_read_store(source, folder):
     """The store as it was written before streaming: every read in memory, then written."""
     job = source.task.prepare(source.config, source, True, None)
     writer = StoreWriter(folder, source.identity)
-    for start in range(0, len(job.input.requests), 8192):
-        writer.add_requests(job.input.requests[start:start + 8192])
+    requests, record_of = job.input.requests, job.input.record_of
+    for start in range(0, len(requests), 8192):  # a record's reads, cut between calls too, share its state once
+        batch = requests[start:start + 8192]
+        writer.add_requests(batch, groups=[int(record_of[r.row_id]) for r in batch])
     writer.add_errors(sorted(job.input.errors.items()))
     return job, writer.close(job.input.num_rows, extra={"label_ids": job.label_ids, "content_free": False})
 
@@ -84,7 +86,8 @@ def test_the_store_built_streaming_equals_the_whole_read(question_jobs, kind, ba
         streamed, store = build_store(source, tmp_path / "streamed", reuse=False)
     whole, reference = _whole_read_store(source, tmp_path / "whole")
     assert streamed.input.requests == [] and len(whole.input.requests) == store.num_rows > 10
-    for name in ("tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "errors.jsonl", "manifest.json"):
+    for name in ("tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "errors.jsonl", "head_starts.i64",
+                 "head_lengths.i32", "manifest.json"):
         assert (store.folder / name).read_bytes() == (reference.folder / name).read_bytes(), name
     with np.load(store.folder / "option_sets.npz") as a, np.load(reference.folder / "option_sets.npz") as b:
         assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
@@ -116,3 +119,39 @@ def test_a_questions_table_job_scores_from_the_store(tmp_path, monkeypatch):
     assert built == [1] and output.num_rows == 3 \
         and "tickets.jsonl:3: field 'body'" in output.column("error")[2].as_py()
     assert output.column("status").to_pylist()[:2] == ["ok", "ok"]
+
+def _records_and_suffixes(store, record_of) -> int:
+    """What a record's reads hold once written as a person would: each record's own tokens (its
+    reads' common prefix) once, plus each read's tokens after it."""
+    total = 0
+    row_records = np.asarray(record_of)[np.asarray(store.row_ids)]
+    for record in np.unique(row_records):
+        rows = [store.tokens_of(int(p)) for p in np.flatnonzero(row_records == record)]
+        common = min(len(r) for r in rows)
+        for row in rows[1:]:
+            differ = np.flatnonzero(row[:common] != rows[0][:common])
+            common = int(differ[0]) if len(differ) else common
+        total += common + sum(len(r) - common for r in rows)
+    return total
+
+
+def _question_store(folder, records: int):
+    rows = [dict(TICKETS[i % 2], ticket_id=f"t{i}", body=TICKETS[i % 2]["body"] + f" (order {i})") for i in range(records)]
+    config = load_job(str(table_job(folder, rows, 4096)), {})
+    return build_store(open_job(config, for_output=False), folder / "store", reuse=False)
+
+
+@pytest.mark.parametrize("records", [40, pytest.param(2000, marks=pytest.mark.slow)])
+def test_a_record_s_state_is_stored_once(tmp_path, records):
+    """A questions job's store holds each record's chat header and state once and each read's own
+    tokens beside it (3 questions: the rows hold ~1.7x that), and every read still reads whole."""
+    job, store = _question_store(tmp_path, records)
+    assert store.num_rows == 3 * records
+    expected = _records_and_suffixes(store, job.input.record_of)
+    assert store.stored_tokens == expected  # <= 1.2x is the bound; written once it is exactly 1x
+    assert store.logical_tokens == int(store.lengths.sum()) > 1.5 * store.stored_tokens
+    assert (store.folder / "tokens.i32").stat().st_size == 4 * store.stored_tokens
+    # the reads are what tokenizing each prompt whole gives (the whole-read store holds them that way)
+    source = open_job(load_job(str(tmp_path / "job.yaml"), {}), for_output=False)
+    reads = source.task.prepare(source.config, source, True, None).input.requests
+    assert [r.token_ids.tolist() for r in reads] == [store.tokens_of(p).tolist() for p in range(store.num_rows)]

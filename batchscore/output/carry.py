@@ -62,12 +62,11 @@ def store_digests(store, num_rows: int) -> np.ndarray:
     """[num_rows] DIGEST of every row of a token store (zero for rows it does not hold)."""
     out = np.zeros(num_rows, dtype=DIGEST)
     view = out.view(np.uint8).reshape(num_rows, 16)
-    offsets, tokens, sets = store.flat.offsets, store.flat.tokens, store.option_set
+    flat, sets = store.flat, store.option_set
     options = store.option_sets()
     for position, row in enumerate(np.asarray(store.row_ids)):
-        start, end = int(offsets[position]), int(offsets[position + 1])
         index = int(sets[position])
-        view[row] = np.frombuffer(row_digest(tokens[start:end], options[index] if index >= 0 else None), np.uint8)
+        view[row] = np.frombuffer(row_digest(flat.row(position), options[index] if index >= 0 else None), np.uint8)
     return out
 
 

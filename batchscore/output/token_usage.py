@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from batchscore.plan.sorted_rows import FlatTokens, sort_rows
+from batchscore.plan.sorted_rows import sort_rows
 from batchscore.plan.types import Request
 
 
@@ -73,7 +73,7 @@ def store_usage(tokens, num_rows: int) -> StoreUsage:
     n = int(np.count_nonzero(row_ids < num_rows))
     if np.any(row_ids[:n] >= num_rows):
         raise ValueError("a token store's extra rows are expected after its input rows")
-    flat = FlatTokens(tokens.flat.tokens, np.asarray(tokens.flat.offsets[: n + 1]))
+    flat = tokens.flat.first(n)
     order, lcp = sort_rows(flat, tokens.max_token)
     lengths = flat.lengths[order]
     cached = np.minimum(lcp, np.maximum(lengths - 1, 0))

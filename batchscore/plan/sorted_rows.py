@@ -25,20 +25,80 @@ from batchscore.plan.tree import TokenTable, lexicographic_order, neighbour_lcp
 
 @dataclass
 class FlatTokens:
-    """Prompts as one flat token array: row i is `tokens[offsets[i]:offsets[i + 1]]`."""
+    """Prompts as one flat token array: row i is `tokens[offsets[i]:offsets[i + 1]]` (its own
+    span), after `head_lengths[i]` tokens from `tokens[head_starts[i]:]` when the rows have heads.
+
+    A head is a span another row's own tokens begin with: the token store keeps what a record's
+    reads share once (the first read whole, each later one its own remainder; store/tokens.py).
+    Without heads (`head_starts` None) every row is one contiguous span."""
 
     tokens: np.ndarray  # [T] int32 (a memmap is fine: only the rows' leading words are read)
     offsets: np.ndarray  # [N + 1] int64
+    head_starts: np.ndarray | None = None  # [N] int64: where row i's head starts in `tokens`
+    head_lengths: np.ndarray | None = None  # [N] int32: its length (0: no head)
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        own = np.diff(self.offsets)
+        return own if self.head_lengths is None else own + self.head_lengths
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def row(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+        """Row i's tokens: a view of `tokens`, or a copy when the row has a head."""
+        own = self.tokens[self.offsets[i] : self.offsets[i + 1]]
+        if self.head_lengths is None or self.head_lengths[i] == 0:
+            return own
+        start = int(self.head_starts[i])
+        return np.concatenate((self.tokens[start : start + int(self.head_lengths[i])], own))
+
+    def first(self, n: int) -> FlatTokens:
+        """Rows 0..n-1 (views)."""
+        heads = (None, None) if self.head_starts is None else (self.head_starts[:n], self.head_lengths[:n])
+        return FlatTokens(self.tokens, self.offsets[: n + 1], *heads)
+
+    def in_memory(self) -> FlatTokens:
+        """The same rows over plain ndarray views of memmapped arrays (numpy's fast paths)."""
+        plain = [a.view(np.ndarray) if isinstance(a, np.memmap) else a
+                 for a in (self.tokens, self.offsets, self.head_starts, self.head_lengths)]
+        return FlatTokens(*plain)
+
+    def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, lengths) of `rows`, each whole and one after another, heads included."""
+        rows = np.asarray(rows, dtype=np.int64)
+        lengths = np.asarray(self.offsets[rows + 1] - self.offsets[rows], dtype=np.int64)
+        if self.head_lengths is not None:
+            lengths = lengths + np.asarray(self.head_lengths[rows], dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(rows) else np.zeros(0, np.int64)
+        column = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)  # position in its row
+        row = np.repeat(rows, lengths)
+        if self.head_lengths is None:
+            return np.asarray(self.tokens[np.asarray(self.offsets)[row] + column]), lengths
+        head = np.asarray(self.head_lengths)[row]
+        index = np.where(column < head, np.asarray(self.head_starts)[row] + column,
+                         np.asarray(self.offsets)[row] + column - head)
+        return np.asarray(self.tokens[index]), lengths
+
+    def window(self, rows: np.ndarray, depth: np.ndarray, width: int) -> np.ndarray:
+        """[len(rows), width]: tokens [depth, depth + width) of each row (its own depth); what lies
+        past a row's end is unspecified (the caller masks it). A window inside one span is copied
+        whole from a sliding view; only a window across a head's end is gathered token by token."""
+        if self.head_lengths is None:
+            return _raw_window(self.tokens, self.offsets[rows] + depth, width)
+        head = self.head_lengths[rows]
+        in_own = depth >= head
+        starts = np.where(in_own, self.offsets[rows] + depth - head, self.head_starts[rows] + depth)
+        out = _raw_window(self.tokens, starts, width)
+        across = np.flatnonzero(~in_own & (depth + width > head))
+        if len(across):
+            at = rows[across]
+            position = depth[across, None] + np.arange(width)
+            cut = head[across, None]
+            index = np.where(position < cut, self.head_starts[at, None] + position,
+                             self.offsets[at, None] + position - cut)
+            out[across] = self.tokens[np.minimum(index, max(len(self.tokens) - 1, 0))]
+        return out
 
     @classmethod
     def from_arrays(cls, arrays) -> FlatTokens:
@@ -67,21 +127,20 @@ def _raw_window(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarra
     return out
 
 
-def _window(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, depth: np.ndarray, width: int) -> np.ndarray:
+def _window(flat: FlatTokens, lengths: np.ndarray, rows: np.ndarray, depth: np.ndarray, width: int) -> np.ndarray:
     """[len(rows), width] uint64: tokens [depth, depth + width) of each row as id + 1, 0 past its end."""
-    starts = offsets[rows] + depth
-    values = _raw_window(tokens, starts, width).astype(np.uint64) + np.uint64(1)
-    values[np.arange(width) >= (offsets[rows + 1] - starts)[:, None]] = 0  # past the row's end
+    values = flat.window(rows, depth, width).astype(np.uint64) + np.uint64(1)
+    values[np.arange(width) >= (lengths[rows] - depth)[:, None]] = 0  # past the row's end
     return values
 
 
-def _key_words(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, depth: np.ndarray, per_word: int,
+def _key_words(flat: FlatTokens, lengths: np.ndarray, rows: np.ndarray, depth: np.ndarray, per_word: int,
                bits: int, chunk: int = 1 << 16) -> np.ndarray:
     """[len(rows)] uint64: tokens [depth, depth + per_word) of each row (its own depth), packed.
     A row's tokens are read together ([chunk, per_word] at a time): one cache line per row."""
     key = np.empty(len(rows), dtype=np.uint64)
     for lo in range(0, len(rows), chunk):
-        values = _window(tokens, offsets, rows[lo : lo + chunk], depth[lo : lo + chunk], per_word)
+        values = _window(flat, lengths, rows[lo : lo + chunk], depth[lo : lo + chunk], per_word)
         packed = values[:, 0]
         for j in range(1, per_word):
             packed = (packed << np.uint64(bits)) | values[:, j]
@@ -89,7 +148,7 @@ def _key_words(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, depth:
     return key
 
 
-def _shared_run_tokens(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, runs: np.ndarray,
+def _shared_run_tokens(flat: FlatTokens, lengths: np.ndarray, rows: np.ndarray, runs: np.ndarray,
                        depth: np.ndarray) -> np.ndarray:
     """_runs_share over about SKIP_CHUNK positions at a time, cut at run starts (runs are
     independent): its per-pair arrays stay ~300 MiB however many rows are tied."""
@@ -100,12 +159,12 @@ def _shared_run_tokens(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray
     lo = 0
     for hi in cuts.tolist():
         part = slice(lo, hi)
-        shared[part] = _runs_share(tokens, offsets, rows[part], runs[part], depth[part])
+        shared[part] = _runs_share(flat, lengths, rows[part], runs[part], depth[part])
         lo = hi
     return shared
 
 
-def _runs_share(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, runs: np.ndarray,
+def _runs_share(flat: FlatTokens, lengths: np.ndarray, rows: np.ndarray, runs: np.ndarray,
                 depth: np.ndarray) -> np.ndarray:
     """[len(rows)]: how many tokens from `depth` on every row of each one's tied run shares, however
     many. Rows of a run are contiguous; equal prefixes are transitive, so a run shares what its
@@ -114,15 +173,14 @@ def _runs_share(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, runs:
     pair costs about the tokens it shares, twice at most)."""
     pair = np.flatnonzero(runs[1:] == runs[:-1]) + 1  # position k: rows k - 1 and k, one run
     a, b = rows[pair - 1], rows[pair]
-    a_start, b_start = offsets[a] + depth[pair], offsets[b] + depth[pair]
-    left = np.minimum(offsets[a + 1] - a_start, offsets[b + 1] - b_start)  # tokens both rows have left
+    start = depth[pair].astype(np.int64)
+    left = np.minimum(lengths[a], lengths[b]) - start  # tokens both rows have left
     run_of_pair = _run_index(runs)[pair]
     shared = np.zeros(len(pair), dtype=np.int64)
     open_pairs = np.arange(len(pair))  # pairs of runs whose rows all agree so far
     width = SKIP_WINDOW
     while len(open_pairs):
-        found = _first_difference(tokens, a_start[open_pairs] + shared[open_pairs],
-                                  b_start[open_pairs] + shared[open_pairs],
+        found = _first_difference(flat, a[open_pairs], b[open_pairs], start[open_pairs] + shared[open_pairs],
                                   left[open_pairs] - shared[open_pairs], width)
         shared[open_pairs] += found
         agreeing = found == np.minimum(width, left[open_pairs] - shared[open_pairs] + found)
@@ -142,11 +200,11 @@ def _run_index(runs: np.ndarray) -> np.ndarray:
     return np.cumsum(np.concatenate(([True], runs[1:] != runs[:-1]))) - 1
 
 
-def _first_difference(tokens: np.ndarray, a_start: np.ndarray, b_start: np.ndarray, left: np.ndarray,
+def _first_difference(flat: FlatTokens, a: np.ndarray, b: np.ndarray, depth: np.ndarray, left: np.ndarray,
                       width: int, chunk_tokens: int = 1 << 22) -> np.ndarray:
-    """[len(a_start)]: the first of the next min(width, left) positions where the rows starting
-    at a_start and b_start differ, or min(width, left) when they agree on all of them."""
-    found = np.empty(len(a_start), dtype=np.int64)
+    """[len(a)]: the first of the next min(width, left) positions from `depth` where rows a and b
+    differ, or min(width, left) when they agree on all of them."""
+    found = np.empty(len(a), dtype=np.int64)
     width = int(min(width, left.max())) if len(left) else 0
     limit = np.clip(left, 0, width)
     if width == 0:
@@ -154,9 +212,9 @@ def _first_difference(tokens: np.ndarray, a_start: np.ndarray, b_start: np.ndarr
         return found
     columns = np.arange(width)
     chunk = max(1, chunk_tokens // width)
-    for lo in range(0, len(a_start), chunk):
+    for lo in range(0, len(a), chunk):
         part = slice(lo, lo + chunk)
-        differ = _raw_window(tokens, a_start[part], width) != _raw_window(tokens, b_start[part], width)
+        differ = flat.window(a[part], depth[part], width) != flat.window(b[part], depth[part], width)
         differ &= columns < limit[part, None]
         found[part] = np.where(differ.any(axis=1), differ.argmax(axis=1), limit[part])
     return found
@@ -196,12 +254,12 @@ def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = Non
     lcp = np.zeros(n, dtype=np.int32)
     positions = order.copy()  # sorted positions still tied with a neighbour
     runs = None  # the first position of each one's tied run (all one run at first)
-    tokens, offsets = (a.view(np.ndarray) if isinstance(a, np.memmap) else a for a in (flat.tokens, flat.offsets))
+    flat = flat.in_memory()
     depth = np.zeros(n, dtype=np.int32 if int(lengths.max(initial=0)) < 2**31 - 2 * per_word else np.int64)
     # depth: per tied position, the token its next key word starts at
     while len(positions) > 1:
         rows = order[positions]
-        key = _key_words(tokens, offsets, rows, depth, per_word, bits)
+        key = _key_words(flat, lengths, rows, depth, per_word, bits)
         if runs is None:
             perm = np.argsort(key, kind="stable")
             rows, key = rows[perm], key[perm]
@@ -242,5 +300,5 @@ def sort_rows(flat: FlatTokens, max_token: int, lengths: np.ndarray | None = Non
         first = np.maximum.accumulate(np.where(starts, np.arange(len(positions), dtype=index), 0))
         positions, runs, depth = positions[keep], positions[first][keep], depth[keep] + per_word
         if len(positions) > 1:  # skip the tokens each tied run's rows all share
-            depth += _shared_run_tokens(tokens, offsets, order[positions], runs, depth)
+            depth += _shared_run_tokens(flat, lengths, order[positions], runs, depth)
     return order, lcp  # int32 (int64 past 2**31 rows)

@@ -9,8 +9,16 @@ input order (a row's *position* in the store):
     option_set.i32   [N] each row's options: an index into the option sets, -1 for none
     option_sets.npz  the distinct option sets (labels, or each row's choices), packed
     errors.jsonl     the rows that cannot be scored: {"row": row id, "error": message}
+    head_starts.i64  [N] (only when some row has a head) where each row's head starts in tokens
+    head_lengths.i32 [N] its length, 0 for none: row i is its head, then its own span
     manifest.json    counts, the widest token id, and the content identity; written last,
                      so a store without it is incomplete and is rebuilt
+
+What a task's rows share by construction is stored once: rows added as one *group* (a questions
+record's reads, which all begin with the record's chat header and state) keep the first row whole
+and each later one's common prefix with it as a head, a reference into the first row's tokens, so
+only its own remainder is written (plan/sorted_rows.FlatTokens reads both spans). `num_tokens` is
+what the file holds; `logical_tokens` what the rows hold.
 
 Writing streams: a batch's rows are appended and forgotten, so building holds no Python object
 per row or per token beyond one input batch. Reading maps the arrays: a process's anonymous
@@ -38,9 +46,10 @@ from batchscore.row_errors import kind_of, typed
 
 log = logging.getLogger("batchscore")
 
-FORMAT = 2  # 2: per-file checksums and the manifest's own digest (store_problem)
+FORMAT = 3  # 2: per-file checksums and the manifest's own digest (store_problem); 3: heads
 _FILES = ("tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "option_sets.npz", "errors.jsonl",
-          "manifest.json")
+          "head_starts.i64", "head_lengths.i32", "manifest.json")
+MIN_HEAD = 32  # tokens: a group's later row shares less than this with its first and is stored whole
 
 
 def identity_digest(identity: dict) -> str:
@@ -52,9 +61,9 @@ def identity_digest(identity: dict) -> str:
 class StoreWriter:
     """Appends batches of rows to a new store in `folder` (anything there before is removed).
 
-    `add_requests` takes a batch's Requests; `add_flat` takes a batch already flat (arrays);
-    `add_errors` a batch's row errors. `close(num_input_rows)` writes the manifest; until then
-    the store is incomplete."""
+    `add_requests` takes a batch's Requests (with `groups`, rows that share a head: see the
+    module docstring); `add_flat` takes a batch already flat (arrays); `add_errors` a batch's row
+    errors. `close(num_input_rows)` writes the manifest; until then the store is incomplete."""
 
     def __init__(self, folder, identity: dict | None = None) -> None:
         self.folder = Path(folder)
@@ -77,6 +86,9 @@ class StoreWriter:
         self._set_list: list[OptionTokens] = []
         self._last_row_id = -1
         self._rows_without_options = 0
+        self._heads = None  # (head_starts, head_lengths) files, opened at the first head
+        self.head_tokens = 0  # tokens rows read from their heads (logical - stored)
+        self._group = None  # (group key, its first row's start in tokens, its tokens) of the last group
 
     def _set_index(self, options: OptionTokens | None) -> int:
         if options is None:
@@ -88,19 +100,43 @@ class StoreWriter:
             self._set_list.append(options)
         return index
 
-    def add_requests(self, requests: Sequence[Request]) -> None:
-        """Append a batch of requests (in row id order); their arrays are not kept."""
+    def add_requests(self, requests: Sequence[Request], groups: Sequence[int] | None = None) -> None:
+        """Append a batch of requests (in row id order); their arrays are not kept. With `groups`
+        (a key per request), a request of the same group as the one before it stores its common
+        prefix with the group's first row (at least MIN_HEAD tokens) as a head, not again; a group
+        may go on from the previous call."""
         if not requests:
             return
         row_ids = np.fromiter((r.row_id for r in requests), dtype=np.int64, count=len(requests))
-        lengths = np.fromiter((len(r.token_ids) for r in requests), dtype=np.int64, count=len(requests))
-        tokens = np.concatenate([r.token_ids for r in requests])
         sets = np.fromiter((self._set_index(r.options) for r in requests), dtype=np.int32, count=len(requests))
-        self.add_flat(row_ids, tokens, lengths, sets)
+        if groups is None:
+            lengths = np.fromiter((len(r.token_ids) for r in requests), dtype=np.int64, count=len(requests))
+            self.add_flat(row_ids, np.concatenate([r.token_ids for r in requests]), lengths, sets)
+            return
+        own, head_starts, head_lengths = [], np.zeros(len(requests), np.int64), np.zeros(len(requests), np.int32)
+        at = self._total  # where the next own span starts in tokens
+        for i, (request, group) in enumerate(zip(requests, groups)):
+            tokens = np.asarray(request.token_ids, dtype=np.int32)
+            if self._group is not None and self._group[0] == group:
+                first = self._group[2]
+                width = min(len(first), len(tokens))
+                differ = np.flatnonzero(first[:width] != tokens[:width])
+                shared = int(differ[0]) if len(differ) else width
+                if shared >= MIN_HEAD:
+                    head_starts[i], head_lengths[i] = self._group[1], shared
+                    tokens = tokens[shared:]
+            else:
+                self._group = (group, at, tokens)
+            own.append(tokens)
+            at += len(tokens)
+        lengths = np.fromiter((len(t) for t in own), dtype=np.int64, count=len(own))
+        self.add_flat(row_ids, np.concatenate(own), lengths, sets, head_starts=head_starts, head_lengths=head_lengths)
 
     def add_flat(self, row_ids: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, option_sets: np.ndarray,
-                 options: Sequence[OptionTokens] = ()) -> None:
-        """Append a batch given as arrays: `option_sets[i]` indexes `options` (-1: none)."""
+                 options: Sequence[OptionTokens] = (), head_starts: np.ndarray | None = None,
+                 head_lengths: np.ndarray | None = None) -> None:
+        """Append a batch given as arrays: `option_sets[i]` indexes `options` (-1: none); `lengths`
+        the rows' own spans, after `head_lengths` tokens at `head_starts` (in the store's tokens)."""
         if len(row_ids) == 0:
             return
         if int(row_ids[0]) <= self._last_row_id or (len(row_ids) > 1 and (np.diff(row_ids) <= 0).any()):
@@ -115,11 +151,30 @@ class StoreWriter:
         self._row_ids.write(np.ascontiguousarray(row_ids, dtype=np.int64).tobytes())
         self._option_set.write(np.ascontiguousarray(option_sets, dtype=np.int32).tobytes())
         self._rows_without_options += int((option_sets < 0).sum())
+        self._add_heads(self.num_rows, len(row_ids), head_starts, head_lengths)
         self._total = int(offsets[-1])
         self.num_rows += len(row_ids)
         if len(tokens):
             self.max_token = max(self.max_token, int(tokens.max()))
         self._last_row_id = int(row_ids[-1])
+
+    def _add_heads(self, first_row: int, count: int, starts: np.ndarray | None, lengths: np.ndarray | None) -> None:
+        """Write the heads of `count` rows from position `first_row` on (None: none). The head
+        files start at the first row that has one, with zeros for every row before it: a store
+        whose rows have no heads has no head files."""
+        if self._heads is None:
+            if lengths is None or not np.any(lengths):
+                return
+            self._heads = (open(self.folder / "head_starts.i64", "wb"), open(self.folder / "head_lengths.i32", "wb"))
+            for first in range(0, first_row, 1 << 22):
+                rows = min(1 << 22, first_row - first)
+                self._heads[0].write(np.zeros(rows, np.int64).tobytes())
+                self._heads[1].write(np.zeros(rows, np.int32).tobytes())
+        if lengths is None:
+            starts, lengths = np.zeros(count, np.int64), np.zeros(count, np.int32)
+        self._heads[0].write(np.ascontiguousarray(starts, dtype=np.int64).tobytes())
+        self._heads[1].write(np.ascontiguousarray(lengths, dtype=np.int32).tobytes())
+        self.head_tokens += int(np.sum(lengths, dtype=np.int64))
 
     def append_store(self, store: TokenStore, row_shift: int, chunk: int = 1 << 22) -> None:
         """Append every row and error of a finished `store` whose row ids count from 0, its row ids
@@ -134,15 +189,17 @@ class StoreWriter:
                 shutil.copyfileobj(tokens, self._tokens, 1 << 24)
             remap = np.asarray([self._set_index(store._build_option_set(i))
                                 for i in range(len(store._token_starts) - 1)] + [-1], dtype=np.int32)
-            offsets = store.flat.offsets
+            offsets, heads = store.flat.offsets, store.flat.head_lengths is not None
             for start in range(0, store.num_rows, chunk):
                 end = min(start + chunk, store.num_rows)
+                self._add_heads(self.num_rows + start, end - start, np.asarray(store.flat.head_starts[start:end]) + self._total if heads
+                                else None, store.flat.head_lengths[start:end] if heads else None)
                 self._offsets.write((np.asarray(offsets[start + 1:end + 1]) + self._total).tobytes())
                 self._row_ids.write((np.asarray(store.row_ids[start:end]) + row_shift).tobytes())
                 sets = remap[np.asarray(store.option_set[start:end])]  # -1 picks the last entry: -1
                 self._option_set.write(sets.tobytes())
                 self._rows_without_options += int((sets < 0).sum())
-            self._total += store.logical_tokens
+            self._total += store.stored_tokens
             self.num_rows += store.num_rows
             self.max_token = max(self.max_token, store.max_token)
             self._last_row_id = int(store.row_ids[-1]) + row_shift
@@ -154,17 +211,13 @@ class StoreWriter:
 
     def append_positions(self, store: TokenStore, positions: np.ndarray, chunk: int = 1 << 16) -> None:
         """Append the rows at `positions` (increasing) of a finished `store`, their row ids kept: the
-        rows an incremental run still scores (output/carry.py), a chunk of rows at a time."""
+        rows an incremental run still scores (output/carry.py), a chunk of rows at a time, each
+        row whole (a head the row read from a row not appended is written out)."""
         options = store.option_sets()
-        offsets, tokens = store.flat.offsets, store.flat.tokens
         for first in range(0, len(positions), chunk):
             at = np.asarray(positions[first:first + chunk], dtype=np.int64)
-            starts, ends = np.asarray(offsets[at]), np.asarray(offsets[at + 1])
-            lengths = ends - starts
-            gather = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths) + \
-                np.arange(int(lengths.sum()), dtype=np.int64)
-            self.add_flat(np.asarray(store.row_ids[at]), np.asarray(tokens[gather]), lengths,
-                          np.asarray(store.option_set[at]), options)
+            tokens, lengths = store.flat.gather(at)
+            self.add_flat(np.asarray(store.row_ids[at]), tokens, lengths, np.asarray(store.option_set[at]), options)
 
     def shared_single_token_ids(self) -> list[int] | None:
         """The label token ids when every row so far has the same one-token options (the
@@ -184,7 +237,7 @@ class StoreWriter:
 
     def close(self, num_input_rows: int, extra: dict | None = None) -> TokenStore:
         """Finish the store (the manifest last) and open it for reading."""
-        for handle in (self._tokens, self._offsets, self._row_ids, self._option_set, self._errors):
+        for handle in (self._tokens, self._offsets, self._row_ids, self._option_set, self._errors, *(self._heads or ())):
             handle.close()
         tokens = [o.tokens for o in self._set_list]
         offsets = [o.offsets for o in self._set_list]
@@ -195,8 +248,9 @@ class StoreWriter:
                  option_counts=np.asarray([len(o) for o in offsets], dtype=np.int64))
         manifest = {"format": FORMAT, "identity": self.identity, "num_rows": self.num_rows,
                     "num_tokens": self._total, "num_errors": self.num_errors, "num_input_rows": int(num_input_rows),
-                    "max_token": self.max_token, **(extra or {})}
-        manifest["files"] = {name: _file_digest(self.folder / name) for name in _FILES if name != "manifest.json"}
+                    "max_token": self.max_token, "head_tokens": self.head_tokens, **(extra or {})}
+        manifest["files"] = {name: _file_digest(self.folder / name) for name in _FILES
+                             if name != "manifest.json" and (self.folder / name).exists()}
         manifest["digest"] = _manifest_digest(manifest)
         text = json.dumps(manifest, indent=1)
         atomic_write(self.folder / "manifest.json", lambda tmp: Path(tmp).write_text(text))
@@ -253,8 +307,10 @@ class TokenStore:
         self.folder = Path(folder)
         self.manifest = manifest
         n, t = manifest["num_rows"], manifest["num_tokens"]
+        heads = (_map(self.folder / "head_starts.i64", np.int64, n), _map(self.folder / "head_lengths.i32", np.int32, n)) \
+            if manifest.get("head_tokens") else (None, None)
         self.flat = FlatTokens(_map(self.folder / "tokens.i32", np.int32, t),
-                               _map(self.folder / "offsets.i64", np.int64, n + 1) if n else np.zeros(1, np.int64))
+                               _map(self.folder / "offsets.i64", np.int64, n + 1) if n else np.zeros(1, np.int64), *heads)
         self.row_ids = _map(self.folder / "row_ids.i64", np.int64, n)
         self.option_set = _map(self.folder / "option_set.i32", np.int32, n)
         with np.load(self.folder / "option_sets.npz") as sets:
@@ -317,11 +373,17 @@ class TokenStore:
         return self.flat.lengths
 
     @property
-    def logical_tokens(self) -> int:
+    def stored_tokens(self) -> int:
+        """The tokens the store's file holds (what rows share by construction, once)."""
         return self.manifest["num_tokens"]
 
+    @property
+    def logical_tokens(self) -> int:
+        """The tokens of every row, each whole."""
+        return self.manifest["num_tokens"] + self.manifest.get("head_tokens", 0)
+
     def tokens_of(self, position: int) -> np.ndarray:
-        """Position's prompt token ids (a read-only int32 view of the map)."""
+        """Position's prompt token ids (a read-only int32 view of the map, a copy for a row with a head)."""
         return self.flat.row(position)
 
     def options_at(self, position: int) -> OptionTokens | None:

@@ -99,7 +99,7 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
         ids.append(batch_ids(batch, id_column, len(records)))
         kept.append(select_kept(batch.table, keep))
         rows, map_problems = _python_rows(batch.table.select([c for c in needed if c in batch.table.column_names]))
-        pending: list[tuple[int, RenderedPrompt, list[str], str]] = []  # (read, prompt, labels, where)
+        pending: list[tuple[int, RenderedPrompt, list[str], str, int]] = []  # (read, prompt, labels, where, record)
         for offset, (row, read_error) in enumerate(zip(rows, batch.row_errors)):
             if len(pending) >= READS_PER_CALL:  # a batch of records holds several reads each
                 _tokenized_into(sink, requests, pending, chat_renderer, options, max_length, vocab_size, errors,
@@ -121,7 +121,8 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
                 continue
             if record.kind == CHAT:
                 try:
-                    pending.append((record.first_read, chat_renderer.prompt(row), list(config.labels), where))
+                    pending.append((record.first_read, chat_renderer.prompt(row), list(config.labels), where,
+                                    len(records) - 1))
                 except (KeyError, PromptTemplateError, RowRenderError) as exc:
                     errors[record.first_read] = f"{where}: {exc}"
                 continue
@@ -137,7 +138,8 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
                 except (DecisionRequestError, ValueError, TypeError) as exc:  # a template that refuses the read
                     errors[read] = f"{at}: {exc}"
                     continue
-                pending.append((read, RenderedPrompt(text, spans, chat=True), list(question.labels), at))
+                pending.append((read, RenderedPrompt(text, spans, chat=True), list(question.labels), at,
+                                len(records) - 1))
         if pending:
             _tokenized_into(sink, requests, pending, chat_renderer, options, max_length, vocab_size, errors,
                             read_tokens)
@@ -160,8 +162,9 @@ def prepare_decisions(config: JobConfig, files: list, tokenizer=None, max_length
 def _tokenized_into(sink, requests: list, pending, *args) -> None:
     """Tokenize `pending` reads (`_tokenize_reads`) into the store's writer `sink`, else `requests`."""
     made = _tokenize_reads(pending, *args)
-    if sink is not None:  # the store keeps them as arrays; no Request survives its call
-        sink.add_requests(made)
+    if sink is not None:  # the store keeps them as arrays (a record's shared state once); no Request survives
+        record_of = {read: record for read, _, _, _, record in pending}
+        sink.add_requests(made, groups=[record_of[r.row_id] for r in made])
     else:
         requests.extend(made)
 
@@ -170,21 +173,21 @@ def _tokenize_reads(pending, renderer: PromptRenderer, options: RowOptionSource,
                     errors: dict, read_tokens: dict) -> list[Request]:
     """Tokenize a batch of reads and give each its labels as options (or its error): the batch's
     Requests, in read order."""
-    prompts = [p for _, p, _, _ in pending]
+    prompts = [p for _, p, _, _, _ in pending]
     tokens, cuts = renderer.encode_cuts(prompts)  # cuts: labels tokenized after the prompt's tail alone
     lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
     flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens] or [np.zeros(0, np.int64)])
     for i, problem in prompt_problems(lengths, row_maxima(flat, lengths), max_length, vocab_size=vocab_size,
                                       limit_name=options.limit_name).items():
-        read, _, _, where = pending[i]
+        read, _, _, where, _ = pending[i]
         errors[read] = problem.at(where)  # typed: too long, or bad ids
         tokens[i] = None
     pieces = [renderer.last_piece(p) if renderer.in_pieces(p) else None for p in prompts]
     requests: list[Request] = []
-    results = options.batch(tokens, [p.text for p in prompts], [labels for _, _, labels, _ in pending],
-                            [where for _, _, _, where in pending], [p.chat is not False for p in prompts], pieces,
+    results = options.batch(tokens, [p.text for p in prompts], [labels for _, _, labels, _, _ in pending],
+                            [where for _, _, _, where, _ in pending], [p.chat is not False for p in prompts], pieces,
                             cuts)
-    for (read, _, _, _), read_ids, (read_options, problem) in zip(pending, tokens, results):
+    for (read, _, _, _, _), read_ids, (read_options, problem) in zip(pending, tokens, results):
         if read_ids is None:
             continue
         if problem:
