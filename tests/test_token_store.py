@@ -41,6 +41,72 @@ def test_rows_options_and_errors_come_back(tmp_path):
         [m.row_id for g in expected.groups for m in g.members]
 
 
+def test_the_token_file_is_two_bytes_a_token_until_an_id_needs_more(tmp_path):
+    """Ids below 65,536 are stored as uint16; the first id past it widens what was written to int32
+    and the store goes on in int32 (a large vocabulary). Every row reads back the same either way,
+    and a store appended from segments of both widths is the wide one."""
+    rng = np.random.default_rng(5)
+    small = [Request(i, rng.integers(0, 65536, int(rng.integers(1, 40)))) for i in range(200)]
+    large = [Request(200 + i, rng.integers(0, 150_000, int(rng.integers(1, 40)))) for i in range(50)]
+    writer = StoreWriter(tmp_path / "narrow")
+    writer.add_requests(small)
+    narrow = writer.close(200)
+    assert narrow.tokens_path.name == "tokens.u16" and narrow.tokens_path.stat().st_size == 2 * narrow.stored_tokens
+    writer = StoreWriter(tmp_path / "widened")
+    for start in range(0, 200, 50):
+        writer.add_requests(small[start:start + 50])
+    writer.add_requests(large)
+    widened = writer.close(250)
+    assert widened.tokens_path.name == "tokens.i32" and not (widened.folder / "tokens.u16").exists()
+    assert widened.tokens_path.stat().st_size == 4 * widened.stored_tokens
+    assert [widened.tokens_of(p).tolist() for p in range(250)] == [r.token_ids.tolist() for r in small + large]
+    assert widened.request(3).token_ids.dtype == np.int32 and narrow.request(3).token_ids.dtype == np.int32
+    writer = StoreWriter(tmp_path / "wide")
+    writer.add_requests([Request(r.row_id - 200, r.token_ids) for r in large])
+    wide = writer.close(50)
+    for first, second, name in ((narrow, wide, "narrow then wide"), (wide, narrow, "wide then narrow")):
+        writer = StoreWriter(tmp_path / name)
+        writer.append_store(first, 0)
+        writer.append_store(second, first.num_input_rows)
+        joined = writer.close(250)
+        assert joined.tokens_path.name == "tokens.i32", name
+        assert [joined.tokens_of(p).tolist() for p in range(250)] == \
+            [first.tokens_of(p).tolist() for p in range(first.num_rows)] + \
+            [second.tokens_of(p).tolist() for p in range(second.num_rows)], name
+
+
+def test_a_group_s_rows_store_their_shared_head_once(tmp_path):
+    """Rows added as one group keep their common prefix with the group's first row (32 tokens or
+    more) as a head: stored once, read back whole, through a segment append and a carried subset."""
+    rng = np.random.default_rng(7)
+    requests, groups = [], []
+    for record in range(30):
+        state = rng.integers(0, 49152, int(rng.integers(10, 80)))
+        for question in range(3):
+            requests.append(Request(len(requests), np.concatenate([state, rng.integers(0, 49152, 5 + question)])))
+            groups.append(record)
+    writer = StoreWriter(tmp_path / "store")
+    for start in range(0, len(requests), 20):  # groups cut between calls go on
+        writer.add_requests(requests[start:start + 20], groups=groups[start:start + 20])
+    store = writer.close(len(requests))
+    whole = [r.token_ids.tolist() for r in requests]
+    assert [store.tokens_of(p).tolist() for p in range(len(requests))] == whole
+    states = [len(requests[3 * r].token_ids) - 5 for r in range(30)]
+    assert store.manifest["head_tokens"] == sum(2 * n for n in states if n >= 32)
+    assert store.logical_tokens == sum(map(len, whole)) == store.stored_tokens + store.manifest["head_tokens"]
+    writer = StoreWriter(tmp_path / "appended")
+    writer.append_store(store, 0)
+    writer.append_store(store, len(requests))
+    twice = writer.close(2 * len(requests))
+    assert [twice.tokens_of(p).tolist() for p in range(2 * len(requests))] == whole + whole
+    writer = StoreWriter(tmp_path / "subset")
+    kept = np.arange(1, len(requests), 3)  # every record's second read: its head's row not kept
+    writer.append_positions(store, kept)
+    subset = writer.close(len(requests))
+    assert [subset.tokens_of(p).tolist() for p in range(len(kept))] == [whole[k] for k in kept]
+    assert subset.manifest["head_tokens"] == 0
+
+
 def test_reused_only_for_the_same_content_and_when_complete(tmp_path):
     folder = tmp_path / "store"
     writer = StoreWriter(folder, {"input": "a", "tokenizer": "t"})
@@ -189,7 +255,7 @@ def test_a_resumed_run_reuses_the_store_and_never_tokenizes_again(tmp_path, monk
 
     config = load_job(REPO / "jobs" / "sample.yaml", output=str(tmp_path / "out" / "scores.parquet"))
     first_job, first = build.build_store(open_job(config), tmp_path / "tokens")
-    stamp = (tmp_path / "tokens" / "tokens.i32").stat().st_mtime_ns
+    stamp = first.tokens_path.stat().st_mtime_ns
     import dataclasses
 
     source = open_job(config)
@@ -200,7 +266,7 @@ def test_a_resumed_run_reuses_the_store_and_never_tokenizes_again(tmp_path, monk
 
     source.task = dataclasses.replace(source.task, read_into=lambda *a: pytest.fail("tokenized again"), prepare=prepare)
     job, store = build.build_store(source, tmp_path / "tokens")
-    assert (tmp_path / "tokens" / "tokens.i32").stat().st_mtime_ns == stamp
+    assert store.tokens_path.stat().st_mtime_ns == stamp
     assert store.num_rows == first.num_rows and store.tokens_of(7).tolist() == first.tokens_of(7).tolist()
     assert job.label_ids == first_job.label_ids and job.input.errors == first_job.input.errors
     assert job.input.num_rows == first_job.input.num_rows and job.input.ids.equals(first_job.input.ids)

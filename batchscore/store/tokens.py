@@ -3,7 +3,9 @@
 A folder (in the run's folder, beside the parts) holding, for every row that can be scored, in
 input order (a row's *position* in the store):
 
-    tokens.i32       every prompt's token ids, one flat int32 array
+    tokens.u16       every prompt's token ids, one flat array: uint16 while every id fits
+                     (most vocabularies below 65,536: half the disk and page cache), else
+    tokens.i32       int32 (the file widened in place at the first id that does not fit)
     offsets.i64      [N + 1] row position i is tokens[offsets[i]:offsets[i + 1]]
     row_ids.i64      [N] the input row of each position (rows with errors have none)
     option_set.i32   [N] each row's options: an index into the option sets, -1 for none
@@ -47,9 +49,11 @@ from batchscore.row_errors import kind_of, typed
 log = logging.getLogger("batchscore")
 
 FORMAT = 3  # 2: per-file checksums and the manifest's own digest (store_problem); 3: heads
-_FILES = ("tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "option_sets.npz", "errors.jsonl",
+_FILES = ("tokens.u16", "tokens.i32", "offsets.i64", "row_ids.i64", "option_set.i32", "option_sets.npz", "errors.jsonl",
           "head_starts.i64", "head_lengths.i32", "manifest.json")
 MIN_HEAD = 32  # tokens: a group's later row shares less than this with its first and is stored whole
+_NARROW, _WIDE = np.dtype("<u2"), np.dtype("<i4")  # the token file's two widths
+_TOKEN_FILES = {_NARROW: "tokens.u16", _WIDE: "tokens.i32"}
 
 
 def identity_digest(identity: dict) -> str:
@@ -72,7 +76,8 @@ class StoreWriter:
             shutil.rmtree(self.folder)
         self.folder.mkdir(parents=True)
         self.identity = identity_digest(identity or {})
-        self._tokens = open(self.folder / "tokens.i32", "wb")
+        self.token_dtype = _NARROW  # widened at the first id past 65,535 (or below 0)
+        self._tokens = open(self.folder / _TOKEN_FILES[self.token_dtype], "wb")
         self._offsets = open(self.folder / "offsets.i64", "wb")
         self._row_ids = open(self.folder / "row_ids.i64", "wb")
         self._option_set = open(self.folder / "option_set.i32", "wb")
@@ -144,8 +149,9 @@ class StoreWriter:
         if len(options):
             remap = np.asarray([self._set_index(o) for o in options] + [-1], dtype=np.int32)
             option_sets = remap[option_sets]  # -1 picks the last entry: -1
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        self._tokens.write(tokens.tobytes())
+        if len(tokens) and self.token_dtype == _NARROW and (int(tokens.max()) > 0xFFFF or int(tokens.min()) < 0):
+            self._widen()
+        self._tokens.write(np.ascontiguousarray(tokens, dtype=self.token_dtype).tobytes())
         offsets = self._total + np.cumsum(lengths, dtype=np.int64)
         self._offsets.write(offsets.tobytes())
         self._row_ids.write(np.ascontiguousarray(row_ids, dtype=np.int64).tobytes())
@@ -157,6 +163,21 @@ class StoreWriter:
         if len(tokens):
             self.max_token = max(self.max_token, int(tokens.max()))
         self._last_row_id = int(row_ids[-1])
+
+    def _widen(self) -> None:
+        """Rewrite the narrow token file written so far as int32 and go on in int32 (an id that
+        does not fit 16 bits came; a large vocabulary meets one in its first batch)."""
+        self._tokens.close()
+        narrow, wide = self.folder / _TOKEN_FILES[_NARROW], self.folder / _TOKEN_FILES[_WIDE]
+        count = narrow.stat().st_size // _NARROW.itemsize
+        with open(wide, "wb") as out:
+            for start in range(0, count, 1 << 24):
+                chunk = np.fromfile(narrow, dtype=_NARROW, count=min(1 << 24, count - start),
+                                    offset=start * _NARROW.itemsize)
+                out.write(chunk.astype(_WIDE).tobytes())
+        narrow.unlink()
+        self.token_dtype = _WIDE
+        self._tokens = open(wide, "ab")
 
     def _add_heads(self, first_row: int, count: int, starts: np.ndarray | None, lengths: np.ndarray | None) -> None:
         """Write the heads of `count` rows from position `first_row` on (None: none). The head
@@ -185,8 +206,15 @@ class StoreWriter:
         if store.num_rows:
             if int(store.row_ids[0]) + row_shift <= self._last_row_id:
                 raise ValueError("rows must be added in increasing row id order")
-            with open(store.folder / "tokens.i32", "rb") as tokens:
-                shutil.copyfileobj(tokens, self._tokens, 1 << 24)
+            if store.token_dtype == _WIDE and self.token_dtype == _NARROW:  # a wide store holds an id past 16 bits
+                self._widen()
+            if store.token_dtype == self.token_dtype:  # the file copied as it is
+                with open(store.folder / _TOKEN_FILES[store.token_dtype], "rb") as tokens:
+                    shutil.copyfileobj(tokens, self._tokens, 1 << 24)
+            else:  # another width: converted a chunk at a time
+                for start in range(0, store.stored_tokens, 1 << 24):
+                    piece = np.asarray(store.flat.tokens[start:start + (1 << 24)])
+                    self._tokens.write(piece.astype(self.token_dtype).tobytes())
             remap = np.asarray([self._set_index(store._build_option_set(i))
                                 for i in range(len(store._token_starts) - 1)] + [-1], dtype=np.int32)
             offsets, heads = store.flat.offsets, store.flat.head_lengths is not None
@@ -248,7 +276,8 @@ class StoreWriter:
                  option_counts=np.asarray([len(o) for o in offsets], dtype=np.int64))
         manifest = {"format": FORMAT, "identity": self.identity, "num_rows": self.num_rows,
                     "num_tokens": self._total, "num_errors": self.num_errors, "num_input_rows": int(num_input_rows),
-                    "max_token": self.max_token, "head_tokens": self.head_tokens, **(extra or {})}
+                    "max_token": self.max_token, "head_tokens": self.head_tokens,
+                    "token_dtype": self.token_dtype.str, **(extra or {})}
         manifest["files"] = {name: _file_digest(self.folder / name) for name in _FILES
                              if name != "manifest.json" and (self.folder / name).exists()}
         manifest["digest"] = _manifest_digest(manifest)
@@ -309,7 +338,8 @@ class TokenStore:
         n, t = manifest["num_rows"], manifest["num_tokens"]
         heads = (_map(self.folder / "head_starts.i64", np.int64, n), _map(self.folder / "head_lengths.i32", np.int32, n)) \
             if manifest.get("head_tokens") else (None, None)
-        self.flat = FlatTokens(_map(self.folder / "tokens.i32", np.int32, t),
+        self.token_dtype = np.dtype(manifest.get("token_dtype", _WIDE.str))
+        self.flat = FlatTokens(_map(self.folder / _TOKEN_FILES[self.token_dtype], self.token_dtype, t),
                                _map(self.folder / "offsets.i64", np.int64, n + 1) if n else np.zeros(1, np.int64), *heads)
         self.row_ids = _map(self.folder / "row_ids.i64", np.int64, n)
         self.option_set = _map(self.folder / "option_set.i32", np.int32, n)
@@ -371,6 +401,11 @@ class TokenStore:
     def lengths(self) -> np.ndarray:
         """[N] int64 each position's prompt length (computed from the offsets: 8 bytes a row)."""
         return self.flat.lengths
+
+    @property
+    def tokens_path(self) -> Path:
+        """The token file (`tokens.u16` or `tokens.i32`: module docstring)."""
+        return self.folder / _TOKEN_FILES[self.token_dtype]
 
     @property
     def stored_tokens(self) -> int:
