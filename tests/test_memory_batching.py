@@ -8,7 +8,8 @@ import pytest
 from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.shape import ModelShape
 from batchscore.errors import MemoryBudgetError
-from batchscore.engines.torch.engine import TorchEngine, plan_suffix_batches
+from batchscore.engines.torch.engine import TorchEngine
+from batchscore.engines.torch.long_prompts import plan_suffix_batches
 from batchscore.plan.types import GroupMember, PrefixGroup
 from tests.test_hybrid_prefill import max_dp
 from tests.test_torch_engine import LABELS, make_groups, tiny_model

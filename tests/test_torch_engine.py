@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from batchscore.engines.torch.engine import TorchEngine, plan_suffix_batches  # noqa: E402
+from batchscore.engines.torch.engine import TorchEngine
+from batchscore.engines.torch.long_prompts import plan_suffix_batches  # noqa: E402
 from batchscore.scores.normalize import normalize_totals  # noqa: E402
 from batchscore.plan.types import GroupMember, PrefixGroup  # noqa: E402
 

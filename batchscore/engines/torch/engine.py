@@ -23,7 +23,8 @@ one-position path above.
 A group with an empty prefix holds plain requests: their whole prompts are packed the same way.
 A member whose suffix is empty is scored from the prefix's last position. A member whose suffix
 is longer than the budget is prefilled in chunks on top of the (shared, uncopied) prefix KV
-(keeping its own KV of all layers meanwhile) or, with hybrid prefilling, in one pass of its own.
+(keeping its own KV of all layers meanwhile; long_prompts.py) or, with hybrid prefilling, in one
+pass of its own. A pass's parts are built by parts.py.
 
 Options:
   hybrid_chunk: run the projections, norms and MLPs `hybrid_chunk` rows at a time while attention
@@ -49,7 +50,7 @@ import copy
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -60,7 +61,6 @@ from batchscore.engines.torch.cascade_attention import (
     CascadeBatch,
     CascadePart,
     PrefixKV,
-    SequenceLayout,
     register_cascade_attention,
 )
 from batchscore.engines.torch.cascade_attention import OptionLayout
@@ -68,13 +68,15 @@ from batchscore.engines.torch.compiled_layers import compile_decoder_layers
 from batchscore.engines.torch.cpu_linear import restore_plain_linears, use_onednn_linears
 from batchscore.engines.torch.paged_attention import attend_paged, paged_attention_usable
 from batchscore.engines.torch.hybrid import HybridDecoder
+from batchscore.engines.torch.long_prompts import LongPrompts
+from batchscore.engines.torch.parts import PackedPart, padding_part, prefix_part, suffix_part
 from batchscore.engines.torch.invariant import (ROW_MULTIPLE, attend_invariant, check_row_invariance, pad_rows,
                                                 pass_rows, tile_linear_layers)
-from batchscore.engines.speculative.kept_tokens import PrunedGroup, SpecPrefillOptions
+from batchscore.engines.speculative.kept_tokens import PrunedGroup
 from batchscore.engines.torch.memory import MemoryEstimator
 from batchscore.engines.torch.settings import TorchSettings
 from batchscore.engines.shape import ModelShape, dtype_bytes
-from batchscore.engines.torch.options import LM_HEAD_ROWS, OptionBatch, pack_options, subset
+from batchscore.engines.torch.options import LM_HEAD_ROWS, OptionBatch, pack_options
 from batchscore.engines.torch.packing import GroupSlot, LongMember, Pass, PassPacker, PrefixPiece, Refused, flatten
 from batchscore.errors import EngineUnavailable, KernelFailed, MemoryBudgetError
 from batchscore.plan.types import GroupMember, PrefixGroup
@@ -90,56 +92,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-@dataclass
-class SuffixBatch:
-    """Members of one group scored by one forward pass (or, when `chunked`, one long member)."""
-
-    member_indices: list[int]
-    chunked: bool = False
-
-
-def plan_suffix_batches(
-    suffix_lengths: Sequence[int],
-    token_budget: int,
-    *,
-    fits: Callable[[list[int]], bool] | None = None,
-    long_in_one_pass: bool = False,
-) -> list[SuffixBatch]:
-    """Pack members (in order) into batches of at most `token_budget` suffix tokens.
-
-    Members with an empty suffix are left out (they are scored from the prefix). A member whose
-    suffix alone exceeds the budget gets a batch of its own, marked `chunked` unless
-    `long_in_one_pass` (hybrid prefilling). A batch also closes when its right-padded view
-    (members × longest suffix, used by the per-member causal attention) would exceed twice the
-    budget, which bounds padding waste for very uneven lengths, and when `fits(suffix lengths)`
-    (memory-centric batching) says the batch with one more member would not fit.
-    """
-    batches: list[SuffixBatch] = []
-    current: list[int] = []
-    tokens = longest = 0
-    for index, length in enumerate(suffix_lengths):
-        if length == 0:
-            continue
-        if length > token_budget:
-            batches.append(SuffixBatch([index], chunked=not long_in_one_pass))
-            continue
-        new_longest = max(longest, length)
-        if current and (
-            tokens + length > token_budget
-            or (len(current) + 1) * new_longest > 2 * token_budget
-            or (fits is not None and not fits([suffix_lengths[i] for i in current] + [length]))
-        ):
-            batches.append(SuffixBatch(current))
-            current, tokens, new_longest = [], 0, length
-        current.append(index)
-        tokens += length
-        longest = new_longest
-    if current:
-        batches.append(SuffixBatch(current))
-    return batches
-
-
-class TorchEngine:
+class TorchEngine(LongPrompts):
     """Exact prefill-only scorer over a transformers causal LM, sharing each group's prefix KV.
 
     Side effect of construction: the model is put in eval mode, moved to `device`, and its
@@ -311,7 +264,7 @@ class TorchEngine:
                 positions = _prefix_positions(group)
                 positions = (positions[segment.start : segment.end] if positions is not None
                              else np.arange(segment.start, segment.end, dtype=np.int64))
-                parts.append(_prefix_part(group.prefix[segment.start : segment.end], run.kv, positions))
+                parts.append(prefix_part(group.prefix[segment.start : segment.end], run.kv, positions))
                 pieces.append((run, segment, offset))
                 offset += segment.tokens
                 continue
@@ -327,7 +280,7 @@ class TorchEngine:
                         positions.append(_member_positions(run.slot.group, index))
                 last_index = None
                 if suffixes:
-                    part, last_index = _suffix_part(suffixes, prefix.kv, positions)
+                    part, last_index = suffix_part(suffixes, prefix.kv, positions)
                     parts.append(part)
                 k = 0
                 for run, index in entries:
@@ -343,7 +296,7 @@ class TorchEngine:
             last_index = None
             if batch.suffixes:
                 positions = [np.arange(prefix_len, prefix_len + len(s), dtype=np.int64) for s in batch.suffixes]
-                part, last_index = _suffix_part(batch.suffixes, prefix.kv, positions)
+                part, last_index = suffix_part(batch.suffixes, prefix.kv, positions)
                 parts.append(part)
                 last_index = last_index + offset
             if batch.num_option_rows:
@@ -411,89 +364,6 @@ class TorchEngine:
             first += batch.num_members
 
     @torch.inference_mode()
-    def _score_long(self, run: GroupRun, index: int, labels: torch.Tensor | None) -> None:
-        """Score one member over the budget on top of its group's (complete) prefix, in chunks."""
-        group = run.slot.group
-        member = group.members[index]
-        if labels is None:
-            result = self.score_long_member(PrefilledPrefix(run.kv, run.last_hidden), member)
-        else:
-            positions = group.member_positions[index] if isinstance(group, PrunedGroup) else None
-            prefilled = self.prefill_prefix(member.suffix, base=run.kv, positions=positions)
-            top, top_id = np.empty(1), np.empty(1, dtype=np.int64)  # read as in a pass: with the top token
-            logp = self._label_logp(prefilled.last_hidden[None], labels, top, top_id)
-            result = RawScores(member.row_id, logp[0], top_logp=float(top[0]), top_token=int(top_id[0]))
-        run.set(index, result)
-
-    @torch.inference_mode()
-    def score_long_member(self, prefix: PrefilledPrefix, member: GroupMember) -> RawScores:
-        """Score one member whose suffix and option rows exceed the budget: its suffix is prefilled
-        in chunks on top of the (uncopied) prefix KV, then its options run as suffixes of that KV,
-        in passes under the budget (an option longer than the budget in chunks of its own)."""
-        options = member.options
-        prompt = self.prefill_prefix(member.suffix, base=prefix.kv) if len(member.suffix) else prefix
-        totals, greedy = np.empty(options.count), np.empty(options.count, dtype=bool)
-        top, top_id = np.empty(1), np.empty(1, dtype=np.int64)
-        self._pair_log_probs(prompt.last_hidden[None], np.zeros(0, np.int64), np.zeros(0, np.int64), top, top_id)
-        rows = (options.lengths - 1).tolist()
-        singles = [j for j, r in enumerate(rows) if r == 0]
-        groups = [b.member_indices for b in plan_suffix_batches(rows, self.token_budget, long_in_one_pass=True)]
-        for indices in ([singles] if singles else []) + groups:
-            if len(indices) == 1 and rows[indices[0]] > self.token_budget:
-                totals[indices[0]], greedy[indices[0]] = self._option_in_chunks(prompt, options.option(indices[0]))
-                continue
-            batch = pack_options([(np.zeros(0, np.int32), subset(options, indices))], prompt.kv.length)
-            pass_totals, pass_greedy, _ = self._option_pass(prompt, batch)
-            totals[indices], greedy[indices] = pass_totals[0], pass_greedy[0]
-        return RawScores.of_options(member.row_id, totals, options, float(top[0]), int(top_id[0]), greedy=greedy)
-
-    def _option_pass(self, prefix: PrefilledPrefix, batch: OptionBatch
-                     ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-        """Run `batch`'s pass on top of `prefix` (if it has tokens) and return each member's option
-        totals, whether each option is the greedy continuation, and the member's top log-probability
-        at its read position."""
-        parts, last_index = [], None
-        if batch.suffixes:
-            start = prefix.kv.length
-            positions = [np.arange(start, start + len(s), dtype=np.int64) for s in batch.suffixes]
-            suffix_part, last_index = _suffix_part(batch.suffixes, prefix.kv, positions)
-            parts.append(suffix_part)
-        if batch.num_option_rows:
-            layout = OptionLayout.build(batch.suffix_starts, batch.suffix_lengths, batch.option_rows,
-                                        part_offset=batch.suffix_tokens)
-            part = CascadePart(batch.num_option_rows, prefix=prefix.kv, layout=None, options=layout)
-            parts.append(PackedPart(batch.option_tokens, batch.option_positions, part))
-        hidden = self._run_decoder(parts) if parts else None  # [T, hidden]
-        first = []
-        for index in batch.suffix_of:
-            first.append(prefix.last_hidden[None] if index is None else hidden[int(last_index[index])][None])
-        start = batch.suffix_tokens
-        sources = torch.cat(first + ([hidden[start : start + batch.num_option_rows]] if batch.num_option_rows else []))
-        tops, misses = np.empty(batch.num_members), np.empty(len(batch.pair_source), dtype=bool)
-        logp = self._pair_log_probs(sources, batch.pair_source, batch.pair_target, tops, misses=misses)
-        return batch.totals(logp), batch.greedy(misses), tops
-
-    def _option_in_chunks(self, prompt: PrefilledPrefix, option: np.ndarray) -> tuple[float, bool]:
-        """Total log-probability of one option longer than the budget, prefilled in chunks on top of
-        the prompt's KV (left unchanged), and whether each of its tokens is the argmax at its place."""
-        kv = prompt.kv.extended()
-        miss = np.empty(1, dtype=bool)
-        first = self._pair_log_probs(prompt.last_hidden[None], np.zeros(1, np.int64), option[:1].astype(np.int64),
-                                     misses=miss)
-        pieces, greedy = [first], not miss[0]
-        inputs = option[:-1]
-        for start in range(0, len(inputs), self.token_budget):
-            chunk = inputs[start : start + self.token_budget]
-            hidden = self._run_decoder([_prefix_part(chunk, kv)])  # [C, hidden]
-            kv.length += len(chunk)
-            targets = option[start + 1 : start + 1 + len(chunk)].astype(np.int64)
-            misses = np.empty(len(chunk), dtype=bool)
-            pieces.append(self._pair_log_probs(hidden, np.arange(len(chunk)), targets, misses=misses))
-            greedy = greedy and not misses.any()
-        values = np.concatenate(pieces)  # summed in token order from 0.0, as `OptionBatch.totals` sums a pass's
-        return float(np.bincount(np.zeros(len(values), np.int64), weights=values)[0]), greedy
-
-    @torch.inference_mode()
     def _pair_log_probs(self, sources: torch.Tensor, pair_source: np.ndarray, pair_target: np.ndarray,
                         tops: np.ndarray | None = None, top_ids: np.ndarray | None = None,
                         misses: np.ndarray | None = None) -> np.ndarray:
@@ -523,40 +393,6 @@ class TorchEngine:
             if misses is not None and hi > lo:
                 misses[lo:hi] = (logits[rows].argmax(dim=-1) != targets).cpu().numpy()
         return out
-
-    @torch.inference_mode()
-    def prefill_prefix(self, tokens: np.ndarray, base: PrefixKV | None = None, *,
-                       positions: np.ndarray | None = None) -> PrefilledPrefix:
-        """Compute the KV of `tokens` (continuing after `base`), in chunks of at most the budget.
-
-        `positions` [len(tokens)]: their position ids when tokens were dropped (default: right
-        after `base`'s tokens).
-
-        Returns the KV of base + tokens (sharing base's tensors; `base` itself is unchanged) and
-        the hidden state of the last token (None when `tokens` is empty).
-        Side effects: one forward pass per chunk, counted in `self.metrics`.
-        """
-        kv = base.extended() if base is not None else PrefixKV.empty(self._num_layers)
-        last_hidden = None
-        for start in range(0, len(tokens), self.token_budget):
-            chunk = tokens[start : start + self.token_budget]  # [C]
-            part = _prefix_part(chunk, kv, None if positions is None else positions[start : start + self.token_budget])
-            hidden = self._run_decoder([part])  # [C, hidden]
-            kv.length += len(chunk)
-            last_hidden = hidden[-1].clone()  # [hidden]; a view would keep the pass's [C, hidden] alive
-        return PrefilledPrefix(kv, last_hidden)
-
-    @torch.inference_mode()
-    def score_long_suffix(
-        self, prefix_kv: PrefixKV, suffix: np.ndarray, labels: torch.Tensor, *, positions: np.ndarray | None = None
-    ) -> np.ndarray:
-        """Score one suffix longer than the budget by prefilling it in chunks on top of the prefix.
-
-        Returns [1, L] like `score_suffix_batch`. `prefix_kv` is not modified (its tensors
-        are shared, not copied); the suffix's own KV is dropped on return.
-        """
-        prefilled = self.prefill_prefix(suffix, base=prefix_kv, positions=positions)
-        return self._label_logp(prefilled.last_hidden[None], labels)
 
     # ------------------------------------------------------------------ memory
 
@@ -600,8 +436,6 @@ class TorchEngine:
         problems = self.memory_problems([group])
         if problems:
             raise problems[0]
-
-    # ------------------------------------------------------------------ batch invariance
 
     # ------------------------------------------------------------------ helpers
 
@@ -660,7 +494,7 @@ class TorchEngine:
         if self.batch_invariant:  # a pass runs as one of the row counts `check_row_invariance` measured
             rows = -(-real_tokens // ROW_MULTIPLE) * ROW_MULTIPLE if self.device.type == "cuda" else pass_rows(real_tokens)
             if rows > real_tokens:
-                parts = parts + [_padding_part(rows - real_tokens, self._num_layers)]
+                parts = parts + [padding_part(rows - real_tokens, self._num_layers)]
         token_ids = np.concatenate([p.token_ids for p in parts]).astype(np.int64)  # [T]
         positions = np.concatenate([p.positions for p in parts])  # [T]
         input_ids = torch.from_numpy(token_ids).to(self.device)  # [T]
@@ -759,23 +593,6 @@ class TorchEngine:
 
 
 @dataclass
-class PrefilledPrefix:
-    """A prefix whose KV is computed: the KV and the hidden state of its last token."""
-
-    kv: PrefixKV
-    last_hidden: torch.Tensor | None  # [hidden], None for an empty prefix
-
-
-@dataclass
-class PackedPart:
-    """Tokens of one part of a packed forward pass, their positions, and their attention context."""
-
-    token_ids: np.ndarray  # [T_p]
-    positions: np.ndarray  # [T_p] int64
-    cascade: CascadePart
-
-
-@dataclass
 class GroupRun:
     """A group being scored: its prefix KV (grown piece by piece), the hidden state of its last
     prefix token once computed, and its members' results (yielded in order)."""
@@ -840,41 +657,6 @@ def _member_positions(group: PrefixGroup, index: int) -> np.ndarray:
     if isinstance(group, PrunedGroup):
         return group.member_positions[index]
     return np.arange(group.prefix_len, group.prefix_len + len(group.members[index].suffix), dtype=np.int64)
-
-
-def _prefix_part(tokens: np.ndarray, kv: PrefixKV, positions: np.ndarray | None = None) -> PackedPart:
-    """Prefix tokens continuing `kv` causally; their K/V will be appended to `kv`.
-
-    `positions` [C]: explicit position ids (kept tokens of a pruned prompt, in increasing order:
-    the causal masks follow the packed order, which is then the position order).
-    """
-    if positions is None:
-        positions = np.arange(kv.length, kv.length + len(tokens), dtype=np.int64)  # [C]
-    layout = SequenceLayout.from_lengths([len(tokens)])
-    return PackedPart(tokens, positions, CascadePart(len(tokens), prefix=kv, layout=layout, record_into=kv))
-
-
-def _padding_part(tokens: int, num_layers: int) -> PackedPart:
-    """Tokens that only fill a pass up to `ROW_MULTIPLE` rows (batch-invariant mode): one causal
-    sequence of token 0 at positions 0.., attending to nothing else; their outputs are dropped."""
-    layout = SequenceLayout.from_lengths([tokens])
-    return PackedPart(np.zeros(tokens, np.int64), np.arange(tokens, dtype=np.int64),
-                      CascadePart(tokens, prefix=PrefixKV.empty(num_layers), layout=layout))
-
-
-def _suffix_part(suffixes: list[np.ndarray], prefix_kv: PrefixKV,
-                 positions: list[np.ndarray]) -> tuple[PackedPart, np.ndarray]:
-    """Suffixes packed after each other, each attending to the whole prefix KV (which may still be
-    recorded earlier in the same pass) and causally to itself, at the position ids given per suffix.
-
-    Returns the part and the index [B] of each suffix's last token in the part.
-    """
-    lengths = np.array([len(s) for s in suffixes], dtype=np.int64)  # [B]
-    ends = np.cumsum(lengths)  # [B]
-    layout = SequenceLayout.from_lengths(lengths.tolist())
-    part = CascadePart(int(ends[-1]), prefix=prefix_kv, layout=layout)
-    token_positions = np.concatenate(positions).astype(np.int64)  # [T]
-    return PackedPart(np.concatenate(suffixes), token_positions, part), ends - 1
 
 
 def _work(member: GroupMember, options: bool) -> int:
