@@ -82,22 +82,19 @@ class FlatTokens:
 
     def window(self, rows: np.ndarray, depth: np.ndarray, width: int) -> np.ndarray:
         """[len(rows), width]: tokens [depth, depth + width) of each row (its own depth); what lies
-        past a row's end is unspecified (the caller masks it). A window inside one span is copied
-        whole from a sliding view; only a window across a head's end is gathered token by token."""
+        past a row's end is unspecified (the caller masks it). Windows are copied whole from a
+        sliding view: a window across a head's end is two of them (the head's and the own span's,
+        shifted by the head), joined at the cut."""
         if self.head_lengths is None:
             return _raw_window(self.tokens, self.offsets[rows] + depth, width)
         head = self.head_lengths[rows]
         in_own = depth >= head
-        starts = np.where(in_own, self.offsets[rows] + depth - head, self.head_starts[rows] + depth)
-        out = _raw_window(self.tokens, starts, width)
+        own_starts = self.offsets[rows] + depth - head  # >= 0: a head lies before the row's own span
+        out = _raw_window(self.tokens, np.where(in_own, own_starts, self.head_starts[rows] + depth), width)
         across = np.flatnonzero(~in_own & (depth + width > head))
         if len(across):
-            at = rows[across]
-            position = depth[across, None] + np.arange(width)
-            cut = head[across, None]
-            index = np.where(position < cut, self.head_starts[at, None] + position,
-                             self.offsets[at, None] + position - cut)
-            out[across] = self.tokens[np.minimum(index, max(len(self.tokens) - 1, 0))]
+            cut = (head[across] - depth[across])[:, None]  # the window's column where the own span starts
+            out[across] = np.where(np.arange(width) < cut, out[across], _raw_window(self.tokens, own_starts[across], width))
         return out
 
     @classmethod
