@@ -79,8 +79,10 @@ class Task:
     window by window (run/assemble.py) when the job's columns need only each row's own results:
     returns `columns(scores, ok, start, end)`, the task's columns for rows [start, end) from their
     scores (`ok`: which of them scored) — None: the task assembles its whole table at once.
-    `segments`: its reading can be split into segments of the input read apart (Ray tasks,
-    store/segments.py).
+    `read_segment(config, source, files, only, writer)`: its reading can be split into segments of
+    the input read apart (Ray tasks, store/segments.py): reads the segment `only` into a segment
+    store's writer and returns its input rows; `close_segments(config, writer)`: the joined store's
+    manifest extras, after the checks a whole reading makes (None: it reads its records whole).
     """
 
     name: str
@@ -103,7 +105,8 @@ class Task:
     input_columns: Callable[[Any], InputColumns | None] | None = None
     read_into: Callable[..., Any] | None = None
     window_columns: Callable[[Any], Callable[..., dict]] | None = None
-    segments: bool = False
+    read_segment: Callable[..., int] | None = None
+    close_segments: Callable[..., dict] | None = None
 
 
 _TASKS: Registry[Task] = Registry(BUILT_IN, lambda task: task.prepare.__module__)

@@ -43,7 +43,7 @@ def why_on_driver(source: JobSource) -> str | None:
     config = source.config
     if config.input.synthetic is not None:
         return "synthetic rows are generated, not read from files"
-    if not source.task.segments:
+    if source.task.read_segment is None or source.task.close_segments is None:
         return f"the {source.task.name} task reads its records whole"
     if not config.labels and not config.input.choices_column:
         return "the job has no labels (its reader refuses it)"
@@ -127,24 +127,18 @@ def parquet_row_groups(path: Path, fmt: str) -> list[int] | None:
     return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
 
 
-def tokenize_segment(config, model_dir: str, kind: str, files: list[tuple[Path, str]], only: dict,
-                     folder: str, identity: dict) -> int:
-    """A Ray task (also callable in-process): tokenize the rows of the segment `only` (file ->
-    None or row groups, read within `files`, the whole input) into a segment store in `folder`,
-    row ids from 0; a complete segment of the same content is reused. Returns its input rows."""
+def tokenize_segment(read_segment: Callable[..., int], config, model_dir: str, kind: str,
+                     files: list[tuple[Path, str]], only: dict, folder: str, identity: dict) -> int:
+    """A Ray task (also callable in-process): the job's task reads the rows of the segment `only`
+    (file -> None or row groups, read within `files`, the whole input) into a segment store in
+    `folder` (`read_segment`: the task's, e.g. tasks/labels.read_segment), row ids from 0; a
+    complete segment of the same content is reused. Returns its input rows."""
     store = TokenStore.reusable(folder, identity)
     if store is not None:
         return store.num_input_rows
-    from batchscore.prepare.read import prepare_input
-    from batchscore.tasks.labels import tokenizing
-
-    renderer, options, max_length, vocab_size = tokenizing(config, SimpleNamespace(model_dir=Path(model_dir),
-                                                                                   kind=kind))
     writer = StoreWriter(folder, identity)
-    prepared = prepare_input(config, files, renderer, max_length=max_length, vocab_size=vocab_size,
-                             options=options, sink=writer, only=only)
-    writer.add_errors(sorted(prepared.errors.items()))
-    return writer.close(prepared.num_rows).num_input_rows
+    rows = read_segment(config, SimpleNamespace(model_dir=Path(model_dir), kind=kind), files, only, writer)
+    return writer.close(rows).num_input_rows
 
 
 def segment_identity(source: JobSource, segment: dict) -> dict:
@@ -173,7 +167,7 @@ def build_by_tasks(source: JobSource, folder, progress: Callable[[int], None] | 
     parts = folder.with_name(folder.name + ".segments")
     if not source.identity:  # no content identity (planning only): no segment of an earlier run is reused
         shutil.rmtree(parts, ignore_errors=True)
-    calls = [(config, str(source.model_dir), source.kind, source.files, segment,
+    calls = [(source.task.read_segment, config, str(source.model_dir), source.kind, source.files, segment,
               str((parts / f"{index:04d}").resolve()), segment_identity(source, segment))
              for index, segment in enumerate(segments)]
     log.info("tokenizing %d input files as %d Ray tasks into %s", len(source.files), len(calls), parts)
@@ -181,15 +175,11 @@ def build_by_tasks(source: JobSource, folder, progress: Callable[[int], None] | 
     writer = StoreWriter(folder, source.identity)
     shift = 0
     for call, count in zip(calls, counts):
-        writer.append_store(TokenStore.open(call[5]), shift)
+        writer.append_store(TokenStore.open(call[-2]), shift)
         shift += count
     if shift != job.input.num_rows:
         raise RuntimeError(f"the segments hold {shift} rows, the input {job.input.num_rows}")
-    label_ids = writer.shared_single_token_ids() if config.labels else None
-    from batchscore.tasks.labels import refuse_speculative_per_row
-
-    refuse_speculative_per_row(config, label_ids, writer.num_rows)
-    store = writer.close(shift, extra={"label_ids": label_ids, "content_free": False})
+    store = writer.close(shift, extra=source.task.close_segments(config, writer))
     shutil.rmtree(parts, ignore_errors=True)
     job.input.errors = store.errors
     job.label_ids = store.label_ids

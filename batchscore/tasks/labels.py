@@ -220,6 +220,26 @@ def refuse_speculative_per_row(config: JobConfig, label_ids: list[int] | None, r
                          "the prompt's end) — drop engine.speculative or use one-token labels")
 
 
+def read_segment(config: JobConfig, source, files: list, only: dict, writer) -> int:
+    """Read one segment of the input (`only`: file -> None or its row groups, read within `files`,
+    the whole input) into a segment store's `writer`, row ids from 0, as `read_into` reads the
+    whole input (store/segments.py, a Ray task). `source`: its model folder and engine kind.
+    Returns the segment's input rows."""
+    renderer, options, max_length, vocab_size = tokenizing(config, source)
+    prepared = prepare_input(config, files, renderer, max_length=max_length, vocab_size=vocab_size,
+                             options=options, sink=writer, only=only)
+    writer.add_errors(sorted(prepared.errors.items()))
+    return prepared.num_rows
+
+
+def close_segments(config: JobConfig, writer) -> dict:
+    """What the store joined from segments records beside its rows (its manifest's extra keys),
+    after the checks a reading of the whole input makes."""
+    label_ids = writer.shared_single_token_ids() if config.labels else None
+    refuse_speculative_per_row(config, label_ids, writer.num_rows)
+    return {"label_ids": label_ids, "content_free": False}
+
+
 def row_columns(job: PreparedJob, scores, ok, start: int, firsts) -> dict:
     """The columns rows [start, start + len(ok)) need only their own results for: the normalized
     scores (each row's choices named), `output.top_token`'s (firsts: each row's options' first
@@ -310,7 +330,8 @@ LABELS = register(Task(
     incremental=True,
     read_into=read_into,
     window_columns=window_columns,
-    segments=True,
+    read_segment=read_segment,
+    close_segments=close_segments,
     default=True,
     input_columns=input_columns,
 ))
