@@ -83,6 +83,8 @@ class Task:
     the input read apart (Ray tasks, store/segments.py): reads the segment `only` into a segment
     store's writer and returns its input rows; `close_segments(config, writer)`: the joined store's
     manifest extras, after the checks a whole reading makes (None: it reads its records whole).
+    `record_reads(config, files)`: [records] how many rows (reads) each input record becomes, for a
+    task whose rows are not its records (None: one row each).
     """
 
     name: str
@@ -107,6 +109,7 @@ class Task:
     window_columns: Callable[[Any], Callable[..., dict]] | None = None
     read_segment: Callable[..., int] | None = None
     close_segments: Callable[..., dict] | None = None
+    record_reads: Callable[..., Any] | None = None
 
 
 _TASKS: Registry[Task] = Registry(BUILT_IN, lambda task: task.prepare.__module__)

@@ -67,12 +67,12 @@ class RecordProgress:
     def _load(self) -> None:
         from batchscore.formats import discover_files
         from batchscore.jobfile import load_job
-        from batchscore.tasks.questions.reads import prepare_decisions
+        from batchscore.task import task_for
 
         config = load_job(self._job_file)
-        records = prepare_decisions(config, discover_files(config.input.path, config.input.format)).task_input.records
-        self._sizes = np.array([r.num_reads for r in records], dtype=np.int64)
-        self._lines = np.repeat(np.arange(len(records)), self._sizes)
+        files = discover_files(config.input.path, config.input.format)
+        self._sizes = task_for(config, files).record_reads(config, files)
+        self._lines = np.repeat(np.arange(len(self._sizes)), self._sizes)
 
     def counts(self) -> tuple[int, int]:
         manifest = self._store.load_manifest()

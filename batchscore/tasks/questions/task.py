@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from batchscore.errors import LabelError, ReportError
 from batchscore.faults import fault_point
 from batchscore.scores.job_checks import common_quality_problems
@@ -107,6 +109,13 @@ def _report(path, table, summary, note: str, *, previous=None, truth=None) -> st
     return render_questions(path, table, summary, note)
 
 
+def _record_reads(config, files) -> np.ndarray:
+    """[records] the reads (store rows) each input record becomes, read from `files` without
+    tokenizing (a serve batch's progress counts request lines, serve/progress.py)."""
+    records = prepare_decisions(config, files).task_input.records
+    return np.array([r.num_reads for r in records], dtype=np.int64)
+
+
 QUESTIONS = register(Task(
     name="questions",
     claims=is_decision_input,
@@ -124,4 +133,5 @@ QUESTIONS = register(Task(
     read_into=prepare_into,
     rederive=_rederive,
     input_columns=input_columns,
+    record_reads=_record_reads,
 ))
