@@ -408,7 +408,7 @@ def task_name_comparisons(tree: ast.AST, names: set[str]) -> list[str]:
 
 def test_no_stage_compares_a_task_name():
     """Outside tasks/ no module compares a task's name: the stages ask the task (`read_into`,
-    `window_columns`, `segments`, …; task.py)."""
+    `window_columns`, `read_segment`, …; task.py)."""
     from batchscore.task import tasks
 
     names = set(tasks())
@@ -416,6 +416,15 @@ def test_no_stage_compares_a_task_name():
                                  names) == ["line 1", "line 1"]
     found = {m: hits for m, tree in _modules_outside("tasks").items() if (hits := task_name_comparisons(tree, names))}
     assert not found, found
+
+
+def test_stages_reach_tasks_through_the_registry():
+    """No module outside tasks/ (and the bench wing, which measures tasks' own pieces) imports a
+    task module: the stages ask the job's task (task.py), so a new task is one module."""
+    bad = sorted((source, target) for source, targets in import_graph().items() for target in targets
+                 if target.startswith("batchscore.tasks") and not source.startswith(("batchscore.tasks",
+                                                                                      "batchscore.bench")))
+    assert not bad, bad
 
 
 def calls_named(tree: ast.AST, names: set[str]) -> list[str]:
