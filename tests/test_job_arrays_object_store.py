@@ -226,3 +226,9 @@ def test_the_shard_completing_the_set_leaves_the_output_to_a_merge_under_way(job
     merged = CliRunner().invoke(main, ["merge", str(job), "--shards", "2", "-o", str(output)])
     assert merged.exit_code == 0 and f"wrote {output}: {ROWS} rows ok" in merged.output, merged.output
     assert sorted(p.name for p in tmp_path.glob("*out.parquet*")) == ["_out.parquet.complete.json", "out.parquet"]
+    # the merge counts the set's tokens: the shards' recorded shares, as the plan counts the job's
+    summary = json.loads((tmp_path / "_out.parquet.complete.json").read_text())["summary"]
+    planned = json.loads(CliRunner().invoke(main, ["plan", str(job), "--json"]).output)
+    assert summary["logical_tokens"] == planned["logical_tokens"] > 0
+    assert planned["processed_tokens"] <= summary["processed_tokens"] < summary["logical_tokens"]
+    assert summary["saving_ratio"] == pytest.approx(1 - summary["processed_tokens"] / summary["logical_tokens"])

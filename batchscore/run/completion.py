@@ -39,14 +39,17 @@ def completion_path(store: PartStore, writer: str):
     return store.folder / f"{writer}{COMPLETION_SUFFIX}"
 
 
-def write_completion(store: PartStore, manifest: Manifest, index: int, count: int, tokens_digest: str) -> dict:
-    """Record `store`'s writer (shard `index` of `count`) as finished: its share of `manifest` is scored."""
+def write_completion(store: PartStore, manifest: Manifest, index: int, count: int, tokens_digest: str,
+                     share_tokens: tuple[int, int] = (0, 0)) -> dict:
+    """Record `store`'s writer (shard `index` of `count`) as finished: its share of `manifest` is
+    scored; `share_tokens`: its share's (logical, processed) tokens, which the merge adds up."""
     files = [{"file": p.file, "size": p.size, "sha256": p.sha256} for p in manifest.parts]
     for extra in (manifest.input_errors_file, manifest.carried_file):  # small: read back once for their digest
         if extra:
             files.append({"file": extra, "size": file_size(store.folder / extra), "sha256": _sha256(store.folder / extra)})
     record = {"shard": index, "count": count, "rows": sum(manifest.worker_rows.values()),
               "input_rows": manifest.num_rows, "job_hash": manifest.job_hash, "tokens": tokens_digest,
+              "logical_tokens": int(share_tokens[0]), "processed_tokens": int(share_tokens[1]),
               "files": files, "host": socket.gethostname(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     text = json.dumps(record, indent=1)
     store.guard()  # written only while this shard still holds its lock (a lease can be lost)
@@ -57,6 +60,13 @@ def write_completion(store: PartStore, manifest: Manifest, index: int, count: in
 def forget_completion(store: PartStore) -> None:
     """A shard (re)starting its share: until it finishes again, its old record does not count."""
     remove_file(completion_path(store, store.name))
+
+
+def set_tokens(store: PartStore, names: list[str]) -> tuple[int, int]:
+    """The (logical, processed) tokens of a finished set: its shards' recorded shares added up."""
+    records = [read_completion(store, name) or {} for name in names]
+    return (sum(int(r.get("logical_tokens", 0)) for r in records),
+            sum(int(r.get("processed_tokens", 0)) for r in records))
 
 
 def read_completion(store: PartStore, writer: str) -> dict | None:

@@ -40,7 +40,7 @@ from batchscore.prepare.source import plan_options
 from batchscore.store.build import build_store, store_folder
 from batchscore.store.segments import ray_store
 from batchscore.run.audit import EngineWeights, audit_output, raise_if_inexact
-from batchscore.run.completion import forget_completion, unfinished_shards, write_completion
+from batchscore.run.completion import forget_completion, set_tokens, unfinished_shards, write_completion
 from batchscore.run.local import score_locally
 from batchscore.run.shards import set_store
 from batchscore.run.run_files import RunFiles
@@ -404,7 +404,8 @@ def _run(source: JobSource, store: PartStore, progress: bool, fresh: bool, shard
 
     writers = [Shard(i, shard.count).name for i in range(shard.count)] if shard else [RUN_WRITER]
     if shard is not None and manifest.complete:  # the record the set's completion is read from
-        write_completion(store, manifest, shard.index, shard.count, tokens.manifest["digest"])
+        write_completion(store, manifest, shard.index, shard.count, tokens.manifest["digest"],
+                         (logical_tokens, processed_tokens))
         fault_point("completion")
     manifests = store.sibling_manifests(writers)
     if shard is None:
@@ -527,9 +528,11 @@ def merge_shards(config: JobConfig, count: int) -> RunSummary | None:
         if config.output.top_token:  # the rows' options' first tokens, from the set's store
             job.tokens = TokenStore.reusable(token_folder(source, store), source.identity)
         errors, quality = assemble_output(job, store, manifests)
+        logical, processed = set_tokens(store, names)  # the shards' shares, as each one recorded
         summary = RunSummary(output_path=str(files.output), rows=job.input.num_records,
                              rows_ok=job.input.num_records - len(errors), rows_error=len(errors),
-                             logical_tokens=0, processed_tokens=0, saving_ratio=0.0,
+                             logical_tokens=logical, processed_tokens=processed,
+                             saving_ratio=1 - processed / logical if logical else 0.0,
                              seconds=time.perf_counter() - started, engine=job.kind, model=str(config.model),
                              assembly_hash=_assembly_hash(source),
                              execution=Execution(workers=count), quality=quality,
