@@ -149,7 +149,8 @@ class StoreWriter:
         if len(options):
             remap = np.asarray([self._set_index(o) for o in options] + [-1], dtype=np.int32)
             option_sets = remap[option_sets]  # -1 picks the last entry: -1
-        if len(tokens) and self.token_dtype == _NARROW and (int(tokens.max()) > 0xFFFF or int(tokens.min()) < 0):
+        high = int(tokens.max()) if len(tokens) else 0  # one scan: the width check and max_token
+        if self.token_dtype == _NARROW and (high > 0xFFFF or (len(tokens) and int(tokens.min()) < 0)):
             self._widen()
         self._tokens.write(np.ascontiguousarray(tokens, dtype=self.token_dtype).tobytes())
         offsets = self._total + np.cumsum(lengths, dtype=np.int64)
@@ -160,8 +161,7 @@ class StoreWriter:
         self._add_heads(self.num_rows, len(row_ids), head_starts, head_lengths)
         self._total = int(offsets[-1])
         self.num_rows += len(row_ids)
-        if len(tokens):
-            self.max_token = max(self.max_token, int(tokens.max()))
+        self.max_token = max(self.max_token, high)
         self._last_row_id = int(row_ids[-1])
 
     def _widen(self) -> None:
@@ -217,12 +217,15 @@ class StoreWriter:
                     self._tokens.write(piece.astype(self.token_dtype).tobytes())
             remap = np.asarray([self._set_index(store._build_option_set(i))
                                 for i in range(len(store._token_starts) - 1)] + [-1], dtype=np.int32)
-            offsets, heads = store.flat.offsets, store.flat.head_lengths is not None
+            flat = store.flat
             for start in range(0, store.num_rows, chunk):
                 end = min(start + chunk, store.num_rows)
-                self._add_heads(self.num_rows + start, end - start, np.asarray(store.flat.head_starts[start:end]) + self._total if heads
-                                else None, store.flat.head_lengths[start:end] if heads else None)
-                self._offsets.write((np.asarray(offsets[start + 1:end + 1]) + self._total).tobytes())
+                if flat.head_lengths is None:
+                    self._add_heads(self.num_rows + start, end - start, None, None)
+                else:  # its heads point into its own tokens, now after this store's
+                    self._add_heads(self.num_rows + start, end - start,
+                                    np.asarray(flat.head_starts[start:end]) + self._total, flat.head_lengths[start:end])
+                self._offsets.write((np.asarray(flat.offsets[start + 1:end + 1]) + self._total).tobytes())
                 self._row_ids.write((np.asarray(store.row_ids[start:end]) + row_shift).tobytes())
                 sets = remap[np.asarray(store.option_set[start:end])]  # -1 picks the last entry: -1
                 self._option_set.write(sets.tobytes())
